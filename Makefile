@@ -1,0 +1,73 @@
+# trnrecipes: `make help` lists the targets. Every target sets up what it needs (.venv, shellcheck) first.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# User values (recipe=, nodes=, ...) reach the shell only through the environment and are used as "$$name".
+# Writing $(nodes) in a recipe line would paste the text into the command and the shell would parse it again
+# (nodes='4;touch x' would run touch); $(value ...) also stops make from expanding a '$(shell ...)' inside them.
+override recipe := $(value recipe)
+override nodes := $(value nodes)
+override out := $(value out)
+override overrides := $(value overrides)
+export recipe nodes out overrides
+
+.PHONY: help setup debian-tools sbatch plan demo test lint format golden bench clean
+
+help:
+	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...']   write jobs/NAME-Nn/{compile,run}.sbatch"
+	@echo "make recipe=NAME nodes=N plan [overrides='k=v ...']              layout, params, FLOPs, cost"
+	@echo "make demo        render a tiny recipe and run its run.sbatch locally (no Slurm, CPU)"
+	@echo "make test        lint + the whole test suite (unit, golden scripts, shellcheck, local launch)"
+	@echo "make golden      regenerate tests/golden/ after an intended template or recipe change"
+	@echo "make bench       benchmarks in bench/ (render time, no torch import)"
+	@echo "make setup       create .venv (idempotent) and install Debian tools (shellcheck)"
+
+setup: $(STAMP) debian-tools
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[train,dev]'
+	@touch $@
+
+# shellcheck checks every generated script in the tests; Debian's package, installed once per machine.
+debian-tools:
+	@command -v shellcheck >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends shellcheck >/dev/null; }
+
+sbatch: setup
+	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...']" >&2; exit 2; }
+	@$(PY) -m trnrecipes sbatch --recipe "$$recipe" --nodes "$$nodes" --out "$$out" --overrides "$$overrides"
+
+plan: setup
+	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N plan [overrides='k=v ...']" >&2; exit 2; }
+	@$(PY) -m trnrecipes plan --recipe "$$recipe" --nodes "$$nodes" --overrides "$$overrides"
+
+demo: setup
+	$(PY) -m trnrecipes sbatch --recipe "$${recipe:-pythia-tiny}" --nodes 1 --out jobs/demo --overrides "$$overrides"
+	bash jobs/demo/run.sbatch
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+test: lint
+	$(PY) -m pytest
+
+golden: setup
+	$(PY) tests/golden.py --regenerate
+
+bench: setup
+	$(PY) bench/bench_render.py
+
+clean:
+	rm -rf jobs/demo .pytest_cache .ruff_cache

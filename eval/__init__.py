@@ -1,0 +1,1 @@
+"""Evaluation of trained checkpoints with lm-eval on offline data (issue #8)."""

@@ -1,0 +1,53 @@
+"""Golden job dirs: every recipe x a few node counts, rendered with fixed paths and compared with tests/golden/.
+
+Regenerate after an intended template or recipe change, then review the diff:  make golden
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from trnrecipes.recipe import load_recipe
+from trnrecipes.render import render_job, sbatch_command
+
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
+FAKE_REPO = Path("/opt/trnrecipes")  # stands in for the checkout so the files do not depend on where it lives
+CASES: list[tuple[str, int]] = [
+    ("neox20b", 1), ("neox20b", 4), ("neox20b", 16),
+    ("pythia6.9b", 1), ("pythia6.9b", 4),
+    ("llama2-7b", 1), ("llama2-7b", 16),
+    ("neox-tiny", 1), ("neox-tiny", 2),
+    ("pythia-tiny", 1), ("pythia-tiny", 2),
+    ("llama2-tiny", 1), ("llama2-tiny", 2),
+]  # fmt: skip
+
+
+def case_dir(name: str, nodes: int) -> str:
+    return f"{name}-{nodes}n"
+
+
+def render_case(name: str, nodes: int) -> dict[str, str]:
+    recipe = load_recipe(name, nodes=nodes)
+    job = render_job(recipe, FAKE_REPO / "jobs" / case_dir(name, nodes), sbatch_command(name, nodes), FAKE_REPO)
+    return job.files
+
+
+def regenerate() -> None:
+    for name, nodes in CASES:
+        out = GOLDEN_DIR / case_dir(name, nodes)
+        out.mkdir(parents=True, exist_ok=True)
+        for file_name, text in render_case(name, nodes).items():
+            (out / file_name).write_text(text)
+    stale = {p.name for p in GOLDEN_DIR.iterdir() if p.is_dir()} - {case_dir(*c) for c in CASES}
+    for name in sorted(stale):
+        print(f"stale golden dir (delete it): {GOLDEN_DIR / name}")
+    print(f"wrote {len(CASES)} golden job dirs under {GOLDEN_DIR}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--regenerate"]:
+        sys.exit("usage: python tests/golden.py --regenerate")
+    regenerate()

@@ -1,0 +1,65 @@
+"""Generated scripts equal the checked-in golden files, and every one passes shellcheck and `bash -n`."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from golden import CASES, GOLDEN_DIR, case_dir, render_case
+
+
+@pytest.mark.parametrize(("name", "nodes"), CASES, ids=[case_dir(*c) for c in CASES])
+def test_rendered_job_equals_golden(name, nodes):
+    rendered = render_case(name, nodes)
+    for file_name, text in rendered.items():
+        golden = GOLDEN_DIR / case_dir(name, nodes) / file_name
+        assert golden.exists(), f"missing {golden}; run `make golden`"
+        assert text == golden.read_text(), f"{golden} differs from the rendered file; review, then `make golden`"
+
+
+def test_every_golden_dir_is_a_case():
+    assert {p.name for p in GOLDEN_DIR.iterdir()} == {case_dir(*c) for c in CASES}
+
+
+def test_golden_scripts_pass_shellcheck_and_parse():
+    shellcheck = shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is missing: `make setup` installs Debian's package"
+    scripts = sorted(str(p) for p in GOLDEN_DIR.glob("*/*.sbatch"))
+    assert len(scripts) == 2 * len(CASES)
+    done = subprocess.run([shellcheck, "--severity=info", *scripts], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for script in scripts:
+        parsed = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
+        assert parsed.returncode == 0, f"{script}: {parsed.stderr}"
+
+
+def test_neuron_compile_wraps_the_very_same_launch():
+    files = render_case("neox20b", 4)
+    assert 'COMPILE=(neuron_parallel_compile "${TRAIN[@]}" --compile)' in files["compile.sbatch"]
+
+    def launch_lines(script: str) -> list[str]:
+        return [line for line in files[script].splitlines() if line.startswith(("TORCHRUN=(", "  --rdzv", "TRAIN=("))]
+
+    assert len(launch_lines("run.sbatch")) == 3
+    assert launch_lines("run.sbatch") == launch_lines("compile.sbatch")
+
+
+def test_run_script_has_the_slurm_contract():
+    run = render_case("llama2-7b", 16)["run.sbatch"]
+    for line in (
+        "#SBATCH --nodes=16",
+        "#SBATCH --exclusive",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --signal=B:USR1@300",
+        "trap 'request_stop timeout' USR1",
+        'scontrol requeue "$JOB_ID"',
+        'srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1',
+        "-m trnrecipes health --config",
+        '-m trnrecipes train --config "$RECIPE"',
+    ):
+        assert line in run, line
+    # sbatch stops reading #SBATCH lines at the first command.
+    header = run.split("set -euo pipefail")[0]
+    assert all(line.startswith("#") for line in header.splitlines() if line)

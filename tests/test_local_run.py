@@ -1,0 +1,85 @@
+"""The generated scripts run as plain `bash` on one machine with no Slurm: the `make demo` path."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import uuid
+
+import pytest
+from conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _bash(script, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return subprocess.run(
+        ["bash", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**clean, "MASTER_PORT": _free_port(), **env},
+    )
+
+
+def test_run_sbatch_runs_locally_with_quoted_paths(tmp_path):
+    canary = f"/tmp/trnrecipes-canary-{uuid.uuid4().hex}"
+    run_dir = tmp_path / f"it's a $(touch {canary}) run"
+    job = tmp_path / "job"
+    done = run_cli(
+        "sbatch",
+        "--recipe",
+        "neox-tiny",
+        "--nodes",
+        "1",
+        "--out",
+        str(job),
+        "--overrides",
+        shlex.quote(f"run_dir={run_dir}"),
+    )
+    assert done.returncode == 0, done.stderr
+    done = _bash(job / "run.sbatch")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert len(re.findall(r"\[health\] .* rank [01]/2: cpu matmul 512\^3 ok", out)) == 2
+    assert "launch verified, 2 ranks = DP 2 x TP 1 x PP 1" in out
+    assert "training exited with status 0" in out
+    job_id = re.search(r"run job (local-[0-9-]+) restart 0", out).group(1)
+    # Logs carry the job id (and, per attempt, the restart count).
+    assert (job / "logs" / f"neox-tiny-1n-{job_id}.out").read_text() == out
+    assert (job / "logs" / f"{job_id}.r0").is_dir()
+    assert run_dir.is_dir() and not os.path.exists(canary)
+
+
+def test_compile_sbatch_runs_locally(tmp_path):
+    job = tmp_path / "job"
+    assert run_cli("sbatch", "--recipe", "llama2-tiny", "--nodes", "1", "--out", str(job)).returncode == 0
+    done = _bash(job / "compile.sbatch")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "compile: launch verified, 2 ranks" in done.stdout and "compile job local-" in done.stdout
+
+
+def test_a_multi_node_job_refuses_to_run_outside_slurm(tmp_path):
+    job = tmp_path / "job"
+    assert run_cli("sbatch", "--recipe", "neox-tiny", "--nodes", "2", "--out", str(job)).returncode == 0
+    done = _bash(job / "run.sbatch")
+    assert done.returncode == 2
+    assert "this job was made for 2 node(s) but has 1" in done.stdout  # outside Slurm, stderr goes to the log too
+
+
+def test_a_world_size_that_does_not_match_the_layout_fails_before_training(tmp_path):
+    job = tmp_path / "job"
+    assert run_cli("sbatch", "--recipe", "neox-tiny", "--nodes", "1", "--out", str(job)).returncode == 0
+    done = run_cli("train", "--config", str(job / "recipe.yaml"), env={"WORLD_SIZE": "3", "RANK": "0"})
+    assert done.returncode == 2
+    assert "launched with 3 rank(s), but recipe neox-tiny at 1 node(s) x 2 workers needs 2" in done.stderr

@@ -1,0 +1,82 @@
+"""The SDK-versioned table of Neuron env vars and flags, and that both scripts export exactly it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from trnrecipes.neuron_env import backend_env, casts_model_in_python, neuron_cc_flags
+from trnrecipes.recipe import load_recipe
+from trnrecipes.render import render_job
+
+
+def env_of(recipe: str, overrides: str = "") -> dict[str, str]:
+    return {name: value for name, value, _ in backend_env(load_recipe(recipe, nodes=1, overrides=overrides))}
+
+
+def test_compiler_flags_for_llm_training():
+    flags = neuron_cc_flags(load_recipe("llama2-7b", overrides="compile.optlevel=2 compile.extra_flags=[--verbose=35]"))
+    assert flags == (
+        "--model-type transformer --distribution-strategy llm-training --optlevel=2"
+        " --enable-mixed-precision-accumulation --verbose=35"
+    )
+    flags = neuron_cc_flags(load_recipe("llama2-7b", overrides="compile.mixed_precision_accumulation=false"))
+    assert "--enable-mixed-precision-accumulation" not in flags
+
+
+@pytest.mark.parametrize(("sdk", "present"), [("2.18", True), ("2.30", True), ("2.31", False), ("2.32", False)])
+def test_async_inflight_requests_only_before_2_31(sdk, present):
+    env = env_of("neox20b", f"cluster.neuron_sdk={sdk}")
+    assert ("NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS" in env) is present
+
+
+@pytest.mark.parametrize(
+    ("sdk", "dtype", "expected"),
+    [
+        ("2.24", "bf16", {"XLA_USE_BF16": "1"}),
+        ("2.24", "bf16-mixed", {"XLA_DOWNCAST_BF16": "1"}),
+        ("2.24", "fp32", {}),
+        ("2.25", "bf16", {}),
+        ("2.26", "bf16-mixed", {}),
+    ],
+)
+def test_xla_bf16_variables_only_up_to_2_24(sdk, dtype, expected):
+    sr = "true" if dtype == "bf16" else "false"
+    recipe = load_recipe(
+        "neox20b", overrides=f"cluster.neuron_sdk={sdk} precision.dtype={dtype} precision.stochastic_rounding={sr}"
+    )
+    env = {n: v for n, v, _ in backend_env(recipe)}
+    assert {k: v for k, v in env.items() if k.startswith("XLA_")} == expected
+    # Exactly one side casts: the SDK through the variables, or the trainer in Python.
+    assert casts_model_in_python(recipe) is (dtype != "fp32" and not expected)
+
+
+def test_stochastic_rounding_follows_the_recipe():
+    assert env_of("llama2-7b")["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
+    off = "precision.stochastic_rounding=false"
+    assert env_of("llama2-7b", off)["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "0"
+
+
+def test_compile_cache_is_node_local_and_efa_is_on():
+    env = env_of("pythia6.9b")
+    assert env["NEURON_COMPILE_CACHE_URL"] == "/var/tmp/neuron-compile-cache"
+    assert (env["FI_PROVIDER"], env["FI_EFA_USE_DEVICE_RDMA"], env["FI_EFA_FORK_SAFE"]) == ("efa", "1", "1")
+    assert (env["NEURON_FUSE_SOFTMAX"], env["MALLOC_ARENA_MAX"]) == ("1", "64")
+
+
+def test_no_neuron_variables_off_neuron():
+    assert env_of("neox-tiny") == {}
+
+
+def _exports(script: str) -> list[str]:
+    return re.findall(r"^export (?:NEURON|XLA|FI|MALLOC)_[A-Z_]*=.*$", script, flags=re.M)
+
+
+@pytest.mark.parametrize("name", ["neox20b", "pythia6.9b", "llama2-7b", "neox-tiny"])
+def test_compile_and_run_scripts_export_the_same_environment(name):
+    job = render_job(load_recipe(name, nodes=1), Path("/opt/x/jobs/j"), "cmd", Path("/opt/x"))
+    run_env, compile_env = _exports(job.files["run.sbatch"]), _exports(job.files["compile.sbatch"])
+    assert run_env == compile_env
+    assert len([e for e in run_env if e.startswith("export NEURON_")]) == (5 if name != "neox-tiny" else 0)

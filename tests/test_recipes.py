@@ -1,0 +1,109 @@
+"""Every recipe file loads, says what the issue asks of it, and keeps its published numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from trnrecipes.layout import compute_layout, param_count
+from trnrecipes.recipe import RecipeError, known_recipes, load_recipe
+
+REAL = ("neox20b", "pythia6.9b", "llama2-7b")
+TINY = ("neox-tiny", "pythia-tiny", "llama2-tiny")
+
+
+def test_the_catalogue_holds_every_recipe_named_in_the_design():
+    assert set(REAL + TINY) <= set(known_recipes())
+
+
+@pytest.mark.parametrize("name", sorted(known_recipes()))
+def test_every_recipe_file_loads_and_lays_out_on_one_node(name):
+    recipe = load_recipe(name, nodes=1)
+    assert recipe.name == name  # the file name is the recipe name users type
+    assert compute_layout(recipe).world_size >= 1
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_real_recipes_target_trainium(name):
+    recipe = load_recipe(name)
+    assert (recipe.cluster.backend, recipe.cluster.instance) == ("neuron", "trn1.32xlarge")
+    assert recipe.precision.dtype == "bf16" and recipe.precision.stochastic_rounding
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_recipes_run_on_two_cpu_cores(name):
+    recipe = load_recipe(name)
+    assert (recipe.cluster.backend, recipe.workers_per_node) == ("cpu", 2)
+    assert param_count(recipe.model) < 20_000_000
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [("pythia6.9b", 6_857_302_016), ("neox20b", 20_554_567_680), ("llama2-7b", 6_738_415_616)],
+)
+def test_parameter_counts_equal_the_published_ones(name, params):
+    assert param_count(load_recipe(name).model) == params
+
+
+def test_layouts_as_in_the_anchor_scripts():
+    neox, pythia, llama = (load_recipe(n) for n in REAL)
+    assert (neox.layout.tp, neox.layout.pp, neox.batch.seq_len, neox.batch.global_batch) == (8, 4, 2048, 256)
+    assert (pythia.layout.tp, pythia.layout.pp, pythia.batch.seq_len, pythia.batch.global_batch) == (8, 1, 2048, 256)
+    assert (llama.layout.tp, llama.layout.pp, llama.layout.sequence_parallel) == (8, 1, True)
+    assert (llama.batch.seq_len, llama.batch.global_batch, llama.batch.micro_batch) == (4096, 1024, 1)
+
+
+def test_llama2_7b_optimizer_is_seed_002s():
+    o = load_recipe("llama2-7b").optim
+    assert (o.betas, o.eps, o.weight_decay, o.decay_norms_and_biases, o.clip_grad_norm) == (
+        (0.9, 0.95),
+        1e-5,
+        0.1,
+        True,
+        1.0,
+    )
+    assert (o.schedule, o.lr, o.min_lr, o.warmup_steps, o.decay_steps) == ("cosine", 3e-4, 3e-5, 2000, 480_000)
+    r = load_recipe("llama2-7b")
+    assert r.train.max_steps == 500_000 and r.model.activation_checkpointing == "selective"
+
+
+def test_overrides_are_typed_by_yaml_and_validated():
+    r = load_recipe("llama2-7b", nodes=16, overrides="optim.lr=1e-4 slurm.partition=train batch.global_batch=2048")
+    assert (r.optim.lr, r.slurm.partition, r.batch.global_batch, r.cluster.nodes) == (1e-4, "train", 2048, 16)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ("optim.lrr=1", "optim.lrr: unknown key; valid keys here: lr, min_lr"),
+        ("optim.lr=fast", "optim.lr: expected a number, got 'fast'"),
+        ("layout.tp=3", "layout.tp 3 must divide model.num_heads 32"),
+        ("precision.dtype=fp32", "precision.stochastic_rounding needs precision.dtype 'bf16'"),
+        ("cluster.instance=trn3", "cluster.instance: expected"),  # caught by check; message lists the catalog
+        ("cluster.backend=cuda", "cluster.backend 'cuda' does not run on trn1.32xlarge; valid: neuron"),
+        ("cluster.neuron_sdk=2.9", "cluster.neuron_sdk '2.9': supported 2.18 to 2.32"),
+        ("compile.cache_dir=cache", "compile.cache_dir 'cache' must be an absolute node-local path"),
+        ("slurm.job_name=$(reboot)", "slurm.job_name '$(reboot)': use letters, digits"),
+        ("slurm.time_limit=forever", "slurm.time_limit 'forever': expected [D-]HH:MM:SS"),
+        ("optim.lr", "override 'optim.lr' is not of the form section.key=value"),
+        ("model.family.x=1", "model.family is not a section"),
+    ],
+)
+def test_bad_overrides_say_what_is_wrong(overrides, message):
+    with pytest.raises(RecipeError) as err:
+        load_recipe("pythia6.9b", nodes=1, overrides=overrides)
+    text = str(err.value)
+    if message == "cluster.instance: expected":
+        assert "cluster.instance 'trn3': known: trn1.32xlarge" in text
+    else:
+        assert message in text
+
+
+def test_unknown_recipe_lists_the_known_ones():
+    with pytest.raises(RecipeError, match=r"unknown recipe 'neox21b'; known recipes: .*neox20b.*pythia-tiny"):
+        load_recipe("neox21b")
+
+
+@pytest.mark.parametrize("nodes", ["0", "-1", "abc", "4;touch x", "1.5", "", True])
+def test_node_counts_must_be_positive_whole_numbers(nodes):
+    with pytest.raises(RecipeError, match="nodes must be a positive whole number"):
+        load_recipe("neox-tiny", nodes=nodes)

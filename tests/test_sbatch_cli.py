@@ -1,0 +1,115 @@
+"""`trnrecipes sbatch` and `make ... sbatch`: the job dir, and the table of bad inputs that must write nothing and
+run nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+
+import pytest
+from conftest import REPO
+
+from trnrecipes.recipe import load_recipe
+from trnrecipes.render import render_job
+
+
+def make(*args: str, cwd=REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["make", "--no-print-directory", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_sbatch_writes_the_job_dir_and_says_what_to_run_next(cli, tmp_path):
+    out = tmp_path / "jobs" / "n20"
+    done = cli("sbatch", "--recipe", "neox20b", "--nodes", "4", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["compile.sbatch", "provenance.json", "recipe.yaml", "run.sbatch"]
+    assert os.access(out / "run.sbatch", os.X_OK)
+    assert "TP 8 x PP 4 x DP 4" in done.stdout and f"sbatch --dependency=afterok:$id {out}/run.sbatch" in done.stdout
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["command"] == f"trnrecipes sbatch --recipe neox20b --nodes 4 --out {out}"
+    assert prov["layout"]["dp"] == 4 and "git_sha" in prov
+    # The resolved recipe is a complete recipe: loading it again gives the same thing.
+    assert load_recipe(str(out / "recipe.yaml")) == load_recipe("neox20b", nodes=4)
+
+
+def test_rerendering_replaces_scripts_and_keeps_logs(cli, tmp_path):
+    out = tmp_path / "job"
+    assert cli("sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out)).returncode == 0
+    (out / "logs").mkdir()
+    (out / "logs" / "old.out").write_text("keep me")
+    done = cli("sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out), "--overrides", "optim.lr=1e-3")
+    assert done.returncode == 0, done.stderr
+    assert (out / "logs" / "old.out").read_text() == "keep me"
+    assert load_recipe(str(out / "recipe.yaml")).optim.lr == 1e-3
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_make_sbatch_default_job_dir(tmp_path):
+    done = make("recipe=llama2-tiny", "nodes=2", "sbatch", "overrides=train.max_steps=7 slurm.partition=debug")
+    job = REPO / "jobs" / "llama2-tiny-2n"
+    try:
+        assert done.returncode == 0, done.stderr
+        assert "#SBATCH --partition=debug" in (job / "run.sbatch").read_text()
+        assert load_recipe(str(job / "recipe.yaml")).train.max_steps == 7
+    finally:
+        subprocess.run(["rm", "-rf", str(job)], check=True)
+
+
+def _canary() -> str:
+    return f"/tmp/trnrecipes-canary-{uuid.uuid4().hex}"
+
+
+# (make variables, message): each must fail with exit != 0, name the problem, write no job dir, run nothing.
+BAD_MAKE_INPUTS = [
+    ({"recipe": "neox21b", "nodes": "4"}, "unknown recipe 'neox21b'; known recipes: "),
+    ({"recipe": "neox20b", "nodes": "0"}, "nodes must be a positive whole number, got '0'"),
+    ({"recipe": "neox20b", "nodes": "-1"}, "nodes must be a positive whole number, got '-1'"),
+    ({"recipe": "neox20b", "nodes": "abc"}, "nodes must be a positive whole number, got 'abc'"),
+    ({"recipe": "neox20b", "nodes": "3"}, "global_batch 256 is not divisible by micro_batch 1 x data-parallel 3"),
+    ({"recipe": "neox20b", "nodes": "4", "overrides": "optim.lrr=1"}, "optim.lrr: unknown key"),
+    ({"recipe": "neox20b", "nodes": "4", "overrides": "batch.micro_batch=two"}, "expected an integer, got 'two'"),
+    ({"recipe": "neox20b", "nodes": "4;touch CANARY"}, "nodes must be a positive whole number, got '4;touch"),
+    ({"recipe": "neox20b", "nodes": "$(touch CANARY)"}, "nodes must be a positive whole number"),
+    ({"recipe": "neox20b", "nodes": "`touch CANARY`"}, "nodes must be a positive whole number"),
+    ({"recipe": "neox20b", "nodes": "$(shell touch CANARY)"}, "nodes must be a positive whole number"),
+    ({"recipe": "neox20b;touch CANARY", "nodes": "4"}, "unknown recipe 'neox20b;touch"),
+    ({"recipe": "neox20b", "nodes": "4", "overrides": "slurm.job_name='$(touch CANARY)'"}, "slurm.job_name '$(touch"),
+    ({"recipe": "neox20b", "nodes": "4", "overrides": "slurm.partition='a;touch CANARY'"}, "slurm.partition 'a;touch"),
+    ({"recipe": "neox20b", "nodes": "4", "out": "jobs/x y"}, "job directory"),
+]
+
+
+@pytest.mark.parametrize(("variables", "message"), BAD_MAKE_INPUTS, ids=[str(v) for v, _ in BAD_MAKE_INPUTS])
+def test_bad_input_fails_cleanly_through_make(variables, message, tmp_path):
+    canary = _canary()
+    variables = {k: v.replace("CANARY", canary) for k, v in variables.items()}
+    variables.setdefault("out", str(tmp_path / "job"))
+    jobs_before = sorted((REPO / "jobs").glob("*")) if (REPO / "jobs").exists() else []
+    done = make(*(f"{k}={v}" for k, v in variables.items()), "sbatch")
+    assert done.returncode != 0
+    assert message.replace("CANARY", canary) in done.stderr, done.stderr
+    assert not os.path.exists(canary), "a user value was executed by the shell"
+    assert not (tmp_path / "job").exists()
+    assert not (REPO / "jobs" / "x y").exists()
+    assert (sorted((REPO / "jobs").glob("*")) if (REPO / "jobs").exists() else []) == jobs_before
+
+
+def test_missing_make_variables_print_usage():
+    done = make("sbatch")
+    assert done.returncode != 0 and "usage: make recipe=NAME nodes=N sbatch" in done.stderr
+
+
+def test_user_values_inside_scripts_are_quoted_not_executed(tmp_path):
+    canary = _canary()
+    weird = f"{tmp_path}/it's a $(touch {canary}) `dir`; x"
+    recipe = load_recipe("neox-tiny", nodes=1, overrides=[f"run_dir={weird}", f"cluster.python={weird}/python"])
+    job = render_job(recipe, tmp_path / "job", "cmd")
+    (tmp_path / "run.sbatch").write_text(job.files["run.sbatch"])
+    # Source only the settings block and print what bash sees.
+    settings = f"sed -n '/^JOB_DIR=/,/^WORKERS_PER_NODE=/p' {tmp_path}/run.sbatch"
+    probe = f"""set -eu; eval "$({settings})"; printf '%s\\n' "$RUN_DIR" "$PYTHON" """
+    done = subprocess.run(["bash", "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [weird, f"{weird}/python"]
+    assert not os.path.exists(canary)

@@ -1,0 +1,3 @@
+from trnrecipes.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""`trnrecipes <verb>`: verbs only; each dispatches to the module that does the work.
+
+Module-level imports stay torch-free: `plan` and `sbatch` must start instantly. Verbs that need torch import it
+inside their handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from trnrecipes.recipe import RecipeError, known_recipes, load_recipe, parse_nodes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except RecipeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trnrecipes", description=__doc__.splitlines()[0])
+    verbs = parser.add_subparsers(required=True, metavar="VERB")
+
+    def verb(name: str, handler, help: str) -> argparse.ArgumentParser:
+        sub = verbs.add_parser(name, help=help, description=help)
+        sub.set_defaults(handler=handler)
+        return sub
+
+    def recipe_args(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--recipe", required=True, help="recipe name (see `trnrecipes recipes`) or a .yaml path")
+        sub.add_argument("--nodes", required=True, help="number of nodes")
+        sub.add_argument("--overrides", default="", help="space-separated section.key=value, e.g. 'optim.lr=1e-4'")
+
+    verb("recipes", _recipes, "list the known recipes")
+
+    sub = verb("show", _show, "print a recipe resolved with overrides, as YAML")
+    recipe_args(sub)
+
+    sub = verb("plan", _plan, "layout, tokens/step, parameters, FLOPs/token and, with a throughput, MFU and cost")
+    recipe_args(sub)
+    sub.add_argument("--seq-per-s", type=float, help="measured throughput in sequences/s (whole job)")
+    sub.add_argument("--price", type=float, help="USD per node-hour (default: the recipe's, else on-demand)")
+    sub.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sub = verb("sbatch", _sbatch, "write a job dir: compile.sbatch, run.sbatch, recipe.yaml, provenance.json")
+    recipe_args(sub)
+    sub.add_argument("--out", default="", help="job directory (default: jobs/<recipe>-<nodes>n)")
+
+    sub = verb("train", _train, "train from a resolved recipe (launched by run.sbatch under torchrun)")
+    sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
+    sub.add_argument("--compile", action="store_true", help="trace every graph in a few steps, write nothing")
+
+    sub = verb("health", _health, "per-rank device sanity check (run.sbatch runs it before training)")
+    sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
+    return parser
+
+
+def _recipes(args: argparse.Namespace) -> int:
+    for name, path in known_recipes().items():
+        print(f"{name:<16} {path.relative_to(path.parents[2])}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    import yaml
+
+    recipe = load_recipe(args.recipe, args.nodes, args.overrides)
+    print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from trnrecipes.layout import plan
+    from trnrecipes.report import format_plan
+
+    recipe = load_recipe(args.recipe, args.nodes, args.overrides)
+    if args.price is not None and args.price < 0:
+        raise RecipeError(f"--price must be >= 0, got {args.price}")
+    result = plan(recipe, seq_per_s=args.seq_per_s, price_per_hour=args.price)
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    return 0
+
+
+def _sbatch(args: argparse.Namespace) -> int:
+    from trnrecipes.layout import plan
+    from trnrecipes.recipe import find_recipe
+    from trnrecipes.render import default_job_dir, provenance, provenance_json, render_job, sbatch_command, write_job
+    from trnrecipes.report import format_plan
+
+    nodes = parse_nodes(args.nodes)
+    recipe = load_recipe(args.recipe, nodes, args.overrides)
+    command = sbatch_command(args.recipe, nodes, args.overrides, args.out)
+    job_dir = Path(args.out) if args.out else default_job_dir(recipe)
+    job = render_job(recipe, job_dir, command)
+    extra = {"provenance.json": provenance_json(provenance(job, command, find_recipe(args.recipe), args.overrides))}
+    write_job(job, extra)
+    print(format_plan(plan(recipe)))
+    print(f"\nwrote {job.job_dir}/: {', '.join(sorted(job.files | extra))}")
+    print("next:")
+    print(f"  id=$(sbatch --parsable {job.job_dir}/compile.sbatch)")
+    print(f"  sbatch --dependency=afterok:$id {job.job_dir}/run.sbatch")
+    if nodes == 1:
+        print(f"  or, without Slurm: bash {job.job_dir}/run.sbatch")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from trnrecipes.launch import verify_launch
+
+    recipe = load_recipe(args.config)
+    ctx = verify_launch(recipe)
+    if ctx.rank == 0:
+        mode = "compile" if args.compile else "train"
+        print(
+            f"[trnrecipes] {mode}: launch verified, {ctx.world_size} ranks = DP {ctx.layout.dp} x TP {ctx.layout.tp}"
+            f" x PP {ctx.layout.pp}; the step loop is not built yet (issue #5), so nothing was trained",
+            flush=True,
+        )
+    ctx.close()
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    from trnrecipes.health import check_node
+
+    return check_node(load_recipe(args.config))

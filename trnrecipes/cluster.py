@@ -1,0 +1,44 @@
+"""Instance catalog: what one node of each target offers. Prices are on-demand US East, per instance-hour.
+
+Sources: AWS instance pages and FACTS.md (trn1 190 BF16 TFLOPS per chip, trn2 667; A100 312, H100 SXM 989 dense).
+A recipe may override the price (reserved/SageMaker rates) and the worker count (a different logical-core layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Instance:
+    name: str
+    accelerator: str  # what one worker process drives
+    workers_per_node: int  # one training process per NeuronCore / GPU / CPU worker
+    peak_bf16_tflops: float  # dense, whole instance
+    hbm_gib: float  # accelerator memory, whole instance
+    network_gbps: int  # inter-node fabric
+    price_per_hour: float  # USD, on-demand
+    backends: tuple[str, ...]  # training backends that run on it
+
+
+INSTANCES: dict[str, Instance] = {
+    i.name: i
+    for i in (
+        # 16 Trainium chips x 2 NeuronCore-v2; one worker per core.
+        Instance("trn1.32xlarge", "NeuronCore-v2", 32, 16 * 190.0, 512, 800, 21.50, ("neuron",)),
+        Instance("trn1n.32xlarge", "NeuronCore-v2", 32, 16 * 190.0, 512, 1600, 24.78, ("neuron",)),
+        # 16 Trainium2 chips x 8 NeuronCore-v3, grouped in pairs by the default logical core config (LNC=2).
+        Instance("trn2.48xlarge", "NeuronCore-v3 (LNC=2)", 64, 16 * 667.0, 16 * 96, 3200, 44.70, ("neuron",)),
+        Instance("p4d.24xlarge", "A100-40GB", 8, 8 * 312.0, 8 * 40, 400, 32.77, ("cuda", "xla")),
+        Instance("p5.48xlarge", "H100-80GB", 8, 8 * 989.0, 8 * 80, 3200, 55.04, ("cuda", "xla")),
+        # A laptop or CI box: two CPU worker processes; peak is a nominal 2-core AVX2 figure, price zero.
+        Instance("local-cpu", "CPU", 2, 0.1, 0, 0, 0.0, ("cpu", "xla")),
+    )
+}
+
+
+def get_instance(name: str) -> Instance:
+    try:
+        return INSTANCES[name]
+    except KeyError:
+        raise ValueError(f"unknown instance {name!r}; known instances: {', '.join(INSTANCES)}") from None

@@ -1,0 +1,136 @@
+"""Parallel layout, batch math, parameter count, FLOPs and cost: the one place these numbers are computed.
+
+world = nodes x workers/node; DP = world / (TP x PP); grad-accum = GBS / (micro-batch x DP).
+No torch import: `plan` and `sbatch` use this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from trnrecipes.cluster import get_instance
+from trnrecipes.recipe import ModelConfig, Recipe, RecipeError
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: int
+    workers_per_node: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    seq_len: int
+    tokens_per_step: int
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def compute_layout(r: Recipe) -> Layout:
+    nodes, wpn = r.cluster.nodes, r.workers_per_node
+    tp, pp, mb, gbs = r.layout.tp, r.layout.pp, r.batch.micro_batch, r.batch.global_batch
+    world = nodes * wpn
+    if wpn % tp:
+        raise RecipeError(
+            f"layout.tp {tp} must divide the {wpn} workers of one {r.cluster.instance} node"
+            f" (tensor parallel groups stay inside a node); valid tp: {_divisors(wpn)}"
+        )
+    if world % (tp * pp):
+        raise RecipeError(
+            f"{nodes} node(s) x {wpn} workers = {world} workers is not divisible by tp {tp} x pp {pp} = {tp * pp};"
+            f" valid node counts: {_fmt(valid_node_counts(r))}"
+        )
+    dp = world // (tp * pp)
+    if gbs % (mb * dp):
+        raise RecipeError(
+            f"batch.global_batch {gbs} is not divisible by micro_batch {mb} x data-parallel {dp} = {mb * dp}"
+            f" ({nodes} node(s) x {wpn} workers / (tp {tp} x pp {pp}));"
+            f" valid node counts for this batch: {_fmt(valid_node_counts(r))};"
+            f" valid global batches near {gbs} at {nodes} node(s): {_fmt(_nearby_multiples(gbs, mb * dp))}"
+        )
+    return Layout(nodes, wpn, world, tp, pp, dp, mb, gbs // (mb * dp), gbs, r.batch.seq_len, gbs * r.batch.seq_len)
+
+
+def valid_node_counts(r: Recipe, limit: int = 128) -> list[int]:
+    wpn, tp, pp, mb, gbs = r.workers_per_node, r.layout.tp, r.layout.pp, r.batch.micro_batch, r.batch.global_batch
+    found = []
+    for n in range(1, limit + 1):
+        world = n * wpn
+        if world % (tp * pp) == 0 and gbs % (mb * (world // (tp * pp))) == 0:
+            found.append(n)
+    return found
+
+
+def _nearby_multiples(value: int, step: int) -> list[int]:
+    below = (value // step) * step
+    return [m for m in (below, below + step) if m > 0]
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _fmt(values: list[int]) -> str:
+    return ", ".join(map(str, values)) if values else "none up to 128"
+
+
+def param_count(m: ModelConfig) -> int:
+    """Exact trainable parameters of recipes/<family>/model.py (untied embedding and head, no head bias)."""
+    h, f, v, layers = m.hidden_size, m.ffn_hidden_size, m.vocab_size, m.num_layers
+    head_dim = h // m.num_heads
+    kv = m.num_kv_heads or m.num_heads
+    if m.family == "neox":
+        # 2 LayerNorms (weight+bias), fused QKV with bias, output dense with bias, 2-layer GELU MLP with biases.
+        per_layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+        final_norm = 2 * h
+    elif m.family == "llama2":
+        # 2 RMSNorms (weight), fused qkv (GQA) and output without bias, fused gate_up + down without bias.
+        per_layer = 2 * h + h * (m.num_heads + 2 * kv) * head_dim + m.num_heads * head_dim * h + 3 * h * f
+        final_norm = h
+    else:  # the schema's Literal makes this unreachable for loaded recipes
+        raise RecipeError(f"model.family {m.family!r}: no parameter formula")
+    return 2 * v * h + layers * per_layer + final_norm
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs per token, PaLM appendix B: 6N + 12 L H Q T (N all parameters, attention scores included)."""
+    head_dim = m.hidden_size // m.num_heads
+    return 6 * param_count(m) + 12 * m.num_layers * m.num_heads * head_dim * seq_len
+
+
+def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None = None) -> dict[str, object]:
+    """Everything `trnrecipes plan` reports. price_per_hour is per node; default: the recipe's, else the catalog's."""
+    layout = compute_layout(r)
+    inst = get_instance(r.cluster.instance)
+    price = r.price_per_hour if price_per_hour is None else price_per_hour
+    fpt = flops_per_token(r.model, r.batch.seq_len)
+    out: dict[str, object] = {
+        "recipe": r.name,
+        "instance": inst.name,
+        "backend": r.cluster.backend,
+        **layout.to_dict(),
+        "params": param_count(r.model),
+        "flops_per_token": fpt,
+        "peak_tflops": inst.peak_bf16_tflops * layout.nodes,
+        "price_per_hour": price * layout.nodes,
+    }
+    if seq_per_s is not None:
+        if seq_per_s <= 0:
+            raise RecipeError(f"--seq-per-s must be > 0, got {seq_per_s}")
+        tokens_per_s = seq_per_s * r.batch.seq_len
+        step_s = r.batch.global_batch / seq_per_s
+        cluster_price = price * layout.nodes
+        out |= {
+            "seq_per_s": seq_per_s,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_node": tokens_per_s / layout.nodes,
+            "step_time_s": step_s,
+            "mfu": fpt * tokens_per_s / (inst.peak_bf16_tflops * 1e12 * layout.nodes),
+            "dollars_per_step": cluster_price * step_s / 3600,
+            "tokens_per_dollar": tokens_per_s * 3600 / cluster_price if cluster_price > 0 else None,
+        }
+    return out

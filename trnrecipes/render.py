@@ -1,0 +1,162 @@
+"""Render a recipe into a job directory: compile.sbatch, run.sbatch, the resolved recipe.yaml and provenance.json.
+
+Everything is rendered in memory first, so a bad value writes nothing; files are then replaced atomically.
+No torch import: `make ... sbatch` must stay instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import yaml
+
+from trnrecipes import REPO_ROOT, __version__
+from trnrecipes.layout import Layout, compute_layout
+from trnrecipes.neuron_env import backend_env, neuron_cc_flags
+from trnrecipes.recipe import Recipe, RecipeError
+
+TEMPLATES_DIR = REPO_ROOT / "templates"
+SCRIPTS = ("compile.sbatch", "run.sbatch")
+# Paths that appear in #SBATCH lines, which sbatch reads without a shell: no quoting can protect them.
+_PLAIN_PATH = re.compile(r"/[A-Za-z0-9._/+-]*")
+
+
+@dataclass(frozen=True)
+class Job:
+    recipe: Recipe
+    layout: Layout
+    job_dir: Path
+    files: dict[str, str]  # file name -> content
+
+
+def default_job_dir(recipe: Recipe) -> Path:
+    return REPO_ROOT / "jobs" / recipe.job_name
+
+
+def sbatch_command(recipe_arg: str, nodes: int, overrides: str = "", out: str = "") -> str:
+    """The command that re-creates a job dir; printed at the top of every script."""
+    argv = ["trnrecipes", "sbatch", "--recipe", recipe_arg, "--nodes", str(nodes)]
+    if out:
+        argv += ["--out", out]
+    if overrides:
+        argv += ["--overrides", overrides]
+    return shlex.join(argv)
+
+
+def _quote(value: object) -> str:
+    return shlex.quote(str(value))
+
+
+def _comment(value: object) -> str:
+    # A newline inside a comment would turn the rest of the value into code.
+    return re.sub(r"[\x00-\x1f\x7f]", "?", str(value))
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES_DIR),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["q"] = _quote
+    env.filters["comment"] = _comment
+    return env
+
+
+def render_job(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = REPO_ROOT) -> Job:
+    """All files of a job dir as text. Paths are absolute so a script runs from anywhere, also under Slurm."""
+    layout = compute_layout(recipe)
+    job_dir = Path(os.path.abspath(job_dir))
+    if not _PLAIN_PATH.fullmatch(str(job_dir)):
+        raise RecipeError(
+            f"job directory {str(job_dir)!r} must use only letters, digits and . _ / + - (Slurm reads it from"
+            " #SBATCH lines, which no quoting protects); pass --out with a plain path"
+        )
+    run_dir = Path(recipe.run_dir) if recipe.run_dir else Path("runs") / recipe.job_name
+    context = {
+        "r": recipe,
+        "layout": layout,
+        "version": __version__,
+        "command": command,
+        "job_dir": job_dir,
+        "repo_root": repo_root,
+        "run_dir": run_dir if run_dir.is_absolute() else repo_root / run_dir,
+        "python": recipe.cluster.python or repo_root / ".venv" / "bin" / "python",
+        "env_rows": backend_env(recipe),
+        "cc_flags": neuron_cc_flags(recipe) if recipe.cluster.backend == "neuron" else "",
+    }
+    env = _environment()
+    files = {name: env.get_template(f"{name}.j2").render(context) for name in SCRIPTS}
+    header = (
+        f"# Resolved recipe: {_comment(recipe.name)}, {recipe.cluster.nodes} node(s). Made by: {_comment(command)}\n"
+    )
+    files["recipe.yaml"] = header + yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+    return Job(recipe, layout, job_dir, files)
+
+
+def provenance(job: Job, command: str, source: Path, overrides: str) -> dict[str, object]:
+    return {
+        "command": command,
+        "recipe_source": str(source),
+        "overrides": overrides,
+        "nodes": job.recipe.cluster.nodes,
+        "trnrecipes_version": __version__,
+        "git_sha": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "rendered_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "layout": job.layout.to_dict(),
+    }
+
+
+def _git(*args: str) -> str:
+    try:
+        done = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def write_job(job: Job, extra_files: dict[str, str]) -> None:
+    """Write the job dir. A new dir appears whole (temp dir + rename); in an existing one (logs of earlier runs,
+    the compile cache copy) each file is replaced atomically."""
+    files = job.files | extra_files
+    parent = job.job_dir.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    if not job.job_dir.exists():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{job.job_dir.name}.", dir=parent))
+        try:
+            for name, text in files.items():
+                _write(tmp / name, text)
+            os.replace(tmp, job.job_dir)
+        except BaseException:
+            for child in tmp.iterdir():
+                child.unlink()
+            tmp.rmdir()
+            raise
+        return
+    for name, text in files.items():
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", dir=job.job_dir)
+        os.close(fd)
+        _write(Path(tmp_name), text)
+        os.replace(tmp_name, job.job_dir / name)
+
+
+def _write(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o755 if path.suffix == ".sbatch" else 0o644)
+
+
+def provenance_json(data: dict[str, object]) -> str:
+    return json.dumps(data, indent=2) + "\n"

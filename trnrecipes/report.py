@@ -1,0 +1,37 @@
+"""Human-readable summaries of a plan (the `plan` and `sbatch` verbs)."""
+
+from __future__ import annotations
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{unit}"
+    return f"{value:.3g}"
+
+
+def format_plan(p: dict[str, object]) -> str:
+    rows = [
+        ("recipe", f"{p['recipe']} on {p['nodes']} x {p['instance']} ({p['backend']})"),
+        ("workers", f"{p['nodes']} node(s) x {p['workers_per_node']} = {p['world_size']}"),
+        ("parallelism", f"TP {p['tp']} x PP {p['pp']} x DP {p['dp']}"),
+        (
+            "batch",
+            f"micro-batch {p['micro_batch']} x grad-accum {p['grad_accum']} x DP {p['dp']}"
+            f" = {p['global_batch']} sequences x {p['seq_len']} = {p['tokens_per_step']:,} tokens/step",
+        ),
+        ("parameters", f"{p['params']:,} ({_si(p['params'])})"),
+        ("FLOPs/token", f"{p['flops_per_token']:,} ({_si(p['flops_per_token'])}; 6N + 12*L*H*Q*T)"),
+        ("peak", f"{p['peak_tflops']:,.0f} BF16 TFLOPS; ${p['price_per_hour']:,.2f}/h for the job"),
+    ]
+    if "tokens_per_s" in p:
+        tpd = p["tokens_per_dollar"]
+        rows += [
+            ("throughput", f"{p['seq_per_s']} seq/s = {p['tokens_per_s']:,.0f} tokens/s"
+             f" ({p['tokens_per_s_per_node']:,.0f}/node); {p['step_time_s']:.2f} s/step"),
+            ("MFU", f"{p['mfu']:.1%}"),
+            ("cost", f"${p['dollars_per_step']:.4f}/step; "
+             + (f"{tpd:,.0f} tokens/$" if tpd is not None else "tokens/$ n/a (price 0)")),
+        ]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,145 @@
+"""Build typed dataclasses from plain YAML data, rejecting unknown keys and wrong types with readable errors.
+
+Small on purpose (no pydantic): the rendering path must start in well under 0.5 s and import nothing heavy.
+Supported field types: bool, int, float, str, Literal[...], X | None, list[X], tuple[X, ...] and nested dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+T = TypeVar("T")
+
+
+class SchemaError(ValueError):
+    """All problems found in one document, one per line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def from_dict(cls: type[T], data: Any, where: str = "") -> T:
+    problems: list[str] = []
+    value = _convert(cls, data, where, problems)
+    if problems:
+        raise SchemaError(problems)
+    return value
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain data for YAML/JSON: dataclasses become dicts, tuples become lists."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list | tuple):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def _name(where: str) -> str:
+    return where or "<top level>"
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(get_args(tp)[0])}"
+    if origin is tuple:
+        return f"a list of {len(get_args(tp))} x {_describe(get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string", type(None): "null"}.get(
+        tp, str(tp)
+    )
+
+
+def _convert(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _convert_dataclass(tp, value, where, problems)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            trial: list[str] = []
+            converted = _convert(arg, value, where, trial)
+            if not trial:
+                return converted
+        problems.append(f"{_name(where)}: expected {_describe(tp)}, got {value!r}")
+        return None
+    if origin is Literal:
+        allowed = get_args(tp)
+        # YAML turns `optlevel: 2` into an int and `x=2` overrides alike; compare as given.
+        if value in allowed and type(value) in {type(a) for a in allowed}:
+            return value
+        problems.append(f"{_name(where)}: expected {_describe(tp)}, got {value!r}")
+        return None
+    if origin in (list, tuple):
+        args = get_args(tp)
+        if not isinstance(value, list | tuple):
+            problems.append(f"{_name(where)}: expected {_describe(tp)}, got {value!r}")
+            return None
+        if origin is tuple and len(args) != len(value):
+            problems.append(f"{_name(where)}: expected {_describe(tp)}, got {len(value)} items: {value!r}")
+            return None
+        item_types = args if origin is tuple else [args[0]] * len(value)
+        pairs = enumerate(zip(item_types, value, strict=True))
+        items = [_convert(t, v, f"{where}[{i}]", problems) for i, (t, v) in pairs]
+        return tuple(items) if origin is tuple else items
+    return _convert_scalar(tp, value, where, problems)
+
+
+def _convert_scalar(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
+    # bool is a subclass of int in Python; a YAML `true` must never pass as a node count, nor 1 as a flag.
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp is float and not isinstance(value, bool):
+        if isinstance(value, int | float) and math.isfinite(value):
+            return float(value)
+        # PyYAML reads `1e-5` (no dot) as a string; accept any finite number spelled as text.
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                number = math.nan
+            if math.isfinite(number):
+                return number
+    if tp is str and isinstance(value, str):
+        return value
+    hint = " (quote it in YAML: '...')" if tp is str and isinstance(value, int | float) else ""
+    problems.append(f"{_name(where)}: expected {_describe(tp)}, got {value!r}{hint}")
+    return None
+
+
+def _convert_dataclass(cls: Any, value: Any, where: str, problems: list[str]) -> Any:
+    if not isinstance(value, dict):
+        problems.append(f"{_name(where)}: expected a mapping, got {value!r}")
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    prefix = f"{where}." if where else ""
+    for key in value:
+        if key not in fields:
+            problems.append(f"{prefix}{key}: unknown key; valid keys here: {', '.join(fields)}")
+    kwargs = {}
+    for name, field in fields.items():
+        if name in value:
+            kwargs[name] = _convert(hints[name], value[name], prefix + name, problems)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            problems.append(f"{prefix}{name}: required key is missing ({_describe(hints[name])})")
+    if problems:
+        return None
+    return cls(**kwargs)
