@@ -1,0 +1,51 @@
+"""The README's commands work as written (litgpt's test_readme habit)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_readme_names_the_two_commands():
+    readme = (REPO / "README.md").read_text()
+    assert re.search(r"^make demo\b", readme, flags=re.M) and re.search(r"^make test\b", readme, flags=re.M)
+
+
+def test_make_demo_renders_and_runs_a_tiny_recipe_locally():
+    done = subprocess.run(
+        ["make", "--no-print-directory", "demo"], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (REPO / "jobs" / "demo" / "run.sbatch").exists()
+    assert "launch verified, 2 ranks" in done.stdout and "training exited with status 0" in done.stdout
+
+
+def test_plan_example_in_readme_reproduces_table_1():
+    done = subprocess.run(
+        [
+            ".venv/bin/trnrecipes",
+            "plan",
+            "--recipe",
+            "pythia6.9b",
+            "--nodes",
+            "1",
+            "--seq-per-s",
+            "10.4",
+            "--price",
+            "7.59",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "10,102,387 tokens/$" in done.stdout
+    assert (
+        "trnrecipes plan --recipe pythia6.9b --nodes 1 --seq-per-s 10.4 --price 7.59"
+        in (REPO / "README.md").read_text()
+    )
