@@ -107,3 +107,26 @@ def test_unknown_recipe_lists_the_known_ones():
 def test_node_counts_must_be_positive_whole_numbers(nodes):
     with pytest.raises(RecipeError, match="nodes must be a positive whole number"):
         load_recipe("neox-tiny", nodes=nodes)
+
+
+@pytest.mark.parametrize("name", sorted(known_recipes()))
+def test_plan_parameter_count_equals_the_model_built_on_the_meta_device(name):
+    from trnrecipes.models import build_model
+
+    recipe = load_recipe(name)
+    assert build_model(recipe.model, "meta").num_params() == param_count(recipe.model)
+
+
+@pytest.mark.parametrize(("name", "params"), [("pythia-70m", 70_426_624), ("pythia-160m", 162_322_944)])
+def test_small_pythia_recipes_are_the_published_models(name, params):
+    import torch
+    import transformers
+
+    m = load_recipe(name).model
+    cfg = transformers.GPTNeoXConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads, intermediate_size=m.ffn_hidden_size, rotary_pct=m.rotary_pct,
+    )  # fmt: skip
+    with torch.device("meta"):
+        hf_params = sum(p.numel() for p in transformers.GPTNeoXForCausalLM(cfg).parameters())
+    assert param_count(m) == hf_params == params

@@ -56,6 +56,18 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
     sub.add_argument("--compile", action="store_true", help="trace every graph in a few steps, write nothing")
 
+    convert = verb("convert", None, "convert between Hugging Face model directories and trnrecipes checkpoints")
+    directions = convert.add_subparsers(required=True, metavar="DIRECTION")
+    sub = directions.add_parser("from-hf", help="HF directory (config.json + safetensors) -> checkpoint")
+    sub.set_defaults(handler=_from_hf)
+    sub.add_argument("--hf", required=True, help="Hugging Face model directory")
+    sub.add_argument("--out", required=True, help="new checkpoint directory")
+    sub.add_argument("--recipe", help="recipe for the training settings (default: the family's tiny recipe)")
+    sub = directions.add_parser("to-hf", help="checkpoint -> HF directory loadable by from_pretrained")
+    sub.set_defaults(handler=_to_hf)
+    sub.add_argument("--ckpt", required=True, help="checkpoint directory")
+    sub.add_argument("--out", required=True, help="new HF model directory")
+
     sub = verb("health", _health, "per-rank device sanity check (run.sbatch runs it before training)")
     sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
     return parser
@@ -123,6 +135,22 @@ def _train(args: argparse.Namespace) -> int:
             flush=True,
         )
     ctx.close()
+    return 0
+
+
+def _from_hf(args: argparse.Namespace) -> int:
+    from trnrecipes.convert import from_hf
+
+    out = from_hf(Path(args.hf), Path(args.out), args.recipe)
+    print(f"wrote checkpoint {out}")
+    return 0
+
+
+def _to_hf(args: argparse.Namespace) -> int:
+    from trnrecipes.convert import to_hf
+
+    out = to_hf(Path(args.ckpt), Path(args.out))
+    print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 

@@ -42,6 +42,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    parallel_residual: bool = True  # neox only: x + attn(ln1(x)) + mlp(ln2(x)), as every Pythia and NeoX-20B
 
 
 @dataclass(frozen=True)
@@ -251,13 +252,18 @@ def load_recipe(name_or_path: str, nodes: int | str | None = None, overrides: li
         _apply_override(data, key, value)
     if nodes is not None:
         _apply_override(data, "cluster.nodes", parse_nodes(nodes))
+    return recipe_from_dict(data, path.name)
+
+
+def recipe_from_dict(data: dict[str, Any], source: str) -> Recipe:
+    """Typed and checked; `source` names the origin in error messages."""
     try:
         recipe = from_dict(Recipe, data)
     except SchemaError as err:
-        raise RecipeError(f"recipe {path.name}:\n  " + "\n  ".join(err.problems)) from None
+        raise RecipeError(f"recipe {source}:\n  " + "\n  ".join(err.problems)) from None
     problems = check_recipe(recipe)
     if problems:
-        raise RecipeError(f"recipe {path.name}:\n  " + "\n  ".join(problems))
+        raise RecipeError(f"recipe {source}:\n  " + "\n  ".join(problems))
     return recipe
 
 

@@ -1,0 +1,1 @@
+"""Llama 2 model code (plain PyTorch) and its conversion to and from Hugging Face LlamaForCausalLM."""

@@ -1,0 +1,185 @@
+"""Llama 2 in plain single-device PyTorch, numerically equal to Hugging Face's LlamaForCausalLM.
+
+The projections are fused (qkv, gate_up) with row layouts chosen so that a contiguous row shard of size
+out/tp holds whole KV groups / whole FFN units for any tp that divides num_kv_heads / ffn_hidden_size. The
+forward pass reads the local number of heads and FFN units from the weight shapes, never from the config, so
+the same code runs unchanged on a tensor-parallel (column-sharded) weight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+CHECKPOINTING = ("none", "selective", "full")
+
+
+@dataclass
+class Llama2Args:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    ffn_hidden_size: int
+    max_seq_len: int
+    num_kv_heads: int | None = None  # grouped-query attention; None = num_heads (plain multi-head attention)
+    rotary_base: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    activation_checkpointing: str = "none"  # "none" | "selective" (core attention only) | "full" (each layer)
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(
+                f"activation_checkpointing must be one of {CHECKPOINTING}, not {self.activation_checkpointing!r}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As HF's LlamaRMSNorm: normalise in float32 (bf16 squares lose too much), cast back, *then* scale.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotary_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device, dtype: torch.dtype):
+    """cos/sin [seq, head_dim] for positions 0..seq-1, computed in float32 exactly as HF does.
+
+    Recomputed every forward rather than cached in a buffer: it is tiny next to the model, and a buffer made at
+    construction would be garbage after meta-device init + to_empty() unless every caller remembered to refill it.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    freqs = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # HF's (non-interleaved) rotary convention: pairs are (i, i + head_dim/2), not (2i, 2i+1).
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: Llama2Args):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.q_per_kv = args.num_heads // args.num_kv_heads  # the same on every TP rank
+        self.rotary_base = args.rotary_base
+        self.selective_checkpoint = args.activation_checkpointing == "selective"
+        # Rows grouped per KV group g: [q heads of group g | k head g | v head g], so row shards keep whole groups.
+        self.qkv = nn.Linear(args.hidden_size, (args.num_heads + 2 * args.num_kv_heads) * args.head_dim, bias=False)
+        self.out = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        hd, qpk = self.head_dim, self.q_per_kv
+        # The number of (local) KV groups comes from the weight's shape, so a column shard just works.
+        qkv = self.qkv(x).view(b, s, -1, (qpk + 2) * hd)
+        groups = qkv.shape[2]
+        q, k, v = qkv.split([qpk * hd, hd, hd], dim=-1)
+        q = q.reshape(b, s, groups * qpk, hd).transpose(1, 2)  # query head g*qpk + j uses kv head g, as in HF
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [b, groups, s, hd]
+
+        cos, sin = rotary_cos_sin(s, hd, self.rotary_base, x.device, x.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+
+        if self.selective_checkpoint and self.training:
+            # Recompute only attention's O(s^2) internals in backward; the cheap-to-store projections stay saved.
+            o = checkpoint(self.core_attention, q, k, v, use_reentrant=False)
+        else:
+            o = self.core_attention(q, k, v)
+        return self.out(o.transpose(1, 2).reshape(b, s, -1))
+
+    @staticmethod
+    def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class MLP(nn.Module):
+    def __init__(self, args: Llama2Args):
+        super().__init__()
+        # Rows interleave [gate_0, up_0, gate_1, up_1, ...] so a row shard holds whole SwiGLU units.
+        self.gate_up = nn.Linear(args.hidden_size, 2 * args.ffn_hidden_size, bias=False)
+        self.down = nn.Linear(args.ffn_hidden_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.gate_up(x).unflatten(-1, (-1, 2))  # FFN width (local under TP) from the shape
+        return self.down(F.silu(y[..., 0]) * y[..., 1])
+
+
+class Block(nn.Module):
+    def __init__(self, args: Llama2Args):
+        super().__init__()
+        self.attn_norm = RMSNorm(args.hidden_size, args.norm_eps)
+        self.attn = Attention(args)
+        self.mlp_norm = RMSNorm(args.hidden_size, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama2(nn.Module):
+    def __init__(self, args: Llama2Args):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.norm_eps)
+        self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)  # untied from embed, as in Llama 2
+        # No init here: construction on the meta device stays free. Callers run init_weights() (or load weights).
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> logits [b, s, vocab] in the model's dtype (the loss should upcast them)."""
+        x = self.embed(tokens)
+        full = self.args.activation_checkpointing == "full" and self.training
+        for layer in self.layers:
+            # Full checkpointing keeps only each layer's input and recomputes the layer in backward.
+            x = checkpoint(layer, x, use_reentrant=False) if full else layer(x)
+        return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        std = self.args.init_std
+        # Output projections write into the residual stream 2 * num_layers times; scaling their std by
+        # 1/sqrt(2L) keeps the residual's variance from growing with depth (GPT-2 / Megatron scaled init).
+        out_std = std / math.sqrt(2 * self.args.num_layers)
+        nn.init.normal_(self.embed.weight, 0.0, std, generator=generator)
+        for layer in self.layers:
+            nn.init.normal_(layer.attn.qkv.weight, 0.0, std, generator=generator)
+            nn.init.normal_(layer.attn.out.weight, 0.0, out_std, generator=generator)
+            nn.init.normal_(layer.mlp.gate_up.weight, 0.0, std, generator=generator)
+            nn.init.normal_(layer.mlp.down.weight, 0.0, out_std, generator=generator)
+            nn.init.ones_(layer.attn_norm.weight)
+            nn.init.ones_(layer.mlp_norm.weight)
+        nn.init.ones_(self.norm.weight)
+        nn.init.normal_(self.head.weight, 0.0, std, generator=generator)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,159 @@
+"""GPT-NeoX as Pythia and NeoX-20B use it, single-device and plain PyTorch (no device or parallel logic here).
+
+Parallel residual, LayerNorm, fused QKV, GELU MLP, untied embedding and head, partial rotary embeddings.
+
+Partial rotary with the zero-frequency trick: instead of rotating only the first r = rotary_pct * head_dim dims
+(a data-dependent slice, awkward for the Neuron compiler), every dim of the head goes through rotate_half with a
+frequency table that is zero on the dims that must not rotate (cos = 1, sin = 0 there). rotate_half pairs dim i
+with i + head_dim/2, while HF pairs i with i + r/2 inside the first r dims; so the table is laid out as
+[inv(r/2), 0, inv(r/2), 0] (each half: r/2 frequencies, then head_dim/2 - r/2 zeros) and the q/k rows of each
+head are permuted once, when weights come in from or go out to HF (recipes/neox/hf.py: rotary_permutation).
+q.k is unchanged by a permutation applied to both, so attention scores equal HF's exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class NeoXArgs:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    ffn_hidden_size: int
+    max_seq_len: int
+    rotary_pct: float = 0.25
+    rotary_base: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    activation_checkpointing: str = "none"  # none | selective (core attention) | full (whole layer)
+    parallel_residual: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_pct)
+
+
+def rotary_frequencies(args: NeoXArgs) -> torch.Tensor:
+    """Per-dim frequencies over the whole head: [inv(r/2), 0 ... , inv(r/2), 0 ...] (see the module docstring)."""
+    half, rot_half = args.head_dim // 2, args.rotary_dim // 2
+    inv = 1.0 / (args.rotary_base ** (torch.arange(0, args.rotary_dim, 2, dtype=torch.float32) / args.rotary_dim))
+    freqs = torch.zeros(half, dtype=torch.float32)
+    freqs[:rot_half] = inv
+    return torch.cat([freqs, freqs])
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: NeoXArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.selective_checkpoint = args.activation_checkpointing == "selective"
+        # Rows per head: [q, k, v] blocks of head_dim, as HF and Megatron lay them out: a contiguous row shard
+        # holds whole heads, so tensor parallelism slices this weight without reordering.
+        self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size)
+        self.out = nn.Linear(args.hidden_size, args.hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Heads are counted from the weight actually present (all of them, or this rank's shard).
+        qkv = self.qkv(x).view(b, s, -1, 3 * self.head_dim).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if self.selective_checkpoint and self.training:
+            y = checkpoint(_core_attention, q, k, v, use_reentrant=False)
+        else:
+            y = _core_attention(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def _core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: NeoXArgs):
+        super().__init__()
+        self.fc_in = nn.Linear(args.hidden_size, args.ffn_hidden_size)
+        self.fc_out = nn.Linear(args.ffn_hidden_size, args.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x)))  # exact (erf) GELU, as HF's "gelu"
+
+
+class Layer(nn.Module):
+    def __init__(self, args: NeoXArgs):
+        super().__init__()
+        self.parallel_residual = args.parallel_residual
+        self.attn_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+        self.attn = Attention(args)
+        self.mlp_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.parallel_residual:  # x + attn(ln1(x)) + mlp(ln2(x)): both branches read the same input
+            return x + self.attn(self.attn_norm(x), cos, sin) + self.mlp(self.mlp_norm(x))
+        h = x + self.attn(self.attn_norm(x), cos, sin)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class NeoX(nn.Module):
+    def __init__(self, args: NeoXArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Layer(args) for _ in range(args.num_layers))
+        self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+        self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        angles = torch.arange(seq, dtype=torch.float32, device=tokens.device)[:, None] * rotary_frequencies(
+            self.args
+        ).to(tokens.device)
+        x = self.embed(tokens)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for layer in self.layers:
+            if self.args.activation_checkpointing == "full" and self.training:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
+        return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, init_std); the output projections of attention and MLP get init_std / sqrt(2 * num_layers) so
+        the residual stream's variance does not grow with depth (seed 002). Biases zero, norms one."""
+        std = self.args.init_std
+        out_std = std / math.sqrt(2 * self.args.num_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(
+                    0.0,
+                    out_std if name.endswith(("attn.out.weight", "mlp.fc_out.weight")) else std,
+                    generator=generator,
+                )
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,104 @@
+"""`trnrecipes convert from-hf / to-hf` through the real CLI, checked with transformers' from_pretrained offline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from conftest import run_cli
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from trnrecipes.checkpoint import read_model_checkpoint
+from trnrecipes.models import build_model
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def tiny_hf_dir(path, family: str):
+    torch.manual_seed(0)
+    if family == "neox":
+        cfg = transformers.GPTNeoXConfig(
+            vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            rotary_pct=0.25, max_position_embeddings=64,
+        )  # fmt: skip
+        model = transformers.GPTNeoXForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=96, max_position_embeddings=64,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    # A real (word-level) tokenizer, so the tokenizer files travel through both conversions.
+    vocab = {f"w{i}": i for i in range(63)} | {"[UNK]": 63}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["neox", "llama2"])
+def test_hf_to_checkpoint_to_hf_keeps_logits_and_tokenizer(family, tmp_path):
+    original = tiny_hf_dir(tmp_path / "hf", family)
+    done = run_cli("convert", "from-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), env=OFFLINE)
+    assert done.returncode == 0, done.stderr
+    recipe, state, tokenizer = read_model_checkpoint(tmp_path / "ckpt")
+    assert set(state) == set(build_model(recipe.model, "meta").state_dict())
+    assert recipe.model.family == family and recipe.model.hidden_size == 64 and tokenizer is not None
+    assert recipe.name == f"{family}-tiny"  # training settings from the family's tiny recipe
+
+    done = run_cli("convert", "to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), env=OFFLINE)
+    assert done.returncode == 0, done.stderr
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = torch.randint(0, 64, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, original(tokens).logits, rtol=1e-5, atol=1e-5)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tok("w3 w5 w7")["input_ids"] == [3, 5, 7]
+
+
+def test_from_hf_takes_training_settings_from_a_recipe(tmp_path):
+    tiny_hf_dir(tmp_path / "hf", "neox")  # max_position_embeddings 64
+    args = ["convert", "from-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--recipe"]
+    done = run_cli(*args, "pythia-tiny", env=OFFLINE)
+    assert done.returncode == 2 and "batch.seq_len 128 exceeds model.max_seq_len 64" in done.stderr
+    done = run_cli(*args, "neox-tiny", env=OFFLINE)
+    assert done.returncode == 0, done.stderr
+    recipe, _, _ = read_model_checkpoint(tmp_path / "ckpt")
+    assert recipe.name == "neox-tiny" and recipe.model.num_heads == 4  # the model comes from config.json
+    done = run_cli(*args[:-3], "--out", str(tmp_path / "c2"), "--recipe", "llama2-tiny", env=OFFLINE)
+    assert done.returncode == 2 and "llama2-tiny is a llama2 recipe" in done.stderr
+
+
+def test_clear_errors(tmp_path):
+    done = run_cli("convert", "from-hf", "--hf", str(tmp_path), "--out", str(tmp_path / "c"))
+    assert done.returncode == 2 and "config.json: not found" in done.stderr
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    done = run_cli("convert", "from-hf", "--hf", str(tmp_path), "--out", str(tmp_path / "c"))
+    assert (
+        done.returncode == 2
+        and "not a supported family; supported: GPTNeoXForCausalLM, LlamaForCausalLM" in done.stderr
+    )
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_corrupt_checkpoint_is_refused_and_names_the_file(tmp_path):
+    tiny_hf_dir(tmp_path / "hf", "neox")
+    assert run_cli("convert", "from-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")).returncode == 0
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    done = run_cli("convert", "to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and f"{weights}: checksum mismatch" in done.stderr
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "ckpt" / "done").unlink()
+    done = run_cli("convert", "to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"))
+    assert "no 'done' marker" in done.stderr
+    done = run_cli("convert", "from-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"))
+    assert done.returncode == 2 and "already exists" in done.stderr

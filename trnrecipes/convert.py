@@ -1,0 +1,101 @@
+"""`trnrecipes convert from-hf | to-hf`: between Hugging Face model directories and our checkpoints.
+
+from-hf takes the architecture and sizes from the HF config.json (any GPT-NeoX or Llama shape); a recipe only adds
+training settings (default: the family's tiny recipe). to-hf writes config.json + model.safetensors + tokenizer
+files, which transformers' AutoModelForCausalLM.from_pretrained(DIR) loads offline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from trnrecipes.checkpoint import read_model_checkpoint, write_model_checkpoint
+from trnrecipes.models import FAMILIES, family_of_hf_config, model_args, model_config_from_args
+from trnrecipes.recipe import RecipeError, load_recipe, recipe_from_dict
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "added_tokens.json",
+)  # fmt: skip
+
+
+def _hf_weights(hf_dir: Path) -> dict:
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        found = ", ".join(p.name for p in hf_dir.iterdir()) or "nothing"
+        raise RecipeError(f"{hf_dir}: no *.safetensors weights (found: {found}); only safetensors are read")
+    weights = {}
+    for f in files:
+        weights |= load_file(f)
+    return weights
+
+
+def from_hf(hf_dir: Path, out: Path, recipe_name: str | None = None) -> Path:
+    hf_dir = Path(hf_dir)
+    config_file = hf_dir / "config.json"
+    if not config_file.is_file():
+        raise RecipeError(f"{config_file}: not found; --hf must be a Hugging Face model directory")
+    hf_config = json.loads(config_file.read_text())
+    try:
+        family = family_of_hf_config(hf_config)
+        args = family.hf.args_from_hf_config(hf_config)
+    except (ValueError, KeyError) as err:
+        raise RecipeError(f"{config_file}: {err}") from None
+    template = load_recipe(recipe_name or f"{family.name}-tiny")
+    if template.model.family != family.name:
+        raise RecipeError(f"--recipe {recipe_name} is a {template.model.family} recipe; {hf_dir} holds {family.name}")
+    model = dataclasses.asdict(model_config_from_args(family.name, args))
+    model["activation_checkpointing"] = template.model.activation_checkpointing
+    data = template.to_dict() | {"model": model}
+    if recipe_name is None:  # the default template adapts to short-context models; a named recipe must fit
+        data["batch"]["seq_len"] = min(template.batch.seq_len, args.max_seq_len)
+    recipe = recipe_from_dict(data, f"{template.name} with the model of {config_file}")
+    try:
+        state = family.hf.state_dict_from_hf(_hf_weights(hf_dir), args)
+    except ValueError as err:
+        raise RecipeError(f"{hf_dir}: {err}") from None
+    tokenizer = _tokenizer_files(hf_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_dir = None
+        if tokenizer:
+            tok_dir = Path(tmp) / "tokenizer"
+            tok_dir.mkdir()
+            for f in tokenizer:
+                shutil.copy2(f, tok_dir / f.name)
+        return write_model_checkpoint(out, state, recipe, tok_dir)
+
+
+def to_hf(ckpt: Path, out: Path) -> Path:
+    recipe, state, tokenizer_dir = read_model_checkpoint(ckpt)
+    family = FAMILIES[recipe.model.family]
+    args = model_args(recipe.model)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise RecipeError(f"{out} exists and is not empty; choose a new --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file(family.hf.state_dict_to_hf(state, args), tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(family.hf.hf_config_from_args(args), indent=2) + "\n")
+        if tokenizer_dir is None and Path(recipe.data.tokenizer).is_dir():
+            tokenizer_dir = Path(recipe.data.tokenizer)
+        for f in _tokenizer_files(tokenizer_dir) if tokenizer_dir else []:
+            shutil.copy2(f, tmp / f.name)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _tokenizer_files(directory: Path) -> list[Path]:
+    return [directory / name for name in TOKENIZER_FILES if (directory / name).is_file()]
