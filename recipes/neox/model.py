@@ -64,14 +64,19 @@ class Attention(nn.Module):
     def __init__(self, args: NeoXArgs):
         super().__init__()
         self.head_dim = args.head_dim
+        self.args = args  # rotary table recomputed per forward: a buffer would be garbage after meta-device init
         self.selective_checkpoint = args.activation_checkpointing == "selective"
         # Rows per head: [q, k, v] blocks of head_dim, as HF and Megatron lay them out: a contiguous row shard
         # holds whole heads, so tensor parallelism slices this weight without reordering.
         self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size)
         self.out = nn.Linear(args.hidden_size, args.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
+        # Angles in float32 as HF computes them; from x's own length so the block needs no other input.
+        freqs = rotary_frequencies(self.args).to(x.device)
+        angles = torch.arange(s, dtype=torch.float32, device=x.device)[:, None] * freqs
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         # Heads are counted from the weight actually present (all of them, or this rank's shard).
         qkv = self.qkv(x).view(b, s, -1, 3 * self.head_dim).transpose(1, 2)
         q, k, v = qkv.chunk(3, dim=-1)
@@ -107,10 +112,10 @@ class Layer(nn.Module):
         self.mlp_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel_residual:  # x + attn(ln1(x)) + mlp(ln2(x)): both branches read the same input
-            return x + self.attn(self.attn_norm(x), cos, sin) + self.mlp(self.mlp_norm(x))
-        h = x + self.attn(self.attn_norm(x), cos, sin)
+            return x + self.attn(self.attn_norm(x)) + self.mlp(self.mlp_norm(x))
+        h = x + self.attn(self.attn_norm(x))
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -124,17 +129,12 @@ class NeoX(nn.Module):
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq = tokens.shape[1]
-        angles = torch.arange(seq, dtype=torch.float32, device=tokens.device)[:, None] * rotary_frequencies(
-            self.args
-        ).to(tokens.device)
+        """tokens [b, s] -> logits [b, s, vocab] in the model's dtype (the loss upcasts)."""
         x = self.embed(tokens)
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        full = self.args.activation_checkpointing == "full" and self.training
         for layer in self.layers:
-            if self.args.activation_checkpointing == "full" and self.training:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
+            # Full checkpointing keeps only each layer's input and recomputes the layer in backward.
+            x = checkpoint(layer, x, use_reentrant=False) if full else layer(x)
         return self.head(self.norm(x))
 
     @torch.no_grad()

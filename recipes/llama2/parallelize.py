@@ -1,0 +1,25 @@
+"""How Llama 2 shards under tensor parallelism (Megatron style), as data.
+
+trnrecipes.parallel applies it with DTensor off Neuron; the Neuron adapter maps the same names onto
+neuronx-distributed's layers (GQAQKVColumnParallelLinear for qkv).
+"""
+
+from recipes.llama2.model import Llama2Args
+
+# Output features split: qkv rows are grouped per KV group and gate_up rows interleave gate/up, so each rank gets
+# whole KV groups and whole SwiGLU units.
+COLUMN_PARALLEL = ("attn.qkv", "mlp.gate_up")
+# Input features split; partial sums reduced (or reduce-scattered along the sequence under SP).
+ROW_PARALLEL = ("attn.out", "mlp.down")
+# Norms computed on sequence shards under sequence parallelism; attn and mlp gather their input first.
+NORMS = ("attn_norm", "mlp_norm")
+BRANCHES = ("attn", "mlp")
+
+
+def check_tensor_parallel(args: Llama2Args, tp: int) -> None:
+    if args.num_kv_heads % tp:
+        raise ValueError(f"tensor parallel degree {tp} must divide num_kv_heads {args.num_kv_heads} (whole KV groups)")
+    if args.ffn_hidden_size % tp:
+        raise ValueError(f"tensor parallel degree {tp} must divide ffn_hidden_size {args.ffn_hidden_size}")
+    if args.vocab_size % tp:
+        raise ValueError(f"tensor parallel degree {tp} must divide vocab_size {args.vocab_size}")

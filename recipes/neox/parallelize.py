@@ -1,0 +1,24 @@
+"""How GPT-NeoX shards under tensor parallelism (Megatron style), as data.
+
+trnrecipes.parallel applies it with DTensor off Neuron; the Neuron adapter maps the same names onto
+neuronx-distributed's ColumnParallelLinear / RowParallelLinear / ParallelEmbedding.
+"""
+
+from recipes.neox.model import NeoXArgs
+
+# Output features split across ranks: qkv rows are grouped per head ([q, k, v] blocks), so each rank gets whole heads.
+COLUMN_PARALLEL = ("attn.qkv", "mlp.fc_in")
+# Input features split; each rank's partial sums are reduced (or reduce-scattered along the sequence under SP).
+ROW_PARALLEL = ("attn.out", "mlp.fc_out")
+# Norms computed on sequence shards under sequence parallelism; attn and mlp gather their input first.
+NORMS = ("attn_norm", "mlp_norm")
+BRANCHES = ("attn", "mlp")
+
+
+def check_tensor_parallel(args: NeoXArgs, tp: int) -> None:
+    if args.num_heads % tp:
+        raise ValueError(f"tensor parallel degree {tp} must divide num_heads {args.num_heads}")
+    if args.ffn_hidden_size % tp:
+        raise ValueError(f"tensor parallel degree {tp} must divide ffn_hidden_size {args.ffn_hidden_size}")
+    if args.vocab_size % tp:
+        raise ValueError(f"tensor parallel degree {tp} must divide vocab_size {args.vocab_size}")

@@ -1,0 +1,29 @@
+"""TP=2 over two gloo processes equals TP=1 (logits and every gradient), for both families, with and without
+sequence parallelism. Real torchrun, real DTensor; see tests/tp_worker.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_tp2_equals_tp1_for_both_families(tmp_path):
+    out = tmp_path / "tp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+           "--rdzv-endpoint=127.0.0.1:0", str(REPO / "tests" / "tp_worker.py"), str(out)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    expected_sharded = {"neox": 14, "llama2": 10}  # column weights+biases, row weights, embedding, head
+    for family, sharded in expected_sharded.items():
+        for sp in (0, 1):
+            r = results[f"{family}-sp{sp}"]
+            assert r["logits"] < 1e-5 and r["grads"] < 1e-5, (family, sp, r)
+            assert r["sharded_params"] == sharded
+        assert results[f"{family}-odd-seq"] == "sequence parallel over 2 ranks needs a sequence length divisible by 2"

@@ -1,0 +1,93 @@
+"""Tensor parallelism on Trainium: the family plans of recipes/<family>/parallelize.py mapped onto
+neuronx-distributed's layers (ColumnParallelLinear, RowParallelLinear, ParallelEmbedding).
+
+Written against neuronx-distributed's public API (neuronx_distributed.parallel_layers); the Neuron SDK installs only
+on Trainium hosts, so this has not run here. `linear_specs` (what gets replaced, with which shapes) is pure and
+tested; the import guard is tested. Sequence parallelism on Neuron (NxD's scatter/gather mappings around the norms)
+is not built yet and is refused loudly rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trnrecipes.parallel import family_plan
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    name: str  # module path, e.g. layers.0.attn.qkv
+    kind: str  # "column" (output features split) or "row" (input features split)
+    in_features: int
+    out_features: int
+    bias: bool
+
+
+def linear_specs(model: nn.Module, family: str) -> list[LinearSpec]:
+    plan = family_plan(family)
+    specs = []
+    for i in range(len(model.layers)):
+        for kind, names in (("column", plan.COLUMN_PARALLEL), ("row", plan.ROW_PARALLEL)):
+            for name in names:
+                full = f"layers.{i}.{name}"
+                linear = model.get_submodule(full)
+                specs.append(LinearSpec(full, kind, linear.in_features, linear.out_features, linear.bias is not None))
+    return specs
+
+
+def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_parallel: bool = False) -> nn.Module:
+    """Replace the model's linears/embedding/head with NxD layers holding this rank's shard of the current weights.
+    Call after neuronx_distributed.parallel_layers.parallel_state.initialize_model_parallel(tp)."""
+    try:
+        from neuronx_distributed.parallel_layers import layers, parallel_state
+    except ImportError as err:  # PyPI's neuronx-distributed is a placeholder that fails on import as well
+        raise RuntimeError(
+            "the neuron backend needs neuronx-distributed from the Neuron SDK (a Trainium host with the Neuron"
+            " repository configured); it is not installable here. Use backend cpu, cuda or xla elsewhere."
+        ) from err
+    if sequence_parallel:
+        raise NotImplementedError("sequence parallelism on Neuron is not built yet; set layout.sequence_parallel=false")
+    tp = parallel_state.get_tensor_model_parallel_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    family_plan(family).check_tensor_parallel(model.args, tp)
+
+    def shard(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.detach().chunk(tp, dim=dim)[rank].clone()
+
+    with torch.no_grad():
+        for spec in linear_specs(model, family):
+            old = model.get_submodule(spec.name)
+            dtype = old.weight.dtype
+            if spec.kind == "column":
+                new = layers.ColumnParallelLinear(
+                    spec.in_features, spec.out_features, bias=spec.bias, gather_output=False, dtype=dtype
+                )
+                new.weight.copy_(shard(old.weight, 0))
+                if spec.bias:
+                    new.bias.copy_(shard(old.bias, 0))
+            else:
+                new = layers.RowParallelLinear(
+                    spec.in_features, spec.out_features, bias=spec.bias, input_is_parallel=True, dtype=dtype
+                )
+                new.weight.copy_(shard(old.weight, 1))
+                if spec.bias:
+                    new.bias.copy_(old.bias)  # added once, after the reduction
+            model.set_submodule(spec.name, new)
+        embed = layers.ParallelEmbedding(
+            model.embed.num_embeddings, model.embed.embedding_dim, dtype=model.embed.weight.dtype
+        )
+        embed.weight.copy_(shard(model.embed.weight, 0))
+        model.embed = embed
+        head = layers.ColumnParallelLinear(
+            model.head.in_features,
+            model.head.out_features,
+            bias=False,
+            gather_output=True,
+            dtype=model.head.weight.dtype,
+        )
+        head.weight.copy_(shard(model.head.weight, 0))
+        model.head = head
+    return model

@@ -1,0 +1,68 @@
+"""Tensor (and sequence) parallelism off Neuron: a family's plan (recipes/<family>/parallelize.py) applied with
+torch.distributed.tensor (DTensor), on gloo (CPU) or nccl (CUDA).
+
+Without sequence parallelism: column-parallel qkv/fc_in, row-parallel out/fc_out (one all-reduce per branch),
+vocab-parallel embedding, column-parallel head gathered to full logits. With it (torchtitan's layout): the residual
+stream and the norms live on sequence shards; attention and MLP all-gather their input and reduce-scatter their
+output, so activation memory outside the branches drops by the TP degree.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def family_plan(family: str):
+    return importlib.import_module(f"recipes.{family}.parallelize")
+
+
+def tensor_parallel_styles(family: str, num_layers: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    plan = family_plan(family)
+    seq = Shard(1)
+    styles: dict[str, ParallelStyle] = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sequence_parallel else Replicate()),
+        "head": ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        styles["norm"] = SequenceParallel()
+    for i in range(num_layers):
+        prefix = f"layers.{i}."
+        for name in plan.COLUMN_PARALLEL:
+            styles[prefix + name] = ColwiseParallel()
+        for name in plan.ROW_PARALLEL:
+            styles[prefix + name] = RowwiseParallel(output_layouts=seq) if sequence_parallel else RowwiseParallel()
+        if sequence_parallel:
+            for name in plan.NORMS:
+                styles[prefix + name] = SequenceParallel()
+            for name in plan.BRANCHES:
+                styles[prefix + name] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+    return styles
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, family: str, sequence_parallel: bool) -> nn.Module:
+    """Shard `model` in place over the 1-D `mesh`. Every rank must hold the same full weights beforehand."""
+    tp = mesh.size()
+    family_plan(family).check_tensor_parallel(model.args, tp)
+    if sequence_parallel:
+
+        def check_sequence(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+            # gloo aborts the process (no Python error) on uneven reduce-scatter shards: refuse first.
+            if inputs[0].shape[1] % tp:
+                raise ValueError(f"sequence parallel over {tp} ranks needs a sequence length divisible by {tp}")
+
+        model.register_forward_pre_hook(check_sequence)
+    styles = tensor_parallel_styles(family, len(model.layers), sequence_parallel)
+    return parallelize_module(model, mesh, styles)
