@@ -23,7 +23,7 @@ help:
 	@echo "make demo        render a tiny recipe and run its run.sbatch locally (no Slurm, CPU)"
 	@echo "make test        lint + the whole test suite (unit, golden scripts, shellcheck, local launch)"
 	@echo "make golden      regenerate tests/golden/ after an intended template or recipe change"
-	@echo "make bench       benchmarks in bench/ (render time, no torch import)"
+	@echo "make bench       benchmarks in bench/ (render time and no torch import; model vs transformers)"
 	@echo "make setup       create .venv (idempotent) and install Debian tools (shellcheck)"
 
 setup: $(STAMP) debian-tools
@@ -68,6 +68,7 @@ golden: setup
 
 bench: setup
 	$(PY) bench/bench_render.py
+	$(PY) bench/bench_model.py
 
 clean:
 	rm -rf jobs/demo .pytest_cache .ruff_cache
