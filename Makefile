@@ -13,12 +13,13 @@ override recipe := $(value recipe)
 override nodes := $(value nodes)
 override out := $(value out)
 override overrides := $(value overrides)
-export recipe nodes out overrides
+override force := $(value force)
+export recipe nodes out overrides force
 
 .PHONY: help setup debian-tools sbatch plan demo test lint format golden bench clean
 
 help:
-	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...']   write jobs/NAME-Nn/{compile,run}.sbatch"
+	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1]   write jobs/NAME-Nn/{compile,run}.sbatch"
 	@echo "make recipe=NAME nodes=N plan [overrides='k=v ...']              layout, params, FLOPs, cost"
 	@echo "make demo        render a tiny recipe and run its run.sbatch locally (no Slurm, CPU)"
 	@echo "make test        lint + the whole test suite (unit, golden scripts, shellcheck, local launch)"
@@ -40,16 +41,17 @@ debian-tools:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends shellcheck >/dev/null; }
 
-sbatch: setup
+# Rendering needs only the venv (not shellcheck), so it also works on a login node without root.
+sbatch: $(STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...']" >&2; exit 2; }
-	@$(PY) -m trnrecipes sbatch --recipe "$$recipe" --nodes "$$nodes" --out "$$out" --overrides "$$overrides"
+	@$(PY) -m trnrecipes sbatch --recipe "$$recipe" --nodes "$$nodes" --out "$$out" --overrides "$$overrides" $${force:+--force}
 
-plan: setup
+plan: $(STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N plan [overrides='k=v ...']" >&2; exit 2; }
 	@$(PY) -m trnrecipes plan --recipe "$$recipe" --nodes "$$nodes" --overrides "$$overrides"
 
 demo: setup
-	$(PY) -m trnrecipes sbatch --recipe "$${recipe:-pythia-tiny}" --nodes 1 --out jobs/demo --overrides "$$overrides"
+	$(PY) -m trnrecipes sbatch --recipe "$${recipe:-pythia-tiny}" --nodes 1 --out jobs/demo --overrides "$$overrides" --force
 	bash jobs/demo/run.sbatch
 
 lint: setup

@@ -130,3 +130,27 @@ def test_small_pythia_recipes_are_the_published_models(name, params):
     with torch.device("meta"):
         hf_params = sum(p.numel() for p in transformers.GPTNeoXForCausalLM(cfg).parameters())
     assert param_count(m) == hf_params == params
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ("model.num_kv_heads=-2", "model.num_kv_heads: must be > 0, got -2"),
+        ("model.num_kv_heads=4", "layout.tp 8 must divide model.num_kv_heads 4"),
+        ("model.ffn_hidden_size=11004", "layout.tp 8 must divide model.ffn_hidden_size 11004"),
+        ("model.vocab_size=32001", "layout.tp 8 must divide model.vocab_size 32001"),
+        ("batch.seq_len=4092", "batch.seq_len 4092 must be divisible by layout.tp 8 with sequence parallelism"),
+        ("slurm.time_limit=00:03:00", "slurm.time_limit 00:03:00 leaves no time to train"),
+    ],
+)
+def test_tensor_parallel_and_time_limits_are_checked_at_render_time(overrides, message):
+    with pytest.raises(RecipeError) as err:
+        load_recipe("llama2-7b", nodes=1, overrides=overrides)
+    assert message in str(err.value)
+
+
+def test_null_override_clears_an_optional_text_field():
+    r = load_recipe("neox-tiny", overrides="slurm.partition=debug")
+    assert r.slurm.partition == "debug"
+    assert load_recipe("neox-tiny", overrides="slurm.partition=null run_dir=~").slurm.partition is None
+    assert load_recipe("neox-tiny", overrides="slurm.time_limit=1-00:00:00").slurm.time_limit == "1-00:00:00"

@@ -23,7 +23,8 @@ def test_sbatch_writes_the_job_dir_and_says_what_to_run_next(cli, tmp_path):
     out = tmp_path / "jobs" / "n20"
     done = cli("sbatch", "--recipe", "neox20b", "--nodes", "4", "--out", str(out))
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["compile.sbatch", "provenance.json", "recipe.yaml", "run.sbatch"]
+    names = ["compile.sbatch", "logs", "provenance.json", "recipe.yaml", "run.sbatch"]
+    assert sorted(p.name for p in out.iterdir()) == names
     assert os.access(out / "run.sbatch", os.X_OK)
     assert "TP 8 x PP 4 x DP 4" in done.stdout and f"sbatch --dependency=afterok:$id {out}/run.sbatch" in done.stdout
     prov = json.loads((out / "provenance.json").read_text())
@@ -33,12 +34,17 @@ def test_sbatch_writes_the_job_dir_and_says_what_to_run_next(cli, tmp_path):
     assert load_recipe(str(out / "recipe.yaml")) == load_recipe("neox20b", nodes=4)
 
 
-def test_rerendering_replaces_scripts_and_keeps_logs(cli, tmp_path):
+def test_rerendering_keeps_logs_and_needs_force_to_change_the_recipe(cli, tmp_path):
     out = tmp_path / "job"
     assert cli("sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out)).returncode == 0
-    (out / "logs").mkdir()
+    assert (out / "logs").is_dir()  # Slurm's --output needs it before the job starts
     (out / "logs" / "old.out").write_text("keep me")
-    done = cli("sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out), "--overrides", "optim.lr=1e-3")
+    assert cli("sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out)).returncode == 0  # same recipe
+    args = ["sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out), "--overrides", "optim.lr=1e-3"]
+    done = cli(*args)
+    assert done.returncode == 2 and "already holds a different recipe.yaml" in done.stderr
+    assert load_recipe(str(out / "recipe.yaml")).optim.lr == 3e-3  # untouched
+    done = cli(*args, "--force")
     assert done.returncode == 0, done.stderr
     assert (out / "logs" / "old.out").read_text() == "keep me"
     assert load_recipe(str(out / "recipe.yaml")).optim.lr == 1e-3

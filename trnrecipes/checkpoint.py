@@ -77,7 +77,10 @@ def verify(path: Path) -> dict:
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path}/manifest.json: unreadable ({err})") from None
-    for name, digest in manifest["files"].items():
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if manifest.get("format") != FORMAT or not isinstance(files, dict) or WEIGHTS not in files:
+        raise CheckpointError(f"{path}/manifest.json: not a format-{FORMAT} manifest listing {WEIGHTS}")
+    for name, digest in files.items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{file}: listed in the manifest but missing")

@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = verb("sbatch", _sbatch, "write a job dir: compile.sbatch, run.sbatch, recipe.yaml, provenance.json")
     recipe_args(sub)
     sub.add_argument("--out", default="", help="job directory (default: jobs/<recipe>-<nodes>n)")
+    sub.add_argument("--force", action="store_true", help="replace a job dir's recipe.yaml even if it differs")
 
     sub = verb("train", _train, "train from a resolved recipe (launched by run.sbatch under torchrun)")
     sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
@@ -111,7 +112,7 @@ def _sbatch(args: argparse.Namespace) -> int:
     job_dir = Path(args.out) if args.out else default_job_dir(recipe)
     job = render_job(recipe, job_dir, command)
     extra = {"provenance.json": provenance_json(provenance(job, command, find_recipe(args.recipe), args.overrides))}
-    write_job(job, extra)
+    write_job(job, extra, force=args.force)
     print(format_plan(plan(recipe)))
     print(f"\nwrote {job.job_dir}/: {', '.join(sorted(job.files | extra))}")
     print("next:")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from trnrecipes import REPO_ROOT
 from trnrecipes.checkpoint import read_model_checkpoint, write_model_checkpoint
 from trnrecipes.models import FAMILIES, family_of_hf_config, model_args, model_config_from_args
 from trnrecipes.recipe import RecipeError, load_recipe, recipe_from_dict
@@ -42,7 +43,12 @@ def from_hf(hf_dir: Path, out: Path, recipe_name: str | None = None) -> Path:
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise RecipeError(f"{config_file}: not found; --hf must be a Hugging Face model directory")
-    hf_config = json.loads(config_file.read_text())
+    if Path(out).exists():
+        raise RecipeError(f"{out} already exists; choose a new --out (checkpoints are never overwritten)")
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except ValueError as err:
+        raise RecipeError(f"{config_file}: not valid JSON ({err})") from None
     try:
         family = family_of_hf_config(hf_config)
         args = family.hf.args_from_hf_config(hf_config)
@@ -84,8 +90,9 @@ def to_hf(ckpt: Path, out: Path) -> Path:
     try:
         save_file(family.hf.state_dict_to_hf(state, args), tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(family.hf.hf_config_from_args(args), indent=2) + "\n")
-        if tokenizer_dir is None and Path(recipe.data.tokenizer).is_dir():
-            tokenizer_dir = Path(recipe.data.tokenizer)
+        recipe_tokenizer = REPO_ROOT / recipe.data.tokenizer  # recipe paths are relative to the checkout
+        if tokenizer_dir is None and recipe_tokenizer.is_dir():
+            tokenizer_dir = recipe_tokenizer
         for f in _tokenizer_files(tokenizer_dir) if tokenizer_dir else []:
             shutil.copy2(f, tmp / f.name)
         if out.exists():

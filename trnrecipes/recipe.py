@@ -221,6 +221,9 @@ def _typed_value(key: str, raw: str) -> Any:
             tp = None
             break
         tp = hints[part]
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+    if optional and raw in ("null", "~"):
+        return None  # `slurm.partition=null` clears it
     if tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp)):
         return raw
     try:
@@ -302,11 +305,22 @@ def check_recipe(r: Recipe) -> list[str]:
         m.hidden_size % m.num_heads == 0,
         f"model.hidden_size {m.hidden_size} is not divisible by num_heads {m.num_heads}",
     )
-    kv = m.num_kv_heads or m.num_heads
+    kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads
+    if kv <= 0:
+        return [*problems, f"model.num_kv_heads: must be > 0, got {kv}"]
     need(m.num_heads % kv == 0, f"model.num_kv_heads {kv} must divide num_heads {m.num_heads}")
     need(0.0 < m.rotary_pct <= 1.0, f"model.rotary_pct must be in (0, 1], got {m.rotary_pct}")
     need(b.seq_len <= m.max_seq_len, f"batch.seq_len {b.seq_len} exceeds model.max_seq_len {m.max_seq_len}")
-    need(m.num_heads % r.layout.tp == 0, f"layout.tp {r.layout.tp} must divide model.num_heads {m.num_heads}")
+    tp = r.layout.tp
+    need(m.num_heads % tp == 0, f"layout.tp {tp} must divide model.num_heads {m.num_heads}")
+    if m.family == "llama2":  # each rank holds whole KV groups (recipes/llama2/parallelize.py)
+        need(kv % tp == 0, f"layout.tp {tp} must divide model.num_kv_heads {kv}")
+    need(m.ffn_hidden_size % tp == 0, f"layout.tp {tp} must divide model.ffn_hidden_size {m.ffn_hidden_size}")
+    need(m.vocab_size % tp == 0, f"layout.tp {tp} must divide model.vocab_size {m.vocab_size} (vocab-parallel)")
+    need(
+        not r.layout.sequence_parallel or b.seq_len % tp == 0,
+        f"batch.seq_len {b.seq_len} must be divisible by layout.tp {tp} with sequence parallelism",
+    )
     need(m.num_layers % r.layout.pp == 0, f"layout.pp {r.layout.pp} must divide model.num_layers {m.num_layers}")
     need(not r.layout.sequence_parallel or r.layout.tp > 1, "layout.sequence_parallel needs layout.tp > 1")
     need(0.0 <= o.min_lr <= o.lr, f"optim.min_lr {o.min_lr} must be between 0 and optim.lr {o.lr}")
@@ -350,8 +364,20 @@ def check_recipe(r: Recipe) -> list[str]:
     t = r.slurm.time_limit
     need(t is None or bool(_SLURM_TIME.fullmatch(t)), f"slurm.time_limit {t!r}: expected [D-]HH:MM:SS")
     need(r.slurm.signal_seconds >= 60, f"slurm.signal_seconds must be >= 60, got {r.slurm.signal_seconds}")
+    if t is not None and _SLURM_TIME.fullmatch(t):
+        need(
+            _seconds(t) > r.slurm.signal_seconds + 300,
+            f"slurm.time_limit {t} leaves no time to train before the pre-timeout signal"
+            f" ({r.slurm.signal_seconds} s before the end); use more than {r.slurm.signal_seconds + 300} s",
+        )
     need(r.slurm.max_restarts >= 0, f"slurm.max_restarts must be >= 0, got {r.slurm.max_restarts}")
     return problems
+
+
+def _seconds(time_limit: str) -> int:
+    days, _, clock = time_limit.rpartition("-")
+    h, m, s = (int(x) for x in clock.split(":"))
+    return (int(days) if days else 0) * 86400 + h * 3600 + m * 60 + s
 
 
 def _is_plain_path(text: str) -> bool:

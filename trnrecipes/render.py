@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import tempfile
 import time
@@ -128,29 +129,41 @@ def _git(*args: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
-def write_job(job: Job, extra_files: dict[str, str]) -> None:
-    """Write the job dir. A new dir appears whole (temp dir + rename); in an existing one (logs of earlier runs,
-    the compile cache copy) each file is replaced atomically."""
+def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> None:
+    """Write the job dir. A new dir appears whole (temp dir + rename), with the logs/ dir Slurm's --output needs
+    (sbatch does not create it). In an existing dir (logs of earlier runs, the compile cache copy) each file is
+    replaced atomically; but queued and requeued jobs read recipe.yaml when they start, so a different recipe
+    replaces it only with force."""
     files = job.files | extra_files
     parent = job.job_dir.parent
     parent.mkdir(parents=True, exist_ok=True)
     if not job.job_dir.exists():
         tmp = Path(tempfile.mkdtemp(prefix=f".{job.job_dir.name}.", dir=parent))
         try:
+            tmp.chmod(0o755)  # mkdtemp makes it private
+            (tmp / "logs").mkdir()
             for name, text in files.items():
                 _write(tmp / name, text)
             os.replace(tmp, job.job_dir)
         except BaseException:
-            for child in tmp.iterdir():
-                child.unlink()
-            tmp.rmdir()
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
         return
+    current = job.job_dir / "recipe.yaml"
+    if not force and current.exists() and current.read_text() != files["recipe.yaml"]:
+        raise RecipeError(
+            f"{job.job_dir} already holds a different recipe.yaml, which queued or requeued jobs of it read when"
+            " they start; pass --force (make: force=1) to replace it, or --out for a new job dir"
+        )
+    (job.job_dir / "logs").mkdir(exist_ok=True)
     for name, text in files.items():
         fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", dir=job.job_dir)
         os.close(fd)
-        _write(Path(tmp_name), text)
-        os.replace(tmp_name, job.job_dir / name)
+        try:
+            _write(Path(tmp_name), text)
+            os.replace(tmp_name, job.job_dir / name)
+        finally:
+            Path(tmp_name).unlink(missing_ok=True)
 
 
 def _write(path: Path, text: str) -> None:
