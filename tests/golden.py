@@ -19,6 +19,7 @@ CASES: list[tuple[str, int]] = [
     ("neox20b", 1), ("neox20b", 4), ("neox20b", 16),
     ("pythia6.9b", 1), ("pythia6.9b", 4),
     ("llama2-7b", 1), ("llama2-7b", 16),
+    ("llama2-70b", 8),
     ("neox-tiny", 1), ("neox-tiny", 2),
     ("pythia-tiny", 1), ("pythia-tiny", 2),
     ("llama2-tiny", 1), ("llama2-tiny", 2),

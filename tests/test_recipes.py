@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from trnrecipes.layout import compute_layout, param_count
+from trnrecipes.layout import compute_layout, param_count, valid_node_counts
 from trnrecipes.recipe import RecipeError, known_recipes, load_recipe
 
-REAL = ("neox20b", "pythia6.9b", "llama2-7b")
+REAL = ("neox20b", "pythia6.9b", "llama2-7b", "llama2-70b")
 TINY = ("neox-tiny", "pythia-tiny", "llama2-tiny")
 
 
@@ -16,10 +16,11 @@ def test_the_catalogue_holds_every_recipe_named_in_the_design():
 
 
 @pytest.mark.parametrize("name", sorted(known_recipes()))
-def test_every_recipe_file_loads_and_lays_out_on_one_node(name):
-    recipe = load_recipe(name, nodes=1)
+def test_every_recipe_file_loads_and_lays_out_on_its_smallest_node_count(name):
+    recipe = load_recipe(name)
     assert recipe.name == name  # the file name is the recipe name users type
-    assert compute_layout(recipe).world_size >= 1
+    nodes = valid_node_counts(recipe)[0]
+    assert compute_layout(load_recipe(name, nodes=nodes)).world_size == nodes * recipe.workers_per_node
 
 
 @pytest.mark.parametrize("name", REAL)
@@ -38,14 +39,19 @@ def test_tiny_recipes_run_on_two_cpu_cores(name):
 
 @pytest.mark.parametrize(
     ("name", "params"),
-    [("pythia6.9b", 6_857_302_016), ("neox20b", 20_554_567_680), ("llama2-7b", 6_738_415_616)],
+    [
+        ("pythia6.9b", 6_857_302_016),
+        ("neox20b", 20_554_567_680),
+        ("llama2-7b", 6_738_415_616),
+        ("llama2-70b", 68_976_648_192),
+    ],
 )
 def test_parameter_counts_equal_the_published_ones(name, params):
     assert param_count(load_recipe(name).model) == params
 
 
 def test_layouts_as_in_the_anchor_scripts():
-    neox, pythia, llama = (load_recipe(n) for n in REAL)
+    neox, pythia, llama = (load_recipe(n) for n in REAL[:3])
     assert (neox.layout.tp, neox.layout.pp, neox.batch.seq_len, neox.batch.global_batch) == (8, 4, 2048, 256)
     assert (pythia.layout.tp, pythia.layout.pp, pythia.batch.seq_len, pythia.batch.global_batch) == (8, 1, 2048, 256)
     assert (llama.layout.tp, llama.layout.pp, llama.layout.sequence_parallel) == (8, 1, True)
