@@ -55,7 +55,6 @@ def test_logits_equal_hf_in_both_directions(head_dim, rotary_pct, parallel):
         assert rel_err(ours(tokens), want) < 1e-5
         # ours -> HF: a fresh HF model loaded from our weights gives the same logits again.
         back = hf.state_dict_to_hf(ours.state_dict(), ours.args)
-        assert all(torch.equal(back[k], v) for k, v in hf.state_dict_to_hf(ours.state_dict(), ours.args).items())
         fresh = transformers.GPTNeoXForCausalLM(reference.config).eval()
         fresh.load_state_dict({("lm_head.weight" if k == "embed_out.weight" else k): v for k, v in back.items()})
         assert rel_err(fresh(tokens).logits, want) < 1e-5

@@ -78,7 +78,7 @@ def verify(path: Path) -> dict:
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path}/manifest.json: unreadable ({err})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if manifest.get("format") != FORMAT or not isinstance(files, dict) or WEIGHTS not in files:
+    if not isinstance(files, dict) or manifest.get("format") != FORMAT or WEIGHTS not in files:
         raise CheckpointError(f"{path}/manifest.json: not a format-{FORMAT} manifest listing {WEIGHTS}")
     for name, digest in files.items():
         file = path / name

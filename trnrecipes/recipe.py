@@ -345,7 +345,7 @@ def check_recipe(r: Recipe) -> list[str]:
     need(r.cluster.workers_per_node is None or r.cluster.workers_per_node > 0, "cluster.workers_per_node must be > 0")
     need(r.cluster.price_per_hour is None or r.cluster.price_per_hour >= 0, "cluster.price_per_hour must be >= 0")
     need(
-        Path(r.compile.cache_dir).is_absolute() and _is_plain_path(r.compile.cache_dir),
+        Path(r.compile.cache_dir).is_absolute() and is_plain_path(r.compile.cache_dir),
         f"compile.cache_dir {r.compile.cache_dir!r} must be an absolute node-local path (e.g. /var/tmp/...):"
         " a relative one would land on the shared file system the job is submitted from",
     )
@@ -380,5 +380,6 @@ def _seconds(time_limit: str) -> int:
     return (int(days) if days else 0) * 86400 + h * 3600 + m * 60 + s
 
 
-def _is_plain_path(text: str) -> bool:
+def is_plain_path(text: str) -> bool:
+    """Letters, digits and . _ / + - only: safe where no shell quoting applies (#SBATCH lines, NEURON flags)."""
     return re.fullmatch(r"[A-Za-z0-9._/+-]+", text) is not None

@@ -23,12 +23,10 @@ import yaml
 from trnrecipes import REPO_ROOT, __version__
 from trnrecipes.layout import Layout, compute_layout
 from trnrecipes.neuron_env import backend_env, neuron_cc_flags
-from trnrecipes.recipe import Recipe, RecipeError
+from trnrecipes.recipe import Recipe, RecipeError, is_plain_path
 
 TEMPLATES_DIR = REPO_ROOT / "templates"
 SCRIPTS = ("compile.sbatch", "run.sbatch")
-# Paths that appear in #SBATCH lines, which sbatch reads without a shell: no quoting can protect them.
-_PLAIN_PATH = re.compile(r"/[A-Za-z0-9._/+-]*")
 
 
 @dataclass(frozen=True)
@@ -80,7 +78,8 @@ def render_job(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = RE
     """All files of a job dir as text. Paths are absolute so a script runs from anywhere, also under Slurm."""
     layout = compute_layout(recipe)
     job_dir = Path(os.path.abspath(job_dir))
-    if not _PLAIN_PATH.fullmatch(str(job_dir)):
+    # The job dir appears in #SBATCH lines, which sbatch reads without a shell: no quoting can protect it.
+    if not is_plain_path(str(job_dir)):
         raise RecipeError(
             f"job directory {str(job_dir)!r} must use only letters, digits and . _ / + - (Slurm reads it from"
             " #SBATCH lines, which no quoting protects); pass --out with a plain path"
