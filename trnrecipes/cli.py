@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.handler(args)
-    except RecipeError as err:
+    except RecipeError as err:  # and its kin (DataError, TokenizerError, CheckpointError): bad user input
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -69,9 +69,108 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--ckpt", required=True, help="checkpoint directory")
     sub.add_argument("--out", required=True, help="new HF model directory")
 
+    data = verb("data", None, "corpora: raw text -> Arrow, text -> Megatron .bin/.idx, the demo corpus")
+    actions = data.add_subparsers(required=True, metavar="ACTION")
+    sub = actions.add_parser("to-arrow", help="jsonl / txt / text dir / datasets.save_to_disk dir -> one Arrow file")
+    sub.set_defaults(handler=_to_arrow)
+    sub.add_argument("--in", dest="inputs", required=True, nargs="+", help="input file(s) or directories")
+    sub.add_argument("--out", required=True, help="output .arrow file")
+    _text_args(sub)
+    sub = actions.add_parser("preprocess", help="tokenize into Megatron/NeMo PREFIX.bin + PREFIX.idx (EOS appended)")
+    sub.set_defaults(handler=_preprocess)
+    sub.add_argument("--in", dest="inputs", required=True, nargs="+", help="input file(s) or dirs (as to-arrow)")
+    sub.add_argument("--tokenizer", required=True, help="tokenizer directory (tokenizer.json)")
+    sub.add_argument("--out", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
+    sub.add_argument("--dtype", default="auto", help="token dtype: auto (uint16 if the vocab fits), uint16, int32")
+    _text_args(sub)
+    sub = actions.add_parser("prepare-demo", help="the demo corpus and tokenizers under data/ (make setup runs it)")
+    sub.set_defaults(handler=_prepare_demo)
+
+    tokenizer = verb("tokenizer", None, "make tokenizer directories (HF tokenizer.json) for recipes")
+    actions = tokenizer.add_subparsers(required=True, metavar="ACTION")
+    sub = actions.add_parser("train", help="train a Llama-style sentencepiece BPE (byte fallback) on text")
+    sub.set_defaults(handler=_tokenizer_train)
+    sub.add_argument("--in", dest="inputs", required=True, nargs="+", help="input file(s) or dirs (as to-arrow)")
+    sub.add_argument("--vocab-size", required=True, type=int, help="vocabulary size, e.g. 32000")
+    sub.add_argument("--out", required=True, help="output tokenizer directory")
+    _text_args(sub)
+    sub = actions.add_parser("from-gpt2", help="GPT-2 BPE from vocab (encoder.json) and merges (vocab.bpe) files")
+    sub.set_defaults(handler=_tokenizer_from_gpt2)
+    sub.add_argument("--vocab", required=True, help="encoder.json / vocab.json")
+    sub.add_argument("--merges", required=True, help="vocab.bpe / merges.txt")
+    sub.add_argument("--out", required=True, help="output tokenizer directory")
+
     sub = verb("health", _health, "per-rank device sanity check (run.sbatch runs it before training)")
     sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
     return parser
+
+
+def _text_args(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--text-field", default="text", help="JSON field / column holding the text (default: text)")
+    sub.add_argument(
+        "--on-bad-utf8", choices=["skip", "fail"], default="skip", help="undecodable bytes: skip and count, or fail"
+    )
+
+
+def _report_conversion(stats, out: str) -> None:
+    print(f"wrote {out}: {stats.documents} documents", end="")
+    skipped = [(stats.skipped_empty, "empty"), (stats.skipped_bad_utf8, "undecodable UTF-8")]
+    print("".join(f", skipped {n} {why}" for n, why in skipped if n))
+    if stats.bad_examples:
+        print(f"  undecodable: {', '.join(stats.bad_examples)}{' ...' if stats.skipped_bad_utf8 > 5 else ''}")
+
+
+def _to_arrow(args: argparse.Namespace) -> int:
+    from trnrecipes.data.arrow import to_arrow
+
+    stats = to_arrow([Path(p) for p in args.inputs], Path(args.out), args.text_field, args.on_bad_utf8)
+    _report_conversion(stats, args.out)
+    return 0
+
+
+def _preprocess(args: argparse.Namespace) -> int:
+    from trnrecipes.data.indexed import preprocess
+    from trnrecipes.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    inputs = [Path(p) for p in args.inputs]
+    stats, tokens = preprocess(inputs, tok, Path(args.out), args.text_field, args.dtype, args.on_bad_utf8)
+    _report_conversion(stats, f"{args.out}.bin/.idx")
+    print(f"  {tokens:,} tokens ({tok.engine} engine, EOS {tok.eos_id} after each document)")
+    return 0
+
+
+def _prepare_demo(args: argparse.Namespace) -> int:
+    from trnrecipes import REPO_ROOT
+    from trnrecipes.data.demo import prepare_demo
+
+    prepare_demo(REPO_ROOT)
+    return 0
+
+
+def _tokenizer_train(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from trnrecipes.data.arrow import read_arrow, to_arrow
+    from trnrecipes.data.tokenizer import load_tokenizer, train_sentencepiece
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "corpus.arrow"
+        to_arrow([Path(p) for p in args.inputs], corpus, args.text_field, args.on_bad_utf8, progress=False)
+        lines = (line for doc in read_arrow(corpus).to_pylist() for line in doc.splitlines())
+        train_sentencepiece(lines, args.vocab_size, Path(args.out))
+    tok = load_tokenizer(args.out)
+    print(f"wrote {args.out}: sentencepiece BPE, {tok.vocab_size} ids, eos {tok.eos_id}")
+    return 0
+
+
+def _tokenizer_from_gpt2(args: argparse.Namespace) -> int:
+    from trnrecipes.data.tokenizer import from_gpt2_files, load_tokenizer
+
+    from_gpt2_files(Path(args.vocab), Path(args.merges), Path(args.out))
+    tok = load_tokenizer(args.out)
+    print(f"wrote {args.out}: GPT-2 BPE, {tok.vocab_size} ids, eos {tok.eos_id}, engine {tok.engine}")
+    return 0
 
 
 def _recipes(args: argparse.Namespace) -> int:

@@ -1,0 +1,116 @@
+"""Megatron / NeMo .bin/.idx token files, written and read with megatron-core's IndexedDataset (seed 004).
+
+`preprocess` writes one sequence per document, EOS appended (Megatron's preprocess_data.py --append-eod), so the
+reader uses documents as stored. Documents made of several sequences (sentence-split data) are concatenated.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from trnrecipes.data.arrow import ConversionStats, DataError, _documents, _expand, _progress
+
+DTYPES = {"uint16": np.uint16, "int32": np.int32}
+
+
+def _megatron():
+    # megatron.core's package import warns about missing Apex / Transformer Engine, irrelevant to token files.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
+
+def token_dtype(vocab_size: int, requested: str = "auto") -> type[np.number]:
+    if requested == "auto":
+        return np.uint16 if vocab_size <= 65536 else np.int32
+    if requested not in DTYPES:
+        raise DataError(f"token dtype {requested!r} is not one of: auto, {', '.join(DTYPES)}")
+    dtype = DTYPES[requested]
+    if vocab_size - 1 > np.iinfo(dtype).max:
+        raise DataError(
+            f"the tokenizer's vocabulary ({vocab_size} ids) does not fit in {requested}"
+            f" (max id {np.iinfo(dtype).max}); use int32 or auto"
+        )
+    return dtype
+
+
+def preprocess(
+    inputs: list[Path],
+    tokenizer,
+    out_prefix: Path,
+    text_field: str = "text",
+    dtype: str = "auto",
+    on_bad_utf8: str = "skip",
+    progress: bool = True,
+    block: int = 256,
+) -> tuple[ConversionStats, int]:
+    """Tokenize every document of `inputs` into out_prefix.bin/.idx. Returns (stats, tokens written)."""
+    indexed_dataset = _megatron()
+    np_dtype = token_dtype(tokenizer.vocab_size, dtype)
+    files = [item for path in inputs for item in _expand(Path(path))]
+    out_prefix = Path(out_prefix)
+    out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    tmp_prefix = out_prefix.with_name(f".{out_prefix.name}.tmp{os.getpid()}")
+    stats, total = ConversionStats(), 0
+    builder = indexed_dataset.IndexedDatasetBuilder(f"{tmp_prefix}.bin", dtype=np_dtype)
+    try:
+        docs = _progress(_documents(files, text_field, on_bad_utf8, stats), progress, "documents")
+        for texts in _blocks(docs, block, stats):
+            for ids in tokenizer.encode_batch(texts):
+                doc = np.append(ids, tokenizer.eos_id)
+                builder.add_document(doc, [len(doc)])  # numpy is fine: it calls numpy.array(doc, dtype)
+                total += len(doc)
+                stats.documents += 1
+        builder.finalize(f"{tmp_prefix}.idx")
+        if stats.documents == 0:
+            raise DataError(f"no documents in {', '.join(map(str, inputs))}: every input was empty")
+        os.replace(f"{tmp_prefix}.bin", f"{out_prefix}.bin")  # .bin first: a reader opens the .idx
+        os.replace(f"{tmp_prefix}.idx", f"{out_prefix}.idx")
+    finally:
+        for suffix in (".bin", ".idx"):
+            if os.path.exists(f"{tmp_prefix}{suffix}"):
+                os.unlink(f"{tmp_prefix}{suffix}")
+    return stats, total
+
+
+def _blocks(docs: Iterator[str], size: int, stats: ConversionStats) -> Iterator[list[str]]:
+    block: list[str] = []
+    for text in docs:
+        if not text.strip():
+            stats.skipped_empty += 1
+            continue
+        block.append(text)
+        if len(block) == size:
+            yield block
+            block = []
+    if block:
+        yield block
+
+
+class IndexedDocuments:
+    """Pre-tokenized documents of a .bin/.idx pair, memory-mapped by megatron-core."""
+
+    def __init__(self, prefix: Path):
+        prefix = Path(prefix)
+        for suffix in (".bin", ".idx"):
+            if not Path(f"{prefix}{suffix}").is_file():
+                raise DataError(
+                    f"Megatron data {prefix}{suffix} does not exist (`trnrecipes data preprocess` makes it)"
+                )
+        self.dataset = _megatron().IndexedDataset(str(prefix))
+        self.doc_starts = np.asarray(self.dataset.document_indices)
+        self.num_docs = len(self.doc_starts) - 1
+
+    def tokens(self, doc_ids: list[int]) -> list[np.ndarray]:
+        out = []
+        for d in doc_ids:
+            first, last = int(self.doc_starts[d]), int(self.doc_starts[d + 1])
+            seqs = [self.dataset[i] for i in range(first, last)]
+            out.append(np.concatenate(seqs).astype(np.int64) if seqs else np.empty(0, np.int64))
+        return out
