@@ -17,7 +17,7 @@ override overrides := $(value overrides)
 override force := $(value force)
 export recipe nodes out overrides force
 
-.PHONY: help setup debian-tools data sbatch plan demo test lint format golden bench clean
+.PHONY: help setup debian-tools data xla-venv sbatch plan demo test lint format golden bench clean
 
 help:
 	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1]   write jobs/NAME-Nn/{compile,run}.sbatch"
@@ -41,6 +41,19 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[train,dev]'
+	@touch $@
+
+# torch-xla's newest wheel (2.9.0) needs torch 2.9.0, so the xla backend gets its own venv: the same pins as
+# .[train] except torch (a ~4 GB CUDA build on PyPI; PJRT runs it on CPU here). The xla tests run in it.
+XLA_VENV := .venv-xla
+XLA_STAMP := $(XLA_VENV)/.installed
+xla-venv: $(XLA_STAMP)
+$(XLA_STAMP): pyproject.toml
+	@test -x $(XLA_VENV)/bin/python || python3 -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(XLA_VENV)/bin/python -m pip install --quiet torch==2.9.0 torch-xla==2.9.0 \
+	  $$(python3 tests/xla_requirements.py pyproject.toml)
+	$(XLA_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	@touch $@
 
 # shellcheck checks every generated script in the tests; Debian's package, installed once per machine.
@@ -70,7 +83,7 @@ format: setup
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
-test: lint
+test: lint xla-venv
 	$(PY) -m pytest
 
 golden: setup

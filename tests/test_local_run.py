@@ -45,15 +45,17 @@ def test_run_sbatch_runs_locally_with_quoted_paths(tmp_path):
         "--out",
         str(job),
         "--overrides",
-        shlex.quote(f"run_dir={run_dir}"),
+        f"{shlex.quote(f'run_dir={run_dir}')} train.max_steps=6 train.val_every=3 checkpoint.every_steps=3",
     )
     assert done.returncode == 0, done.stderr
     done = _bash(job / "run.sbatch")
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert len(re.findall(r"\[health\] .* rank [01]/2: cpu matmul 512\^3 ok", out)) == 2
-    assert "launch verified, 2 ranks = DP 2 x TP 1 x PP 1" in out
+    assert "train: neox-tiny on cpu, 2 rank(s) = DP 2 x TP 1" in out
+    assert re.search(r"step 6/6 \| loss [0-9.]+ \| val [0-9.]+", out)
     assert "training exited with status 0" in out
+    assert (run_dir / "checkpoints/step_6/done").exists() and (run_dir / "metrics.jsonl").exists()
     job_id = re.search(r"run job (local-[0-9-]+) restart 0", out).group(1)
     # Logs carry the job id (and, per attempt, the restart count).
     assert (job / "logs" / f"neox-tiny-1n-{job_id}.out").read_text() == out
@@ -66,7 +68,8 @@ def test_compile_sbatch_runs_locally(tmp_path):
     assert run_cli("sbatch", "--recipe", "llama2-tiny", "--nodes", "1", "--out", str(job)).returncode == 0
     done = _bash(job / "compile.sbatch")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "compile: launch verified, 2 ranks" in done.stdout and "compile job local-" in done.stdout
+    assert "compile (tracing every graph; nothing is written): llama2-tiny on cpu, 2 rank(s)" in done.stdout
+    assert "compile job local-" in done.stdout and "step 2/2" in done.stdout
 
 
 def test_a_multi_node_job_refuses_to_run_outside_slurm(tmp_path):
@@ -82,4 +85,4 @@ def test_a_world_size_that_does_not_match_the_layout_fails_before_training(tmp_p
     assert run_cli("sbatch", "--recipe", "neox-tiny", "--nodes", "1", "--out", str(job)).returncode == 0
     done = run_cli("train", "--config", str(job / "recipe.yaml"), env={"WORLD_SIZE": "3", "RANK": "0"})
     assert done.returncode == 2
-    assert "launched with 3 rank(s), but recipe neox-tiny at 1 node(s) x 2 workers needs 2" in done.stderr
+    assert "launched with 3 rank(s), but recipe neox-tiny at 1 node(s) needs 2 (DP 2 x TP 1 x PP 1)" in done.stderr

@@ -22,7 +22,10 @@ def test_make_demo_renders_and_runs_a_tiny_recipe_locally():
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (REPO / "jobs" / "demo" / "run.sbatch").exists()
-    assert "launch verified, 2 ranks" in done.stdout and "training exited with status 0" in done.stdout
+    assert "train: pythia-tiny on cpu, 2 rank(s)" in done.stdout and "training exited with status 0" in done.stdout
+    losses = [float(x) for x in re.findall(r"step +\d+/\d+ \| loss ([0-9.]+)", done.stdout)]
+    vals = [float(x) for x in re.findall(r"\| val ([0-9.]+)", done.stdout)]
+    assert len(losses) >= 10 and vals[-1] < losses[0] - 2.0  # it learned: held-out loss far below the start
 
 
 def test_plan_example_in_readme_reproduces_table_1():

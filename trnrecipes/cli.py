@@ -56,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = verb("train", _train, "train from a resolved recipe (launched by run.sbatch under torchrun)")
     sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
     sub.add_argument("--compile", action="store_true", help="trace every graph in a few steps, write nothing")
+    sub.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.max_steps=20")
+
+    sub = verb("plot", _plot, "PNG curves of loss, grad norm and param norm; two run dirs are overlaid")
+    sub.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one or two run directories (metrics.jsonl)")
+    sub.add_argument("--out", help="where the PNGs go (default: RUN_DIR/plots)")
 
     convert = verb("convert", None, "convert between Hugging Face model directories and trnrecipes checkpoints")
     directions = convert.add_subparsers(required=True, metavar="DIRECTION")
@@ -223,18 +228,24 @@ def _sbatch(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from trnrecipes.launch import verify_launch
+    from trnrecipes.train.loop import train
 
-    recipe = load_recipe(args.config)
-    ctx = verify_launch(recipe)
-    if ctx.rank == 0:
-        mode = "compile" if args.compile else "train"
-        print(
-            f"[trnrecipes] {mode}: launch verified, {ctx.world_size} ranks = DP {ctx.layout.dp} x TP {ctx.layout.tp}"
-            f" x PP {ctx.layout.pp}; the step loop is not built yet (issue #5), so nothing was trained",
-            flush=True,
-        )
-    ctx.close()
+    recipe = load_recipe(args.config, overrides=args.overrides)
+    result = train(recipe, compile_only=args.compile)
+    return 0 if result.losses or args.compile else 1
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from trnrecipes.train.plot import plot_runs
+
+    if len(args.run_dirs) > 2:
+        raise RecipeError(f"plot takes one or two run dirs, got {len(args.run_dirs)}")
+    missing = [d for d in args.run_dirs if not (Path(d) / "metrics.jsonl").is_file()]
+    if missing:
+        raise RecipeError(f"no metrics.jsonl in {', '.join(missing)}: not a training run directory")
+    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "plots"
+    for path in plot_runs([Path(d) for d in args.run_dirs], out):
+        print(f"wrote {path}")
     return 0
 
 

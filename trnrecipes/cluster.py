@@ -31,8 +31,10 @@ INSTANCES: dict[str, Instance] = {
         Instance("trn2.48xlarge", "NeuronCore-v3 (LNC=2)", 64, 16 * 667.0, 16 * 96, 3200, 44.70, ("neuron",)),
         Instance("p4d.24xlarge", "A100-40GB", 8, 8 * 312.0, 8 * 40, 400, 32.77, ("cuda", "xla")),
         Instance("p5.48xlarge", "H100-80GB", 8, 8 * 989.0, 8 * 80, 3200, 55.04, ("cuda", "xla")),
-        # A laptop or CI box: two CPU worker processes; peak is a nominal 2-core AVX2 figure, price zero.
-        Instance("local-cpu", "CPU", 2, 0.1, 0, 0, 0.0, ("cpu", "xla")),
+        # A laptop or CI box: two CPU worker processes, price zero. Peak: fp32, since CPUs without AVX512-BF16 run
+        # bf16 matmuls far slower than fp32: 2 cores x 2 FMA units x 8 lanes x 2 FLOPs x ~3 GHz = 0.19 TFLOP/s
+        # (torch reaches 0.17 on a 2048^3 fp32 matmul on the CI machines).
+        Instance("local-cpu", "CPU", 2, 0.19, 0, 0, 0.0, ("cpu", "xla")),
     )
 }
 

@@ -80,6 +80,7 @@ class TrainConfig:
     log_every: int = 1
     val_every: int = 1000
     val_batches: int = 8
+    init_from: str | None = None  # a trnrecipes checkpoint to fine-tune from (HF models: `convert from-hf` first)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,119 @@
+"""The training engine on CPU: loss falls for every tiny recipe, DP/TP gradient averaging, bf16 + stochastic
+rounding, stop requests and compile mode. Real data (the demo corpus), real torchrun for the 2-process cases."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+
+from trnrecipes.recipe import load_recipe
+from trnrecipes.train.loop import Trainer
+
+pytestmark = pytest.mark.slow
+
+# Small enough for 2 cores: one process, short sequences.
+FAST = ["cluster.workers_per_node=1", "batch.seq_len=64", "batch.global_batch=4", "batch.micro_batch=2"]
+
+
+def run(name: str, tmp_path: Path, *overrides: str, steps: int = 25):
+    recipe = load_recipe(name, overrides=[*FAST, f"train.max_steps={steps}", f"run_dir={tmp_path}", *overrides])
+    trainer = Trainer(recipe)
+    try:
+        return trainer.run(), trainer
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("name", ["pythia-tiny", "neox-tiny", "llama2-tiny"])
+def test_tiny_recipes_learn_the_demo_corpus(name: str, tmp_path: Path):
+    result, _ = run(name, tmp_path, "train.val_every=25", "train.log_every=5", steps=40)
+    first, last = result.losses[0], sum(result.losses[-5:]) / 5
+    assert last < first - 1.5, result.losses  # nats: from uniform over the vocabulary to clearly better
+    assert result.val_losses[40] < first - 1.0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 41))
+    assert {"loss", "grad_norm", "lr", "tokens_per_s", "seq_per_s", "mfu", "tokens_per_dollar"} <= set(records[0])
+    assert "param_norm" in records[4] and records[-1]["val_loss"] == result.val_losses[40]
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    (ckpt,) = result.checkpoints
+    assert ckpt.name == "step_40" and (ckpt / "done").exists() and (ckpt / "tokenizer/tokenizer.json").exists()
+
+
+def _torchrun(tmp_path: Path, name: str, overrides: list[str], nproc: int) -> dict:
+    out = tmp_path / f"{name}-{nproc}-{abs(hash(tuple(overrides)))}.pt"
+    worker = [str(REPO / "tests/train_worker.py"), str(out), name, *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, *worker]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+               "--rdzv-endpoint=127.0.0.1:0", *worker]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+def test_dp2_equals_dp1_with_doubled_accumulation_and_tp_averages_over_dp_only(tmp_path: Path):
+    # eps 1e-4: Adam turns a grad of 1e-9 and one of -1e-9 (reduction-order noise) into opposite full-size steps
+    common = ["batch.seq_len=32", "batch.global_batch=8", "batch.micro_batch=2", "optim.clip_grad_norm=0",
+              "optim.eps=1e-4"]  # fmt: skip
+    dp1 = _torchrun(tmp_path, "pythia-tiny", [*common, "cluster.workers_per_node=1"], 1)  # accum 4
+    dp2 = _torchrun(tmp_path, "pythia-tiny", [*common, "cluster.workers_per_node=2"], 2)  # DP 2 x accum 2
+    tp2 = _torchrun(tmp_path, "pythia-tiny", [*common, "cluster.workers_per_node=2", "layout.tp=2"], 2)  # accum 4
+    for other in (dp2, tp2):
+        for name, grad in dp1["grads"].items():
+            # a TP run averaging over the world (2) instead of DP (1) would give half of these gradients
+            torch.testing.assert_close(other["grads"][name], grad, rtol=2e-4, atol=2e-6, msg=name)
+        assert other["norms"] == pytest.approx(dp1["norms"], rel=1e-4)
+        for name, p in dp1["params"].items():
+            torch.testing.assert_close(other["params"][name], p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_bf16_stochastic_rounding_tracks_fp32_better_than_round_to_nearest(tmp_path: Path):
+    # bf16 matmuls are slow on CPUs without AVX512-BF16: a very small llama2 keeps this test short.
+    small = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2",
+             "model.ffn_hidden_size=128", "batch.seq_len=32", "optim.lr=3e-4", "optim.warmup_steps=0",
+             "train.val_every=1000", "checkpoint.every_steps=1000"]  # fmt: skip
+    curves = {}
+    for label, precision in [("fp32", ["precision.dtype=fp32"]), ("rtn", ["precision.dtype=bf16"]),
+                             ("sr", ["precision.dtype=bf16", "precision.stochastic_rounding=true"])]:  # fmt: skip
+        result, _ = run("llama2-tiny", tmp_path / label, *small, *precision, steps=40)
+        curves[label] = torch.tensor(result.losses)
+    gap_sr = (curves["sr"] - curves["fp32"]).abs().mean()
+    gap_rtn = (curves["rtn"] - curves["fp32"]).abs().mean()
+    print(f"mean |loss - fp32 loss|: bf16+SR {gap_sr:.4f}, bf16 round-to-nearest {gap_rtn:.4f}")
+    assert gap_sr < gap_rtn, (gap_sr, gap_rtn, curves)
+
+
+def test_stop_file_saves_and_exits_early(tmp_path: Path, monkeypatch):
+    stop = tmp_path / ".stop-123"
+    stop.write_text("")
+    monkeypatch.setenv("TRNRECIPES_STOP_FILE", str(stop))
+    result, _ = run("llama2-tiny", tmp_path, steps=10)
+    assert result.stopped_early and len(result.losses) == 1
+    assert (tmp_path / "checkpoints/step_1/done").exists()
+    assert Path(f"{stop}.saved").read_text() == "1\n"
+
+
+def test_compile_mode_traces_validation_and_checkpoint_but_writes_nothing(tmp_path: Path, cli):
+    config = tmp_path / "recipe.yaml"
+    recipe = load_recipe("llama2-tiny", overrides=[*FAST, f"run_dir={tmp_path / 'run'}", "compile.steps=2"])
+    import yaml
+
+    config.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    done = cli("train", "--config", str(config), "--compile")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "step 1/2" in done.stdout and "val" in done.stdout
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("*"))
+
+
+def test_train_refuses_a_world_size_that_is_not_the_layout(tmp_path: Path, cli):
+    done = cli("train", "--config", "pythia-tiny", f"run_dir={tmp_path}")
+    assert done.returncode == 2
+    assert "launched with 1 rank(s), but recipe pythia-tiny at 1 node(s) needs 2" in done.stderr

@@ -1,0 +1,45 @@
+"""Run under torchrun (or alone) by tests/test_train.py: a few optimizer steps of a tiny recipe on FIXED micro-batches
+through the real Trainer, saving the averaged full gradients of the first step, the grad norms and the final weights.
+
+    python tests/train_worker.py OUT.pt RECIPE [k=v ...]
+Micro-batch i of a step is the same for every layout: a DP rank takes its contiguous share of the step's batches.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from trnrecipes.layout import compute_layout
+from trnrecipes.recipe import load_recipe
+from trnrecipes.train.loop import Trainer, _full
+
+
+def main() -> None:
+    out, name, *overrides = sys.argv[1:]
+    recipe = load_recipe(name, overrides=overrides)
+    trainer = Trainer(recipe, run_dir=None)
+    layout = compute_layout(recipe)
+    micro, seq = recipe.batch.micro_batch, recipe.batch.seq_len
+    per_step = layout.grad_accum * layout.dp
+    gen = torch.Generator().manual_seed(42)
+    steps = 3
+    all_batches = torch.randint(0, 4000, (steps, per_step, micro, seq + 1), generator=gen)
+    first_grads, norms = {}, []
+    for step in range(steps):
+        first = trainer.ddp.dp_rank * layout.grad_accum
+        mine = all_batches[step, first : first + layout.grad_accum]
+        trainer.accumulate(iter(mine), layout.grad_accum)
+        norms.append(float(trainer.reduce_and_clip()))
+        if step == 0:
+            first_grads = {n: _full(p.grad).detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.optimizer_step(step)
+    params = trainer.full_state_dict()  # a collective under TP: every rank takes part
+    if trainer.ddp.rank == 0:
+        torch.save({"grads": first_grads, "norms": norms, "params": params}, out)
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()

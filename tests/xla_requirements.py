@@ -1,0 +1,11 @@
+"""Print the project's pins and its .[train] pins minus torch and what needs torch 2.13 (for .venv-xla)."""
+
+import sys
+import tomllib
+
+SKIP = ("torch==", "megatron-core==")  # torch comes as 2.9.0 with torch-xla; megatron-core is not used on xla
+
+with open(sys.argv[1], "rb") as f:
+    project = tomllib.load(f)["project"]
+deps = project["dependencies"] + project["optional-dependencies"]["train"]
+print(" ".join(d for d in deps if not d.startswith(SKIP)))

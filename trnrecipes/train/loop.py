@@ -1,0 +1,363 @@
+"""The step loop: the same code on cpu, cuda, xla and neuron (seed 000's XLA discipline applied everywhere).
+
+One optimizer step = grad_accum micro-batches of fixed shape [micro_batch, seq_len + 1] (forward + backward, a
+graph cut after each), gradients averaged over the DATA-parallel group only (dividing by the world size under TP
+is seed 002's divergence bug), the global grad norm across TP shards, clipping, AdamW, and a graph cut after the
+optimizer step. Validation and checkpoint passes use the same fixed shapes, so XLA compiles nothing new after the
+first of each.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import inspect
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from trnrecipes import REPO_ROOT
+from trnrecipes.data import open_corpus
+from trnrecipes.data.pack import PackedStream, Prefetcher, StreamPosition, batches, split_documents
+from trnrecipes.layout import compute_layout, plan
+from trnrecipes.models import build_model
+from trnrecipes.recipe import Recipe, RecipeError
+from trnrecipes.train.backends import Backend, make_backend
+from trnrecipes.train.monitor import Metrics, SpikeDetector, progress_line
+from trnrecipes.train.optim import AdamW, lr_at, no_decay_params
+
+
+@dataclass
+class RunResult:
+    losses: list[float] = field(default_factory=list)  # per optimizer step, averaged over DP
+    val_losses: dict[int, float] = field(default_factory=dict)
+    compilations: list[int | None] = field(default_factory=list)  # XLA compile counter after each step
+    checkpoints: list[Path] = field(default_factory=list)
+    stopped_early: bool = False
+    position: StreamPosition | None = None
+
+
+class Distributed:
+    """Ranks laid out [dp, tp] with TP fastest (TP groups within a node). Single process: no process group."""
+
+    def __init__(self, recipe: Recipe, backend: Backend):
+        layout = compute_layout(recipe)
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        if self.world != layout.world_size:
+            raise RecipeError(
+                f"launched with {self.world} rank(s), but recipe {recipe.name} at {layout.nodes} node(s) needs"
+                f" {layout.world_size} (DP {layout.dp} x TP {layout.tp} x PP {layout.pp}); use its run.sbatch"
+            )
+        if layout.pp > 1 and backend.name != "neuron":
+            raise RecipeError(f"pipeline parallelism (pp {layout.pp}) is only built for the neuron backend")
+        self.dp, self.tp = layout.dp, layout.tp
+        self.dp_rank, self.tp_rank = self.rank // self.tp, self.rank % self.tp
+        self.mesh = self.dp_group = None
+        if self.world > 1:
+            if not dist.is_initialized():
+                dist.init_process_group(backend.dist_backend, rank=self.rank, world_size=self.world)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh(backend.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+            self.dp_group = self.mesh["dp"].get_group()
+
+    def average_over_dp(self, tensors: list[torch.Tensor]) -> None:
+        """In place: the mean over the data-parallel replicas (never over TP ranks, which hold different shards)."""
+        if self.dp == 1 or not tensors:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.dp
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def any_rank(self, flag: bool) -> bool:
+        if self.world == 1:
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def build(recipe: Recipe, backend: Backend, ddp: Distributed) -> torch.nn.Module:
+    torch.manual_seed(recipe.train.seed)
+    model = build_model(recipe.model, "cpu")  # every rank builds the same full weights, then keeps its shard
+    if recipe.train.init_from:
+        from trnrecipes.checkpoint import read_model_checkpoint
+
+        ckpt_recipe, state, _ = read_model_checkpoint(Path(recipe.train.init_from))
+        if ckpt_recipe.model != recipe.model:
+            raise RecipeError(
+                f"train.init_from {recipe.train.init_from}: its model section differs from this recipe's"
+                f" ({ckpt_recipe.model} vs {recipe.model})"
+            )
+        model.load_state_dict(state)
+    else:
+        model.init_weights(torch.Generator().manual_seed(recipe.train.seed))
+    if recipe.precision.dtype == "bf16":
+        model.to(torch.bfloat16)  # weights themselves in bf16 (no fp32 master copy)
+    model.to(backend.device)
+    if ddp.tp > 1:
+        from trnrecipes.parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, ddp.mesh["tp"], recipe.model.family, recipe.layout.sequence_parallel)
+    return model
+
+
+def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    if "labels" in inspect.signature(model.forward).parameters:
+        return model(inputs, labels=labels)  # fused head + cross-entropy: no full logits kept
+    logits = model(inputs)
+    return F.cross_entropy(_full(logits).float().flatten(0, 1), labels.flatten())
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, compile_only: bool = False, run_dir: Path | None = None, log=print):
+        self.recipe, self.compile_only = recipe, compile_only
+        self.backend = make_backend(recipe.cluster.backend, int(os.environ.get("LOCAL_RANK", "0")))
+        self.ddp = Distributed(recipe, self.backend)
+        self.layout = compute_layout(recipe)
+        self.log = log if self.ddp.rank == 0 else (lambda *a, **k: None)
+        env_dir = os.environ.get("TRNRECIPES_RUN_DIR")
+        default = Path(recipe.run_dir) if recipe.run_dir else Path("runs") / recipe.job_name
+        self.run_dir = Path(run_dir or env_dir or default)
+        if not self.run_dir.is_absolute():
+            self.run_dir = REPO_ROOT / self.run_dir
+        self.model = build(recipe, self.backend, self.ddp)
+        self.optimizer = AdamW(
+            list(self.model.parameters()),
+            recipe.optim,
+            no_decay_params(self.model, recipe.optim.decay_norms_and_biases),
+            stochastic_rounding=recipe.precision.stochastic_rounding and recipe.precision.dtype == "bf16",
+            seed=recipe.train.seed + self.ddp.rank,
+        )
+        self._open_data()
+
+    # ------------------------------------------------------------------ data
+    def _open_data(self) -> None:
+        d, b = self.recipe.data, self.recipe.batch
+        self.documents, self.tokenizer = open_corpus(d.format, d.path, d.tokenizer, d.text_field, REPO_ROOT)
+        if self.tokenizer.vocab_size > self.recipe.model.vocab_size:
+            raise RecipeError(
+                f"tokenizer {d.tokenizer} has {self.tokenizer.vocab_size} ids but model.vocab_size is"
+                f" {self.recipe.model.vocab_size}"
+            )
+        seed = self.recipe.train.seed
+        self.train_docs, self.val_docs = split_documents(self.documents.num_docs, d.val_fraction, seed)
+        # Validation: the same fixed batches every time (a fresh stream from its start), split over DP ranks.
+        val_dp = min(self.ddp.dp, len(self.val_docs)) if len(self.val_docs) else 0
+        self.val_batches: list[torch.Tensor] = []
+        if val_dp and self.ddp.dp_rank < val_dp:
+            stream = PackedStream(self.documents, self.val_docs, b.seq_len, 0, self.ddp.dp_rank, val_dp)
+            it = batches(stream, b.micro_batch)
+            self.val_batches = [torch.from_numpy(next(it)[0]) for _ in range(self.recipe.train.val_batches)]
+
+    def _train_loader(self, start: StreamPosition | None):
+        b, ddp = self.recipe.batch, self.ddp
+        seed = self.recipe.train.seed
+        stream = PackedStream(self.documents, self.train_docs, b.seq_len, seed, ddp.dp_rank, ddp.dp, True, start)
+        self._prefetch = Prefetcher(batches(stream, b.micro_batch))
+        positions: collections.deque[StreamPosition] = collections.deque()
+
+        def host_batches():
+            for array, position in self._prefetch:
+                positions.append(position)  # popped in the same order as the batches are consumed
+                yield torch.from_numpy(array)
+
+        return self.backend.loader(host_batches()), positions
+
+    # ------------------------------------------------------------------ steps
+    def _autocast(self):
+        if self.recipe.precision.dtype != "bf16-mixed":
+            return contextlib.nullcontext()
+        return torch.autocast(self.backend.device.type, dtype=torch.bfloat16)
+
+    def _grads(self) -> list[torch.Tensor]:
+        """Local gradient tensors laid out like their parameters: under TP a gradient can come back Partial (SP norms,
+        the vocab-parallel embedding); reducing it to the parameter's own placement makes the optimizer elementwise."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        for p in params:
+            if hasattr(p.grad, "placements") and tuple(p.grad.placements) != tuple(p.placements):
+                p.grad = p.grad.redistribute(placements=p.placements)
+        return [_local(p.grad) for p in params]
+
+    @torch.no_grad()
+    def _global_norm(self, tensors) -> torch.Tensor:
+        """L2 norm over all parameters (or grads), each counted once however it is sharded over TP."""
+        total = torch.zeros((), dtype=torch.float32, device=self.backend.device)
+        for t in tensors:
+            total = total + _full(t).float().pow(2).sum()
+        return total.sqrt()
+
+    def accumulate(self, loader, grad_accum: int) -> torch.Tensor:
+        """Forward + backward over grad_accum micro-batches; returns their mean loss (this rank's)."""
+        self.model.train()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.backend.device)
+        for _ in range(grad_accum):
+            tokens = next(loader)
+            with self._autocast():
+                loss = _loss(self.model, tokens)
+            (loss / grad_accum).backward()
+            loss_sum = loss_sum + loss.detach().float()
+            self.backend.sync()  # cut: one forward+backward graph, reused by every micro-batch
+        return loss_sum / grad_accum
+
+    def reduce_and_clip(self) -> torch.Tensor:
+        """Average gradients over the DP group, then clip by the global norm (all TP shards); returns the norm."""
+        local_grads = self._grads()
+        self.ddp.average_over_dp(local_grads)
+        grad_norm = self._global_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        clip = self.recipe.optim.clip_grad_norm
+        if clip > 0:
+            scale = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
+            for g in local_grads:
+                g.mul_(scale.to(g.dtype))
+        return grad_norm
+
+    def optimizer_step(self, step: int) -> None:
+        self.optimizer.set_lr(lr_at(step, self.recipe.optim))
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.backend.sync()  # cut: the optimizer step is the second graph
+
+    def train_step(self, step: int, loader, grad_accum: int) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = self.accumulate(loader, grad_accum)
+        grad_norm = self.reduce_and_clip()
+        self.optimizer_step(step)
+        return loss, grad_norm
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float32, device=self.backend.device)
+        for tokens in self.val_batches:
+            with self._autocast():
+                total = total + _loss(self.model, tokens.to(self.backend.device)).float()
+            self.backend.sync()
+        local = total.cpu() / max(1, len(self.val_batches))
+        counted = torch.tensor([float(local), float(bool(self.val_batches))])
+        if self.ddp.world > 1:
+            dist.all_reduce(counted)
+            counted /= self.ddp.tp  # each DP replica's loss arrives once per TP rank
+        return float(counted[0] / counted[1])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Consolidated CPU weights (TP shards gathered): what a checkpoint and HF export hold."""
+        return {k: _full(v).detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def save(self, step: int, result: RunResult) -> None:
+        state = self.full_state_dict()  # every rank takes part in the gathers; compile mode traces this too
+        if self.compile_only or self.ddp.rank != 0:
+            return
+        from trnrecipes.checkpoint import write_model_checkpoint
+
+        path = self.run_dir / "checkpoints" / f"step_{step}"
+        if path.exists():
+            return
+        write_model_checkpoint(path, state, self.recipe, self.tokenizer.path, step=step)
+        result.checkpoints.append(path)
+        self.log(f"[trnrecipes] saved checkpoint {path}")
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        v = value.detach().float().cpu().reshape(1)
+        if self.ddp.world > 1:
+            dist.all_reduce(v)
+            v /= self.ddp.world  # every rank of a DP replica holds the same loss
+        return float(v)
+
+    # ------------------------------------------------------------------ run
+    def run(self, max_steps: int | None = None) -> RunResult:
+        r, lay = self.recipe, self.layout
+        steps = r.compile.steps if self.compile_only else (max_steps or r.train.max_steps)
+        result = RunResult()
+        metrics = Metrics(self.run_dir, enabled=self.ddp.rank == 0 and not self.compile_only)
+        spikes = SpikeDetector()
+        stop_file = os.environ.get("TRNRECIPES_STOP_FILE")
+        loader, positions = self._train_loader(None)
+        mode = "compile (tracing every graph; nothing is written)" if self.compile_only else "train"
+        self.log(
+            f"[trnrecipes] {mode}: {r.name} on {self.backend.name}, {self.ddp.world} rank(s) = DP {lay.dp} x TP"
+            f" {lay.tp}; global batch {r.batch.global_batch} = micro {r.batch.micro_batch} x accum {lay.grad_accum}"
+            f" x DP {lay.dp}; {steps} steps; run dir {self.run_dir}"
+        )
+        tokens_per_step = r.batch.global_batch * r.batch.seq_len
+        try:
+            for step in range(steps):
+                start = time.perf_counter()
+                loss, grad_norm = self.train_step(step, loader, lay.grad_accum)
+                for _ in range(lay.grad_accum):  # where the data stream stands after this step's batches
+                    result.position = positions.popleft()
+                loss_value = self._dp_mean(loss)
+                elapsed = time.perf_counter() - start
+                result.losses.append(loss_value)
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"loss is {loss_value} at step {step + 1}; stopping")
+                record = {
+                    "step": step + 1,
+                    "loss": loss_value,
+                    "grad_norm": float(grad_norm.cpu()),
+                    "lr": lr_at(step, r.optim),
+                    "tokens_per_s": tokens_per_step / elapsed,
+                    "seq_per_s": r.batch.global_batch / elapsed,
+                    "step_time_s": elapsed,
+                }
+                cost = plan(r, seq_per_s=record["seq_per_s"])
+                record["mfu"], record["tokens_per_dollar"] = cost["mfu"], cost["tokens_per_dollar"]
+                record["spike"] = spikes.update(record["grad_norm"])
+                last = step + 1 == steps
+                if (step + 1) % r.train.val_every == 0 or last or (self.compile_only and step == 0):
+                    record["val_loss"] = result.val_losses[step + 1] = self.validate()
+                if (step + 1) % r.checkpoint.every_steps == 0 or last or (self.compile_only and step == 0):
+                    self.save(step + 1, result)
+                if (step + 1) % r.train.log_every == 0 or last or "val_loss" in record:
+                    record["param_norm"] = float(self._global_norm(self.model.parameters()).cpu())
+                    self.log(progress_line(record, steps), flush=True)
+                metrics.log(record)
+                result.compilations.append(self.backend.compilations())
+                if stop_file and self.ddp.any_rank(os.path.exists(stop_file)) and not last:
+                    self.save(step + 1, result)
+                    if self.ddp.rank == 0:
+                        Path(stop_file + ".saved").write_text(f"{step + 1}\n")
+                    self.log(f"[trnrecipes] stop requested: saved at step {step + 1}, exiting")
+                    result.stopped_early = True
+                    break
+            if spikes.spikes:
+                self.log(f"[trnrecipes] grad-norm spikes: {spikes.summary()}")
+        finally:
+            self._prefetch.close()
+            metrics.close()
+        return result
+
+    def close(self) -> None:
+        self.ddp.close()
+
+
+def train(recipe: Recipe, compile_only: bool = False) -> RunResult:
+    trainer = Trainer(recipe, compile_only)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()

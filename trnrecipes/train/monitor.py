@@ -1,0 +1,96 @@
+"""Per-step metrics (seed 002): metrics.jsonl, TensorBoard events, console lines, and a grad-norm spike detector."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, deque
+from pathlib import Path
+
+
+class SpikeDetector:
+    """A spike is a step whose grad norm exceeds the mean of the previous `window` steps by more than `margin`
+    (seed 002: 20 steps, 0.1). Its recovery length is the number of steps, the spike included, until the norm is
+    back at or under that threshold; the histogram of recovery lengths says how the run heals."""
+
+    def __init__(self, window: int = 20, margin: float = 0.1):
+        self.window, self.margin = window, margin
+        self.history: deque[float] = deque(maxlen=window)
+        self.spikes = 0
+        self.recoveries: Counter[int] = Counter()
+        self._threshold: float | None = None  # set while in a spike
+        self._length = 0
+
+    def update(self, grad_norm: float) -> bool:
+        """Feed one step's norm; True if this step starts a spike."""
+        started = False
+        if self._threshold is not None:
+            if grad_norm <= self._threshold:
+                self.recoveries[self._length] += 1
+                self._threshold = None
+            else:
+                self._length += 1
+        elif len(self.history) == self.window:
+            threshold = sum(self.history) / self.window + self.margin
+            if grad_norm > threshold:
+                self.spikes += 1
+                self._threshold, self._length, started = threshold, 1, True
+        self.history.append(grad_norm)
+        return started
+
+    @property
+    def in_spike(self) -> bool:
+        return self._threshold is not None
+
+    def summary(self) -> dict:
+        return {"spikes": self.spikes, "recovery_histogram": dict(sorted(self.recoveries.items()))}
+
+
+class Metrics:
+    """Rank 0 writes; other ranks hold a Metrics that writes nothing."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True):
+        self.enabled = enabled
+        self.file = None
+        self.tb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: tail -f works
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb:
+            self.tb.close()
+
+
+def progress_line(r: dict, max_steps: int) -> str:
+    parts = [f"step {r['step']:>{len(str(max_steps))}}/{max_steps}", f"loss {r['loss']:.4f}"]
+    if "val_loss" in r:
+        parts.append(f"val {r['val_loss']:.4f}")
+    parts += [f"lr {r['lr']:.2e}", f"grad {r['grad_norm']:.3f}", f"{r['tokens_per_s']:,.0f} tok/s"]
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {100 * r['mfu']:.2f}%")
+    if r.get("spike"):
+        parts.append("grad-norm SPIKE")
+    return " | ".join(parts)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: not a training run directory")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,114 @@
+"""AdamW, the learning-rate schedule and stochastic rounding, written for every backend at once.
+
+One AdamW instead of torch.optim's because three backends need things it does not give together:
+- XLA/Neuron: lr and the step count stay device tensors, so a changing lr never bakes a new constant into the
+  graph (torch.optim reads `step` with .item() unless capturable, which recompiles every step).
+- Tensor parallel: parameters may be DTensors; AdamW is elementwise, so it runs on each rank's local shard.
+- bf16 weights without fp32 masters: the update is computed in fp32 and rounded to bf16 either to nearest or
+  stochastically (off Neuron in software here; on Neuron the runtime flag does it in hardware).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trnrecipes.recipe import OptimConfig
+
+
+def lr_at(step: int, cfg: OptimConfig) -> float:
+    """Linear warmup from lr/warmup to lr over warmup_steps, then decay to min_lr at decay_steps (counted from 0,
+    warmup included, like Megatron's lr-decay-iters), then min_lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.decay_steps - cfg.warmup_steps))
+    if cfg.schedule == "linear":
+        return cfg.min_lr + (cfg.lr - cfg.min_lr) * (1.0 - progress)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """fp32 -> bf16, rounding up with probability equal to the distance from the lower neighbour, so that
+    E[round(x)] = x. bf16 keeps the top 16 bits of fp32: add uniform noise to the 16 bits that are dropped, then
+    truncate."""
+    bits = x.float().contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device, generator=generator)
+    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # -65536 == 0xFFFF0000
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class AdamW:
+    """Decoupled weight decay Adam (Loshchilov & Hutter) with fp32 states; see the module docstring for why."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        cfg: OptimConfig,
+        no_decay: set[int] | None = None,  # id()s of parameters that get no weight decay
+        stochastic_rounding: bool = False,
+        seed: int = 0,
+    ):
+        self.params = [p for p in params if p.requires_grad]
+        self.betas, self.eps, self.weight_decay = cfg.betas, cfg.eps, cfg.weight_decay
+        self.no_decay = no_decay or set()
+        self.stochastic_rounding = stochastic_rounding
+        device = _local(self.params[0]).device
+        self.lr = torch.zeros((), dtype=torch.float32, device=device)
+        self.step_count = torch.zeros((), dtype=torch.float32, device=device)
+        self.exp_avg = [torch.zeros_like(_local(p), dtype=torch.float32) for p in self.params]
+        self.exp_avg_sq = [torch.zeros_like(_local(p), dtype=torch.float32) for p in self.params]
+        self.generator = None
+        if stochastic_rounding and device.type == "cpu":
+            self.generator = torch.Generator().manual_seed(seed)
+
+    def set_lr(self, lr: float) -> None:
+        # Copied in from a host tensor: on XLA this is new input data for the same graph, never a new constant.
+        self.lr.copy_(torch.tensor(lr, dtype=torch.float32))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        beta1, beta2 = self.betas
+        self.step_count += 1
+        bias1 = 1 - beta1**self.step_count
+        bias2 = 1 - beta2**self.step_count
+        for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True):
+            if p.grad is None:
+                continue
+            param, grad = _local(p), _local(p.grad).float()
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            update = (m / bias1) / ((v / bias2).sqrt() + self.eps)
+            master = param.float()
+            if self.weight_decay and id(p) not in self.no_decay:
+                master = master * (1 - self.lr * self.weight_decay)
+            master = master - self.lr * update
+            if param.dtype == torch.bfloat16 and self.stochastic_rounding:
+                param.copy_(stochastic_round_bf16(master, self.generator))
+            else:
+                param.copy_(master)  # to nearest for bf16; exact for fp32
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+        return {"step": self.step_count, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count.copy_(state["step"])
+        for dst, src in zip(self.exp_avg + self.exp_avg_sq, state["exp_avg"] + state["exp_avg_sq"], strict=True):
+            dst.copy_(src)
+
+
+def no_decay_params(model: torch.nn.Module, decay_norms_and_biases: bool) -> set[int]:
+    """Seed 002 decays every parameter, norms included (decay_norms_and_biases: true); the common alternative
+    exempts biases and norm weights (every parameter with fewer than 2 dims)."""
+    if decay_norms_and_biases:
+        return set()
+    return {id(p) for p in model.parameters() if p.dim() < 2}
