@@ -117,3 +117,23 @@ def test_train_refuses_a_world_size_that_is_not_the_layout(tmp_path: Path, cli):
     done = cli("train", "--config", "pythia-tiny", f"run_dir={tmp_path}")
     assert done.returncode == 2
     assert "launched with 1 rank(s), but recipe pythia-tiny at 1 node(s) needs 2" in done.stderr
+
+
+def test_backends_that_are_not_installed_say_how_to_get_them(tmp_path: Path, cli):
+    # the main venv has torch 2.13 and no torch-xla (it needs torch 2.9: .venv-xla); test_xla covers neuron
+    done = cli("train", "--config", "llama2-tiny", *FAST, "cluster.backend=xla", f"run_dir={tmp_path}")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "cluster.backend xla needs torch-xla" in done.stderr and "make xla-venv" in done.stderr
+    done = cli("train", "--config", "llama2-tiny", *FAST, "cluster.backend=neuron", f"run_dir={tmp_path}")
+    assert done.returncode == 2 and "cluster.backend 'neuron' does not run on local-cpu; valid: cpu, xla" in done.stderr
+
+
+def test_fine_tuning_starts_from_a_checkpoints_weights(tmp_path: Path):
+    first, _ = run("llama2-tiny", tmp_path / "a", steps=30)
+    (ckpt,) = first.checkpoints
+    tune = [f"train.init_from={ckpt}", "optim.lr=1e-4", "optim.min_lr=1e-5"]
+    tuned, _ = run("llama2-tiny", tmp_path / "b", *tune, steps=1)
+    # both runs see the same first batch (same seed and data): only the starting weights differ
+    assert tuned.losses[0] < first.losses[0] - 1.0
+    with pytest.raises(Exception, match="its model section differs from this recipe's"):
+        run("llama2-tiny", tmp_path / "c", f"train.init_from={ckpt}", "model.num_layers=3", steps=1)

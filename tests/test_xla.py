@@ -51,3 +51,11 @@ def test_no_new_graphs_after_warmup_including_validation_and_checkpoints(runs):
 
 def test_a_dynamic_shape_would_have_compiled_a_new_graph(runs):
     assert runs["xla"]["dynamic_shape_compiles"] >= 1
+
+
+def test_neuron_backend_without_the_neuron_sdk_is_a_clear_error():
+    code = "from trnrecipes.train.backends import make_backend; make_backend('neuron', 0)"
+    done = subprocess.run([str(XLA_PYTHON), "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "cluster.backend neuron needs neuronx-distributed from the Neuron repository" in done.stderr
+    assert "run the same recipe with cluster.backend=xla" in done.stderr

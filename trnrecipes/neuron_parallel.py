@@ -91,3 +91,28 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
         head.weight.copy_(shard(model.head.weight, 0))
         model.head = head
     return model
+
+
+# ---- what the step loop needs on Neuron besides the layers (trnrecipes.train.loop calls these on backend neuron)
+
+
+def initialize(tp: int) -> None:
+    """NxD's process groups: TP groups of `tp` consecutive ranks, DP across them (after init_process_group("xla"))."""
+    from neuronx_distributed.parallel_layers import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+
+
+def average_gradients_over_dp(params: list[nn.Parameter]) -> None:
+    """Bucketed all-reduce of the gradients over the DATA-parallel group, scaled by 1 / DP size (not the world)."""
+    from neuronx_distributed.parallel_layers.grads import bucket_allreduce_gradients
+
+    bucket_allreduce_gradients([p.grad for p in params if p.grad is not None])
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global grad norm over TP shards (replicated parameters counted once) and clipping; NxD's own, since its
+    sharded parameters are plain tensors tagged `tensor_model_parallel` rather than DTensors."""
+    from neuronx_distributed.parallel_layers.grads import clip_grad_norm as nxd_clip_grad_norm
+
+    return nxd_clip_grad_norm(params, max_norm if max_norm > 0 else float("inf"))

@@ -60,7 +60,14 @@ class Distributed:
         self.dp, self.tp = layout.dp, layout.tp
         self.dp_rank, self.tp_rank = self.rank // self.tp, self.rank % self.tp
         self.mesh = self.dp_group = None
-        if self.world > 1:
+        self.neuron = backend.name == "neuron"
+        if self.neuron:  # NxD owns the groups: TP within consecutive ranks, DP across (the same [dp, tp] layout)
+            from trnrecipes import neuron_parallel
+
+            if not dist.is_initialized():
+                dist.init_process_group("xla", init_method="xla://")
+            neuron_parallel.initialize(self.tp)
+        elif self.world > 1:
             if not dist.is_initialized():
                 dist.init_process_group(backend.dist_backend, rank=self.rank, world_size=self.world)
             from torch.distributed.device_mesh import init_device_mesh
@@ -119,7 +126,11 @@ def build(recipe: Recipe, backend: Backend, ddp: Distributed) -> torch.nn.Module
     if recipe.precision.dtype == "bf16":
         model.to(torch.bfloat16)  # weights themselves in bf16 (no fp32 master copy)
     model.to(backend.device)
-    if ddp.tp > 1:
+    if ddp.tp > 1 and ddp.neuron:
+        from trnrecipes.neuron_parallel import apply_neuron_tensor_parallel
+
+        apply_neuron_tensor_parallel(model, recipe.model.family, recipe.layout.sequence_parallel)
+    elif ddp.tp > 1:
         from trnrecipes.parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, ddp.mesh["tp"], recipe.model.family, recipe.layout.sequence_parallel)
@@ -151,7 +162,10 @@ class Trainer:
             list(self.model.parameters()),
             recipe.optim,
             no_decay_params(self.model, recipe.optim.decay_norms_and_biases),
-            stochastic_rounding=recipe.precision.stochastic_rounding and recipe.precision.dtype == "bf16",
+            # On Neuron the runtime rounds stochastically (NEURON_RT_STOCHASTIC_ROUNDING_EN, set by the scripts).
+            stochastic_rounding=recipe.precision.stochastic_rounding
+            and recipe.precision.dtype == "bf16"
+            and self.backend.name != "neuron",
             seed=recipe.train.seed + self.ddp.rank,
         )
         self._open_data()
@@ -227,6 +241,12 @@ class Trainer:
 
     def reduce_and_clip(self) -> torch.Tensor:
         """Average gradients over the DP group, then clip by the global norm (all TP shards); returns the norm."""
+        if self.ddp.neuron:
+            from trnrecipes import neuron_parallel
+
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            neuron_parallel.average_gradients_over_dp(params)
+            return neuron_parallel.clip_grad_norm(params, self.recipe.optim.clip_grad_norm)
         local_grads = self._grads()
         self.ddp.average_over_dp(local_grads)
         grad_norm = self._global_norm([p.grad for p in self.model.parameters() if p.grad is not None])
