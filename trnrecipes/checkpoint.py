@@ -1,8 +1,15 @@
-"""Checkpoint directories: model weights (safetensors, our parameter names), the resolved recipe, the tokenizer,
-a manifest with checksums, and a `done` marker written last. A directory appears whole or not at all (temp dir +
-atomic rename), and loading verifies every checksum and never unpickles anything.
+"""Checkpoint directories, written so that work is never lost and a half-written one is never mistaken for whole.
 
-This is the model part; optimizer/data/RNG state, async saves and resume are issue #6.
+    step_N/
+      model.safetensors                 weights, our names (TP > 1: model-tp00-of-08.safetensors ..., one per rank)
+      shards.json                       per parameter: the dim its TP shards split, or null (replicated)
+      optim-tp00-of-01.safetensors      AdamW moments per parameter (training checkpoints)
+      state.json                        step, layout; data-dpNNNN.json / rng-rankNNNN.safetensors per rank
+      recipe.yaml, tokenizer/           the resolved recipe and the tokenizer files
+      manifest.json                     sha256 of every file above
+      done                              written last, after an fsync of everything
+Files are written into a temp dir that is renamed to step_N at the end: step_N exists whole or not at all. Loading
+verifies every checksum and reads tensors with safetensors and the rest as JSON/YAML: nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -20,13 +27,18 @@ from safetensors.torch import load_file, save_file
 
 from trnrecipes.recipe import Recipe, RecipeError, recipe_from_dict
 
-FORMAT = 1
+FORMAT = 2
 WEIGHTS = "model.safetensors"
+SHARDS = "shards.json"
 DONE = "done"
 
 
 class CheckpointError(RecipeError):
     """A checkpoint that is missing, incomplete or corrupt; the message names the file."""
+
+
+def model_file(tp_rank: int, tp: int) -> str:
+    return WEIGHTS if tp == 1 else f"model-tp{tp_rank:02d}-of-{tp:02d}.safetensors"
 
 
 def _sha256(path: Path) -> str:
@@ -37,9 +49,40 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            with p.open("rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_common(tmp: Path, recipe: Recipe, tokenizer_dir: Path | None) -> None:
+    (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    if tokenizer_dir is not None and not (tmp / "tokenizer").exists():
+        shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+
+
+def finalize(tmp: Path, out: Path, step: int) -> Path:
+    """Manifest of every file in `tmp`, fsync, the done marker, then one rename to `out`."""
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {"format": FORMAT, "step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    fsync_tree(tmp)
+    (tmp / DONE).write_text("")
+    fsync_tree(tmp)
+    os.replace(tmp, out)
+    return out
+
+
 def write_model_checkpoint(
     out: Path, state_dict: dict[str, torch.Tensor], recipe: Recipe, tokenizer_dir: Path | None = None, step: int = 0
 ) -> Path:
+    """A weights-only checkpoint (convert from-hf), same format as training's with TP 1."""
     out = Path(out)
     if out.exists():
         raise CheckpointError(f"{out} already exists; choose a new --out (checkpoints are never overwritten)")
@@ -47,25 +90,12 @@ def write_model_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, tmp / WEIGHTS)
-        (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-        if tokenizer_dir is not None:
-            shutil.copytree(tokenizer_dir, tmp / "tokenizer")
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "files": {str(p.relative_to(tmp)): _sha256(p) for p in files},
-        }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        for p in [*files, tmp / "manifest.json"]:
-            with p.open("rb") as f:
-                os.fsync(f.fileno())
-        (tmp / DONE).write_text("")
-        os.replace(tmp, out)
+        (tmp / SHARDS).write_text(json.dumps({"tp": 1, "dims": {k: None for k in state_dict}}) + "\n")
+        write_common(tmp, recipe, tokenizer_dir)
+        return finalize(tmp, out, step)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def verify(path: Path) -> dict:
@@ -78,8 +108,8 @@ def verify(path: Path) -> dict:
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path}/manifest.json: unreadable ({err})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or manifest.get("format") != FORMAT or WEIGHTS not in files:
-        raise CheckpointError(f"{path}/manifest.json: not a format-{FORMAT} manifest listing {WEIGHTS}")
+    if not isinstance(files, dict) or manifest.get("format") != FORMAT or SHARDS not in files:
+        raise CheckpointError(f"{path}/manifest.json: not a format-{FORMAT} manifest listing {SHARDS}")
     for name, digest in files.items():
         file = path / name
         if not file.is_file():
@@ -89,10 +119,34 @@ def verify(path: Path) -> dict:
     return manifest
 
 
+def read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: unreadable ({err})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return value
+
+
+def consolidate(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
+    """Full tensors from the per-TP-rank files `<prefix>-tpNN-of-MM.safetensors` (or the single unsharded file)."""
+    shards = read_json(path / SHARDS)
+    tp, dims = int(shards["tp"]), shards["dims"]
+    if tp == 1:
+        return load_file(path / (WEIGHTS if prefix == "model" else f"{prefix}-tp00-of-01.safetensors"))
+    parts = [load_file(path / f"{prefix}-tp{r:02d}-of-{tp:02d}.safetensors") for r in range(tp)]
+    full = {}
+    for name, tensor in parts[0].items():
+        dim = dims.get(name.split(".", 1)[1] if prefix == "optim" else name)
+        full[name] = tensor if dim is None else torch.cat([p[name] for p in parts], dim=dim)
+    return full
+
+
 def read_model_checkpoint(path: Path) -> tuple[Recipe, dict[str, torch.Tensor], Path | None]:
-    """(recipe, state dict, tokenizer dir or None), after verifying the checkpoint."""
+    """(recipe, consolidated state dict, tokenizer dir or None), after verifying the checkpoint."""
     path = Path(path)
     verify(path)
     recipe = recipe_from_dict(yaml.safe_load((path / "recipe.yaml").read_text()), str(path / "recipe.yaml"))
     tokenizer = path / "tokenizer"
-    return recipe, load_file(path / WEIGHTS), tokenizer if tokenizer.is_dir() else None
+    return recipe, consolidate(path), tokenizer if tokenizer.is_dir() else None

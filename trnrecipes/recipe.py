@@ -101,6 +101,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     every_steps: int = 1000
+    every_minutes: float | None = None  # also save when this much wall time passed since the last save
     keep_last: int = 3
     async_save: bool = True
     resume: bool = True  # start from the newest complete checkpoint in the run dir if there is one

@@ -14,6 +14,8 @@ import contextlib
 import inspect
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,12 +25,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trnrecipes import REPO_ROOT
+from trnrecipes.checkpoint import consolidate
 from trnrecipes.data import open_corpus
 from trnrecipes.data.pack import PackedStream, Prefetcher, StreamPosition, batches, split_documents
 from trnrecipes.layout import compute_layout, plan
 from trnrecipes.models import build_model
 from trnrecipes.recipe import Recipe, RecipeError
 from trnrecipes.train.backends import Backend, make_backend
+from trnrecipes.train.checkpointing import (
+    Checkpointer,
+    latest_checkpoint,
+    remove_partial,
+    restore_training_state,
+    snapshot,
+)
 from trnrecipes.train.monitor import Metrics, SpikeDetector, progress_line
 from trnrecipes.train.optim import AdamW, lr_at, no_decay_params
 
@@ -87,12 +97,13 @@ class Distributed:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
 
-    def any_rank(self, flag: bool) -> bool:
+    def max_over_ranks(self, values: list[int], device: torch.device) -> list[int]:
+        """Element-wise max over all ranks: how ranks agree on a decision only some of them can see."""
         if self.world == 1:
-            return flag
-        t = torch.tensor([int(flag)])
+            return values
+        t = torch.tensor(values, dtype=torch.int64, device=device if self.neuron else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return [int(v) for v in t.cpu().tolist()]
 
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():
@@ -108,10 +119,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def build(recipe: Recipe, backend: Backend, ddp: Distributed) -> torch.nn.Module:
+def build(recipe: Recipe, backend: Backend, ddp: Distributed, weights: dict | None = None) -> torch.nn.Module:
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe.model, "cpu")  # every rank builds the same full weights, then keeps its shard
-    if recipe.train.init_from:
+    if weights is not None:  # resuming: consolidated weights of any TP layout, re-sliced below
+        model.load_state_dict(weights)
+    elif recipe.train.init_from:
         from trnrecipes.checkpoint import read_model_checkpoint
 
         ckpt_recipe, state, _ = read_model_checkpoint(Path(recipe.train.init_from))
@@ -157,7 +170,8 @@ class Trainer:
         self.run_dir = Path(run_dir or env_dir or default)
         if not self.run_dir.is_absolute():
             self.run_dir = REPO_ROOT / self.run_dir
-        self.model = build(recipe, self.backend, self.ddp)
+        resume = self._find_resume()
+        self.model = build(recipe, self.backend, self.ddp, consolidate(resume) if resume else None)
         self.optimizer = AdamW(
             list(self.model.parameters()),
             recipe.optim,
@@ -169,6 +183,36 @@ class Trainer:
             seed=recipe.train.seed + self.ddp.rank,
         )
         self._open_data()
+        self.start_step, self.start_position = 0, None
+        if resume is not None:
+            self.start_step = int(resume.name.split("_")[1])
+            self.start_position = restore_training_state(
+                resume, self.model, self.optimizer, self.ddp, self.optimizer.generator, self.log
+            )
+            self.log(f"[trnrecipes] resuming from {resume} (step {self.start_step})")
+        self.checkpointer = Checkpointer(
+            self.run_dir / "checkpoints",
+            recipe,
+            self.tokenizer.path,
+            self.ddp.rank,
+            self.ddp.world,
+            recipe.checkpoint.keep_last,
+            recipe.checkpoint.async_save,
+            self.log,
+        )
+
+    def _find_resume(self) -> Path | None:
+        """Auto-resume (checkpoint.resume, on by default): the newest complete checkpoint in the run dir. Rank 0
+        verifies (checksums) and the others follow its choice."""
+        if self.compile_only or not self.recipe.checkpoint.resume:
+            return None
+        root = self.run_dir / "checkpoints"
+        found = None
+        if self.ddp.rank == 0:
+            remove_partial(root, self.log)
+            found = latest_checkpoint(root, self.log)
+        (step,) = self.ddp.max_over_ranks([found[0] if found else -1], self.backend.device)
+        return root / f"step_{step}" if step >= 0 else None
 
     # ------------------------------------------------------------------ data
     def _open_data(self) -> None:
@@ -288,18 +332,12 @@ class Trainer:
         """Consolidated CPU weights (TP shards gathered): what a checkpoint and HF export hold."""
         return {k: _full(v).detach().cpu() for k, v in self.model.state_dict().items()}
 
-    def save(self, step: int, result: RunResult) -> None:
-        state = self.full_state_dict()  # every rank takes part in the gathers; compile mode traces this too
-        if self.compile_only or self.ddp.rank != 0:
-            return
-        from trnrecipes.checkpoint import write_model_checkpoint
-
-        path = self.run_dir / "checkpoints" / f"step_{step}"
-        if path.exists():
-            return
-        write_model_checkpoint(path, state, self.recipe, self.tokenizer.path, step=step)
-        result.checkpoints.append(path)
-        self.log(f"[trnrecipes] saved checkpoint {path}")
+    def save(self, step: int, position: StreamPosition | None) -> None:
+        """Copy this rank's state to host memory (the only part the step waits for) and hand it to the writer.
+        Compile mode traces the same copies (and TP gathers) and writes nothing."""
+        files = snapshot(self.model, self.optimizer, self.ddp, step, position, self.optimizer.generator, self.recipe)
+        if not self.compile_only:
+            self.checkpointer.save(step, files)
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         v = value.detach().float().cpu().reshape(1)
@@ -312,20 +350,26 @@ class Trainer:
     def run(self, max_steps: int | None = None) -> RunResult:
         r, lay = self.recipe, self.layout
         steps = r.compile.steps if self.compile_only else (max_steps or r.train.max_steps)
-        result = RunResult()
+        result = RunResult(position=self.start_position)
+        if self.start_step >= steps:
+            self.log(f"[trnrecipes] {r.name}: already trained to step {self.start_step} of {steps}; nothing to do")
+            return result
         metrics = Metrics(self.run_dir, enabled=self.ddp.rank == 0 and not self.compile_only)
         spikes = SpikeDetector()
         stop_file = os.environ.get("TRNRECIPES_STOP_FILE")
-        loader, positions = self._train_loader(None)
+        loader, positions = self._train_loader(self.start_position)
         mode = "compile (tracing every graph; nothing is written)" if self.compile_only else "train"
         self.log(
             f"[trnrecipes] {mode}: {r.name} on {self.backend.name}, {self.ddp.world} rank(s) = DP {lay.dp} x TP"
             f" {lay.tp}; global batch {r.batch.global_batch} = micro {r.batch.micro_batch} x accum {lay.grad_accum}"
-            f" x DP {lay.dp}; {steps} steps; run dir {self.run_dir}"
+            f" x DP {lay.dp}; steps {self.start_step + 1}-{steps}; run dir {self.run_dir}"
         )
         tokens_per_step = r.batch.global_batch * r.batch.seq_len
+        every_s = r.checkpoint.every_minutes * 60 if r.checkpoint.every_minutes else None
+        last_save = time.monotonic()
+        signals = _catch_stop_signals()
         try:
-            for step in range(steps):
+            for step in range(self.start_step, steps):
                 start = time.perf_counter()
                 loss, grad_norm = self.train_step(step, loader, lay.grad_accum)
                 for _ in range(lay.grad_accum):  # where the data stream stands after this step's batches
@@ -348,31 +392,61 @@ class Trainer:
                 record["mfu"], record["tokens_per_dollar"] = cost["mfu"], cost["tokens_per_dollar"]
                 record["spike"] = spikes.update(record["grad_norm"])
                 last = step + 1 == steps
-                if (step + 1) % r.train.val_every == 0 or last or (self.compile_only and step == 0):
+                first = self.compile_only and step == self.start_step  # compile: trace validation and saving once
+                # Decisions only some ranks can see (a stop file, a signal, the clock) are agreed on by all ranks.
+                stop_seen = bool(stop_file and os.path.exists(stop_file)) or signals.caught is not None
+                time_due = every_s is not None and time.monotonic() - last_save >= every_s
+                stop, time_due = map(bool, self.ddp.max_over_ranks([stop_seen, time_due], self.backend.device))
+                if (step + 1) % r.train.val_every == 0 or last or first:
                     record["val_loss"] = result.val_losses[step + 1] = self.validate()
-                if (step + 1) % r.checkpoint.every_steps == 0 or last or (self.compile_only and step == 0):
-                    self.save(step + 1, result)
+                if (step + 1) % r.checkpoint.every_steps == 0 or last or first or time_due or stop:
+                    self.save(step + 1, result.position)
+                    last_save = time.monotonic()
                 if (step + 1) % r.train.log_every == 0 or last or "val_loss" in record:
                     record["param_norm"] = float(self._global_norm(self.model.parameters()).cpu())
                     self.log(progress_line(record, steps), flush=True)
                 metrics.log(record)
                 result.compilations.append(self.backend.compilations())
-                if stop_file and self.ddp.any_rank(os.path.exists(stop_file)) and not last:
-                    self.save(step + 1, result)
-                    if self.ddp.rank == 0:
+                if stop and not last:
+                    self.checkpointer.wait()
+                    if self.ddp.rank == 0 and stop_file:
                         Path(stop_file + ".saved").write_text(f"{step + 1}\n")
-                    self.log(f"[trnrecipes] stop requested: saved at step {step + 1}, exiting")
+                    why = signals.caught or "stop file"
+                    self.log(f"[trnrecipes] stop requested ({why}): saved at step {step + 1}, exiting")
                     result.stopped_early = True
                     break
+            self.checkpointer.wait()  # exit waits for every save
             if spikes.spikes:
                 self.log(f"[trnrecipes] grad-norm spikes: {spikes.summary()}")
         finally:
+            signals.restore()
             self._prefetch.close()
             metrics.close()
+        result.checkpoints = list(self.checkpointer.saved)
         return result
 
     def close(self) -> None:
         self.ddp.close()
+
+
+class _catch_stop_signals:
+    """SIGTERM (scancel, torchrun forwarding a shutdown) and SIGUSR1 (Slurm's pre-timeout signal sent to the
+    steps): finish the step, save, exit. Outside the main thread (tests) nothing is installed."""
+
+    def __init__(self):
+        self.caught: str | None = None
+        self._old = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.caught = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
 
 
 def train(recipe: Recipe, compile_only: bool = False) -> RunResult:

@@ -1,0 +1,166 @@
+"""Checkpoints never lose work: bitwise-deterministic resume after SIGKILL, a campaign of kills at random moments
+(during async saves too), corrupt checkpoints skipped, resume with another DP/TP layout, keep-last-K."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import REPO
+from safetensors.torch import load_file
+
+from trnrecipes.checkpoint import verify
+from trnrecipes.recipe import load_recipe
+from trnrecipes.train.checkpointing import latest_checkpoint, step_dirs
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["cluster.workers_per_node=1", "batch.seq_len=32", "batch.global_batch=4", "batch.micro_batch=2",
+         "train.log_every=1", "train.val_every=1000"]  # fmt: skip
+
+
+def config(tmp_path: Path, *overrides: str) -> Path:
+    recipe = load_recipe("llama2-tiny", overrides=[*SMALL, f"run_dir={tmp_path / 'run'}", *overrides])
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    return path
+
+
+def start(cfg: Path, **env: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "trnrecipes", "train", "--config", str(cfg)]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **env})  # fmt: skip
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def logged_steps(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def last_losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in logged_steps(run)}  # a replayed step's later entry wins
+
+
+def wait_for_step(run: Path, step: int, proc: subprocess.Popen) -> None:
+    while not any(r["step"] >= step for r in logged_steps(run)):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.02)
+
+
+def final_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run / "checkpoints" / f"step_{step}" / "model.safetensors")
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The uninterrupted reference: 30 steps."""
+    tmp = tmp_path_factory.mktemp("straight")
+    finish(start(config(tmp, "train.max_steps=30", "checkpoint.every_steps=5", "checkpoint.keep_last=3")))
+    return tmp / "run"
+
+
+def test_resume_after_sigkill_is_bitwise_identical(straight: Path, tmp_path: Path):
+    cfg = config(tmp_path, "train.max_steps=30", "checkpoint.every_steps=5")
+    run = tmp_path / "run"
+    proc = start(cfg)
+    wait_for_step(run, 17, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    out = finish(start(cfg))
+    assert "resuming from" in out and ("(step 15)" in out or "(step 20)" in out)
+    ours, ref = last_losses(run), last_losses(straight)
+    assert [ours[s] for s in range(18, 31)] == [ref[s] for s in range(18, 31)]  # exactly, not approximately
+    assert_bitwise_equal(final_weights(run, 30), final_weights(straight, 30))
+
+
+def test_fault_campaign_of_random_sigkills(straight: Path, tmp_path: Path):
+    # a checkpoint every step, written asynchronously: many kills land in the middle of a save
+    cfg = config(tmp_path, "train.max_steps=30", "checkpoint.every_steps=1", "checkpoint.keep_last=2")
+    run, rng, kills, mid_save = tmp_path / "run", random.Random(0), 0, 0
+    while kills < 20:
+        done_before = max([s for s, _ in step_dirs(run / "checkpoints")], default=0)
+        if done_before >= 29:
+            break
+        proc = start(cfg)
+        wait_for_step(run, done_before + 1, proc)  # it resumed and made progress
+        time.sleep(rng.uniform(0.0, 0.6))
+        if proc.poll() is not None:
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        mid_save += any(p.name.startswith(".step_") for p in (run / "checkpoints").iterdir())
+        # whatever the moment, every step dir that claims to be complete verifies, and one is the latest
+        for _, path in step_dirs(run / "checkpoints"):
+            if (path / "done").exists():
+                verify(path)
+        assert latest_checkpoint(run / "checkpoints") is not None
+    assert kills >= 20 and mid_save >= 3, (kills, mid_save)  # several kills interrupted a save in flight
+    finish(start(cfg))
+    assert_bitwise_equal(final_weights(run, 30), final_weights(straight, 30))
+    assert [last_losses(run)[s] for s in range(1, 31)] == [last_losses(straight)[s] for s in range(1, 31)]
+    assert len([p for _, p in step_dirs(run / "checkpoints")]) == 2  # keep_last
+
+
+def test_a_corrupt_checkpoint_is_reported_and_the_previous_one_used(straight: Path, tmp_path: Path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    newest = run / "checkpoints/step_30/model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    newest.write_bytes(bytes(data))
+    (run / "checkpoints/step_25/optim-tp00-of-01.safetensors").write_bytes(b"truncated")
+    cfg = config(tmp_path, "train.max_steps=31", "checkpoint.every_steps=5", "checkpoint.keep_last=3")
+    out = finish(start(cfg))
+    assert "step_30 is unusable" in out and "step_30/model.safetensors: checksum mismatch" in out
+    assert "step_25 is unusable" in out and "optim-tp00-of-01.safetensors: checksum mismatch" in out
+    assert "resuming from" in out and "(step 20)" in out
+    assert last_losses(run)[25] == last_losses(straight)[25]  # steps 21-25 replayed exactly
+
+
+def test_resume_with_another_dp_and_tp_layout(tmp_path: Path):
+    """Saved by 1 process, resumed by 2 (DP 2, then TP 2): weights and moments re-sliced, training goes on."""
+    base = ["batch.seq_len=32", "batch.global_batch=4", "batch.micro_batch=2", "train.val_every=1000",
+            "checkpoint.every_steps=5"]  # fmt: skip
+    for i, layout in enumerate([[], ["layout.tp=2"]]):
+        run = tmp_path / f"run{i}"
+        one = load_recipe("llama2-tiny", overrides=[*base, "cluster.workers_per_node=1", f"run_dir={run}"])
+        cfg = tmp_path / f"one{i}.yaml"
+        cfg.write_text(yaml.safe_dump({**one.to_dict(), "train": {**one.to_dict()["train"], "max_steps": 5}}))
+        finish(start(cfg))
+        two = load_recipe("llama2-tiny", overrides=[*base, "cluster.workers_per_node=2", f"run_dir={run}", *layout])
+        cfg2 = tmp_path / f"two{i}.yaml"
+        cfg2.write_text(yaml.safe_dump({**two.to_dict(), "train": {**two.to_dict()["train"], "max_steps": 8}}))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+               "--rdzv-endpoint=127.0.0.1:0", "-m", "trnrecipes", "train", "--config", str(cfg2)]  # fmt: skip
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "resuming from" in done.stdout and "(step 5)" in done.stdout
+        steps = [r["step"] for r in logged_steps(run)]
+        assert steps == [1, 2, 3, 4, 5, 6, 7, 8]
+        if not layout:
+            assert "data parallel size changed (1 -> 2)" in done.stdout
+        assert (run / "checkpoints/step_8/done").exists()

@@ -1,0 +1,233 @@
+"""Training checkpoints: what each rank contributes, the background writer, keep-last-K, and finding the newest
+complete checkpoint to resume from (a corrupt one is reported and skipped in favour of the one before).
+
+Every rank writes its own files into checkpoints/.step_N.tmp/ and then a `.rank-R.ok` marker; rank 0 waits for all
+markers, adds recipe, tokenizer, manifest and `done`, and renames the directory to step_N (trnrecipes.checkpoint).
+Writing happens in a background thread: the step loop only pays for copying tensors to host memory. No collective
+is used by the writer, so it never races the training step's collectives.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from trnrecipes.checkpoint import DONE, CheckpointError, finalize, fsync_tree, verify, write_common
+from trnrecipes.recipe import Recipe
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+RANK_WAIT_S = 3600.0  # rank 0 waits this long for the other ranks' files before giving up on a checkpoint
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every step_N directory, newest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(found, reverse=True)
+
+
+def latest_checkpoint(root: Path, log=print) -> tuple[int, Path] | None:
+    """The newest step_N that verifies; unusable ones are reported (and left alone, as evidence)."""
+    for step, path in step_dirs(root):
+        try:
+            verify(path)
+        except CheckpointError as err:
+            log(f"[trnrecipes] checkpoint {path.name} is unusable, trying the one before: {err}")
+            continue
+        return step, path
+    return None
+
+
+def remove_partial(root: Path, log=print) -> None:
+    """Temp dirs of saves that never finished, and step dirs whose pruning was interrupted (no done marker: prune
+    deletes it first). Only called by rank 0 before anything is saved."""
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        if p.name.startswith(".step_") or (STEP_DIR.match(p.name) and p.is_dir() and not (p / DONE).exists()):
+            log(f"[trnrecipes] removing incomplete checkpoint {p.name}")
+            shutil.rmtree(p, ignore_errors=True)
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        root: Path,
+        recipe: Recipe,
+        tokenizer_dir: Path | None,
+        rank: int,
+        world: int,
+        keep_last: int,
+        async_save: bool,
+        log=print,
+    ):
+        self.root, self.recipe, self.tokenizer_dir = root, recipe, tokenizer_dir
+        self.rank, self.world, self.keep_last, self.async_save, self.log = rank, world, keep_last, async_save, log
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.saved: list[Path] = []
+
+    def save(self, step: int, files: dict[str, object]) -> None:
+        """Hand this rank's files (name -> {tensor name: CPU tensor} or a JSON-able dict) to the writer."""
+        self.wait()  # one save in flight at a time: the next waits for the previous
+        if self.async_save:
+            self._thread = threading.Thread(target=self._write_guarded, args=(step, files), name=f"ckpt-{step}")
+            self._thread.start()
+        else:
+            self._write(step, files)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"writing a checkpoint failed: {error}") from error
+
+    def _write_guarded(self, step: int, files: dict[str, object]) -> None:
+        try:
+            self._write(step, files)
+        except BaseException as err:
+            self._error = err
+
+    def _write(self, step: int, files: dict[str, object]) -> None:
+        tmp = self.root / f".step_{step}.tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name, content in files.items():
+            if name.endswith(".safetensors"):
+                save_file(content, tmp / name)
+            else:
+                (tmp / name).write_text(json.dumps(content, indent=1) + "\n")
+        fsync_tree(tmp)
+        (tmp / f".rank-{self.rank}.ok").write_text("")
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + RANK_WAIT_S
+        markers = [tmp / f".rank-{r}.ok" for r in range(self.world)]
+        while not all(m.exists() for m in markers):
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"{tmp}: not every rank wrote its files within {RANK_WAIT_S:.0f} s")
+            time.sleep(0.02)
+        for m in markers:
+            m.unlink()
+        out = self.root / f"step_{step}"
+        if out.exists():  # the same step saved twice (a stop request on a checkpoint step): keep the first
+            shutil.rmtree(tmp)
+            return
+        write_common(tmp, self.recipe, self.tokenizer_dir)
+        finalize(tmp, out, step)
+        self.saved.append(out)
+        self.log(f"[trnrecipes] saved checkpoint {out}")
+        self._prune()
+
+    def _prune(self) -> None:
+        complete = [(s, p) for s, p in step_dirs(self.root) if (p / DONE).exists()]
+        for _, path in complete[self.keep_last :]:
+            (path / DONE).unlink()  # first: a half-deleted checkpoint must never look complete
+            shutil.rmtree(path)
+
+
+def rng_state(sr_generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+    state = {"torch_cpu": torch.get_rng_state()}
+    if sr_generator is not None:
+        state["stochastic_rounding"] = sr_generator.get_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], sr_generator: torch.Generator | None) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    if sr_generator is not None and "stochastic_rounding" in state:
+        sr_generator.set_state(state["stochastic_rounding"])
+
+
+# ---- what goes in, and how it comes back (layout-agnostic: full tensors are re-sliced for the new DP/TP)
+
+
+def shard_dim(p: torch.Tensor) -> int | None:
+    """The dim a parameter's TP shards split: DTensor Shard(d), or neuronx-distributed's partition_dim."""
+    placements = getattr(p, "placements", None)
+    if placements is not None:
+        return next((pl.dim for pl in placements if pl.is_shard()), None)
+    if getattr(p, "tensor_model_parallel", False):
+        return int(p.partition_dim)
+    return None
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    # clone: on CPU .cpu() is the very tensor the next step updates in place; the writer needs a frozen copy
+    return local.detach().cpu().clone().contiguous()
+
+
+def snapshot(model, optimizer, ddp, step: int, position, sr_generator, recipe: Recipe) -> dict[str, object]:
+    """This rank's files for checkpoint `step`: weights and moments from DP rank 0 of each TP group (one file per
+    TP rank), the data position from TP rank 0 of each DP group, RNG state from every rank."""
+    from trnrecipes.checkpoint import SHARDS, model_file
+
+    files: dict[str, object] = {}
+    params = dict(model.named_parameters())
+    if ddp.dp_rank == 0:
+        files[model_file(ddp.tp_rank, ddp.tp)] = {k: _host(v) for k, v in model.state_dict().items()}
+        moments = {}
+        for (name, _), m, v in zip(params.items(), optimizer.exp_avg, optimizer.exp_avg_sq, strict=True):
+            moments[f"exp_avg.{name}"], moments[f"exp_avg_sq.{name}"] = _host(m), _host(v)
+        files[f"optim-tp{ddp.tp_rank:02d}-of-{ddp.tp:02d}.safetensors"] = moments
+    if ddp.rank == 0:
+        files[SHARDS] = {"tp": ddp.tp, "dims": {k: shard_dim(v) for k, v in model.state_dict().items()}}
+        files["state.json"] = {
+            "step": step,
+            "optimizer_steps": int(optimizer.step_count.item()),
+            "dp": ddp.dp,
+            "tp": ddp.tp,
+            "world": ddp.world,
+            "consumed_samples": step * recipe.batch.global_batch,
+        }
+    if ddp.tp_rank == 0 and position is not None:
+        files[f"data-dp{ddp.dp_rank:04d}.json"] = position.to_dict()
+    files[f"rng-rank{ddp.rank:04d}.safetensors"] = rng_state(sr_generator)
+    return files
+
+
+def local_slice(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    dim = shard_dim(p)
+    return full if dim is None else full.chunk(tp, dim=dim)[tp_rank]
+
+
+def restore_training_state(path: Path, model, optimizer, ddp, sr_generator, log=print):
+    """Optimizer moments (re-sliced for this TP layout), RNG (same world only) and this DP rank's data position
+    (same DP only). Returns the data position to start from, or None for "start the stream fresh"."""
+    from safetensors.torch import load_file
+
+    from trnrecipes.checkpoint import consolidate, read_json
+    from trnrecipes.data.pack import StreamPosition
+
+    state = read_json(path / "state.json")
+    moments = consolidate(path, "optim")
+    exp_avg, exp_avg_sq = [], []
+    for name, p in model.named_parameters():
+        for key, out in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            full = moments.get(f"{key}.{name}")
+            if full is None:
+                raise CheckpointError(f"{path}: no optimizer state for parameter {name}")
+            out.append(local_slice(full, p, ddp.tp, ddp.tp_rank))
+    optimizer.load_state_dict(
+        {"step": torch.tensor(float(state["optimizer_steps"])), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    )
+    if state["world"] == ddp.world:
+        set_rng_state(load_file(path / f"rng-rank{ddp.rank:04d}.safetensors"), sr_generator)
+    if state["dp"] == ddp.dp:
+        return StreamPosition.from_dict(read_json(path / f"data-dp{ddp.dp_rank:04d}.json"))
+    epochs = [read_json(f)["epoch"] for f in sorted(path.glob("data-dp*.json"))]
+    log(
+        f"[trnrecipes] data parallel size changed ({state['dp']} -> {ddp.dp}): positions do not carry over, the"
+        f" data stream restarts at epoch {max(epochs) + 1}"
+    )
+    return StreamPosition(epoch=max(epochs) + 1)
