@@ -71,8 +71,10 @@ plan: $(STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N plan [overrides='k=v ...']" >&2; exit 2; }
 	@$(PY) -m trnrecipes plan --recipe "$$recipe" --nodes "$$nodes" --overrides "$$overrides"
 
+# A fresh run every time (runs/demo is removed first): otherwise auto-resume would find the last demo finished.
 demo: setup
-	$(PY) -m trnrecipes sbatch --recipe "$${recipe:-pythia-tiny}" --nodes 1 --out jobs/demo --overrides "$$overrides" --force
+	rm -rf runs/demo
+	$(PY) -m trnrecipes sbatch --recipe "$${recipe:-pythia-tiny}" --nodes 1 --out jobs/demo --overrides "run_dir=runs/demo $$overrides" --force
 	bash jobs/demo/run.sbatch
 
 lint: setup

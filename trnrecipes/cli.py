@@ -105,8 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--merges", required=True, help="vocab.bpe / merges.txt")
     sub.add_argument("--out", required=True, help="output tokenizer directory")
 
-    sub = verb("health", _health, "per-rank device sanity check (run.sbatch runs it before training)")
+    sub = verb("health", _health, "device sanity and collective checks (run.sbatch runs it before training)")
     sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
+    sub.add_argument("--collectives", action="store_true", help="also check and time all-gather/reduce/scatter")
     return parser
 
 
@@ -268,4 +269,4 @@ def _to_hf(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     from trnrecipes.health import check_node
 
-    return check_node(load_recipe(args.config))
+    return check_node(load_recipe(args.config), collectives=args.collectives)
