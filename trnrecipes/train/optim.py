@@ -77,21 +77,29 @@ class AdamW:
         self.step_count += 1
         bias1 = 1 - beta1**self.step_count
         bias2 = 1 - beta2**self.step_count
+        step_size = self.lr / bias1
         for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True):
             if p.grad is None:
                 continue
             param, grad = _local(p), _local(p.grad).float()
-            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            # In place and few passes over memory: on CPU an optimizer step is bandwidth-bound.
+            m.lerp_(grad, 1 - beta1)  # beta1 * m + (1 - beta1) * g
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            update = (m / bias1) / ((v / bias2).sqrt() + self.eps)
-            master = param.float()
-            if self.weight_decay and id(p) not in self.no_decay:
-                master = master * (1 - self.lr * self.weight_decay)
-            master = master - self.lr * update
-            if param.dtype == torch.bfloat16 and self.stochastic_rounding:
+            update = (v / bias2).sqrt_().add_(self.eps).reciprocal_().mul_(m).mul_(step_size)
+            decay = self.weight_decay and id(p) not in self.no_decay
+            if param.dtype == torch.float32:
+                if decay:
+                    param.mul_(1 - self.lr * self.weight_decay)
+                param.sub_(update)
+                continue
+            master = param.float()  # bf16 weights: the update is computed in fp32, then rounded once
+            if decay:
+                master.mul_(1 - self.lr * self.weight_decay)
+            master.sub_(update)
+            if self.stochastic_rounding:
                 param.copy_(stochastic_round_bf16(master, self.generator))
             else:
-                param.copy_(master)  # to nearest for bf16; exact for fp32
+                param.copy_(master)  # to nearest
 
     def zero_grad(self) -> None:
         for p in self.params:
