@@ -36,7 +36,7 @@ def main() -> int:
         ]  # fmt: skip
         recipe = load_recipe("pythia-70m", overrides=overrides)
         trainer = Trainer(recipe, log=lambda *a, **k: None)
-        loader, positions = trainer._train_loader(None)
+        loader, _ = trainer._train_loader(None)
 
         def steps(n: int, first: int) -> float:
             start = time.perf_counter()
