@@ -31,7 +31,17 @@ def runs(tmp_path_factory):
         done = subprocess.run([*cmd, *OVERRIDES], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         out[backend] = json.loads((tmp / "r.json").read_text())
+        out[backend]["run_dir"] = str(tmp / "run")
     return out
+
+
+def _continue(run_dir: str, backend: str, tmp_path) -> tuple[dict, str]:
+    cmd = [str(XLA_PYTHON), str(REPO / "tests/xla_worker.py"), str(tmp_path / "c.json"), backend, run_dir]
+    over = [o for o in OVERRIDES if not o.startswith("train.max_steps")] + ["train.max_steps=22"]
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    done = subprocess.run([*cmd, *over], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((tmp_path / "c.json").read_text()), done.stdout
 
 
 def test_cpu_and_xla_loss_trajectories_agree(runs):
@@ -59,3 +69,10 @@ def test_neuron_backend_without_the_neuron_sdk_is_a_clear_error():
     assert done.returncode != 0
     assert "cluster.backend neuron needs neuronx-distributed from the Neuron repository" in done.stderr
     assert "run the same recipe with cluster.backend=xla" in done.stderr
+
+
+@pytest.mark.parametrize(("saved_on", "resumed_on"), [("xla", "cpu"), ("cpu", "xla")])
+def test_a_checkpoint_saved_on_one_backend_resumes_on_the_other(runs, tmp_path, saved_on, resumed_on):
+    report, out = _continue(runs[saved_on]["run_dir"], resumed_on, tmp_path)
+    assert "(step 20)" in out and f"train: llama2-tiny on {resumed_on}" in out
+    assert len(report["losses"]) == 2 and report["losses"][0] < runs[saved_on]["losses"][0] - 1.0
