@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -88,7 +89,8 @@ def test_resume_after_sigkill_is_bitwise_identical(straight: Path, tmp_path: Pat
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     out = finish(start(cfg))
-    assert "resuming from" in out and ("(step 15)" in out or "(step 20)" in out)
+    # the newest complete checkpoint: step 15 (or 10, if the kill came while step 15 was still being written)
+    assert re.search(r"resuming from \S+ \(step (10|15)\)", out), out
     ours, ref = last_losses(run), last_losses(straight)
     assert [ours[s] for s in range(18, 31)] == [ref[s] for s in range(18, 31)]  # exactly, not approximately
     assert_bitwise_equal(final_weights(run, 30), final_weights(straight, 30))
@@ -97,7 +99,7 @@ def test_resume_after_sigkill_is_bitwise_identical(straight: Path, tmp_path: Pat
 def test_fault_campaign_of_random_sigkills(straight: Path, tmp_path: Path):
     # a checkpoint every step, written asynchronously: many kills land in the middle of a save
     cfg = config(tmp_path, "train.max_steps=30", "checkpoint.every_steps=1", "checkpoint.keep_last=2")
-    run, rng, kills, mid_save = tmp_path / "run", random.Random(0), 0, 0
+    run, rng, kills, mid_save, had_one = tmp_path / "run", random.Random(0), 0, 0, False
     while kills < 20:
         done_before = max([s for s, _ in step_dirs(run / "checkpoints")], default=0)
         if done_before >= 29:
@@ -115,7 +117,10 @@ def test_fault_campaign_of_random_sigkills(straight: Path, tmp_path: Path):
         for _, path in step_dirs(run / "checkpoints"):
             if (path / "done").exists():
                 verify(path)
-        assert latest_checkpoint(run / "checkpoints") is not None
+        # and once a complete checkpoint exists, a kill never leaves none (pruning runs after the new one is done)
+        latest = latest_checkpoint(run / "checkpoints")
+        had_one = had_one or latest is not None
+        assert latest is not None or not had_one
     assert kills >= 20 and mid_save >= 3, (kills, mid_save)  # several kills interrupted a save in flight
     finish(start(cfg))
     assert_bitwise_equal(final_weights(run, 30), final_weights(straight, 30))

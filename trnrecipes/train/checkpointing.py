@@ -10,6 +10,7 @@ is used by the writer, so it never races the training step's collectives.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import threading
@@ -94,6 +95,12 @@ class Checkpointer:
 
     def _write_guarded(self, step: int, files: dict[str, object]) -> None:
         try:
+            # Lowest CPU priority for this thread only (Linux threads have their own nice value): on a busy host
+            # the writer takes idle cycles instead of slowing the training step it runs beside.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        try:
             self._write(step, files)
         except BaseException as err:
             self._error = err
@@ -161,24 +168,38 @@ def shard_dim(p: torch.Tensor) -> int | None:
     return None
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    # clone: on CPU .cpu() is the very tensor the next step updates in place; the writer needs a frozen copy
-    return local.detach().cpu().clone().contiguous()
+class HostBuffers:
+    """Host copies of device state for the writer. A copy is needed (on CPU the next step updates the very tensors
+    in place); reusing the same buffers from save to save avoids faulting in fresh pages each time, which is most
+    of a large copy's cost. The caller must not refill them while a writer still reads them (Checkpointer.wait)."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        local = (t.to_local() if hasattr(t, "to_local") else t).detach()
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+            buf = self.buffers[key] = torch.empty(local.shape, dtype=local.dtype, device="cpu")
+        return buf.copy_(local)
 
 
-def snapshot(model, optimizer, ddp, step: int, position, sr_generator, recipe: Recipe) -> dict[str, object]:
+def snapshot(
+    model, optimizer, ddp, step: int, position, sr_generator, recipe: Recipe, host: HostBuffers
+) -> dict[str, object]:
     """This rank's files for checkpoint `step`: weights and moments from DP rank 0 of each TP group (one file per
     TP rank), the data position from TP rank 0 of each DP group, RNG state from every rank."""
     from trnrecipes.checkpoint import SHARDS, model_file
 
+    _host = host.copy
     files: dict[str, object] = {}
     params = dict(model.named_parameters())
     if ddp.dp_rank == 0:
-        files[model_file(ddp.tp_rank, ddp.tp)] = {k: _host(v) for k, v in model.state_dict().items()}
+        files[model_file(ddp.tp_rank, ddp.tp)] = {k: _host(k, v) for k, v in model.state_dict().items()}
         moments = {}
         for (name, _), m, v in zip(params.items(), optimizer.exp_avg, optimizer.exp_avg_sq, strict=True):
-            moments[f"exp_avg.{name}"], moments[f"exp_avg_sq.{name}"] = _host(m), _host(v)
+            moments[f"exp_avg.{name}"] = _host(f"exp_avg.{name}", m)
+            moments[f"exp_avg_sq.{name}"] = _host(f"exp_avg_sq.{name}", v)
         files[f"optim-tp{ddp.tp_rank:02d}-of-{ddp.tp:02d}.safetensors"] = moments
     if ddp.rank == 0:
         files[SHARDS] = {"tp": ddp.tp, "dims": {k: shard_dim(v) for k, v in model.state_dict().items()}}

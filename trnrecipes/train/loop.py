@@ -34,6 +34,7 @@ from trnrecipes.recipe import Recipe, RecipeError
 from trnrecipes.train.backends import Backend, make_backend
 from trnrecipes.train.checkpointing import (
     Checkpointer,
+    HostBuffers,
     latest_checkpoint,
     remove_partial,
     restore_training_state,
@@ -190,6 +191,7 @@ class Trainer:
                 resume, self.model, self.optimizer, self.ddp, self.optimizer.generator, self.log
             )
             self.log(f"[trnrecipes] resuming from {resume} (step {self.start_step})")
+        self.host = HostBuffers()
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints",
             recipe,
@@ -335,7 +337,10 @@ class Trainer:
     def save(self, step: int, position: StreamPosition | None) -> None:
         """Copy this rank's state to host memory (the only part the step waits for) and hand it to the writer.
         Compile mode traces the same copies (and TP gathers) and writes nothing."""
-        files = snapshot(self.model, self.optimizer, self.ddp, step, position, self.optimizer.generator, self.recipe)
+        self.checkpointer.wait()  # the previous writer may still read the host buffers this copy reuses
+        files = snapshot(
+            self.model, self.optimizer, self.ddp, step, position, self.optimizer.generator, self.recipe, self.host
+        )
         if not self.compile_only:
             self.checkpointer.save(step, files)
 
