@@ -13,7 +13,8 @@ import torch
 
 from trnrecipes.layout import compute_layout
 from trnrecipes.recipe import load_recipe
-from trnrecipes.train.loop import Trainer, _full
+from trnrecipes.train.distributed import full_tensor
+from trnrecipes.train.loop import Trainer
 
 
 def main() -> None:
@@ -33,7 +34,7 @@ def main() -> None:
         trainer.accumulate(iter(mine), layout.grad_accum)
         norms.append(float(trainer.reduce_and_clip()))
         if step == 0:
-            first_grads = {n: _full(p.grad).detach().clone() for n, p in trainer.model.named_parameters()}
+            first_grads = {n: full_tensor(p.grad).detach().clone() for n, p in trainer.model.named_parameters()}
         trainer.optimizer_step(step)
     params = trainer.full_state_dict()  # a collective under TP: every rank takes part
     if trainer.ddp.rank == 0:

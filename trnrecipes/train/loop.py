@@ -40,6 +40,7 @@ from trnrecipes.train.checkpointing import (
     restore_training_state,
     snapshot,
 )
+from trnrecipes.train.distributed import Distributed, full_tensor, local_tensor
 from trnrecipes.train.monitor import Metrics, SpikeDetector, progress_line
 from trnrecipes.train.optim import AdamW, lr_at, no_decay_params
 
@@ -52,72 +53,6 @@ class RunResult:
     checkpoints: list[Path] = field(default_factory=list)
     stopped_early: bool = False
     position: StreamPosition | None = None
-
-
-class Distributed:
-    """Ranks laid out [dp, tp] with TP fastest (TP groups within a node). Single process: no process group."""
-
-    def __init__(self, recipe: Recipe, backend: Backend):
-        layout = compute_layout(recipe)
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        if self.world != layout.world_size:
-            raise RecipeError(
-                f"launched with {self.world} rank(s), but recipe {recipe.name} at {layout.nodes} node(s) needs"
-                f" {layout.world_size} (DP {layout.dp} x TP {layout.tp} x PP {layout.pp}); use its run.sbatch"
-            )
-        if layout.pp > 1 and backend.name != "neuron":
-            raise RecipeError(f"pipeline parallelism (pp {layout.pp}) is only built for the neuron backend")
-        self.dp, self.tp = layout.dp, layout.tp
-        self.dp_rank, self.tp_rank = self.rank // self.tp, self.rank % self.tp
-        self.mesh = self.dp_group = None
-        self.neuron = backend.name == "neuron"
-        if self.neuron:  # NxD owns the groups: TP within consecutive ranks, DP across (the same [dp, tp] layout)
-            from trnrecipes import neuron_parallel
-
-            if not dist.is_initialized():
-                dist.init_process_group("xla", init_method="xla://")
-            neuron_parallel.initialize(self.tp)
-        elif self.world > 1:
-            if not dist.is_initialized():
-                dist.init_process_group(backend.dist_backend, rank=self.rank, world_size=self.world)
-            from torch.distributed.device_mesh import init_device_mesh
-
-            self.mesh = init_device_mesh(backend.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
-            self.dp_group = self.mesh["dp"].get_group()
-
-    def average_over_dp(self, tensors: list[torch.Tensor]) -> None:
-        """In place: the mean over the data-parallel replicas (never over TP ranks, which hold different shards)."""
-        if self.dp == 1 or not tensors:
-            return
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.dp
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-    def max_over_ranks(self, values: list[int], device: torch.device) -> list[int]:
-        """Element-wise max over all ranks: how ranks agree on a decision only some of them can see."""
-        if self.world == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.int64, device=device if self.neuron else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [int(v) for v in t.cpu().tolist()]
-
-    def close(self) -> None:
-        if self.world > 1 and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def build(recipe: Recipe, backend: Backend, ddp: Distributed, weights: dict | None = None) -> torch.nn.Module:
@@ -156,7 +91,7 @@ def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     if "labels" in inspect.signature(model.forward).parameters:
         return model(inputs, labels=labels)  # fused head + cross-entropy: no full logits kept
     logits = model(inputs)
-    return F.cross_entropy(_full(logits).float().flatten(0, 1), labels.flatten())
+    return F.cross_entropy(full_tensor(logits).float().flatten(0, 1), labels.flatten())
 
 
 class Trainer:
@@ -262,14 +197,14 @@ class Trainer:
         for p in params:
             if hasattr(p.grad, "placements") and tuple(p.grad.placements) != tuple(p.placements):
                 p.grad = p.grad.redistribute(placements=p.placements)
-        return [_local(p.grad) for p in params]
+        return [local_tensor(p.grad) for p in params]
 
     @torch.no_grad()
     def _global_norm(self, tensors) -> torch.Tensor:
         """L2 norm over all parameters (or grads), each counted once however it is sharded over TP."""
         total = torch.zeros((), dtype=torch.float32, device=self.backend.device)
         for t in tensors:
-            total = total + _full(t).float().pow(2).sum()
+            total = total + full_tensor(t).float().pow(2).sum()
         return total.sqrt()
 
     def accumulate(self, loader, grad_accum: int) -> torch.Tensor:
@@ -332,7 +267,7 @@ class Trainer:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated CPU weights (TP shards gathered): what a checkpoint and HF export hold."""
-        return {k: _full(v).detach().cpu() for k, v in self.model.state_dict().items()}
+        return {k: full_tensor(v).detach().cpu() for k, v in self.model.state_dict().items()}
 
     def save(self, step: int, position: StreamPosition | None) -> None:
         """Copy this rank's state to host memory (the only part the step waits for) and hand it to the writer.

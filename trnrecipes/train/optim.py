@@ -15,6 +15,7 @@ import math
 import torch
 
 from trnrecipes.recipe import OptimConfig
+from trnrecipes.train.distributed import local_tensor
 
 
 def lr_at(step: int, cfg: OptimConfig) -> float:
@@ -39,10 +40,6 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = N
     return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # -65536 == 0xFFFF0000
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 class AdamW:
     """Decoupled weight decay Adam (Loshchilov & Hutter) with fp32 states; see the module docstring for why."""
 
@@ -58,11 +55,11 @@ class AdamW:
         self.betas, self.eps, self.weight_decay = cfg.betas, cfg.eps, cfg.weight_decay
         self.no_decay = no_decay or set()
         self.stochastic_rounding = stochastic_rounding
-        device = _local(self.params[0]).device
+        device = local_tensor(self.params[0]).device
         self.lr = torch.zeros((), dtype=torch.float32, device=device)
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
-        self.exp_avg = [torch.zeros_like(_local(p), dtype=torch.float32) for p in self.params]
-        self.exp_avg_sq = [torch.zeros_like(_local(p), dtype=torch.float32) for p in self.params]
+        self.exp_avg = [torch.zeros_like(local_tensor(p), dtype=torch.float32) for p in self.params]
+        self.exp_avg_sq = [torch.zeros_like(local_tensor(p), dtype=torch.float32) for p in self.params]
         self.generator = None
         if stochastic_rounding and device.type == "cpu":
             self.generator = torch.Generator().manual_seed(seed)
@@ -81,7 +78,7 @@ class AdamW:
         for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True):
             if p.grad is None:
                 continue
-            param, grad = _local(p), _local(p.grad).float()
+            param, grad = local_tensor(p), local_tensor(p.grad).float()
             # In place and few passes over memory: on CPU an optimizer step is bandwidth-bound.
             m.lerp_(grad, 1 - beta1)  # beta1 * m + (1 - beta1) * g
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)

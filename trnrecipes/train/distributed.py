@@ -1,0 +1,79 @@
+"""The process layout of a training run: ranks [dp, tp] with TP fastest, process groups, and the few collectives the
+step loop needs beyond the model's own (DP gradient averaging, agreeing on decisions)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from trnrecipes.layout import compute_layout
+from trnrecipes.recipe import Recipe, RecipeError
+from trnrecipes.train.backends import Backend
+
+
+class Distributed:
+    """Ranks laid out [dp, tp] with TP fastest (TP groups within a node). Single process: no process group."""
+
+    def __init__(self, recipe: Recipe, backend: Backend):
+        layout = compute_layout(recipe)
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        if self.world != layout.world_size:
+            raise RecipeError(
+                f"launched with {self.world} rank(s), but recipe {recipe.name} at {layout.nodes} node(s) needs"
+                f" {layout.world_size} (DP {layout.dp} x TP {layout.tp} x PP {layout.pp}); use its run.sbatch"
+            )
+        if layout.pp > 1 and backend.name != "neuron":
+            raise RecipeError(f"pipeline parallelism (pp {layout.pp}) is only built for the neuron backend")
+        self.dp, self.tp = layout.dp, layout.tp
+        self.dp_rank, self.tp_rank = self.rank // self.tp, self.rank % self.tp
+        self.mesh = self.dp_group = None
+        self.neuron = backend.name == "neuron"
+        if self.neuron:  # NxD owns the groups: TP within consecutive ranks, DP across (the same [dp, tp] layout)
+            from trnrecipes import neuron_parallel
+
+            if not dist.is_initialized():
+                dist.init_process_group("xla", init_method="xla://")
+            neuron_parallel.initialize(self.tp)
+        elif self.world > 1:
+            if not dist.is_initialized():
+                dist.init_process_group(backend.dist_backend, rank=self.rank, world_size=self.world)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh(backend.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+            self.dp_group = self.mesh["dp"].get_group()
+
+    def average_over_dp(self, tensors: list[torch.Tensor]) -> None:
+        """In place: the mean over the data-parallel replicas (never over TP ranks, which hold different shards)."""
+        if self.dp == 1 or not tensors:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.dp
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def max_over_ranks(self, values: list[int], device: torch.device) -> list[int]:
+        """Element-wise max over all ranks: how ranks agree on a decision only some of them can see."""
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.int64, device=device if self.neuron else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [int(v) for v in t.cpu().tolist()]
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
