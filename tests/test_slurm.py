@@ -1,0 +1,184 @@
+"""The generated scripts under a real Slurm: Debian's slurmctld + two slurmd emulating node1 and node2 on this one
+machine (tests/slurm/cluster.sh, which installs Slurm when it is missing). compile.sbatch then run.sbatch with
+--dependency=afterok, a 2-node torchrun rendezvous over gloo; the pre-timeout USR1 saves, requeues and resumes
+bitwise; a job asking for more nodes than exist is refused at submit time."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, run_cli
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
+MAX_STEPS = 60
+# Quick on 2 cores: one worker per emulated node (DP 2), 32-token sequences. The reference and the preempted run
+# differ only in run_dir.
+SMALL = ("cluster.workers_per_node=1 batch.seq_len=32 batch.global_batch=4 batch.micro_batch=2 train.log_every=1 "
+         f"train.val_every=1000 train.max_steps={MAX_STEPS} checkpoint.every_steps=50")  # fmt: skip
+NAME = "llama2-tiny-2n"
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+@pytest.fixture(scope="module")
+def slurm_env(tmp_path_factory) -> dict[str, str]:
+    """Start the loopback cluster (installing Slurm if needed); the environment for its clients."""
+    was_running = subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True, text=True).returncode == 0
+    done = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        pytest.fail(f"tests/slurm/cluster.sh start failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+    conf = re.search(r"^SLURM_CONF=(.+)$", done.stdout, re.M)
+    assert conf, done.stdout + done.stderr
+    # Not the variables of a job this test might itself run in: only the test cluster's config.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["SLURM_CONF"] = conf.group(1)
+    yield env
+    if not was_running:
+        subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, text=True, timeout=120)
+
+
+def slurm(env: dict[str, str], *cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+
+
+def render(job: Path, run_dir: Path, nodes: int = 2, overrides: str = SMALL) -> None:
+    done = run_cli("sbatch", "--recipe", "llama2-tiny", "--nodes", str(nodes), "--out", str(job),
+                   "--overrides", f"{overrides} run_dir={run_dir}")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def submit(env: dict[str, str], *args: str) -> str:
+    done = slurm(env, "sbatch", "--parsable", *args)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def job_info(env: dict[str, str], job_id: str) -> dict[str, str]:
+    done = slurm(env, "scontrol", "show", "job", "--oneliner", job_id)
+    assert done.returncode == 0, done.stderr
+    return dict(re.findall(r"(\w+)=(\S*)", done.stdout))
+
+
+def wait_done(env: dict[str, str], job_id: str, log: Path, timeout: float = 300) -> dict[str, str]:
+    """Poll scontrol (no slurmdbd here, so no sacct) until the job ends; its log in the message if it failed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = job_info(env, job_id)
+        if info["JobState"] in FINAL:
+            break
+        assert time.monotonic() < deadline, f"job {job_id} still {info['JobState']} after {timeout} s"
+        time.sleep(0.5)
+    text = log.read_text() if log.exists() else f"(no log {log})"
+    assert info["JobState"] == "COMPLETED", f"job {job_id}: {info['JobState']} {info.get('Reason')}\n{text[-4000:]}"
+    return info
+
+
+def metrics(run: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}  # a replayed step's later entry wins
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "checkpoints" / f"step_{MAX_STEPS}" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_env, tmp_path_factory):
+    """compile.sbatch, then run.sbatch after it (afterok): the uninterrupted run, also the resume reference."""
+    tmp = tmp_path_factory.mktemp("slurm-ref")
+    job, run = tmp / "job", tmp / "run"
+    render(job, run)
+    compile_id = submit(slurm_env, str(job / "compile.sbatch"))
+    run_id = submit(slurm_env, f"--dependency=afterok:{compile_id}", str(job / "run.sbatch"))
+    compile_info = wait_done(slurm_env, compile_id, job / "logs" / f"{NAME}-compile-{compile_id}.out")
+    run_info = wait_done(slurm_env, run_id, job / "logs" / f"{NAME}-{run_id}.out")
+    return {"job": job, "run": run, "compile_id": compile_id, "run_id": run_id,
+            "compile_info": compile_info, "run_info": run_info}  # fmt: skip
+
+
+def test_compile_then_run_on_two_nodes(reference):
+    job, run, cid, rid = reference["job"], reference["run"], reference["compile_id"], reference["run_id"]
+    for info in (reference["compile_info"], reference["run_info"]):
+        assert info["NumNodes"] == "2" and info["NodeList"] == "node[1-2]" and info["ExitCode"] == "0:0"
+    assert reference["run_info"]["Dependency"] == "(null)" and reference["run_info"]["Restarts"] == "0"
+
+    # Log names carry the job id; each attempt's torchrun logs carry the job id and the restart count.
+    compile_log = (job / "logs" / f"{NAME}-compile-{cid}.out").read_text()
+    assert f"compile job {cid} restart 0: 2 node(s) x 1 workers, rendezvous 127.0.0.1:" in compile_log
+    assert "compile (tracing every graph; nothing is written): llama2-tiny on cpu, 2 rank(s) = DP 2" in compile_log
+    assert f"compile job {cid} done" in compile_log
+    out = (job / "logs" / f"{NAME}-{rid}.out").read_text()
+    assert f"run job {rid} restart 0: 2 node(s) x 1 workers, rendezvous 127.0.0.1:" in out
+    # one torchrun agent per node and launch (srun --ntasks-per-node=1), each with its own log dir: compile.sbatch
+    # launches once (train --compile), run.sbatch twice (health check, train)
+    for d, launches in ((job / "logs" / f"{cid}.r0", 1), (job / "logs" / f"{rid}.r0", 2)):
+        assert len([p for p in d.iterdir() if p.is_dir()]) == 2 * launches, sorted(d.iterdir())
+    assert re.search(r"\[health\] .* rank 0/2: cpu matmul", out) and re.search(r"\[health\] .* rank 1/2: cpu", out)
+    assert "[health] collectives over 2 ranks: ok" in out
+    assert "train: llama2-tiny on cpu, 2 rank(s) = DP 2 x TP 1" in out
+    assert f"step {MAX_STEPS}/{MAX_STEPS} | loss" in out and "training exited with status 0" in out
+    assert "resuming from" not in out
+
+    losses = metrics(run)
+    assert sorted(losses) == list(range(1, MAX_STEPS + 1))
+    last = [losses[s] for s in range(MAX_STEPS - 9, MAX_STEPS + 1)]
+    assert sum(last) / len(last) < losses[1] - 1.0, (losses[1], last)  # the loss fell
+    assert (run / "checkpoints" / f"step_{MAX_STEPS}" / "done").exists()
+    assert (run / "checkpoints" / f"step_{MAX_STEPS}" / "model.safetensors").exists()
+
+
+def test_pre_timeout_signal_saves_requeues_and_resumes_bitwise(slurm_env, reference, tmp_path):
+    job, run = tmp_path / "job", tmp_path / "run"
+    render(job, run)
+    job_id = submit(slurm_env, str(job / "run.sbatch"))
+    log = job / "logs" / f"{NAME}-{job_id}.out"
+
+    # Wait until training is under way, then send what Slurm sends before the time limit (--signal=B:USR1@N).
+    deadline = time.monotonic() + 240
+    while not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 5):
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+        assert job_info(slurm_env, job_id)["JobState"] in {"PENDING", "RUNNING"}
+        time.sleep(0.1)
+    done = slurm(slurm_env, "scancel", "--signal=USR1", "--batch", job_id)
+    assert done.returncode == 0, done.stderr
+
+    info = wait_done(slurm_env, job_id, log)
+    assert info["Restarts"] == "1" and info["NumNodes"] == "2"
+    out = log.read_text()  # --open-mode=append: both attempts in one file
+    first, second = out.split(f"run job {job_id} restart 1:")
+    assert f"run job {job_id} restart 0:" in first
+    assert "timeout: asking training to save and stop" in first
+    saved = re.search(r"stop requested \(stop file\): saved at step (\d+), exiting", first)
+    assert saved, first[-3000:]
+    step = int(saved.group(1))
+    assert 5 <= step < MAX_STEPS
+    assert f"checkpoint saved before the time limit: requeueing job {job_id} (restart 1 of 3)" in first
+    assert f"resuming from {run}/checkpoints/step_{step} (step {step})" in second
+    assert f"steps {step + 1}-{MAX_STEPS}" in second and "training exited with status 0" in second
+    assert (job / "logs" / f"{job_id}.r0").is_dir() and (job / "logs" / f"{job_id}.r1").is_dir()
+
+    # The interrupted run ends exactly where the uninterrupted one did.
+    ours, ref = metrics(run), metrics(reference["run"])
+    assert [ours[s] for s in range(1, MAX_STEPS + 1)] == [ref[s] for s in range(1, MAX_STEPS + 1)]
+    a, b = weights(run), weights(reference["run"])
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_a_job_larger_than_the_cluster_is_refused_at_submit(slurm_env, tmp_path):
+    render(tmp_path / "job", tmp_path / "run", nodes=3, overrides="cluster.workers_per_node=1 batch.global_batch=6")
+    for args in (["--test-only"], []):
+        done = slurm(slurm_env, "sbatch", *args, str(tmp_path / "job" / "run.sbatch"))
+        assert done.returncode == 1
+        assert "Node count specification invalid" in done.stderr, done.stderr
+    assert "llama2-tiny-3n" not in slurm(slurm_env, "squeue", "--noheader", "--format=%j").stdout
