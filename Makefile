@@ -5,7 +5,8 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-DEMO_DATA := data/demo/pythondocs.arrow data/tokenizers/gpt2/tokenizer.json data/tokenizers/demo-sp/tokenizer.json
+DEMO_DATA := data/demo/pythondocs.arrow data/tokenizers/gpt2/tokenizer.json data/tokenizers/demo-sp/tokenizer.json \
+  data/eval/humaneval/HumanEval.jsonl.gz
 
 # User values (recipe=, nodes=, ...) reach the shell only through the environment and are used as "$$name".
 # Writing $(nodes) in a recipe line would paste the text into the command and the shell would parse it again
@@ -35,6 +36,7 @@ setup: $(STAMP) debian-tools data
 data: $(DEMO_DATA)
 $(DEMO_DATA) &: $(STAMP)
 	$(PY) -m trnrecipes data prepare-demo
+	$(PY) -m trnrecipes eval prepare-data --out data/eval
 	@touch $(DEMO_DATA)
 
 $(STAMP): pyproject.toml

@@ -3,6 +3,7 @@ the unbiased pass@k estimator matches the Codex paper's formula."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -109,3 +110,54 @@ def test_pass_at_k_known_values_and_errors():
     assert pass_at_k(10, 9, 2) == 1.0  # fewer failures than k: some draw always passes
     with pytest.raises(ValueError, match="0 <= c <= n"):
         pass_at_k(3, 4, 1)
+
+
+# ---------------------------------------------------------------- HumanEval scoring (trnrecipes eval code)
+
+PROBLEMS = Path(__file__).resolve().parent.parent / "data/eval/humaneval/HumanEval.jsonl.gz"
+
+
+def _samples(tmp_path, completions) -> Path:
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps({"task_id": t, "completion": c}) + "\n" for t, c in completions))
+    return path
+
+
+def test_canonical_solutions_pass_and_wrong_ones_fail(tmp_path, cli):
+    from eval.code import load_problems
+
+    problems = load_problems(PROBLEMS)
+    assert len(problems) == 164
+    good = _samples(tmp_path, [(t, p["canonical_solution"]) for t, p in problems.items()])
+    done = cli("eval", "code", "--samples", str(good), "--problems", str(PROBLEMS), "--allow-code-execution",
+               "--k", "1", "--out", str(tmp_path / "r.json"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "pass@1: 1.0000" in done.stdout and "164 samples over 164 tasks" in done.stdout
+    wrong = _samples(tmp_path, [(t, "    return None\n") for t in list(problems)[:20]])
+    done = cli("eval", "code", "--samples", str(wrong), "--problems", str(PROBLEMS), "--allow-code-execution")
+    assert done.returncode == 0 and "pass@1: 0.0000" in done.stdout and "pass@10: n/a" in done.stdout
+
+
+def test_pass_at_k_over_several_samples_per_task(tmp_path):
+    from eval.code import load_problems, score
+
+    problems = load_problems(PROBLEMS)
+    task = "HumanEval/0"
+    right, wrong = problems[task]["canonical_solution"], "    return None\n"
+    samples = [{"task_id": task, "completion": c} for c in [right] * 3 + [wrong] * 7]
+    report = score(samples, problems, ks=(1, 5, 10), allow_code_execution=True)
+    assert report["pass@1"] == pytest.approx(0.3)
+    assert report["pass@5"] == pytest.approx(1 - math.comb(7, 5) / math.comb(10, 5))
+    assert report["pass@10"] == 1.0
+
+
+def test_eval_code_needs_the_opt_in_and_valid_input(tmp_path, cli):
+    samples = _samples(tmp_path, [("HumanEval/0", "    return True\n")])
+    done = cli("eval", "code", "--samples", str(samples), "--problems", str(PROBLEMS))
+    assert done.returncode == 2 and "explicit opt-in" in done.stderr
+    bad = _samples(tmp_path, [("HumanEval/999", "")])
+    done = cli("eval", "code", "--samples", str(bad), "--problems", str(PROBLEMS), "--allow-code-execution")
+    assert done.returncode == 2 and "unknown task_id 'HumanEval/999'" in done.stderr
+    done = cli("eval", "code", "--samples", str(samples), "--problems", str(tmp_path / "none.jsonl.gz"),
+               "--allow-code-execution")  # fmt: skip
+    assert done.returncode == 2 and "eval prepare-data" in done.stderr

