@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from recipes.common.loss import causal_lm_loss
+
 CHECKPOINTING = ("none", "selective", "full")
 
 
@@ -128,8 +130,10 @@ class MLP(nn.Module):
         self.down = nn.Linear(args.ffn_hidden_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.gate_up(x).unflatten(-1, (-1, 2))  # FFN width (local under TP) from the shape
-        return self.down(F.silu(y[..., 0]) * y[..., 1])
+        # FFN width (local under TP) from the shape. unbind, not y[..., 0] / y[..., 1]: its backward is one stack,
+        # where each index's backward would zero-fill a full-size gradient and copy into it.
+        gate, up = self.gate_up(x).unflatten(-1, (-1, 2)).unbind(-1)
+        return self.down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -155,14 +159,19 @@ class Llama2(nn.Module):
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)  # untied from embed, as in Llama 2
         # No init here: construction on the meta device stays free. Callers run init_weights() (or load weights).
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> logits [b, s, vocab] in the model's dtype (the loss should upcast them)."""
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] -> logits [b, s, vocab] in the model's dtype; or, given labels [b, s] (the target of
+        position s, already shifted; -100 = ignore), the mean loss over the labelled positions, computed by the
+        fused chunked head + cross-entropy so the [b, s, vocab] logits are never materialized."""
         x = self.embed(tokens)
         full = self.args.activation_checkpointing == "full" and self.training
         for layer in self.layers:
             # Full checkpointing keeps only each layer's input and recomputes the layer in backward.
             x = checkpoint(layer, x, use_reentrant=False) if full else layer(x)
-        return self.head(self.norm(x))
+        x = self.norm(x)
+        if labels is None:
+            return self.head(x)
+        return causal_lm_loss(self.head, x, labels)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from recipes.common.loss import causal_lm_loss
+
 
 @dataclass
 class NeoXArgs:
@@ -128,14 +130,19 @@ class NeoX(nn.Module):
         self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> logits [b, s, vocab] in the model's dtype (the loss upcasts)."""
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] -> logits [b, s, vocab] in the model's dtype; or, given labels [b, s] (the target of
+        position s, already shifted; -100 = ignore), the mean loss over the labelled positions, computed by the
+        fused chunked head + cross-entropy so the [b, s, vocab] logits are never materialized."""
         x = self.embed(tokens)
         full = self.args.activation_checkpointing == "full" and self.training
         for layer in self.layers:
             # Full checkpointing keeps only each layer's input and recomputes the layer in backward.
             x = checkpoint(layer, x, use_reentrant=False) if full else layer(x)
-        return self.head(self.norm(x))
+        x = self.norm(x)
+        if labels is None:
+            return self.head(x)
+        return causal_lm_loss(self.head, x, labels)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:

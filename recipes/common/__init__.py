@@ -1,0 +1,1 @@
+"""Code shared by the model families (plain PyTorch, like the families themselves)."""
