@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DATA := data/demo/pythondocs.arrow data/tokenizers/gpt2/tokenizer.json data/tokenizers/demo-sp/tokenizer.json \
-  data/eval/humaneval/HumanEval.jsonl.gz
+  data/eval/humaneval/HumanEval.jsonl.gz data/eval/mmlu/done data/eval/gsm8k/test.jsonl
 
 # User values (recipe=, nodes=, ...) reach the shell only through the environment and are used as "$$name".
 # Writing $(nodes) in a recipe line would paste the text into the command and the shell would parse it again

