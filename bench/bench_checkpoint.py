@@ -1,8 +1,9 @@
 """Benchmark: how long an async checkpoint save stalls the training loop, divided by a synchronous save's time
 (goal <= 0.10). The real Trainer on pythia-70m (fp32, CPU, one process, micro-batch 1 x 128 tokens), the real
-checkpoint files (weights + AdamW moments: ~0.85 GB, fsync'ed).
+checkpoint files (weights + AdamW moments: ~0.85 GB, fsync'ed). One compute thread, as torchrun gives each worker
+(OMP_NUM_THREADS=1): the writer needs a core the step does not use, as on a real training host.
 
-    .venv/bin/python bench/bench_checkpoint.py [--steps 8]
+    .venv/bin/python bench/bench_checkpoint.py [--steps 12] [--threads 1]
 stall = (time of `steps` training steps with an async save at the first of them, waiting for the writer at the
 end) - (time of `steps` steps without a save). A synchronous save blocks the loop for all of its time.
 """
@@ -20,9 +21,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=1, help="torch compute threads (torchrun's default: 1)")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
+    import torch
+
+    torch.set_num_threads(args.threads)
     from trnrecipes.recipe import load_recipe
     from trnrecipes.train.loop import Trainer
 
@@ -63,7 +68,10 @@ def main() -> int:
         trainer._prefetch.close()
         trainer.close()
     stall = with_async - plain * (args.steps - 1) / args.steps
-    print(f"pythia-70m checkpoint, {size / 1e9:.2f} GB, {args.steps} steps of {plain / args.steps * 1e3:.0f} ms")
+    print(
+        f"pythia-70m checkpoint, {size / 1e9:.2f} GB, {args.steps} steps of {plain / args.steps * 1e3:.0f} ms,"
+        f" {args.threads} compute thread(s)"
+    )
     print(f"  synchronous save:            {sync:6.2f} s (the loop waits for all of it)")
     print(f"  async save, hand-off:        {handoff:6.2f} s (copy to host memory)")
     print(f"  async save, loop stall:      {stall:6.2f} s over {args.steps} steps (hand-off + slower steps + wait)")
