@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import inspect
 import math
 import os
 import signal
@@ -22,7 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from trnrecipes import REPO_ROOT
 from trnrecipes.checkpoint import consolidate
@@ -87,11 +85,9 @@ def build(recipe: Recipe, backend: Backend, ddp: Distributed, weights: dict | No
 
 
 def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    if "labels" in inspect.signature(model.forward).parameters:
-        return model(inputs, labels=labels)  # fused head + cross-entropy: no full logits kept
-    logits = model(inputs)
-    return F.cross_entropy(full_tensor(logits).float().flatten(0, 1), labels.flatten())
+    """Mean next-token loss of a [b, s + 1] batch. Every family's forward takes labels: the fused head +
+    cross-entropy, or full logits where the head is tensor parallel (recipes/common/loss.py decides)."""
+    return model(tokens[:, :-1], labels=tokens[:, 1:])
 
 
 class Trainer:
