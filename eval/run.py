@@ -1,9 +1,10 @@
 """`trnrecipes eval run --ckpt PATH` (`make eval ckpt=PATH`): seed 002's table for one of our checkpoints, offline.
 
 The checkpoint is exported to an HF directory (trnrecipes convert to-hf; an HF directory is taken as is), lm-eval's
-simple_evaluate runs the local tasks (eval/tasks.py: MMLU 5-shot, GSM8K 8-shot CoT), HumanEval completions are
-sampled with transformers and scored in the sandbox (eval/sandbox.py, only with --allow-code-execution), and
-results.json + results.md (task, shots, metric, value (stderr), baseline) are written to the output directory.
+simple_evaluate runs the local tasks (eval/tasks.py: MMLU 5-shot, BBH 3-shot CoT, GSM8K 8-shot CoT), HumanEval
+completions are sampled with transformers and scored in the sandbox (eval/sandbox.py, only with
+--allow-code-execution), and results.json + results.md (task, shots, metric, value (stderr), baseline) are written
+to the output directory.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+# the reported metric of each local task: MMLU accuracy, BBH's "the answer is X" match, GSM8K's strict match
+METRICS = ("acc,none", "exact_match,get-answer", "exact_match,strict-match")
 HUMANEVAL_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
 
 
@@ -33,7 +36,9 @@ def export(ckpt: Path, out: Path) -> Path:
     return hf
 
 
-def lm_eval_tasks(hf: Path, task_dir: Path, names: list[str], limit: int | None, max_length: int) -> dict:
+def lm_eval_tasks(
+    hf: Path, task_dir: Path, names: list[str], limit: int | None, max_length: int, max_gen_toks: int | None = None
+) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -46,6 +51,8 @@ def lm_eval_tasks(hf: Path, task_dir: Path, names: list[str], limit: int | None,
         limit=limit,
         device="cpu" if not _cuda() else "cuda",
         batch_size=1,
+        # a cap on every generated answer (BBH's own is 1024 tokens): for quick checks of tiny models
+        gen_kwargs=f"max_gen_toks={max_gen_toks}" if max_gen_toks else None,
     )
 
 
@@ -60,7 +67,9 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def humaneval(hf: Path, problems_path: Path, limit: int | None, n: int, allow: bool, workers: int = 2) -> dict:
+def humaneval(
+    hf: Path, problems_path: Path, limit: int | None, n: int, allow: bool, max_new_tokens: int = 256, workers: int = 2
+) -> dict:
     """n samples per problem (greedy if n == 1, else temperature 0.8 as in the Codex paper), pass@1/10/100."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -78,7 +87,7 @@ def humaneval(hf: Path, problems_path: Path, limit: int | None, n: int, allow: b
         with torch.no_grad():
             out = model.generate(
                 ids.repeat(n, 1),
-                max_new_tokens=256,
+                max_new_tokens=max_new_tokens,
                 do_sample=n > 1,
                 temperature=0.8 if n > 1 else None,
                 top_p=0.95 if n > 1 else None,
@@ -114,6 +123,7 @@ def run(
     humaneval_n: int = 1,
     baseline: dict[str, float] | None = None,
     max_length: int = 2048,
+    max_gen_toks: int | None = None,
 ) -> list[dict]:
     from eval.tasks import SHOTS, write_task_dir
 
@@ -124,10 +134,10 @@ def run(
     harness = [t for t in tasks if t != "humaneval"]
     if harness:
         names = write_task_dir(out / "tasks", data, harness)
-        results = lm_eval_tasks(hf, out / "tasks", names, limit, max_length)["results"]
+        results = lm_eval_tasks(hf, out / "tasks", names, limit, max_length, max_gen_toks)["results"]
         for name in names:
             r = results[name]
-            metric = "acc,none" if "acc,none" in r else "exact_match,strict-match"
+            metric = next(m for m in METRICS if m in r)
             stderr = r.get(metric.replace(",", "_stderr,"))
             rows.append(
                 {
@@ -139,10 +149,13 @@ def run(
                 }
             )
     if "humaneval" in tasks:
-        report = humaneval(hf, data / "humaneval/HumanEval.jsonl.gz", limit, humaneval_n, allow_code_execution)
+        problems = data / "humaneval/HumanEval.jsonl.gz"
+        new_tokens = min(256, max_gen_toks or 256)
+        report = humaneval(hf, problems, limit, humaneval_n, allow_code_execution, new_tokens)
         for key in ("pass@1", "pass@10", "pass@100"):
             if key in report:
                 rows.append({"task": "humaneval", "shots": 0, "metric": key, "value": report[key], "stderr": None})
-    (out / "results.json").write_text(json.dumps({"model": str(hf), "limit": limit, "results": rows}, indent=1))
+    meta = {"model": str(hf), "limit": limit, "max_gen_toks": max_gen_toks}
+    (out / "results.json").write_text(json.dumps(meta | {"results": rows}, indent=1))
     (out / "results.md").write_text(table(rows, baseline or {}))
     return rows

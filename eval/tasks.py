@@ -1,9 +1,10 @@
 """Local lm-eval tasks: lm-eval's own shipped prompt configs (`include:`), pointed at our offline data files.
 
 They are written into a directory at run time because `include:` needs the path of the installed lm_eval package.
-Tasks: `trn_mmlu` (57 subjects, 5-shot, accuracy weighted by subject size, as lm-eval's `mmlu`) and `trn_gsm8k_cot`
-(8-shot chain of thought, exact match), the prompts of seed 002's table. BBH (3-shot CoT) needs the optional bigbench
-data and is not wired yet.
+Tasks: `trn_mmlu` (57 subjects, 5-shot, accuracy weighted by subject size, as lm-eval's `mmlu`), `trn_bbh_cot`
+(27 subtasks, 3-shot chain of thought, exact match of "the answer is X" weighted by subtask size, as lm-eval's
+`bbh_cot_fewshot`; data from eval/bbh.py) and `trn_gsm8k_cot` (8-shot chain of thought, exact match): the prompts of
+seed 002's table.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-TASKS = {"mmlu": "trn_mmlu", "gsm8k": "trn_gsm8k_cot"}
-SHOTS = {"trn_mmlu": 5, "trn_gsm8k_cot": 8}
+TASKS = {"mmlu": "trn_mmlu", "bbh": "trn_bbh_cot", "gsm8k": "trn_gsm8k_cot"}
+SHOTS = {"trn_mmlu": 5, "trn_bbh_cot": 3, "trn_gsm8k_cot": 8}
 
 
 class TaskDataError(FileNotFoundError):
@@ -25,9 +26,10 @@ def _shipped() -> Path:
     return Path(lm_eval.tasks.__file__).parent
 
 
-def _need(path: Path) -> Path:
+def _need(data: Path, *parts: str) -> Path:
+    path = data.joinpath(*parts)
     if not path.exists():
-        raise TaskDataError(f"eval data {path} is missing; `trnrecipes eval prepare-data --out {path.parents[1]}`")
+        raise TaskDataError(f"eval data {path} is missing; `trnrecipes eval prepare-data --out {data}` builds it")
     return path
 
 
@@ -42,7 +44,7 @@ def write_task_dir(out: Path, data: Path, tasks: list[str]) -> list[str]:
             raise ValueError(f"unknown eval task {task!r}; valid: {', '.join(TASKS)}, humaneval")
         names.append(TASKS[task])
         if task == "mmlu":
-            subjects = sorted(p.name for p in _need(data / "mmlu").iterdir() if p.is_dir())
+            subjects = sorted(p.name for p in _need(data, "mmlu").iterdir() if p.is_dir())
             for subject in subjects:
                 spec = {
                     "include": str(shipped / "mmlu/default/_default_template_yaml"),
@@ -52,8 +54,8 @@ def write_task_dir(out: Path, data: Path, tasks: list[str]) -> list[str]:
                     "dataset_name": None,
                     "dataset_kwargs": {
                         "data_files": {
-                            "test": str(_need(data / "mmlu" / subject / "test.jsonl")),
-                            "dev": str(_need(data / "mmlu" / subject / "dev.jsonl")),
+                            "test": str(_need(data, "mmlu", subject, "test.jsonl")),
+                            "dev": str(_need(data, "mmlu", subject, "dev.jsonl")),
                         }
                     },
                     "num_fewshot": 5,
@@ -68,13 +70,36 @@ def write_task_dir(out: Path, data: Path, tasks: list[str]) -> list[str]:
                 "metadata": {"version": 2},
             }
             (out / "trn_mmlu.yaml").write_text(json.dumps(group, indent=1))
+        elif task == "bbh":
+            from eval.bbh import SUBTASKS
+
+            _need(data, "bbh", "done")
+            for subtask in SUBTASKS:
+                spec = {
+                    "include": str(shipped / "bbh/cot_fewshot" / f"{subtask}.yaml"),
+                    "task": f"trn_bbh_cot_{subtask}",
+                    "tag": "trn_bbh_cot_subtasks",
+                    "dataset_path": "json",
+                    "dataset_name": None,
+                    "dataset_kwargs": {"data_files": {"test": str(_need(data, "bbh", f"{subtask}.jsonl"))}},
+                }
+                (out / f"trn_bbh_cot_{subtask}.yaml").write_text(json.dumps(spec, indent=1))
+            group = {
+                "group": "trn_bbh_cot",
+                "task": ["trn_bbh_cot_subtasks"],
+                "aggregate_metric_list": [
+                    {"metric": "exact_match", "weight_by_size": True, "filter_list": "get-answer"}
+                ],
+                "metadata": {"version": 1},
+            }
+            (out / "trn_bbh_cot.yaml").write_text(json.dumps(group, indent=1))
         elif task == "gsm8k":
             spec = {
                 "include": str(shipped / "gsm8k/gsm8k-cot.yaml"),
                 "task": "trn_gsm8k_cot",
                 "dataset_path": "json",
                 "dataset_name": None,
-                "dataset_kwargs": {"data_files": {"test": str(_need(data / "gsm8k/test.jsonl"))}},
+                "dataset_kwargs": {"data_files": {"test": str(_need(data, "gsm8k", "test.jsonl"))}},
             }
             (out / "trn_gsm8k_cot.yaml").write_text(json.dumps(spec, indent=1))
     return names

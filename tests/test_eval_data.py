@@ -1,11 +1,13 @@
 """Offline eval data unpacked at setup (`trnrecipes eval prepare-data`): complete, and in the schemas lm-eval's
-shipped MMLU and GSM8K prompts read."""
+shipped MMLU, BBH and GSM8K prompts read."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 DATA = REPO / "data/eval"
@@ -31,3 +33,72 @@ def test_gsm8k_test_split():
     assert len(problems) == 1319
     assert all(set(p) == {"question", "answer"} and "\n#### " in p["answer"] for p in problems)
     assert problems[0]["answer"].endswith("#### 18")  # Janet's ducks
+
+
+# -- BBH, converted from the bigbench sdist (eval/bbh.py) -----------------------------------------------------------
+
+
+def bbh_exemplars(subtask: str) -> list[dict]:
+    import lm_eval.tasks
+    import yaml
+
+    spec = Path(lm_eval.tasks.__file__).parent / "bbh/cot_fewshot" / f"{subtask}.yaml"
+    return yaml.safe_load(spec.read_text())["fewshot_config"]["samples"]
+
+
+def final_answer(exemplar_target: str) -> str:
+    """What lm-eval's get-answer filter extracts from a 3-shot exemplar's chain of thought."""
+    return exemplar_target.rsplit("the answer is ", 1)[1][:-1]
+
+
+def answer_form(answer: str) -> str:
+    if re.fullmatch(r"\([A-R]\)", answer):
+        return "letter"
+    if answer in ("Yes", "No", "yes", "no", "valid", "invalid", "True", "False"):
+        return answer.lower().replace("invalid", "valid").replace("no", "yes").replace("false", "true")
+    return "number" if re.fullmatch(r"-?\d+", answer) else "text"
+
+
+def test_bbh_has_all_27_subtasks_in_the_form_of_lm_evals_exemplars():
+    from eval.bbh import SUBTASKS, _normal
+
+    assert len(SUBTASKS) == 27 and (DATA / "bbh/done").exists()
+    for subtask in SUBTASKS:
+        items = rows(DATA / "bbh" / f"{subtask}.jsonl")
+        assert 140 <= len(items) <= 250 and all(set(i) == {"input", "target"} for i in items), subtask
+        exemplars = bbh_exemplars(subtask)
+        forms = {answer_form(final_answer(e["target"])) for e in exemplars}
+        assert {answer_form(i["target"]) for i in items} == forms, subtask
+        # an exemplar shown in the 3-shot prompt is never also a test item
+        assert not {_normal(e["input"]) for e in exemplars} & {_normal(i["input"]) for i in items}, subtask
+        has_options = ["Options:" in e["input"] for e in exemplars]
+        assert all(("Options:" in i["input"]) == has_options[0] for i in items), subtask
+        if forms == {"letter"}:
+            for item in items:
+                assert f"\n{item['target']} " in item["input"], (subtask, item)  # the right option is listed
+
+
+def test_bbh_right_option_is_not_always_in_one_place():
+    """bigbench lists the right answer first in temporal_sequences and date_understanding: we shuffle those."""
+    from collections import Counter
+
+    for subtask in ("temporal_sequences", "date_understanding", "logical_deduction_five_objects"):
+        letters = Counter(i["target"] for i in rows(DATA / "bbh" / f"{subtask}.jsonl"))
+        assert max(letters.values()) < 0.5 * sum(letters.values()), (subtask, letters)
+
+
+def test_bbh_generated_subtasks_answer_lm_evals_exemplars_as_bbh_does():
+    """boolean_expressions, multistep_arithmetic_two and web_of_lies are generated (bigbench ships only a generator);
+    our answer functions give BBH's own answers on its exemplars, and the items are distinct."""
+    from eval.bbh import arithmetic_answer, boolean_answer, web_of_lies_answer
+
+    answer = {"boolean_expressions": boolean_answer, "multistep_arithmetic_two": arithmetic_answer,
+              "web_of_lies": web_of_lies_answer}  # fmt: skip
+    for subtask, fn in answer.items():
+        for exemplar in bbh_exemplars(subtask):
+            assert fn(exemplar["input"]) == final_answer(exemplar["target"]), exemplar
+        items = rows(DATA / "bbh" / f"{subtask}.jsonl")
+        assert len(items) == 250 and len({i["input"] for i in items}) == 250
+        assert all(fn(i["input"]) == i["target"] for i in items)
+    with pytest.raises(ValueError, match="not a BBH boolean expression"):
+        boolean_answer("__import__('os') is")

