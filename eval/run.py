@@ -101,15 +101,37 @@ def humaneval(
     return score(samples, chosen, ks, workers, allow_code_execution=allow) | {"n": n}
 
 
-def table(rows: list[dict], baseline: dict[str, float]) -> str:
+def load_baseline(path: Path) -> dict:
+    """A baseline file (eval/baselines/*.json): {"model", "source", "results": {"task/metric": value}}."""
+    try:
+        spec = json.loads(Path(path).read_text())
+        results = spec["results"]
+        if not isinstance(spec.get("model"), str) or not all(
+            isinstance(k, str) and "/" in k and isinstance(v, int | float) for k, v in results.items()
+        ):
+            raise TypeError
+    except FileNotFoundError:
+        raise ValueError(f"baseline file {path} does not exist (see eval/baselines/)") from None
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        raise ValueError(
+            f'baseline file {path}: expected {{"model": NAME, "source": TEXT, "results": {{"task/metric": number}}}}'
+            " (see eval/baselines/openllama2-7b.json)"
+        ) from None
+    return spec
+
+
+def table(rows: list[dict], baseline: dict | None = None) -> str:
+    base_values = (baseline or {}).get("results", {})
     lines = ["| task | shots | metric | value (stderr) | baseline |", "|---|---|---|---|---|"]
     for r in rows:
         err = f" ({r['stderr']:.4f})" if r.get("stderr") is not None else ""
-        base = baseline.get(f"{r['task']}/{r['metric']}")
+        base = base_values.get(f"{r['task']}/{r['metric']}")
         lines.append(
             f"| {r['task']} | {r['shots']} | {r['metric']} | {r['value']:.4f}{err} | "
             f"{'' if base is None else f'{base:.4f}'} |"
         )
+    if baseline:
+        lines.append(f"\nbaseline: {baseline['model']}; {baseline.get('source', '')}".rstrip("; "))
     return "\n".join(lines) + "\n"
 
 
@@ -121,7 +143,7 @@ def run(
     limit: int | None = None,
     allow_code_execution: bool = False,
     humaneval_n: int = 1,
-    baseline: dict[str, float] | None = None,
+    baseline: dict | None = None,
     max_length: int = 2048,
     max_gen_toks: int | None = None,
 ) -> list[dict]:
@@ -157,5 +179,5 @@ def run(
                 rows.append({"task": "humaneval", "shots": 0, "metric": key, "value": report[key], "stderr": None})
     meta = {"model": str(hf), "limit": limit, "max_gen_toks": max_gen_toks}
     (out / "results.json").write_text(json.dumps(meta | {"results": rows}, indent=1))
-    (out / "results.md").write_text(table(rows, baseline or {}))
+    (out / "results.md").write_text(table(rows, baseline))
     return rows

@@ -102,3 +102,24 @@ def test_bbh_generated_subtasks_answer_lm_evals_exemplars_as_bbh_does():
         assert all(fn(i["input"]) == i["target"] for i in items)
     with pytest.raises(ValueError, match="not a BBH boolean expression"):
         boolean_answer("__import__('os') is")
+
+
+# -- the results table and its baseline column ----------------------------------------------------------------------
+
+
+def test_baseline_file_fills_the_baseline_column(tmp_path):
+    from eval.run import load_baseline, table
+
+    baseline = load_baseline(REPO / "eval/baselines/openllama2-7b.json")
+    mmlu = {"task": "trn_mmlu", "shots": 5, "metric": "acc,none", "value": 0.25, "stderr": 0.01}
+    bbh = {"task": "trn_bbh_cot", "shots": 3, "metric": "exact_match,get-answer", "value": 0.1, "stderr": None}
+    rows_ = [mmlu, bbh]
+    lines = table(rows_, baseline).splitlines()
+    assert lines[2] == "| trn_mmlu | 5 | acc,none | 0.2500 (0.0100) | 0.4110 |"
+    assert lines[3] == "| trn_bbh_cot | 3 | exact_match,get-answer | 0.1000 |  |"  # the source has no BBH
+    assert lines[-1].startswith("baseline: OpenLLaMA-2 7B; HLAT")
+    (tmp_path / "bad.json").write_text('{"model": "x", "results": {"trn_mmlu/acc,none": "high"}}')
+    with pytest.raises(ValueError, match=r"bad.json: expected \{\"model\""):
+        load_baseline(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_baseline(tmp_path / "none.json")

