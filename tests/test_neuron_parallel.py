@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from trnrecipes.models import build_model
-from trnrecipes.neuron_parallel import apply_neuron_tensor_parallel, linear_specs
+from trnrecipes.neuron_parallel import apply_neuron_tensor_parallel, linear_specs, sequence_parallel_params
 from trnrecipes.recipe import load_recipe
 
 
@@ -30,3 +30,16 @@ def test_without_the_neuron_sdk_the_adapter_says_what_is_missing():
     model = build_model(load_recipe("neox-tiny").model, "meta")
     with pytest.raises(RuntimeError, match="needs neuronx-distributed from the Neuron SDK"):
         apply_neuron_tensor_parallel(model, "neox")
+
+
+@pytest.mark.parametrize(("recipe", "family"), [("neox-tiny", "neox"), ("llama2-tiny", "llama2")])
+def test_sequence_parallel_tags_exactly_the_norm_parameters(recipe, family):
+    """Under SP the norms see a sequence shard: their gradients must be summed over TP. Cross-checked against the
+    module types, so a norm added to a model but not to its family plan fails here."""
+    model = build_model(load_recipe(recipe).model, "meta")
+    tagged = sequence_parallel_params(model, family)
+    norm_types = ("LayerNorm", "RMSNorm")
+    expected = [f"{m}.{p}" for m, mod in model.named_modules() if type(mod).__name__ in norm_types
+                for p, _ in mod.named_parameters(recurse=False)]  # fmt: skip
+    assert sorted(tagged) == sorted(expected) and len(tagged) == len(set(tagged))
+    assert "norm.weight" in tagged and any(name.startswith("layers.1.") for name in tagged)

@@ -2,9 +2,16 @@
 neuronx-distributed's layers (ColumnParallelLinear, RowParallelLinear, ParallelEmbedding).
 
 Written against neuronx-distributed's public API (neuronx_distributed.parallel_layers); the Neuron SDK installs only
-on Trainium hosts, so this has not run here. `linear_specs` (what gets replaced, with which shapes) is pure and
-tested; the import guard is tested. Sequence parallelism on Neuron (NxD's scatter/gather mappings around the norms)
-is not built yet and is refused loudly rather than silently ignored.
+on Trainium hosts, so this has not run here. `linear_specs` (what gets replaced, with which shapes) and
+`sequence_parallel_params` (what sequence parallelism tags) are pure and tested; the import guard is tested.
+
+Sequence parallelism (Megatron style, the sequence dim is 1 in our [batch, seq, hidden] layout): the residual stream
+between the linears holds 1/TP of the sequence. The embedding's output is scattered along the sequence (NxD's
+scatter_to_sequence_parallel_region, as a forward hook so the parameter names stay those of the checkpoint); the
+column-parallel linears (and the head) all-gather their input along the sequence and the row-parallel ones
+reduce-scatter their output (NxD's sequence_parallel_enabled, sequence_dimension=1); norms run on the shards. The
+norms' parameters and the row-parallel biases then see only their shard's gradient: they are tagged
+`sequence_parallel_enabled` and summed over the TP group after backward (reduce_sequence_parallel_gradients).
 """
 
 from __future__ import annotations
@@ -38,21 +45,28 @@ def linear_specs(model: nn.Module, family: str) -> list[LinearSpec]:
     return specs
 
 
+def sequence_parallel_params(model: nn.Module, family: str) -> list[str]:
+    """Names of the parameters that sequence parallelism replicates but feeds only a sequence shard: every norm's
+    (each layer's plan.NORMS and the final `norm`). The row-parallel biases NxD tags itself."""
+    plan = family_plan(family)
+    norms = [f"layers.{i}.{name}" for i in range(len(model.layers)) for name in plan.NORMS] + ["norm"]
+    return [f"{norm}.{p}" for norm in norms for p, _ in model.get_submodule(norm).named_parameters()]
+
+
 def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_parallel: bool = False) -> nn.Module:
     """Replace the model's linears/embedding/head with NxD layers holding this rank's shard of the current weights.
     Call after neuronx_distributed.parallel_layers.parallel_state.initialize_model_parallel(tp)."""
     try:
-        from neuronx_distributed.parallel_layers import layers, parallel_state
+        from neuronx_distributed.parallel_layers import layers, mappings, parallel_state
     except ImportError as err:  # PyPI's neuronx-distributed is a placeholder that fails on import as well
         raise RuntimeError(
             "the neuron backend needs neuronx-distributed from the Neuron SDK (a Trainium host with the Neuron"
             " repository configured); it is not installable here. Use backend cpu, cuda or xla elsewhere."
         ) from err
-    if sequence_parallel:
-        raise NotImplementedError("sequence parallelism on Neuron is not built yet; set layout.sequence_parallel=false")
     tp = parallel_state.get_tensor_model_parallel_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     family_plan(family).check_tensor_parallel(model.args, tp)
+    sp = {"sequence_parallel_enabled": True, "sequence_dimension": 1} if sequence_parallel else {}
 
     def shard(t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.detach().chunk(tp, dim=dim)[rank].clone()
@@ -63,14 +77,14 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
             dtype = old.weight.dtype
             if spec.kind == "column":
                 new = layers.ColumnParallelLinear(
-                    spec.in_features, spec.out_features, bias=spec.bias, gather_output=False, dtype=dtype
+                    spec.in_features, spec.out_features, bias=spec.bias, gather_output=False, dtype=dtype, **sp
                 )
                 new.weight.copy_(shard(old.weight, 0))
                 if spec.bias:
                     new.bias.copy_(shard(old.bias, 0))
             else:
                 new = layers.RowParallelLinear(
-                    spec.in_features, spec.out_features, bias=spec.bias, input_is_parallel=True, dtype=dtype
+                    spec.in_features, spec.out_features, bias=spec.bias, input_is_parallel=True, dtype=dtype, **sp
                 )
                 new.weight.copy_(shard(old.weight, 1))
                 if spec.bias:
@@ -87,9 +101,24 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
             bias=False,
             gather_output=True,
             dtype=model.head.weight.dtype,
+            **sp,
         )
         head.weight.copy_(shard(model.head.weight, 0))
         model.head = head
+    if sequence_parallel:
+        params = dict(model.named_parameters())
+        for name in sequence_parallel_params(model, family):
+            params[name].sequence_parallel_enabled = True
+
+        def check_sequence(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+            if inputs[0].shape[1] % tp:
+                raise ValueError(f"sequence parallel over {tp} ranks needs a sequence length divisible by {tp}")
+
+        model.register_forward_pre_hook(check_sequence)
+        # the embedding's output (complete on every rank) -> this rank's sequence shard; backward all-gathers
+        model.embed.register_forward_hook(
+            lambda _m, _i, out: mappings.scatter_to_sequence_parallel_region(out, sequence_dimension=1)
+        )
     return model
 
 
@@ -108,6 +137,16 @@ def average_gradients_over_dp(params: list[nn.Parameter]) -> None:
     from neuronx_distributed.parallel_layers.grads import bucket_allreduce_gradients
 
     bucket_allreduce_gradients([p.grad for p in params if p.grad is not None])
+
+
+def reduce_sequence_parallel_gradients(params: list[nn.Parameter]) -> None:
+    """Sum over the TP group the gradients of parameters tagged `sequence_parallel_enabled` (norms, row-parallel
+    biases), in place, as NxD's allreduce_sequence_parallel_gradients does for a torch optimizer's params."""
+    from neuronx_distributed.parallel_layers.mappings import reduce_from_tensor_model_parallel_region
+
+    for p in params:
+        if getattr(p, "sequence_parallel_enabled", False) and p.grad is not None:
+            reduce_from_tensor_model_parallel_region(p.grad.data)
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
