@@ -8,10 +8,11 @@ on Trainium hosts, so this has not run here. `linear_specs` (what gets replaced,
 Sequence parallelism (Megatron style, the sequence dim is 1 in our [batch, seq, hidden] layout): the residual stream
 between the linears holds 1/TP of the sequence. The embedding's output is scattered along the sequence (NxD's
 scatter_to_sequence_parallel_region, as a forward hook so the parameter names stay those of the checkpoint); the
-column-parallel linears (and the head) all-gather their input along the sequence and the row-parallel ones
-reduce-scatter their output (NxD's sequence_parallel_enabled, sequence_dimension=1); norms run on the shards. The
-norms' parameters and the row-parallel biases then see only their shard's gradient: they are tagged
-`sequence_parallel_enabled` and summed over the TP group after backward (reduce_sequence_parallel_gradients).
+column-parallel linears (and the head, whose vocab shards a hook then gathers) all-gather their input along the
+sequence and the row-parallel ones reduce-scatter their output (NxD's sequence_parallel_enabled,
+sequence_dimension=1); norms run on the shards. The norms' parameters and the row-parallel biases then see only
+their shard's gradient: they are tagged `sequence_parallel_enabled` and summed over the TP group after backward
+(reduce_sequence_parallel_gradients).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
             model.head.in_features,
             model.head.out_features,
             bias=False,
-            gather_output=True,
+            gather_output=not sequence_parallel,  # NxD refuses gather_output with SP: the hook below gathers
             dtype=model.head.weight.dtype,
             **sp,
         )
@@ -119,6 +120,8 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
         model.embed.register_forward_hook(
             lambda _m, _i, out: mappings.scatter_to_sequence_parallel_region(out, sequence_dimension=1)
         )
+        # the head gathered its input's sequence; its vocab shards -> full logits (what gather_output does)
+        model.head.register_forward_hook(lambda _m, _i, out: mappings.gather_from_tensor_model_parallel_region(out))
     return model
 
 
