@@ -222,6 +222,8 @@ class Trainer:
             from trnrecipes import neuron_parallel
 
             params = [p for p in self.model.parameters() if p.requires_grad]
+            if self.layout.tp > 1 and self.recipe.layout.sequence_parallel:
+                neuron_parallel.reduce_sequence_parallel_gradients(params)
             neuron_parallel.average_gradients_over_dp(params)
             return neuron_parallel.clip_grad_norm(params, self.recipe.optim.clip_grad_norm)
         local_grads = self._grads()
