@@ -68,29 +68,40 @@ def _cuda() -> bool:
 
 
 def humaneval(
-    hf: Path, problems_path: Path, limit: int | None, n: int, allow: bool, max_new_tokens: int = 256, workers: int = 2
+    hf: Path,
+    problems_path: Path,
+    limit: int | None,
+    n: int,
+    allow: bool,
+    max_new_tokens: int = 256,
+    temperature: float | None = None,
+    workers: int = 2,
 ) -> dict:
-    """n samples per problem (greedy if n == 1, else temperature 0.8 as in the Codex paper), pass@1/10/100."""
+    """n samples per problem, pass@1/10/100 for k <= n. Greedy when n == 1; else sampled at `temperature` (default
+    0.8, top-p 0.95: the Codex paper's best for pass@100; it reports pass@1 at 0.2)."""
     import torch
+    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eval.code import load_problems, score
 
     problems = load_problems(problems_path)
     chosen = dict(list(problems.items())[:limit] if limit else problems.items())
+    device = "cuda" if _cuda() else "cpu"
     tok = AutoTokenizer.from_pretrained(hf)
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).to(device).eval()
     torch.manual_seed(0)
+    sample = n > 1 or temperature is not None
     samples = []
-    for task_id, p in chosen.items():
-        ids = tok(p["prompt"], return_tensors="pt").input_ids
+    for task_id, p in tqdm(chosen.items(), desc=f"HumanEval: {n} sample(s) per problem", unit="problem"):
+        ids = tok(p["prompt"], return_tensors="pt").input_ids.to(device)
         with torch.no_grad():
             out = model.generate(
                 ids.repeat(n, 1),
                 max_new_tokens=max_new_tokens,
-                do_sample=n > 1,
-                temperature=0.8 if n > 1 else None,
-                top_p=0.95 if n > 1 else None,
+                do_sample=sample,
+                temperature=(temperature or 0.8) if sample else None,
+                top_p=0.95 if sample else None,
                 pad_token_id=tok.eos_token_id,
             )
         for row in out:
@@ -146,6 +157,7 @@ def run(
     baseline: dict | None = None,
     max_length: int = 2048,
     max_gen_toks: int | None = None,
+    humaneval_temperature: float | None = None,
 ) -> list[dict]:
     from eval.tasks import SHOTS, write_task_dir
 
@@ -173,7 +185,7 @@ def run(
     if "humaneval" in tasks:
         problems = data / "humaneval/HumanEval.jsonl.gz"
         new_tokens = min(256, max_gen_toks or 256)
-        report = humaneval(hf, problems, limit, humaneval_n, allow_code_execution, new_tokens)
+        report = humaneval(hf, problems, limit, humaneval_n, allow_code_execution, new_tokens, humaneval_temperature)
         for key in ("pass@1", "pass@10", "pass@100"):
             if key in report:
                 rows.append({"task": "humaneval", "shots": 0, "metric": key, "value": report[key], "stderr": None})

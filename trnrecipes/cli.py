@@ -125,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--allow-code-execution", action="store_true", help="needed for humaneval: runs model code")
     sub.add_argument("--humaneval-n", type=int, default=1, help="samples per HumanEval problem (200 for pass@100)")
     sub.add_argument(
+        "--humaneval-temperature", type=float, help="sampling temperature (default: greedy if n is 1, else 0.8)"
+    )
+    sub.add_argument(
         "--max-gen-toks", type=int, help="cap on generated tokens per answer (default: each task's own; quick checks)"
     )
     sub.add_argument("--baseline", help="baseline column file, e.g. eval/baselines/openllama2-7b.json")
@@ -235,6 +238,14 @@ def _eval_run(args: argparse.Namespace) -> int:
     from eval.tasks import TaskDataError
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    for flag, value, ok in (
+        ("--limit", args.limit, args.limit is None or args.limit >= 1),
+        ("--humaneval-n", args.humaneval_n, args.humaneval_n >= 1),
+        ("--max-gen-toks", args.max_gen_toks, args.max_gen_toks is None or args.max_gen_toks >= 1),
+        ("--humaneval-temperature", args.humaneval_temperature, (args.humaneval_temperature or 1) > 0),
+    ):
+        if not ok:
+            raise RecipeError(f"{flag} must be positive, got {value}")
     ckpt = Path(args.ckpt)
     if not ckpt.is_dir():
         raise RecipeError(
@@ -268,6 +279,7 @@ def _eval_run(args: argparse.Namespace) -> int:
             args.humaneval_n,
             baseline,
             max_gen_toks=args.max_gen_toks,
+            humaneval_temperature=args.humaneval_temperature,
         )
     except (ValueError, TaskDataError, ExecutionNotAllowed) as err:
         raise RecipeError(str(err)) from None

@@ -1,0 +1,27 @@
+"""`trnrecipes eval run` refuses bad input before loading anything, naming the value and what would be valid."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--humaneval-n", "0"], "--humaneval-n must be positive, got 0"),
+        (["--limit", "-1"], "--limit must be positive, got -1"),
+        (["--max-gen-toks", "0"], "--max-gen-toks must be positive, got 0"),
+        (["--humaneval-temperature", "-0.5"], "--humaneval-temperature must be positive, got -0.5"),
+        (["--tasks", "humaneval"], "humaneval runs model-written code: add --allow-code-execution"),
+        (["--tasks", "mmlu", "--baseline", "nope.json"], "baseline file nope.json does not exist"),
+    ],
+)
+def test_bad_eval_arguments_are_refused_with_the_reason(cli, tmp_path, args, message):
+    done = cli("eval", "run", "--ckpt", str(tmp_path), *args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_run_dir_without_a_complete_checkpoint_is_named(cli, tmp_path):
+    (tmp_path / "checkpoints" / ".step_5.tmp").mkdir(parents=True)  # a half-written save is not evaluated
+    done = cli("eval", "run", "--ckpt", str(tmp_path), "--tasks", "mmlu")
+    assert done.returncode == 2 and f"run dir {tmp_path} has no complete checkpoint" in done.stderr, done.stderr
