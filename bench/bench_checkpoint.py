@@ -4,10 +4,9 @@ checkpoint files (weights + AdamW moments: ~0.85 GB, fsync'ed). One compute thre
 (OMP_NUM_THREADS=1): the writer needs a core the step does not use, as on a real training host.
 
     .venv/bin/python bench/bench_checkpoint.py [--steps 12] [--threads 1] [--repeats 5]
-stall = (time of `steps` training steps with an async save at the first of them, waiting for the writer at the
-end) - (time of `steps` steps without a save), median of interleaved pairs. A synchronous save blocks the loop for
-all of its time. One pair's stall is the difference of two ~14 s timings, so on a shared 2-core machine single
-pairs scatter by a few tenths of a second; the median of interleaved pairs is what is reported.
+stall = the async save's hand-off + how much longer than a plain step (median of the interleaved blocks of `steps`
+plain steps) the steps beside the writer took + the wait for the writer to finish; median of `repeats`. A
+synchronous save blocks the loop for all of its time (median of 3).
 """
 
 from __future__ import annotations
@@ -24,9 +23,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=12, help="plain steps per repeat (the baseline)")
     parser.add_argument("--threads", type=int, default=1, help="torch compute threads (torchrun's default: 1)")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved (plain, async) pairs; median reported")
+    parser.add_argument("--repeats", type=int, default=5, help="(plain block, async save) repeats; median reported")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     import torch
@@ -47,13 +46,15 @@ def main() -> int:
         trainer = Trainer(recipe, log=lambda *a, **k: None)
         loader, _ = trainer._train_loader(None)
 
-        def steps(n: int, first: int) -> float:
-            start = time.perf_counter()
+        def step_times(n: int) -> list[float]:
+            times = []
             for i in range(n):
-                trainer.train_step(first + i, loader, 1)
-            return time.perf_counter() - start
+                start = time.perf_counter()
+                trainer.train_step(3 + i, loader, 1)
+                times.append(time.perf_counter() - start)
+            return times
 
-        steps(3, 0)  # warm-up
+        step_times(3)  # warm-up
 
         trainer.checkpointer.async_save = False
         syncs = []
@@ -63,32 +64,40 @@ def main() -> int:
             syncs.append(time.perf_counter() - start)
         sync = statistics.median(syncs)
 
-        # Pairs of (steps without a save, the same steps with an async save at the first), interleaved so that
-        # drift of this shared machine cancels within a pair; the median pair is reported.
+        # Each repeat: a block of plain steps (the baseline: median over all blocks so far), then an async save and
+        # the steps that run beside the writer until it is done. Stall = hand-off + those steps' excess over the
+        # baseline + the final wait. Counting only the steps beside the writer keeps the noise of the other steps
+        # out; the median repeat is reported.
         trainer.checkpointer.async_save = True
-        stalls, handoffs, plains = [], [], []
+        plain_steps: list[float] = []
+        stalls, handoffs, beside = [], [], []
         for r in range(args.repeats):
-            plain = steps(args.steps, 3)
+            plain_steps += step_times(args.steps)
+            base = statistics.median(plain_steps)
             start = time.perf_counter()
             trainer.save(200 + r, None)
             handoffs.append(time.perf_counter() - start)
-            steps(args.steps - 1, 3)
+            during: list[float] = []
+            while trainer.checkpointer.busy():
+                during += step_times(1)
+            start = time.perf_counter()
             trainer.checkpointer.wait()
-            stalls.append(time.perf_counter() - start - plain * (args.steps - 1) / args.steps)
-            plains.append(plain)
-        stall, handoff, plain = (statistics.median(x) for x in (stalls, handoffs, plains))
+            waited = time.perf_counter() - start
+            stalls.append(handoffs[-1] + sum(t - base for t in during) + waited)
+            beside.append(len(during))
+        stall, handoff, plain = statistics.median(stalls), statistics.median(handoffs), base * args.steps
         size = sum(f.stat().st_size for f in (Path(tmp) / "checkpoints/step_100").rglob("*") if f.is_file())
         trainer._prefetch.close()
         trainer.close()
     print(
-        f"pythia-70m checkpoint, {size / 1e9:.2f} GB, {args.steps} steps of {plain / args.steps * 1e3:.0f} ms,"
+        f"pythia-70m checkpoint, {size / 1e9:.2f} GB, steps of {plain / args.steps * 1e3:.0f} ms (median),"
         f" {args.threads} compute thread(s)"
     )
     print(f"  synchronous save:            {sync:6.2f} s (the loop waits for all of it; median of 3)")
     print(f"  async save, hand-off:        {handoff:6.2f} s (copy to host memory)")
     print(
-        f"  async save, loop stall:      {stall:6.2f} s over {args.steps} steps (hand-off + slower steps + wait;"
-        f" median of {', '.join(f'{x:.2f}' for x in stalls)})"
+        f"  async save, loop stall:      {stall:6.2f} s (hand-off + slower steps + wait; median of"
+        f" {', '.join(f'{x:.2f}' for x in stalls)}; {statistics.median(beside):.0f} steps ran beside the writer)"
     )
     print(f"ratio stall / synchronous: {stall / sync:.3f} (goal <= 0.10)")
     return 0

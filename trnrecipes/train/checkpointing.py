@@ -85,6 +85,10 @@ class Checkpointer:
         else:
             self._write(step, files)
 
+    def busy(self) -> bool:
+        """Whether a background save is still being written."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
