@@ -6,13 +6,14 @@ on Trainium hosts, so this has not run here. `linear_specs` (what gets replaced,
 `sequence_parallel_params` (what sequence parallelism tags) are pure and tested; the import guard is tested.
 
 Sequence parallelism (Megatron style, the sequence dim is 1 in our [batch, seq, hidden] layout): the residual stream
-between the linears holds 1/TP of the sequence. The embedding's output is scattered along the sequence (NxD's
-scatter_to_sequence_parallel_region, as a forward hook so the parameter names stay those of the checkpoint); the
-column-parallel linears (and the head, whose vocab shards a hook then gathers) all-gather their input along the
-sequence and the row-parallel ones reduce-scatter their output (NxD's sequence_parallel_enabled,
-sequence_dimension=1); norms run on the shards. The norms' parameters and the row-parallel biases then see only
-their shard's gradient: they are tagged `sequence_parallel_enabled` and summed over the TP group after backward
-(reduce_sequence_parallel_gradients).
+between the branches holds 1/TP of the sequence, and norms run on those shards. Hooks do the layout changes, so the
+model code and its parameter names stay as they are: the embedding's output is scattered along the sequence
+(scatter_to_sequence_parallel_region), and each attention/MLP branch and the head all-gather their input along the
+sequence first (gather_from_sequence_parallel_region) because the model reads the sequence length from the branch
+input (the role of PrepareModuleInput in the DTensor plan). The row-parallel linears reduce-scatter their output
+back onto the shards (NxD's sequence_parallel_enabled, sequence_dimension=1). The norms' parameters and the
+row-parallel biases see only their shard's gradient: they are tagged `sequence_parallel_enabled` and summed over
+the TP group after backward (reduce_sequence_parallel_gradients).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
     tp = parallel_state.get_tensor_model_parallel_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     family_plan(family).check_tensor_parallel(model.args, tp)
+    # Under SP only the row-parallel linears use NxD's sequence-parallel mode (reduce-scatter of the output along the
+    # sequence); see the hooks below for the gathers.
     sp = {"sequence_parallel_enabled": True, "sequence_dimension": 1} if sequence_parallel else {}
 
     def shard(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -78,7 +81,7 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
             dtype = old.weight.dtype
             if spec.kind == "column":
                 new = layers.ColumnParallelLinear(
-                    spec.in_features, spec.out_features, bias=spec.bias, gather_output=False, dtype=dtype, **sp
+                    spec.in_features, spec.out_features, bias=spec.bias, gather_output=False, dtype=dtype
                 )
                 new.weight.copy_(shard(old.weight, 0))
                 if spec.bias:
@@ -100,9 +103,8 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
             model.head.in_features,
             model.head.out_features,
             bias=False,
-            gather_output=not sequence_parallel,  # NxD refuses gather_output with SP: the hook below gathers
+            gather_output=True,
             dtype=model.head.weight.dtype,
-            **sp,
         )
         head.weight.copy_(shard(model.head.weight, 0))
         model.head = head
@@ -120,8 +122,20 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
         model.embed.register_forward_hook(
             lambda _m, _i, out: mappings.scatter_to_sequence_parallel_region(out, sequence_dimension=1)
         )
-        # the head gathered its input's sequence; its vocab shards -> full logits (what gather_output does)
-        model.head.register_forward_hook(lambda _m, _i, out: mappings.gather_from_tensor_model_parallel_region(out))
+
+        def gather_sequence(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            # Forward all-gather along the sequence; backward keeps this rank's slice (to_model_parallel=False)
+            # because the plain column-parallel linear behind it already all-reduces its input gradient.
+            full = mappings.gather_from_sequence_parallel_region(args[0], sequence_dimension=1, to_model_parallel=False)
+            return (full, *args[1:])
+
+        # Each attention/MLP branch (and the head) sees the whole sequence, as the model code assumes (it reads the
+        # sequence length from its input): DTensor's PrepareModuleInput does the same off Neuron.
+        plan = family_plan(family)
+        for i in range(len(model.layers)):
+            for name in plan.BRANCHES:
+                model.get_submodule(f"layers.{i}.{name}").register_forward_pre_hook(gather_sequence)
+        model.head.register_forward_pre_hook(gather_sequence)
     return model
 
 
