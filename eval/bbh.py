@@ -19,6 +19,7 @@ import random
 import re
 import tarfile
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +32,7 @@ SDIST_SHA256 = "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2
 TASKS_IN_SDIST = "bigbench-1.0.0/bigbench/benchmark_tasks/"
 ITEMS = 250  # BBH's subset size (three subtasks have fewer source items and keep them all)
 SEED = 1234
+FORMAT = 2  # written into bbh/done; data of another format is rebuilt by prepare-data and refused by eval run
 
 YES_NO = "Options:\n- Yes\n- No"
 
@@ -60,8 +62,10 @@ def _lettered(options: list[str], correct: str, strip: str = "") -> tuple[str, s
 def _multiple_choice(
     question: Callable[[dict, dict], str], shuffle: bool = False, strip: str = "", drop_digits: bool = False
 ) -> Callable[[dict, dict, random.Random], dict]:
-    def convert(task: dict, example: dict, rng: random.Random) -> dict:
+    def convert(task: dict, example: dict, rng: random.Random) -> dict | None:
         options, correct = _choices(example, drop_digits)
+        if len({o.strip().rstrip(strip) for o in options}) < len(options):
+            return None  # two options read the same (a defect of a few bigbench items): unanswerable
         if shuffle:  # bigbench lists the right answer first in these tasks; BBH shuffled them
             rng.shuffle(options)
         text, target = _lettered(options, correct, strip)
@@ -83,6 +87,11 @@ def _prefix_one_line(task: dict) -> str:
     return task["task_prefix"].replace("\n", " ")
 
 
+def _one_blank(text: str) -> str:
+    """Blank lines collapsed: in lm-eval's prompts "\n\n" separates the few-shot examples."""
+    return re.sub(r"\s*\n\s*\n", "\n", text).strip()
+
+
 def _pair(pattern: str, example: dict) -> list[str]:
     match = re.search(pattern, example["input"], re.S)
     if not match:
@@ -93,8 +102,10 @@ def _pair(pattern: str, example: dict) -> list[str]:
 def _two_way(question: str, pattern: str):
     """hyperbaton and snarks carry their two options inside the input as a/b; BBH lists them as (A)/(B)."""
 
-    def convert(task: dict, example: dict, rng: random.Random) -> dict:
+    def convert(task: dict, example: dict, rng: random.Random) -> dict | None:
         first, second = _pair(pattern, example)
+        if first == second:
+            return None  # unanswerable as printed
         _, correct = _choices(example)
         target = "(A)" if correct.strip("() ") == "a" else "(B)"
         return {"input": f"{question}\nOptions:\n(A) {first}\n(B) {second}", "target": target}
@@ -155,7 +166,7 @@ CONVERT: dict[str, tuple[str, Callable]] = {
     ),
     "penguins_in_a_table": (
         "penguins_in_a_table",
-        _multiple_choice(lambda t, e: _prefix_one_line(t) + " " + e["input"].strip()),
+        _multiple_choice(lambda t, e: _prefix_one_line(t) + " " + _one_blank(e["input"])),
     ),
     "reasoning_about_colored_objects": (
         "reasoning_about_colored_objects",
@@ -189,11 +200,11 @@ CONVERT: dict[str, tuple[str, Callable]] = {
 for _n in ("three", "five", "seven"):
     CONVERT[f"logical_deduction_{_n}_objects"] = (
         f"logical_deduction/{_n}_objects",
-        _multiple_choice(lambda t, e: t["task_prefix"].strip() + " " + e["input"].strip(), shuffle=True, strip="."),
+        _multiple_choice(lambda t, e: t["task_prefix"].strip() + " " + e["input"].strip(), strip="."),
     )
     CONVERT[f"tracking_shuffled_objects_{_n}_objects"] = (
         f"tracking_shuffled_objects/{_n}_objects",
-        _multiple_choice(lambda t, e: re.sub(r"\s*\n\s*\n", "\n", e["input"]).strip(), strip="."),
+        _multiple_choice(lambda t, e: _one_blank(e["input"]), strip="."),
     )
 
 
@@ -284,14 +295,29 @@ def _normal(text: str) -> str:
     return " ".join(text.split())
 
 
-def _exemplars(subtask: str) -> set[str]:
+def _stem(text: str) -> str:
+    """The question without its options."""
+    return _normal(text.split("\nOptions:")[0])
+
+
+def _exemplars(subtask: str) -> list[str]:
     """The inputs of lm-eval's shipped 3-shot exemplars for `subtask`."""
     import lm_eval.tasks
     import yaml
 
     path = Path(lm_eval.tasks.__file__).parent / "bbh/cot_fewshot" / f"{subtask}.yaml"
     spec = yaml.safe_load(path.read_text())
-    return {_normal(s["input"]) for s in spec["fewshot_config"]["samples"]}
+    return [s["input"] for s in spec["fewshot_config"]["samples"]]
+
+
+def _not_exemplars(items: list[dict], exemplars: list[str]) -> list[dict]:
+    """Items that are not one of the 3-shot exemplars: neither the same text nor the same question with its options
+    split differently (BBH's movie_recommendation exemplar splits a title in two). A question shared by many items
+    ("Which statement is sarcastic?") is a task's fixed stem, not an exemplar's question, and is not matched."""
+    texts = {_normal(e) for e in exemplars}
+    stems = Counter(_stem(i["input"]) for i in items)
+    questions = {_stem(e) for e in exemplars if stems[_stem(e)] <= 3}
+    return [i for i in items if _normal(i["input"]) not in texts and _stem(i["input"]) not in questions]
 
 
 def _download(downloads: Path, log) -> Path:
@@ -333,7 +359,7 @@ def build_items(subtask: str, task: dict | None, n: int = ITEMS, seed: int = SEE
     rng = random.Random(f"{seed}-{subtask}")
     exemplars = _exemplars(subtask)
     if subtask in GENERATE:
-        items, seen = [], set(exemplars)
+        items, seen = [], {_normal(e) for e in exemplars}
         while len(items) < n:
             item = GENERATE[subtask](rng)
             if _normal(item["input"]) not in seen:
@@ -341,15 +367,23 @@ def build_items(subtask: str, task: dict | None, n: int = ITEMS, seed: int = SEE
                 items.append(item)
         return items
     convert = CONVERT[subtask][1]
-    items = [convert(task, e, rng) for e in task["examples"]]
-    unique = {_normal(i["input"]): i for i in items if _normal(i["input"]) not in exemplars}
-    items = list(unique.values())
+    converted = [item for e in task["examples"] if (item := convert(task, e, rng)) is not None]
+    items = _not_exemplars(list({_normal(i["input"]): i for i in converted}.values()), exemplars)
     return items if len(items) <= n else rng.sample(items, n)
+
+
+def data_format(bbh: Path) -> int | None:
+    """The format of the BBH data in `bbh` (None: not built; 1: the first, whose marker was empty)."""
+    try:
+        text = (bbh / "done").read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() else 1
 
 
 def prepare_bbh(out: Path, downloads: Path, log=print) -> Path:
     bbh = out / "bbh"
-    if (bbh / "done").exists():
+    if data_format(bbh) == FORMAT:
         return bbh
     tasks = _source_tasks(_download(downloads, log), log)
     bbh.mkdir(parents=True, exist_ok=True)
@@ -359,6 +393,6 @@ def prepare_bbh(out: Path, downloads: Path, log=print) -> Path:
         tmp = bbh / f"{subtask}.jsonl.tmp"
         tmp.write_text("".join(json.dumps(i) + "\n" for i in items))
         tmp.replace(bbh / f"{subtask}.jsonl")
-    (bbh / "done").write_text("")
+    (bbh / "done").write_text(f"{FORMAT}\n")
     log(f"wrote {bbh} ({len(SUBTASKS)} subtasks)")
     return bbh

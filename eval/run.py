@@ -57,8 +57,15 @@ def lm_eval_tasks(
 
 
 def model_args(hf: Path, max_length: int) -> str:
-    # max_length: rotary models run past their training length; GSM8K's 8-shot prompt + 256 new tokens need it.
     return f"pretrained={hf},dtype=float32,max_length={max_length}"
+
+
+def default_max_length(hf: Path) -> int:
+    """lm-eval's window (prompt + generated tokens): the model's context, at least 2048. lm-eval cuts prompts from the
+    left to fit max_length - max_gen_toks, and BBH's CoT prompts (~1-2k tokens) with its 1024 new tokens need a
+    4096 window (Llama 2's); tiny models (context 64-128) still get 2048, as rotary runs past its training length."""
+    config = json.loads((Path(hf) / "config.json").read_text())
+    return max(2048, int(config.get("max_position_embeddings") or 0))
 
 
 def _cuda() -> bool:
@@ -155,7 +162,7 @@ def run(
     allow_code_execution: bool = False,
     humaneval_n: int = 1,
     baseline: dict | None = None,
-    max_length: int = 2048,
+    max_length: int | None = None,
     max_gen_toks: int | None = None,
     humaneval_temperature: float | None = None,
 ) -> list[dict]:
@@ -168,7 +175,8 @@ def run(
     harness = [t for t in tasks if t != "humaneval"]
     if harness:
         names = write_task_dir(out / "tasks", data, harness)
-        results = lm_eval_tasks(hf, out / "tasks", names, limit, max_length, max_gen_toks)["results"]
+        window = max_length or default_max_length(hf)
+        results = lm_eval_tasks(hf, out / "tasks", names, limit, window, max_gen_toks)["results"]
         for name in names:
             r = results[name]
             metric = next(m for m in METRICS if m in r)

@@ -71,9 +71,14 @@ def write_task_dir(out: Path, data: Path, tasks: list[str]) -> list[str]:
             }
             (out / "trn_mmlu.yaml").write_text(json.dumps(group, indent=1))
         elif task == "bbh":
-            from eval.bbh import SUBTASKS
+            from eval.bbh import FORMAT, SUBTASKS, data_format
 
-            _need(data, "bbh", "done")
+            built = data_format(_need(data, "bbh", "done").parent)
+            if built != FORMAT:
+                raise TaskDataError(
+                    f"eval data {data / 'bbh'} is BBH data format {built}, this trnrecipes reads format {FORMAT}:"
+                    f" `trnrecipes eval prepare-data --out {data}` rebuilds it"
+                )
             for subtask in SUBTASKS:
                 spec = {
                     "include": str(shipped / "bbh/cot_fewshot" / f"{subtask}.yaml"),

@@ -60,7 +60,9 @@ def answer_form(answer: str) -> str:
 
 
 def test_bbh_has_all_27_subtasks_in_the_form_of_lm_evals_exemplars():
-    from eval.bbh import SUBTASKS, _normal
+    from collections import Counter
+
+    from eval.bbh import SUBTASKS, _normal, _stem
 
     assert len(SUBTASKS) == 27 and (DATA / "bbh/done").exists()
     for subtask in SUBTASKS:
@@ -69,13 +71,19 @@ def test_bbh_has_all_27_subtasks_in_the_form_of_lm_evals_exemplars():
         exemplars = bbh_exemplars(subtask)
         forms = {answer_form(final_answer(e["target"])) for e in exemplars}
         assert {answer_form(i["target"]) for i in items} == forms, subtask
-        # an exemplar shown in the 3-shot prompt is never also a test item
+        # an exemplar shown in the 3-shot prompt is never also a test item, not even with its options split
+        # differently; only a task's fixed stem ("Which statement is sarcastic?") is shared by many items
         assert not {_normal(e["input"]) for e in exemplars} & {_normal(i["input"]) for i in items}, subtask
+        stems = Counter(_stem(i["input"]) for i in items)
+        assert all(stems[_stem(e["input"])] in (0, *range(4, 10_000)) for e in exemplars), subtask
         has_options = ["Options:" in e["input"] for e in exemplars]
         assert all(("Options:" in i["input"]) == has_options[0] for i in items), subtask
         if forms == {"letter"}:
             for item in items:
                 assert f"\n{item['target']} " in item["input"], (subtask, item)  # the right option is listed
+                options = re.findall(r"^\([A-R]\) (.*)$", item["input"], flags=re.M)
+                assert len(set(options)) == len(options), (subtask, item)  # no two options read the same
+        assert all("\n\n" not in i["input"] for i in items), subtask  # lm-eval's separator between examples
 
 
 def test_bbh_right_option_is_not_always_in_one_place():
@@ -123,3 +131,12 @@ def test_baseline_file_fills_the_baseline_column(tmp_path):
         load_baseline(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="does not exist"):
         load_baseline(tmp_path / "none.json")
+
+
+def test_bbh_data_of_another_format_is_refused_with_the_command_that_rebuilds_it(tmp_path):
+    from eval.tasks import TaskDataError, write_task_dir
+
+    (tmp_path / "data/bbh").mkdir(parents=True)
+    (tmp_path / "data/bbh/done").write_text("")  # the first format's marker
+    with pytest.raises(TaskDataError, match=r"BBH data format 1, this trnrecipes reads format 2: `trnrecipes eval"):
+        write_task_dir(tmp_path / "tasks", tmp_path / "data", ["bbh"])

@@ -128,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
         "--humaneval-temperature", type=float, help="sampling temperature (default: greedy if n is 1, else 0.8)"
     )
     sub.add_argument(
+        "--max-length", type=int, help="lm-eval's prompt + answer window (default: the model's context, >= 2048)"
+    )
+    sub.add_argument(
         "--max-gen-toks", type=int, help="cap on generated tokens per answer (default: each task's own; quick checks)"
     )
     sub.add_argument("--baseline", help="baseline column file, e.g. eval/baselines/openllama2-7b.json")
@@ -242,7 +245,12 @@ def _eval_run(args: argparse.Namespace) -> int:
         ("--limit", args.limit, args.limit is None or args.limit >= 1),
         ("--humaneval-n", args.humaneval_n, args.humaneval_n >= 1),
         ("--max-gen-toks", args.max_gen_toks, args.max_gen_toks is None or args.max_gen_toks >= 1),
-        ("--humaneval-temperature", args.humaneval_temperature, (args.humaneval_temperature or 1) > 0),
+        (
+            "--humaneval-temperature",
+            args.humaneval_temperature,
+            args.humaneval_temperature is None or args.humaneval_temperature > 0,
+        ),
+        ("--max-length", args.max_length, args.max_length is None or args.max_length >= 1),
     ):
         if not ok:
             raise RecipeError(f"{flag} must be positive, got {value}")
@@ -253,6 +261,10 @@ def _eval_run(args: argparse.Namespace) -> int:
         )
     if "humaneval" in tasks and not args.allow_code_execution:
         raise RecipeError("humaneval runs model-written code: add --allow-code-execution (sandboxed), or drop it")
+    try:
+        baseline = load_baseline(Path(args.baseline)) if args.baseline else None
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
     default_out = ckpt.with_name(ckpt.name + "-eval")
     if (ckpt / "checkpoints").is_dir():  # a run dir: its newest complete checkpoint, results in RUN_DIR/eval/step_N
         from trnrecipes.train.checkpointing import latest_checkpoint
@@ -263,10 +275,11 @@ def _eval_run(args: argparse.Namespace) -> int:
         default_out = ckpt / "eval" / found[1].name
         ckpt = found[1]
         print(f"[trnrecipes] evaluating {ckpt}, the newest complete checkpoint")
-    try:
-        baseline = load_baseline(Path(args.baseline)) if args.baseline else None
-    except ValueError as err:
-        raise RecipeError(str(err)) from None
+    elif not (ckpt / "manifest.json").exists() and not (ckpt / "config.json").exists():
+        raise RecipeError(
+            f"--ckpt {ckpt} is not a checkpoint (no manifest.json), a run dir with checkpoints (no checkpoints/)"
+            " or an HF model directory (no config.json)"
+        )
     out = Path(args.out) if args.out else default_out
     try:
         run(
@@ -280,6 +293,7 @@ def _eval_run(args: argparse.Namespace) -> int:
             baseline,
             max_gen_toks=args.max_gen_toks,
             humaneval_temperature=args.humaneval_temperature,
+            max_length=args.max_length,
         )
     except (ValueError, TaskDataError, ExecutionNotAllowed) as err:
         raise RecipeError(str(err)) from None
