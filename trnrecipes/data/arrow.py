@@ -42,10 +42,8 @@ def to_arrow(
     progress: bool = True,
 ) -> ConversionStats:
     """Write every document of `inputs` to `out` (atomically: a temp file renamed at the end)."""
-    if on_bad_utf8 not in ("skip", "fail"):
-        raise DataError(f"on_bad_utf8 must be 'skip' or 'fail', got {on_bad_utf8!r}")
-    files = [item for path in inputs for item in _expand(Path(path))]
     stats = ConversionStats()
+    documents = read_documents(inputs, text_field, on_bad_utf8, stats, progress)
     schema = pa.schema([pa.field(text_field, pa.large_string())])
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -54,7 +52,7 @@ def to_arrow(
     try:
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
             batch: list[str] = []
-            for text in _progress(_documents(files, text_field, on_bad_utf8, stats), progress, "documents"):
+            for text in documents:
                 if not text.strip():
                     stats.skipped_empty += 1
                     continue
@@ -100,6 +98,18 @@ def read_arrow(path: Path, text_field: str | None = None) -> pa.Array:
     if field_name not in table.schema.names:
         raise DataError(f"{path} has no column {field_name!r}; its columns: {', '.join(table.schema.names)}")
     return table.column(field_name).combine_chunks()
+
+
+def read_documents(
+    inputs: list[Path], text_field: str, on_bad_utf8: str, stats: ConversionStats, progress: bool = True
+) -> Iterator[str]:
+    """Every document of `inputs` (jsonl[.gz], json, txt, arrow files; directories of text files; datasets
+    save_to_disk directories), decoded, counted in `stats`. The inputs are checked before any document is read, so
+    a bad one fails before the caller writes anything."""
+    if on_bad_utf8 not in ("skip", "fail"):
+        raise DataError(f"on_bad_utf8 must be 'skip' or 'fail', got {on_bad_utf8!r}")
+    files = [item for path in inputs for item in _expand(Path(path))]
+    return _progress(_documents(files, text_field, on_bad_utf8, stats), progress, "documents")
 
 
 def _expand(path: Path) -> list[tuple[Path, bool]]:

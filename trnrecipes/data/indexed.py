@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trnrecipes.data.arrow import ConversionStats, DataError, _documents, _expand, _progress
+from trnrecipes.data.arrow import ConversionStats, DataError, read_documents
 
 DTYPES = {"uint16": np.uint16, "int32": np.int32}
 
@@ -53,14 +53,13 @@ def preprocess(
     """Tokenize every document of `inputs` into out_prefix.bin/.idx. Returns (stats, tokens written)."""
     indexed_dataset = _megatron()
     np_dtype = token_dtype(tokenizer.vocab_size, dtype)
-    files = [item for path in inputs for item in _expand(Path(path))]
+    stats, total = ConversionStats(), 0
+    docs = read_documents(inputs, text_field, on_bad_utf8, stats, progress)
     out_prefix = Path(out_prefix)
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp_prefix = out_prefix.with_name(f".{out_prefix.name}.tmp{os.getpid()}")
-    stats, total = ConversionStats(), 0
     builder = indexed_dataset.IndexedDatasetBuilder(f"{tmp_prefix}.bin", dtype=np_dtype)
     try:
-        docs = _progress(_documents(files, text_field, on_bad_utf8, stats), progress, "documents")
         for texts in _blocks(docs, block, stats):
             for ids in tokenizer.encode_batch(texts):
                 doc = np.append(ids, tokenizer.eos_id)
