@@ -37,8 +37,11 @@ class CheckpointError(RecipeError):
     """A checkpoint that is missing, incomplete or corrupt; the message names the file."""
 
 
-def model_file(tp_rank: int, tp: int) -> str:
-    return WEIGHTS if tp == 1 else f"model-tp{tp_rank:02d}-of-{tp:02d}.safetensors"
+def shard_file(prefix: str, tp_rank: int, tp: int) -> str:
+    """The file of TP rank `tp_rank` of `prefix` ("model" or "optim"); unsharded weights are model.safetensors."""
+    if prefix == "model" and tp == 1:
+        return WEIGHTS
+    return f"{prefix}-tp{tp_rank:02d}-of-{tp:02d}.safetensors"
 
 
 def _sha256(path: Path) -> str:
@@ -133,9 +136,9 @@ def consolidate(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
     """Full tensors from the per-TP-rank files `<prefix>-tpNN-of-MM.safetensors` (or the single unsharded file)."""
     shards = read_json(path / SHARDS)
     tp, dims = int(shards["tp"]), shards["dims"]
+    parts = [load_file(path / shard_file(prefix, r, tp)) for r in range(tp)]
     if tp == 1:
-        return load_file(path / (WEIGHTS if prefix == "model" else f"{prefix}-tp00-of-01.safetensors"))
-    parts = [load_file(path / f"{prefix}-tp{r:02d}-of-{tp:02d}.safetensors") for r in range(tp)]
+        return parts[0]
     full = {}
     for name, tensor in parts[0].items():
         dim = dims.get(name.split(".", 1)[1] if prefix == "optim" else name)

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from trnrecipes.checkpoint import DONE, CheckpointError, finalize, fsync_tree, verify, write_common
 from trnrecipes.recipe import Recipe
+from trnrecipes.train.distributed import local_tensor
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 RANK_WAIT_S = 3600.0  # rank 0 waits this long for the other ranks' files before giving up on a checkpoint
@@ -181,7 +182,7 @@ class HostBuffers:
         self.buffers: dict[str, torch.Tensor] = {}
 
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        local = (t.to_local() if hasattr(t, "to_local") else t).detach()
+        local = local_tensor(t).detach()
         buf = self.buffers.get(key)
         if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
             buf = self.buffers[key] = torch.empty(local.shape, dtype=local.dtype, device="cpu")
@@ -193,18 +194,18 @@ def snapshot(
 ) -> dict[str, object]:
     """This rank's files for checkpoint `step`: weights and moments from DP rank 0 of each TP group (one file per
     TP rank), the data position from TP rank 0 of each DP group, RNG state from every rank."""
-    from trnrecipes.checkpoint import SHARDS, model_file
+    from trnrecipes.checkpoint import SHARDS, shard_file
 
     _host = host.copy
     files: dict[str, object] = {}
     params = dict(model.named_parameters())
     if ddp.dp_rank == 0:
-        files[model_file(ddp.tp_rank, ddp.tp)] = {k: _host(k, v) for k, v in model.state_dict().items()}
+        files[shard_file("model", ddp.tp_rank, ddp.tp)] = {k: _host(k, v) for k, v in model.state_dict().items()}
         moments = {}
         for (name, _), m, v in zip(params.items(), optimizer.exp_avg, optimizer.exp_avg_sq, strict=True):
             moments[f"exp_avg.{name}"] = _host(f"exp_avg.{name}", m)
             moments[f"exp_avg_sq.{name}"] = _host(f"exp_avg_sq.{name}", v)
-        files[f"optim-tp{ddp.tp_rank:02d}-of-{ddp.tp:02d}.safetensors"] = moments
+        files[shard_file("optim", ddp.tp_rank, ddp.tp)] = moments
     if ddp.rank == 0:
         files[SHARDS] = {"tp": ddp.tp, "dims": {k: shard_dim(v) for k, v in model.state_dict().items()}}
         files["state.json"] = {
