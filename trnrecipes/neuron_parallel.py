@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trnrecipes.parallel import family_plan
+from trnrecipes.parallel import family_plan, require_divisible_sequence
 
 
 @dataclass(frozen=True)
@@ -112,12 +112,7 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
         params = dict(model.named_parameters())
         for name in sequence_parallel_params(model, family):
             params[name].sequence_parallel_enabled = True
-
-        def check_sequence(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-            if inputs[0].shape[1] % tp:
-                raise ValueError(f"sequence parallel over {tp} ranks needs a sequence length divisible by {tp}")
-
-        model.register_forward_pre_hook(check_sequence)
+        require_divisible_sequence(model, tp)
         # the embedding's output (complete on every rank) -> this rank's sequence shard; backward all-gathers
         model.embed.register_forward_hook(
             lambda _m, _i, out: mappings.scatter_to_sequence_parallel_region(out, sequence_dimension=1)

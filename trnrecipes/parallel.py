@@ -52,17 +52,22 @@ def tensor_parallel_styles(family: str, num_layers: int, sequence_parallel: bool
     return styles
 
 
+def require_divisible_sequence(model: nn.Module, tp: int) -> None:
+    """Refuse, before any collective, a batch whose sequence does not split evenly over the TP ranks: gloo aborts
+    the process (no Python error) on uneven reduce-scatter shards."""
+
+    def check_sequence(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        if inputs[0].shape[1] % tp:
+            raise ValueError(f"sequence parallel over {tp} ranks needs a sequence length divisible by {tp}")
+
+    model.register_forward_pre_hook(check_sequence)
+
+
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, family: str, sequence_parallel: bool) -> nn.Module:
     """Shard `model` in place over the 1-D `mesh`. Every rank must hold the same full weights beforehand."""
     tp = mesh.size()
     family_plan(family).check_tensor_parallel(model.args, tp)
     if sequence_parallel:
-
-        def check_sequence(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-            # gloo aborts the process (no Python error) on uneven reduce-scatter shards: refuse first.
-            if inputs[0].shape[1] % tp:
-                raise ValueError(f"sequence parallel over {tp} ranks needs a sequence length divisible by {tp}")
-
-        model.register_forward_pre_hook(check_sequence)
+        require_divisible_sequence(model, tp)
     styles = tensor_parallel_styles(family, len(model.layers), sequence_parallel)
     return parallelize_module(model, mesh, styles)
