@@ -33,6 +33,30 @@ def _need(data: Path, *parts: str) -> Path:
     return path
 
 
+def _local_task(out: Path, name: str, include: Path, data_files: dict[str, Path], **extra) -> None:
+    """One task: a shipped lm-eval config (`include:`) with its data pointed at local JSON files."""
+    spec = {
+        "include": str(include),
+        "task": name,
+        "dataset_path": "json",
+        "dataset_name": None,
+        "dataset_kwargs": {"data_files": {split: str(path) for split, path in data_files.items()}},
+        **extra,
+    }
+    (out / f"{name}.yaml").write_text(json.dumps(spec, indent=1))
+
+
+def _group(out: Path, name: str, tag: str, aggregate: dict, version: int) -> None:
+    """A group over every task tagged `tag`, its metric averaged weighted by each task's size."""
+    spec = {
+        "group": name,
+        "task": [tag],
+        "aggregate_metric_list": [aggregate | {"weight_by_size": True}],
+        "metadata": {"version": version},
+    }
+    (out / f"{name}.yaml").write_text(json.dumps(spec, indent=1))
+
+
 def write_task_dir(out: Path, data: Path, tasks: list[str]) -> list[str]:
     """Write the YAMLs of `tasks` (keys of TASKS) into `out`; returns the lm-eval task names."""
     shipped = _shipped()
@@ -46,30 +70,17 @@ def write_task_dir(out: Path, data: Path, tasks: list[str]) -> list[str]:
         if task == "mmlu":
             subjects = sorted(p.name for p in _need(data, "mmlu").iterdir() if p.is_dir())
             for subject in subjects:
-                spec = {
-                    "include": str(shipped / "mmlu/default/_default_template_yaml"),
-                    "task": f"trn_mmlu_{subject}",
-                    "tag": "trn_mmlu_subjects",
-                    "dataset_path": "json",
-                    "dataset_name": None,
-                    "dataset_kwargs": {
-                        "data_files": {
-                            "test": str(_need(data, "mmlu", subject, "test.jsonl")),
-                            "dev": str(_need(data, "mmlu", subject, "dev.jsonl")),
-                        }
-                    },
-                    "num_fewshot": 5,
-                    "description": f"The following are multiple choice questions (with answers) about"
+                _local_task(
+                    out,
+                    f"trn_mmlu_{subject}",
+                    shipped / "mmlu/default/_default_template_yaml",
+                    {split: _need(data, "mmlu", subject, f"{split}.jsonl") for split in ("test", "dev")},
+                    tag="trn_mmlu_subjects",
+                    num_fewshot=5,
+                    description=f"The following are multiple choice questions (with answers) about"
                     f" {subject.replace('_', ' ')}.\n\n",
-                }
-                (out / f"trn_mmlu_{subject}.yaml").write_text(json.dumps(spec, indent=1))
-            group = {
-                "group": "trn_mmlu",
-                "task": ["trn_mmlu_subjects"],
-                "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}],
-                "metadata": {"version": 2},
-            }
-            (out / "trn_mmlu.yaml").write_text(json.dumps(group, indent=1))
+                )
+            _group(out, "trn_mmlu", "trn_mmlu_subjects", {"metric": "acc"}, version=2)
         elif task == "bbh":
             from eval.bbh import FORMAT, SUBTASKS, data_format
 
@@ -80,31 +91,17 @@ def write_task_dir(out: Path, data: Path, tasks: list[str]) -> list[str]:
                     f" `trnrecipes eval prepare-data --out {data}` rebuilds it"
                 )
             for subtask in SUBTASKS:
-                spec = {
-                    "include": str(shipped / "bbh/cot_fewshot" / f"{subtask}.yaml"),
-                    "task": f"trn_bbh_cot_{subtask}",
-                    "tag": "trn_bbh_cot_subtasks",
-                    "dataset_path": "json",
-                    "dataset_name": None,
-                    "dataset_kwargs": {"data_files": {"test": str(_need(data, "bbh", f"{subtask}.jsonl"))}},
-                }
-                (out / f"trn_bbh_cot_{subtask}.yaml").write_text(json.dumps(spec, indent=1))
-            group = {
-                "group": "trn_bbh_cot",
-                "task": ["trn_bbh_cot_subtasks"],
-                "aggregate_metric_list": [
-                    {"metric": "exact_match", "weight_by_size": True, "filter_list": "get-answer"}
-                ],
-                "metadata": {"version": 1},
-            }
-            (out / "trn_bbh_cot.yaml").write_text(json.dumps(group, indent=1))
+                _local_task(
+                    out,
+                    f"trn_bbh_cot_{subtask}",
+                    shipped / "bbh/cot_fewshot" / f"{subtask}.yaml",
+                    {"test": _need(data, "bbh", f"{subtask}.jsonl")},
+                    tag="trn_bbh_cot_subtasks",
+                )
+            aggregate = {"metric": "exact_match", "filter_list": "get-answer"}
+            _group(out, "trn_bbh_cot", "trn_bbh_cot_subtasks", aggregate, version=1)
         elif task == "gsm8k":
-            spec = {
-                "include": str(shipped / "gsm8k/gsm8k-cot.yaml"),
-                "task": "trn_gsm8k_cot",
-                "dataset_path": "json",
-                "dataset_name": None,
-                "dataset_kwargs": {"data_files": {"test": str(_need(data, "gsm8k", "test.jsonl"))}},
-            }
-            (out / "trn_gsm8k_cot.yaml").write_text(json.dumps(spec, indent=1))
+            _local_task(
+                out, "trn_gsm8k_cot", shipped / "gsm8k/gsm8k-cot.yaml", {"test": _need(data, "gsm8k", "test.jsonl")}
+            )
     return names
