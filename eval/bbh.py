@@ -23,6 +23,8 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from eval.data import write_atomic
+
 SDIST = "bigbench-1.0.0.tar.gz"
 SDIST_URL = (
     "https://files.pythonhosted.org/packages/95/f8/c019b3579df548a04cac12342cfcb878e50ddf6cfcd7fddba8cfc721c157/"
@@ -54,8 +56,13 @@ def _choices(example: dict, drop_digits: bool = False) -> tuple[list[str], str]:
     return [k for k, v in scores.items() if k == correct or v != best], correct
 
 
-def _lettered(options: list[str], correct: str, strip: str = "") -> tuple[str, str]:
-    lines = [f"({chr(65 + i)}) {o.strip().rstrip(strip)}" for i, o in enumerate(options)]
+def _lettered(options: list[str], correct: str, strip: str = "") -> tuple[str, str] | None:
+    """("Options:\n(A) ...", "(B)"); None when two options read the same (a defect of a few bigbench items), which
+    makes the item unanswerable."""
+    texts = [o.strip().rstrip(strip) for o in options]
+    if len(set(texts)) < len(texts):
+        return None
+    lines = [f"({chr(65 + i)}) {text}" for i, text in enumerate(texts)]
     return "Options:\n" + "\n".join(lines), f"({chr(65 + options.index(correct))})"
 
 
@@ -64,12 +71,12 @@ def _multiple_choice(
 ) -> Callable[[dict, dict, random.Random], dict]:
     def convert(task: dict, example: dict, rng: random.Random) -> dict | None:
         options, correct = _choices(example, drop_digits)
-        if len({o.strip().rstrip(strip) for o in options}) < len(options):
-            return None  # two options read the same (a defect of a few bigbench items): unanswerable
         if shuffle:  # bigbench lists the right answer first in these tasks; BBH shuffled them
             rng.shuffle(options)
-        text, target = _lettered(options, correct, strip)
-        return {"input": question(task, example) + "\n" + text, "target": target}
+        lettered = _lettered(options, correct, strip)
+        if lettered is None:
+            return None
+        return {"input": question(task, example) + "\n" + lettered[0], "target": lettered[1]}
 
     return convert
 
@@ -104,11 +111,11 @@ def _two_way(question: str, pattern: str):
 
     def convert(task: dict, example: dict, rng: random.Random) -> dict | None:
         first, second = _pair(pattern, example)
-        if first == second:
-            return None  # unanswerable as printed
         _, correct = _choices(example)
-        target = "(A)" if correct.strip("() ") == "a" else "(B)"
-        return {"input": f"{question}\nOptions:\n(A) {first}\n(B) {second}", "target": target}
+        lettered = _lettered([first, second], first if correct.strip("() ") == "a" else second)
+        if lettered is None:
+            return None
+        return {"input": f"{question}\n{lettered[0]}", "target": lettered[1]}
 
     return convert
 
@@ -390,9 +397,7 @@ def prepare_bbh(out: Path, downloads: Path, log=print) -> Path:
     for subtask in SUBTASKS:
         source = CONVERT[subtask][0] if subtask in CONVERT else None
         items = build_items(subtask, tasks.get(source))
-        tmp = bbh / f"{subtask}.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(i) + "\n" for i in items))
-        tmp.replace(bbh / f"{subtask}.jsonl")
+        write_atomic(bbh / f"{subtask}.jsonl", "".join(json.dumps(i) + "\n" for i in items).encode())
     (bbh / "done").write_text(f"{FORMAT}\n")
     log(f"wrote {bbh} ({len(SUBTASKS)} subtasks)")
     return bbh

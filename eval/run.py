@@ -49,7 +49,7 @@ def lm_eval_tasks(
         tasks=names,
         task_manager=manager,
         limit=limit,
-        device="cpu" if not _cuda() else "cuda",
+        device=_device(),
         batch_size=1,
         # a cap on every generated answer (BBH's own is 1024 tokens): for quick checks of tiny models
         gen_kwargs=f"max_gen_toks={max_gen_toks}" if max_gen_toks else None,
@@ -68,10 +68,10 @@ def default_max_length(hf: Path) -> int:
     return max(2048, int(config.get("max_position_embeddings") or 0))
 
 
-def _cuda() -> bool:
+def _device() -> str:
     import torch
 
-    return torch.cuda.is_available()
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def humaneval(
@@ -94,7 +94,7 @@ def humaneval(
 
     problems = load_problems(problems_path)
     chosen = dict(list(problems.items())[:limit] if limit else problems.items())
-    device = "cuda" if _cuda() else "cpu"
+    device = _device()
     tok = AutoTokenizer.from_pretrained(hf)
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).to(device).eval()
     torch.manual_seed(0)
