@@ -93,8 +93,7 @@ demo: setup
 	rm -rf runs/demo
 	$(PY) -m trnrecipes sbatch --recipe "$${recipe:-pythia-tiny}" --nodes 1 --out jobs/demo --overrides "run_dir=runs/demo $$overrides" --force
 	bash jobs/demo/run.sbatch
-	$(PY) -m trnrecipes eval run --ckpt "$$(ls -d runs/demo/checkpoints/step_* | sort -V | tail -1)" --out runs/demo/eval \
-	  --limit 2 --max-gen-toks 64 --allow-code-execution
+	$(PY) -m trnrecipes eval run --ckpt runs/demo --out runs/demo/eval --limit 2 --max-gen-toks 64 --allow-code-execution
 
 lint: setup
 	$(PY) -m ruff check .

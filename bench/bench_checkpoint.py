@@ -85,12 +85,12 @@ def main() -> int:
             waited = time.perf_counter() - start
             stalls.append(handoffs[-1] + sum(t - base for t in during) + waited)
             beside.append(len(during))
-        stall, handoff, plain = statistics.median(stalls), statistics.median(handoffs), base * args.steps
+        stall, handoff = statistics.median(stalls), statistics.median(handoffs)
         size = sum(f.stat().st_size for f in (Path(tmp) / "checkpoints/step_100").rglob("*") if f.is_file())
         trainer._prefetch.close()
         trainer.close()
     print(
-        f"pythia-70m checkpoint, {size / 1e9:.2f} GB, steps of {plain / args.steps * 1e3:.0f} ms (median),"
+        f"pythia-70m checkpoint, {size / 1e9:.2f} GB, steps of {base * 1e3:.0f} ms (median),"
         f" {args.threads} compute thread(s)"
     )
     print(f"  synchronous save:            {sync:6.2f} s (the loop waits for all of it; median of 3)")
