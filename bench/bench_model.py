@@ -1,24 +1,28 @@
 """Benchmark: a training step (forward + loss + backward) of our model vs transformers' on the same config, CPU.
 
-Each side runs as a user would train it, in a fresh process of its own (so peak RSS is its own):
+Each side runs as a user would train it, in a process of its own (so its peak RSS is its own):
   ours: loss = model(tokens, labels=labels), labels = tokens shifted left with the last position -100 (ignored);
         the loss comes from the fused chunked head + cross-entropy (recipes/common/loss.py), no full logits.
   HF:   loss = model(input_ids=tokens, labels=tokens).loss, which shifts internally the same way.
-Both use SDPA attention, fp32, the same weights and batch, and average over the same b * (s - 1) targets. HF's side
-checks its first loss against ours (rel 1e-4) before it times anything, so both provably compute the same function.
-Step time is the median over the timed steps (the machine may be shared; the median ignores a step slowed by a
-neighbour), and a warning is printed when other programs took a share of the CPUs meanwhile. Prints ours/HF
-throughput ratios (goal >= 1.25x) and peak RSS.
+Both use SDPA attention, fp32, the same weights and batch, and average over the same b * (s - 1) targets; their
+first losses must agree (rel 1e-4) before anything is timed, so both provably compute the same function.
 
-    .venv/bin/python bench/bench_model.py [--steps 5] [--seq 512] [--batch 4]
+The two processes run in lockstep: one step of ours, one of HF's (alternating which goes first), never at the same
+time. A step pair shares whatever the machine was doing then, so the ratio is the median of the per-pair ratios;
+timing each side in its own stretch let a slow minute on a shared VM swing the ratio by 0.15. Both processes do
+the same setup (build our model, build HF's from its weights, keep one) so glibc's allocator, whose mmap threshold
+adapts to what was freed before, starts from the same history on both sides. Peak RSS is counted from the end of
+setup: weights, gradients and activations of the timed steps. Prints ours/HF throughput ratios (goal >= 1.25x).
+
+    .venv/bin/python bench/bench_model.py [--steps 8] [--seq 512] [--batch 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -28,21 +32,36 @@ CONFIGS = {  # pythia-70m and a Llama of similar size
     "neox": dict(vocab_size=50304, hidden_size=512, num_layers=6, num_heads=8, ffn_hidden_size=2048, rotary_pct=0.25),
     "llama2": dict(vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=8, ffn_hidden_size=1376),
 }
+SIDES = ("ours", "hf")
+WARMUP_STEPS = 2  # allocator and kernel warm-up; the first also gives the loss both sides must agree on
 
 
-def foreign_cpu_s() -> float:
-    """CPU seconds the whole machine spent busy minus this process's own: what other programs took (Linux)."""
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (Linux; 0 elsewhere)."""
     try:
         with open("/proc/stat") as f:
             ticks = [int(v) for v in f.readline().split()[1:]]
     except OSError:
         return 0.0
-    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-    own = os.times()
-    return busy - own.user - own.system
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
 
 
-def measure(family: str, side: str, steps: int, seq: int, batch: int, expect_loss: float | None) -> dict:
+def own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def rss_mib(field: str) -> float:
+    """VmRSS / VmHWM of this process in MiB (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def build(family: str, side: str, seq: int, batch: int):
+    """The model of one side and a closure running one training step; the same setup work on both sides."""
     import torch
     import transformers
 
@@ -57,86 +76,128 @@ def measure(family: str, side: str, steps: int, seq: int, batch: int, expect_los
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     hf_mod = FAMILIES[family].hf
     args = model_args(cfg)
+    hf_cfg = transformers.AutoConfig.for_model(**hf_mod.hf_config_from_args(args), attn_implementation="sdpa")
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    sd = hf_mod.state_dict_to_hf(ours.state_dict(), args)
+    hf.load_state_dict({("lm_head.weight" if k == "embed_out.weight" else k): v for k, v in sd.items()})
+    del sd
     if side == "hf":
-        hf_cfg = transformers.AutoConfig.for_model(**hf_mod.hf_config_from_args(args), attn_implementation="sdpa")
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
-        sd = hf_mod.state_dict_to_hf(ours.state_dict(), args)
-        model.load_state_dict({("lm_head.weight" if k == "embed_out.weight" else k): v for k, v in sd.items()})
-        del ours
+        model, ours = hf, None
 
-        def loss_of(t):
-            return model(input_ids=t, labels=t).loss  # HF shifts the labels itself and ignores the last position
+        def loss_of():
+            return model(input_ids=tokens, labels=tokens).loss  # HF shifts the labels itself, ignores the last
     else:
-        model = ours
+        model, hf = ours, None
         # Next-token targets, the last position has none: the same b * (s - 1) targets HF averages over.
         labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -100)], dim=1)
 
-        def loss_of(t):
-            return model(t, labels=labels)
+        def loss_of():
+            return model(tokens, labels=labels)
 
     model.train()
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times = []
-    foreign = 0.0
-    for step in range(steps + 1):
-        if step == 1:
-            foreign = foreign_cpu_s()
-        start = time.perf_counter()
-        loss = loss_of(tokens)
+
+    def step() -> float:
+        loss = loss_of()
         loss.backward()
         model.zero_grad(set_to_none=True)
-        if step:  # the first step warms up allocators and kernels
-            times.append(time.perf_counter() - start)
-        else:
-            first_loss = loss.item()
-            if expect_loss is not None and abs(first_loss - expect_loss) > 1e-4 * abs(expect_loss):
-                raise SystemExit(f"{family} {side}: loss {first_loss} differs from the other side's {expect_loss}")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {
-        "foreign_load": (foreign_cpu_s() - foreign) / sum(times) / (os.cpu_count() or 1),
-        "tokens_per_s": batch * seq / statistics.median(times),
-        "loss": first_loss,
-        "peak_mib": peak / 1024,
-        "base_mib": base_rss / 1024,
+        return loss.item()
+
+    return step
+
+
+def worker(family: str, side: str, seq: int, batch: int) -> None:
+    """One side, driven over stdin/stdout: a 'step' line times one step; end of input reports peak RSS."""
+    step = build(family, side, seq, batch)
+    gc.collect()
+    try:  # count the peak from here: what training needs, not the other side's model built during setup
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    setup_mib = rss_mib("VmRSS")
+    loss = step()
+    for _ in range(WARMUP_STEPS - 1):
+        step()
+    print(json.dumps({"loss": loss}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            raise SystemExit(f"worker: unknown command {line!r}")
+        cpu, start = own_cpu_s(), time.perf_counter()
+        step()
+        print(json.dumps({"s": time.perf_counter() - start, "cpu": own_cpu_s() - cpu}), flush=True)
+    print(json.dumps({"peak_mib": rss_mib("VmHWM"), "setup_mib": setup_mib}), flush=True)
+
+
+def reply(proc: subprocess.Popen, what: str) -> dict:
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait()
+        raise SystemExit(f"{what}: the worker died (exit {proc.returncode}); its stderr is above")
+    return json.loads(line)
+
+
+def compare(family: str, steps: int, seq: int, batch: int) -> None:
+    procs = {
+        side: subprocess.Popen(
+            [sys.executable, __file__, "--worker", family, side, "--seq", str(seq), "--batch", str(batch)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for side in SIDES
     }
+    losses = {side: reply(p, f"{family} {side} setup")["loss"] for side, p in procs.items()}
+    if abs(losses["ours"] - losses["hf"]) > 1e-4 * abs(losses["hf"]):
+        raise SystemExit(f"{family}: our loss {losses['ours']} differs from HF's {losses['hf']}: not the same model")
+    times: dict[str, list[float]] = {side: [] for side in SIDES}
+    worker_cpu = 0.0
+    busy, wall, main_cpu = machine_busy_s(), time.perf_counter(), own_cpu_s()
+    for i in range(steps):
+        for side in SIDES if i % 2 == 0 else SIDES[::-1]:
+            procs[side].stdin.write("step\n")
+            procs[side].stdin.flush()
+            r = reply(procs[side], f"{family} {side} step {i}")
+            times[side].append(r["s"])
+            worker_cpu += r["cpu"]
+    wall = time.perf_counter() - wall
+    foreign = (machine_busy_s() - busy - worker_cpu - (own_cpu_s() - main_cpu)) / wall / (os.cpu_count() or 1)
+    peaks = {}
+    for side, p in procs.items():
+        p.stdin.close()
+        peaks[side] = reply(p, f"{family} {side} end")["peak_mib"]
+        p.wait()
+    ratios = sorted(h / o for o, h in zip(times["ours"], times["hf"], strict=True))
+    tok_s = {side: batch * seq / statistics.median(t) for side, t in times.items()}
+    print(
+        f"{family:7s} loss {losses['ours']:.6f} = HF {losses['hf']:.6f}"
+        f"  ours {tok_s['ours']:6.0f} tok/s  HF {tok_s['hf']:6.0f} tok/s"
+        f"  ratio {statistics.median(ratios):.2f}x (pairs {ratios[0]:.2f}-{ratios[-1]:.2f}, goal >= 1.25x)"
+        f"  | peak RSS ours {peaks['ours']:.0f} MiB, HF {peaks['hf']:.0f} MiB"
+    )
+    if foreign > 0.05:  # timings taken next to other work (a parallel build, a test run) are not worth comparing
+        print(f"        warning: other programs took {foreign:.0%} of the CPUs during the timed steps")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=5)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=8, help="timed step pairs per family")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--one", nargs=2, metavar=("FAMILY", "SIDE"), help=argparse.SUPPRESS)
-    parser.add_argument("--expect-loss", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--family", choices=sorted(CONFIGS), action="append", help="default: all")
+    parser.add_argument("--worker", nargs=2, metavar=("FAMILY", "SIDE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one:
-        print(json.dumps(measure(*args.one, args.steps, args.seq, args.batch, args.expect_loss)))
+    for name in ("steps", "seq", "batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, not {getattr(args, name)}")
+    if args.worker:
+        worker(*args.worker, args.seq, args.batch)
         return 0
     print(
-        f"training step (loss + backward), fp32, CPU, batch {args.batch} x seq {args.seq},"
-        f" median of {args.steps} timed steps after 1 warm-up"
+        f"training step (loss + backward), fp32, CPU, batch {args.batch} x seq {args.seq}, {args.steps} step pairs"
+        f" in lockstep after {WARMUP_STEPS} warm-up steps; ratio = median of HF/ours step time over the pairs"
     )
-    for family in CONFIGS:
-        result: dict = {}
-        for side in ("ours", "hf"):
-            cmd = [sys.executable, __file__, "--one", family, side, *sys.argv[1:]]
-            if side == "hf":  # HF checks its first loss against ours before it times anything
-                cmd += ["--expect-loss", repr(result["ours"]["loss"])]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode:
-                raise SystemExit(f"{family} {side} failed:\n{done.stderr.strip()}")
-            result[side] = json.loads(done.stdout.strip().splitlines()[-1])
-        o, h = result["ours"], result["hf"]
-        print(
-            f"{family:7s} loss {o['loss']:.6f} = HF {h['loss']:.6f}"
-            f"  ours {o['tokens_per_s']:6.0f} tok/s  HF {h['tokens_per_s']:6.0f} tok/s"
-            f"  ratio {o['tokens_per_s'] / h['tokens_per_s']:.2f}x (goal >= 1.25x)"
-            f"  | peak RSS ours {o['peak_mib']:.0f} MiB, HF {h['peak_mib']:.0f} MiB"
-        )
-        for side, r in result.items():
-            # Timings taken next to other work (a parallel build, test run) are not worth comparing.
-            if r["foreign_load"] > 0.05:
-                print(f"        warning: other programs took {r['foreign_load']:.0%} of the CPUs while {side} ran")
+    for family in args.family or list(CONFIGS):
+        compare(family, args.steps, args.seq, args.batch)
     return 0
 
 
