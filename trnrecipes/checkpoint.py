@@ -7,7 +7,7 @@
       state.json                        step, layout; data-dpNNNN.json / rng-rankNNNN.safetensors per rank
       recipe.yaml, tokenizer/           the resolved recipe and the tokenizer files
       manifest.json                     sha256 of every file above
-      done                              written last, after an fsync of everything
+      done                              written last, once everything above is fsync'd
 Files are written into a temp dir that is renamed to step_N at the end: step_N exists whole or not at all. Loading
 verifies every checksum and reads tensors with safetensors and the rest as JSON/YAML: nothing is ever unpickled.
 """
@@ -52,16 +52,25 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fsync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            with p.open("rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(root, os.O_RDONLY)
+def fsync_dir(path: Path) -> None:
+    """Make the directory's entries (files created or renamed in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+def hash_and_sync(path: Path) -> str:
+    """sha256 of a file just written (read back while it is still in the page cache), after an fsync: its
+    manifest entry. Each rank calls this on its own files, so no one reads the whole checkpoint back."""
+    fsync_file(path)
+    return _sha256(path)
 
 
 def write_common(tmp: Path, recipe: Recipe, tokenizer_dir: Path | None) -> None:
@@ -70,15 +79,28 @@ def write_common(tmp: Path, recipe: Recipe, tokenizer_dir: Path | None) -> None:
         shutil.copytree(tokenizer_dir, tmp / "tokenizer")
 
 
-def finalize(tmp: Path, out: Path, step: int) -> Path:
-    """Manifest of every file in `tmp`, fsync, the done marker, then one rename to `out`."""
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {"format": FORMAT, "step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    fsync_tree(tmp)
+def finalize(tmp: Path, out: Path, step: int, digests: dict[str, str] | None = None) -> Path:
+    """Manifest of every file in `tmp`, the done marker, then one rename to `out`, each made durable in turn.
+
+    digests: files (relative names) already fsync'd and hashed by whoever wrote them (hash_and_sync; in training,
+    each rank its own shards); only the others (recipe, tokenizer, ...) are read here.
+    """
+    known = digests or {}
+    files = {str(p.relative_to(tmp)): p for p in sorted(tmp.rglob("*")) if p.is_file()}
+    if missing := sorted(set(known) - set(files)):
+        raise CheckpointError(f"{tmp}: {missing[0]} was reported written but is not there ({len(missing)} missing)")
+    entries = {name: known[name] if name in known else hash_and_sync(p) for name, p in files.items()}
+    manifest = tmp / "manifest.json"
+    manifest.write_text(json.dumps({"format": FORMAT, "step": step, "files": entries}, indent=2) + "\n")
+    fsync_file(manifest)
+    for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
+        fsync_dir(d)
+    # Only now, with everything it vouches for on disk, the done marker; then the rename that publishes step_N.
     (tmp / DONE).write_text("")
-    fsync_tree(tmp)
+    fsync_file(tmp / DONE)
+    fsync_dir(tmp)
     os.replace(tmp, out)
+    fsync_dir(out.parent)
     return out
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from trnrecipes.checkpoint import DONE, CheckpointError, finalize, fsync_tree, verify, write_common
+from trnrecipes.checkpoint import DONE, CheckpointError, finalize, hash_and_sync, verify, write_common
 from trnrecipes.recipe import Recipe
 from trnrecipes.train.distributed import local_tensor
 
@@ -113,13 +113,18 @@ class Checkpointer:
     def _write(self, step: int, files: dict[str, object]) -> None:
         tmp = self.root / f".step_{step}.tmp"
         tmp.mkdir(parents=True, exist_ok=True)
+        digests = {}
         for name, content in files.items():
             if name.endswith(".safetensors"):
                 save_file(content, tmp / name)
             else:
                 (tmp / name).write_text(json.dumps(content, indent=1) + "\n")
-        fsync_tree(tmp)
-        (tmp / f".rank-{self.rank}.ok").write_text("")
+            digests[name] = hash_and_sync(tmp / name)
+        # The marker carries this rank's digests: rank 0 never reads another rank's shards back. Renamed into
+        # place, so rank 0 (which polls for it) never reads it half-written.
+        marker = tmp / f".rank-{self.rank}.ok"
+        marker.with_suffix(".tmp").write_text(json.dumps(digests))
+        os.replace(marker.with_suffix(".tmp"), marker)
         if self.rank != 0:
             return
         deadline = time.monotonic() + RANK_WAIT_S
@@ -129,13 +134,14 @@ class Checkpointer:
                 raise CheckpointError(f"{tmp}: not every rank wrote its files within {RANK_WAIT_S:.0f} s")
             time.sleep(0.02)
         for m in markers:
+            digests.update(json.loads(m.read_text()))
             m.unlink()
         out = self.root / f"step_{step}"
         if out.exists():  # the same step saved twice (a stop request on a checkpoint step): keep the first
             shutil.rmtree(tmp)
             return
         write_common(tmp, self.recipe, self.tokenizer_dir)
-        finalize(tmp, out, step)
+        finalize(tmp, out, step, digests)
         self.saved.append(out)
         self.log(f"[trnrecipes] saved checkpoint {out}")
         self._prune()
