@@ -3,9 +3,14 @@ themselves only exist on Trainium hosts."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import sys
+import types
 
 import pytest
+import torch
+from torch import nn
 
 from trnrecipes.models import build_model
 from trnrecipes.neuron_parallel import apply_neuron_tensor_parallel, linear_specs, sequence_parallel_params
@@ -43,3 +48,109 @@ def test_sequence_parallel_tags_exactly_the_norm_parameters(recipe, family):
                 for p, _ in mod.named_parameters(recurse=False)]  # fmt: skip
     assert sorted(tagged) == sorted(expected) and len(tagged) == len(set(tagged))
     assert "norm.weight" in tagged and any(name.startswith("layers.1.") for name in tagged)
+
+
+# -- the adapter's wiring, against a stand-in for NxD at TP 1 -------------------------------------------------------
+# The stand-in has NxD 2.29's constructor and mapping signatures (keyword names included, so a misspelt or missing
+# argument fails here) and TP-1 behaviour: each parallel linear is the whole linear and the mappings are identities.
+# It checks what can be checked off Trainium: every layer is built with the arguments the adapter means to pass, the
+# weights land in the right layers, and the hooks keep the model's function; not NxD's collectives.
+
+
+def install_fake_nxd(monkeypatch) -> list[dict]:
+    built: list[dict] = []
+
+    class _Linear(nn.Linear):
+        def __init__(
+            self,
+            input_size,
+            output_size,
+            bias=True,
+            *,
+            dtype=torch.float32,
+            init_method=None,
+            reduce_dtype=torch.float32,
+            sequence_parallel_enabled=False,
+            sequence_dimension=None,
+            **kind,
+        ):
+            super().__init__(input_size, output_size, bias=bias, dtype=dtype)
+            sp = (sequence_parallel_enabled, sequence_dimension)
+            layer = {"layer": type(self).__name__, "dtype": dtype, "reduce_dtype": reduce_dtype, "sp": sp}
+            built.append({**layer, "init_method": init_method, **kind})
+            if init_method is not None:
+                init_method(self.weight)
+
+    class ColumnParallelLinear(_Linear):
+        def __init__(self, *args, gather_output=True, **kwargs):
+            super().__init__(*args, gather_output=gather_output, **kwargs)
+
+    class RowParallelLinear(_Linear):
+        def __init__(self, *args, input_is_parallel=False, **kwargs):
+            super().__init__(*args, input_is_parallel=input_is_parallel, **kwargs)
+
+    class ParallelEmbedding(nn.Embedding):
+        def __init__(self, num_embeddings, embedding_dim, *, init_method=None, dtype=torch.float32):
+            super().__init__(num_embeddings, embedding_dim, dtype=dtype)
+            built.append({"layer": "ParallelEmbedding", "dtype": dtype, "init_method": init_method})
+
+    def scatter_to_sequence_parallel_region(input_, sequence_dimension=0, process_group=None):
+        assert sequence_dimension == 1  # our activations are [batch, seq, hidden], not NxD's default [seq, ...]
+        return input_
+
+    def gather_from_sequence_parallel_region(input_, sequence_dimension=0, to_model_parallel=True, process_group=None):
+        assert sequence_dimension == 1 and not to_model_parallel
+        return input_
+
+    modules = {
+        "neuronx_distributed": {},
+        "neuronx_distributed.parallel_layers.layers": dict(
+            ColumnParallelLinear=ColumnParallelLinear,
+            RowParallelLinear=RowParallelLinear,
+            ParallelEmbedding=ParallelEmbedding,
+        ),
+        "neuronx_distributed.parallel_layers.mappings": dict(
+            scatter_to_sequence_parallel_region=scatter_to_sequence_parallel_region,
+            gather_from_sequence_parallel_region=gather_from_sequence_parallel_region,
+        ),
+        "neuronx_distributed.parallel_layers.parallel_state": dict(
+            get_tensor_model_parallel_size=lambda: 1, get_tensor_model_parallel_rank=lambda: 0
+        ),
+    }
+    package = types.ModuleType("neuronx_distributed.parallel_layers")
+    monkeypatch.setitem(sys.modules, package.__name__, package)
+    for name, attrs in modules.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+        if name.startswith(package.__name__ + "."):
+            setattr(package, name.rsplit(".", 1)[1], module)
+    return built
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("recipe", "family"), [("neox-tiny", "neox"), ("llama2-tiny", "llama2")])
+def test_adapter_builds_nxd_layers_that_keep_the_function(monkeypatch, recipe, family, dtype, sequence_parallel):
+    built = install_fake_nxd(monkeypatch)
+    torch.manual_seed(0)
+    model = build_model(load_recipe(recipe).model)
+    model.init_weights()
+    model.to(dtype)
+    tokens = torch.randint(0, model.args.vocab_size, (2, 16))
+    with torch.no_grad():
+        expected = model(tokens)
+    parallel = apply_neuron_tensor_parallel(copy.deepcopy(model), family, sequence_parallel)
+    with torch.no_grad():
+        assert torch.equal(parallel(tokens), expected)  # weights copied into the right layers, hooks harmless
+
+    linears = [b for b in built if b["layer"] != "ParallelEmbedding"]
+    assert len(linears) == len(linear_specs(model, family)) + 1  # + the head
+    for b in built:
+        assert b["dtype"] == dtype and b["init_method"].__name__ == "_keep_uninitialized"
+    for b in linears:
+        # NxD reduces the input gradient in reduce_dtype; any other dtype than the weights' loses the reduction.
+        assert b["reduce_dtype"] == dtype
+        row = b["layer"] == "RowParallelLinear"
+        assert b["sp"] == ((True, 1) if row and sequence_parallel else (False, None))
+        assert b.get("input_is_parallel", True) and b.get("gather_output", False) is (b is linears[-1])

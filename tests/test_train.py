@@ -119,6 +119,14 @@ def test_train_refuses_a_world_size_that_is_not_the_layout(tmp_path: Path, cli):
     assert "launched with 1 rank(s), but recipe pythia-tiny at 1 node(s) needs 2" in done.stderr
 
 
+def test_train_refuses_pipeline_parallelism_it_does_not_build(tmp_path: Path, cli):
+    # The layout and scripts size jobs for PP (neox20b: pp 4); the step loop has no stages, so it must not start.
+    done = cli("train", "--config", "llama2-tiny", "layout.pp=2", "cluster.workers_per_node=2", f"run_dir={tmp_path}")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "layout.pp 2: pipeline parallelism is planned (layout, scripts) but not built" in done.stderr
+    assert "layout.tp=2" in done.stderr and not any(tmp_path.iterdir())
+
+
 def test_backends_that_are_not_installed_say_how_to_get_them(tmp_path: Path, cli):
     # the main venv has torch 2.13 and no torch-xla (it needs torch 2.9: .venv-xla); test_xla covers neuron
     done = cli("train", "--config", "llama2-tiny", *FAST, "cluster.backend=xla", f"run_dir={tmp_path}")

@@ -55,6 +55,10 @@ def sequence_parallel_params(model: nn.Module, family: str) -> list[str]:
     return [f"{norm}.{p}" for norm in norms for p, _ in model.get_submodule(norm).named_parameters()]
 
 
+def _keep_uninitialized(weight: torch.Tensor) -> None:
+    """NxD layers' init_method: their weights are overwritten with our shards right after construction."""
+
+
 def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_parallel: bool = False) -> nn.Module:
     """Replace the model's linears/embedding/head with NxD layers holding this rank's shard of the current weights.
     Call after neuronx_distributed.parallel_layers.parallel_state.initialize_model_parallel(tp)."""
@@ -72,6 +76,13 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
     # sequence); see the hooks below for the gathers.
     sp = {"sequence_parallel_enabled": True, "sequence_dimension": 1} if sequence_parallel else {}
 
+    def keep(dtype: torch.dtype) -> dict:
+        # reduce_dtype = the weights' dtype: NxD all-reduces the input gradient in reduce_dtype, and when that differs
+        # (its default fp32 vs bf16 weights) it reduces a converted copy and returns the unreduced original
+        # (layers_utils._linear_autograd_bwd_grad_reduce, NxD 2.29). The no-op init skips filling weights that the
+        # copy below overwrites anyway.
+        return {"dtype": dtype, "reduce_dtype": dtype, "init_method": _keep_uninitialized}
+
     def shard(t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.detach().chunk(tp, dim=dim)[rank].clone()
 
@@ -81,21 +92,24 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
             dtype = old.weight.dtype
             if spec.kind == "column":
                 new = layers.ColumnParallelLinear(
-                    spec.in_features, spec.out_features, bias=spec.bias, gather_output=False, dtype=dtype
+                    spec.in_features, spec.out_features, bias=spec.bias, gather_output=False, **keep(dtype)
                 )
                 new.weight.copy_(shard(old.weight, 0))
                 if spec.bias:
                     new.bias.copy_(shard(old.bias, 0))
             else:
                 new = layers.RowParallelLinear(
-                    spec.in_features, spec.out_features, bias=spec.bias, input_is_parallel=True, dtype=dtype, **sp
+                    spec.in_features, spec.out_features, bias=spec.bias, input_is_parallel=True, **keep(dtype), **sp
                 )
                 new.weight.copy_(shard(old.weight, 1))
                 if spec.bias:
                     new.bias.copy_(old.bias)  # added once, after the reduction
             model.set_submodule(spec.name, new)
         embed = layers.ParallelEmbedding(
-            model.embed.num_embeddings, model.embed.embedding_dim, dtype=model.embed.weight.dtype
+            model.embed.num_embeddings,
+            model.embed.embedding_dim,
+            dtype=model.embed.weight.dtype,
+            init_method=_keep_uninitialized,
         )
         embed.weight.copy_(shard(model.embed.weight, 0))
         model.embed = embed
@@ -104,7 +118,7 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
             model.head.out_features,
             bias=False,
             gather_output=True,
-            dtype=model.head.weight.dtype,
+            **keep(model.head.weight.dtype),
         )
         head.weight.copy_(shard(model.head.weight, 0))
         model.head = head
@@ -135,6 +149,15 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
 
 
 # ---- what the step loop needs on Neuron besides the layers (trnrecipes.train.loop calls these on backend neuron)
+
+
+def move_to_device(model: nn.Module, device: torch.device) -> None:
+    """model.to(device) that keeps NxD's parameter attributes (tensor_model_parallel, partition_dim, our
+    sequence_parallel_enabled tags): moving to an XLA device otherwise makes new Parameters without them, and
+    clip_grad_norm and reduce_sequence_parallel_gradients would silently treat every shard as replicated."""
+    from neuronx_distributed.utils.model_utils import move_model_to_device
+
+    move_model_to_device(model, device)
 
 
 def initialize(tp: int) -> None:

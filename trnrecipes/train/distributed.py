@@ -18,15 +18,20 @@ class Distributed:
 
     def __init__(self, recipe: Recipe, backend: Backend):
         layout = compute_layout(recipe)
+        if layout.pp > 1:
+            # The layout math and the scripts size jobs for PP; the step loop does not split the model into stages.
+            raise RecipeError(
+                f"layout.pp {layout.pp}: pipeline parallelism is planned (layout, scripts) but not built in the step"
+                f" loop; train with layout.pp=1, e.g. layout.tp={layout.tp * layout.pp} to keep the model's memory"
+                " per core where its heads divide it"
+            )
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         if self.world != layout.world_size:
             raise RecipeError(
                 f"launched with {self.world} rank(s), but recipe {recipe.name} at {layout.nodes} node(s) needs"
-                f" {layout.world_size} (DP {layout.dp} x TP {layout.tp} x PP {layout.pp}); use its run.sbatch"
+                f" {layout.world_size} (DP {layout.dp} x TP {layout.tp}); use its run.sbatch"
             )
-        if layout.pp > 1 and backend.name != "neuron":
-            raise RecipeError(f"pipeline parallelism (pp {layout.pp}) is only built for the neuron backend")
         self.dp, self.tp = layout.dp, layout.tp
         self.dp_rank, self.tp_rank = self.rank // self.tp, self.rank % self.tp
         self.mesh = self.dp_group = None

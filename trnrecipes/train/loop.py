@@ -72,12 +72,16 @@ def build(recipe: Recipe, backend: Backend, ddp: Distributed, weights: dict | No
         model.init_weights(torch.Generator().manual_seed(recipe.train.seed))
     if recipe.precision.dtype == "bf16":
         model.to(torch.bfloat16)  # weights themselves in bf16 (no fp32 master copy)
-    model.to(backend.device)
     if ddp.tp > 1 and ddp.neuron:
-        from trnrecipes.neuron_parallel import apply_neuron_tensor_parallel
+        from trnrecipes.neuron_parallel import apply_neuron_tensor_parallel, move_to_device
 
+        # NxD builds its layers on the CPU: shard there, then move with NxD's helper, which keeps the parallel
+        # attributes on the parameters (a plain .to(xla) makes new Parameters without them).
         apply_neuron_tensor_parallel(model, recipe.model.family, recipe.layout.sequence_parallel)
-    elif ddp.tp > 1:
+        move_to_device(model, backend.device)
+        return model
+    model.to(backend.device)
+    if ddp.tp > 1:
         from trnrecipes.parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, ddp.mesh["tp"], recipe.model.family, recipe.layout.sequence_parallel)
