@@ -13,7 +13,7 @@ import torch
 import trnrecipes.checkpoint as checkpoint
 from trnrecipes.checkpoint import CheckpointError, verify
 from trnrecipes.recipe import load_recipe
-from trnrecipes.train.checkpointing import Checkpointer
+from trnrecipes.train.checkpointing import Checkpointer, shard_dims
 
 
 def rank_files(rank: int) -> dict[str, object]:
@@ -61,3 +61,12 @@ def test_a_rank_reporting_a_file_that_is_not_there_fails_the_save(tmp_path: Path
     with pytest.raises(CheckpointError, match=r"rng-rank0001\.json was reported written but is not there"):
         rank0.save(3, {**rank_files(0), "shards.json": {"tp": 2, "dims": {}}})
     assert not (tmp_path / "step_3").exists()  # nothing half-made is published
+
+
+def test_shard_dims_come_from_the_parameters_where_nxd_tags_them():
+    """NxD marks a sharded parameter with tensor_model_parallel / partition_dim; state_dict() detaches and the copy
+    has no such attributes, so reading dims from it recorded every NxD shard as replicated."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    for p, dim in ((model[0].weight, 0), (model[0].bias, 0), (model[1].weight, 1)):
+        p.tensor_model_parallel, p.partition_dim = True, dim
+    assert shard_dims(model) == {"0.weight": 0, "0.bias": 0, "1.weight": 1, "1.bias": None}

@@ -76,3 +76,28 @@ def test_a_checkpoint_saved_on_one_backend_resumes_on_the_other(runs, tmp_path, 
     report, out = _continue(runs[saved_on]["run_dir"], resumed_on, tmp_path)
     assert "(step 20)" in out and f"train: llama2-tiny on {resumed_on}" in out
     assert len(report["losses"]) == 2 and report["losses"][0] < runs[saved_on]["losses"][0] - 1.0
+
+
+NEURON_METRICS = """
+import torch, torch.distributed as dist, torch_xla, torch_xla.distributed.xla_backend
+dist.init_process_group("xla", init_method="xla://")
+from trnrecipes.train.distributed import Distributed
+d = Distributed.__new__(Distributed)
+d.world, d.neuron = 2, True  # a Neuron rank's metric reductions; they need XLA's process group, not NxD
+dev = torch_xla.device()
+print(d.sum_over_ranks(torch.tensor([1.5, 2.0]), dev).tolist(), d.max_over_ranks([3, 1], dev))
+try:
+    dist.all_reduce(torch.tensor([1.0]))
+except Exception as err:
+    print("a CPU tensor is refused:", type(err).__name__)
+"""
+
+
+def test_metric_reductions_on_neuron_go_through_xlas_process_group_with_device_tensors():
+    """On Neuron the default process group is XLA's, which reduces device tensors only: validation loss, the logged
+    loss and rank agreement must move their CPU values to the device first (they crashed after step 1 before)."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "XLA_ALWAYS_ALLREDUCE": "1"}  # reduce even in a 1-process group
+    done = subprocess.run([str(XLA_PYTHON), "-c", NEURON_METRICS], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-2:] == ["[1.5, 2.0] [3, 1]", "a CPU tensor is refused: RuntimeError"]

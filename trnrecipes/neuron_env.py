@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 from trnrecipes.recipe import Recipe
 
-# Oldest and newest SDK this table describes. XLA-based training (torch-neuronx + NxD) ends support in 2.32.
-SUPPORTED_SDK: tuple[tuple[int, int], tuple[int, int]] = ((2, 18), (2, 32))
+# Oldest and newest SDK this table describes. XLA-based training (torch-neuronx + NxD) ends support in 2.32. From
+# 2.21 on the SDK ships PyTorch 2.5: torch_xla.device() (torch-xla 2.3+) and torch_xla.sync() (2.4+), which the
+# backend uses, exist; 2.18-2.20 ship torch-xla 2.1 without them.
+SUPPORTED_SDK: tuple[tuple[int, int], tuple[int, int]] = ((2, 21), (2, 32))
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ def _const(value: str) -> Callable[[Recipe], str]:
     return lambda _r: value
 
 
+# No XLA_USE_BF16 / XLA_DOWNCAST_BF16 (AWS's samples for SDK <= 2.24 set them): the trainer casts the model to bf16
+# (precision.dtype bf16) or autocasts (bf16-mixed) itself on every supported SDK, and those variables would also put
+# its fp32 state in bf16: AdamW moments, bf16-mixed master weights, and constants (beta2 0.999 rounds to 1.0).
 RULES: tuple[EnvRule, ...] = (
     EnvRule("NEURON_CC_FLAGS", neuron_cc_flags, "neuronx-cc flags for transformer training"),
     EnvRule(
@@ -60,18 +65,6 @@ RULES: tuple[EnvRule, ...] = (
         _const("3"),
         "overlap host and device execution; removed in SDK 2.31",
         until=(2, 30),
-    ),
-    EnvRule(
-        "XLA_USE_BF16",
-        lambda r: "1" if r.precision.dtype == "bf16" else None,
-        "precision.dtype bf16: every fp32 tensor in bf16 (SDK <= 2.24; later SDKs cast the model instead)",
-        until=(2, 24),
-    ),
-    EnvRule(
-        "XLA_DOWNCAST_BF16",
-        lambda r: "1" if r.precision.dtype == "bf16-mixed" else None,
-        "precision.dtype bf16-mixed: fp32 math downcast to bf16 (SDK <= 2.24; later SDKs cast the model instead)",
-        until=(2, 24),
     ),
     EnvRule("MALLOC_ARENA_MAX", _const("64"), "bounds glibc arenas: host memory of 32+ workers per node"),
     EnvRule("FI_PROVIDER", _const("efa"), "libfabric over EFA between nodes"),
@@ -97,10 +90,3 @@ def backend_env(r: Recipe) -> list[tuple[str, str, str]]:
             if value is not None:
                 rows.append((rule.name, value, rule.why))
     return rows
-
-
-def casts_model_in_python(r: Recipe) -> bool:
-    """Whether training must cast the model to bf16 itself (the SDK no longer honours XLA_USE/DOWNCAST_BF16)."""
-    if r.precision.dtype == "fp32":
-        return False
-    return r.cluster.backend != "neuron" or sdk_version(r.cluster.neuron_sdk) > (2, 24)

@@ -18,6 +18,7 @@ the TP group after backward (reduce_sequence_parallel_gradients).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -160,11 +161,20 @@ def move_to_device(model: nn.Module, device: torch.device) -> None:
     move_model_to_device(model, device)
 
 
-def initialize(tp: int) -> None:
-    """NxD's process groups: TP groups of `tp` consecutive ranks, DP across them (after init_process_group("xla"))."""
+def initialize(tp: int, dp: int) -> tuple[int, int]:
+    """NxD's process groups (after init_process_group("xla")); returns this rank's (TP rank, DP rank) in them.
+
+    NxD decides which ranks form a TP group (consecutive on trn1 at TP 8 and 32, strided by 8 at TP 4), so the
+    caller must use these ranks, not rank % tp."""
     from neuronx_distributed.parallel_layers import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    # Logical NeuronCore size (trn2 runs LNC=2): NxD orders TP groups differently for it. Passed only when set, as
+    # NxD releases before trn2 have no such argument.
+    lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1"))
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, **({"lnc_size": lnc} if lnc != 1 else {}))
+    if parallel_state.get_data_parallel_size() != dp:
+        raise RuntimeError(f"neuronx-distributed made {parallel_state.get_data_parallel_size()} DP groups, not {dp}")
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
 
 
 def average_gradients_over_dp(params: list[nn.Parameter]) -> None:

@@ -179,6 +179,13 @@ def shard_dim(p: torch.Tensor) -> int | None:
     return None
 
 
+def shard_dims(model: torch.nn.Module) -> dict[str, int | None]:
+    """shard_dim of every state_dict entry, read from the Parameters: state_dict() detaches, and a detached tensor
+    has lost neuronx-distributed's tensor_model_parallel / partition_dim attributes (DTensors keep placements)."""
+    params = dict(model.named_parameters())
+    return {k: shard_dim(params.get(k, v)) for k, v in model.state_dict().items()}
+
+
 class HostBuffers:
     """Host copies of device state for the writer. A copy is needed (on CPU the next step updates the very tensors
     in place); reusing the same buffers from save to save avoids faulting in fresh pages each time, which is most
@@ -213,7 +220,7 @@ def snapshot(
             moments[f"exp_avg_sq.{name}"] = _host(f"exp_avg_sq.{name}", v)
         files[shard_file("optim", ddp.tp_rank, ddp.tp)] = moments
     if ddp.rank == 0:
-        files[SHARDS] = {"tp": ddp.tp, "dims": {k: shard_dim(v) for k, v in model.state_dict().items()}}
+        files[SHARDS] = {"tp": ddp.tp, "dims": shard_dims(model)}
         files["state.json"] = {
             "step": step,
             "optimizer_steps": int(optimizer.step_count.item()),

@@ -36,12 +36,14 @@ class Distributed:
         self.dp_rank, self.tp_rank = self.rank // self.tp, self.rank % self.tp
         self.mesh = self.dp_group = None
         self.neuron = backend.name == "neuron"
-        if self.neuron:  # NxD owns the groups: TP within consecutive ranks, DP across (the same [dp, tp] layout)
+        if self.neuron:
             from trnrecipes import neuron_parallel
 
             if not dist.is_initialized():
                 dist.init_process_group("xla", init_method="xla://")
-            neuron_parallel.initialize(self.tp)
+            # NxD owns the groups, and its TP groups are not always consecutive ranks (trn1 at TP 4 strides them by
+            # 8): the data shard, checkpoint files and re-slicing must use NxD's ranks, or a TP group mixes batches.
+            self.tp_rank, self.dp_rank = neuron_parallel.initialize(self.tp, self.dp)
         elif self.world > 1:
             if not dist.is_initialized():
                 dist.init_process_group(backend.dist_backend, rank=self.rank, world_size=self.world)
@@ -64,11 +66,20 @@ class Distributed:
 
     def max_over_ranks(self, values: list[int], device: torch.device) -> list[int]:
         """Element-wise max over all ranks: how ranks agree on a decision only some of them can see."""
+        t = self._all_reduce(torch.tensor(values, dtype=torch.int64), device, dist.ReduceOp.MAX)
+        return [int(v) for v in t.tolist()]
+
+    def sum_over_ranks(self, values: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Element-wise sum over all ranks of a small CPU tensor (metrics), returned on the CPU."""
+        return self._all_reduce(values, device, dist.ReduceOp.SUM)
+
+    def _all_reduce(self, values: torch.Tensor, device: torch.device, op) -> torch.Tensor:
         if self.world == 1:
             return values
-        t = torch.tensor(values, dtype=torch.int64, device=device if self.neuron else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [int(v) for v in t.cpu().tolist()]
+        # On Neuron the default group is XLA's, which reduces device tensors only; gloo/nccl groups take CPU ones.
+        t = values.to(device) if self.neuron else values.clone()
+        dist.all_reduce(t, op=op)
+        return t.cpu()
 
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from trnrecipes import REPO_ROOT
 from trnrecipes.checkpoint import consolidate
@@ -262,9 +261,8 @@ class Trainer:
             self.backend.sync()
         local = total.cpu() / max(1, len(self.val_batches))
         counted = torch.tensor([float(local), float(bool(self.val_batches))])
-        if self.ddp.world > 1:
-            dist.all_reduce(counted)
-            counted /= self.ddp.tp  # each DP replica's loss arrives once per TP rank
+        # Each DP replica's loss arrives once per TP rank: the TP copies cancel in the ratio.
+        counted = self.ddp.sum_over_ranks(counted, self.backend.device)
         return float(counted[0] / counted[1])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -282,11 +280,8 @@ class Trainer:
             self.checkpointer.save(step, files)
 
     def _dp_mean(self, value: torch.Tensor) -> float:
-        v = value.detach().float().cpu().reshape(1)
-        if self.ddp.world > 1:
-            dist.all_reduce(v)
-            v /= self.ddp.world  # every rank of a DP replica holds the same loss
-        return float(v)
+        v = self.ddp.sum_over_ranks(value.detach().float().cpu().reshape(1), self.backend.device)
+        return float(v) / self.ddp.world  # every rank of a DP replica holds the same loss
 
     # ------------------------------------------------------------------ run
     def run(self, max_steps: int | None = None) -> RunResult:
