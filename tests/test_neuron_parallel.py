@@ -13,7 +13,12 @@ import torch
 from torch import nn
 
 from trnrecipes.models import build_model
-from trnrecipes.neuron_parallel import apply_neuron_tensor_parallel, linear_specs, sequence_parallel_params
+from trnrecipes.neuron_parallel import (
+    apply_neuron_tensor_parallel,
+    linear_specs,
+    param_norm,
+    sequence_parallel_params,
+)
 from trnrecipes.recipe import load_recipe
 
 
@@ -112,6 +117,7 @@ def install_fake_nxd(monkeypatch) -> list[dict]:
         "neuronx_distributed.parallel_layers.mappings": dict(
             scatter_to_sequence_parallel_region=scatter_to_sequence_parallel_region,
             gather_from_sequence_parallel_region=gather_from_sequence_parallel_region,
+            reduce_from_tensor_model_parallel_region=lambda input_, process_group=None: input_,
         ),
         "neuronx_distributed.parallel_layers.parallel_state": dict(
             get_tensor_model_parallel_size=lambda: 1, get_tensor_model_parallel_rank=lambda: 0
@@ -154,3 +160,16 @@ def test_adapter_builds_nxd_layers_that_keep_the_function(monkeypatch, recipe, f
         row = b["layer"] == "RowParallelLinear"
         assert b["sp"] == ((True, 1) if row and sequence_parallel else (False, None))
         assert b.get("input_is_parallel", True) and b.get("gather_output", False) is (b is linears[-1])
+
+
+def test_param_norm_counts_sharded_and_replicated_parameters(monkeypatch):
+    """At TP 1 the TP sum is the identity, so the split into NxD-sharded and replicated parameters must add up to
+    the plain norm (a parameter dropped or counted twice would not)."""
+    install_fake_nxd(monkeypatch)
+    model = build_model(load_recipe("neox-tiny").model)
+    model.init_weights()
+    params = list(model.parameters())
+    for p in params[::2]:
+        p.tensor_model_parallel = True
+    expected = torch.cat([p.detach().double().flatten() for p in params]).norm().float()
+    assert torch.allclose(param_norm(params), expected, rtol=1e-5)

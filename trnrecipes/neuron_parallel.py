@@ -194,6 +194,21 @@ def reduce_sequence_parallel_gradients(params: list[nn.Parameter]) -> None:
             reduce_from_tensor_model_parallel_region(p.grad.data)
 
 
+def param_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """L2 norm of the whole model's parameters (a logged metric): NxD-sharded ones summed over the TP group,
+    replicated ones counted once. NxD shards are plain tensors, so full_tensor() cannot gather them."""
+    from neuronx_distributed.parallel_layers.mappings import reduce_from_tensor_model_parallel_region
+
+    sharded = replicated = torch.zeros((), dtype=torch.float32, device=params[0].device)
+    for p in params:
+        square = p.detach().float().pow(2).sum()
+        if getattr(p, "tensor_model_parallel", False):
+            sharded = sharded + square
+        else:
+            replicated = replicated + square
+    return (reduce_from_tensor_model_parallel_region(sharded) + replicated).sqrt()
+
+
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Global grad norm over TP shards (replicated parameters counted once) and clipping; NxD's own, since its
     sharded parameters are plain tensors tagged `tensor_model_parallel` rather than DTensors."""

@@ -206,6 +206,13 @@ class Trainer:
             total = total + full_tensor(t).float().pow(2).sum()
         return total.sqrt()
 
+    def _param_norm(self) -> torch.Tensor:
+        if self.ddp.neuron and self.layout.tp > 1:
+            from trnrecipes import neuron_parallel
+
+            return neuron_parallel.param_norm(list(self.model.parameters()))
+        return self._global_norm(self.model.parameters())
+
     def accumulate(self, loader, grad_accum: int) -> torch.Tensor:
         """Forward + backward over grad_accum micro-batches; returns their mean loss (this rank's)."""
         self.model.train()
@@ -340,7 +347,7 @@ class Trainer:
                     self.save(step + 1, result.position)
                     last_save = time.monotonic()
                 if (step + 1) % r.train.log_every == 0 or last or "val_loss" in record:
-                    record["param_norm"] = float(self._global_norm(self.model.parameters()).cpu())
+                    record["param_norm"] = float(self._param_norm().cpu())
                     self.log(progress_line(record, steps), flush=True)
                 metrics.log(record)
                 result.compilations.append(self.backend.compilations())
