@@ -56,7 +56,12 @@ def lm_eval_tasks(
     )
 
 
-def model_args(hf: Path, max_length: int) -> str:
+def model_args(hf: Path, max_length: int, device: str | None = None) -> str:
+    """lm-eval's hf model arguments. On CPU fp32 (bf16 matmuls are slow on most CPUs, and the parity tests compare
+    fp32 numbers). On CUDA bf16, the precision the recipes train in, split over the node's GPUs (accelerate's
+    device_map): NeoX-20B in fp32 is 82 GB, more than one 80 GB GPU holds."""
+    if (device or _device()) == "cuda":
+        return f"pretrained={hf},dtype=bfloat16,parallelize=True,max_length={max_length}"
     return f"pretrained={hf},dtype=float32,max_length={max_length}"
 
 
@@ -96,7 +101,10 @@ def humaneval(
     chosen = dict(list(problems.items())[:limit] if limit else problems.items())
     device = _device()
     tok = AutoTokenizer.from_pretrained(hf)
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).to(device).eval()
+    if device == "cuda":  # as model_args: bf16, spread over the node's GPUs
+        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16, device_map="auto").eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).to(device).eval()
     torch.manual_seed(0)
     sample = n > 1 or temperature is not None
     samples = []

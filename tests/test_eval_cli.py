@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 
@@ -27,3 +29,20 @@ def test_a_run_dir_without_a_complete_checkpoint_is_named(cli, tmp_path):
     (tmp_path / "checkpoints" / ".step_5.tmp").mkdir(parents=True)  # a half-written save is not evaluated
     done = cli("eval", "run", "--ckpt", str(tmp_path), "--tasks", "mmlu")
     assert done.returncode == 2 and f"run dir {tmp_path} has no complete checkpoint" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [
+        ("cpu", {"dtype": "float32"}),
+        # On GPUs: the training precision, split over the node's GPUs (NeoX-20B in fp32 outgrows one 80 GB GPU).
+        ("cuda", {"dtype": "bfloat16", "parallelize": True}),
+    ],
+)
+def test_lm_eval_model_args_per_device(device, expected):
+    from lm_eval.utils import simple_parse_args_string
+
+    from eval.run import model_args
+
+    args = simple_parse_args_string(model_args(Path("/ckpt/hf"), 4096, device))  # as lm-eval parses them
+    assert args == {"pretrained": "/ckpt/hf", "max_length": 4096, **expected}

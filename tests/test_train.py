@@ -75,6 +75,19 @@ def test_dp2_equals_dp1_with_doubled_accumulation_and_tp_averages_over_dp_only(t
             torch.testing.assert_close(other["params"][name], p, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_dp_replicas_stay_bitwise_equal_under_bf16_stochastic_rounding(tmp_path: Path):
+    """The DP replicas apply the same averaged update to the same weights, so their rounding noise must be the same
+    too: seeded per rank, it rounded them apart, and nothing re-syncs replicas."""
+    over = ["batch.seq_len=32", "batch.global_batch=8", "batch.micro_batch=2", "cluster.workers_per_node=2",
+            "precision.dtype=bf16", "precision.stochastic_rounding=true"]  # fmt: skip
+    _torchrun(tmp_path, "pythia-tiny", over, 2)
+    (out,) = [p for p in tmp_path.glob("pythia-tiny-2-*.pt")]
+    rank0, rank1 = (torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1))
+    assert rank0.keys() == rank1.keys() and all(v.dtype == torch.bfloat16 for v in rank0.values())
+    for name, p in rank0.items():
+        assert torch.equal(p, rank1[name]), name
+
+
 def test_bf16_stochastic_rounding_tracks_fp32_better_than_round_to_nearest(tmp_path: Path):
     # bf16 matmuls are slow on CPUs without AVX512-BF16: a very small llama2 keeps this test short.
     small = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2",

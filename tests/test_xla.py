@@ -83,7 +83,7 @@ import torch, torch.distributed as dist, torch_xla, torch_xla.distributed.xla_ba
 dist.init_process_group("xla", init_method="xla://")
 from trnrecipes.train.distributed import Distributed
 d = Distributed.__new__(Distributed)
-d.world, d.neuron = 2, True  # a Neuron rank's metric reductions; they need XLA's process group, not NxD
+d.world, d.collectives_on_device = 2, True  # as on a Neuron rank: XLA's process group (NxD is not needed)
 dev = torch_xla.device()
 print(d.sum_over_ranks(torch.tensor([1.5, 2.0]), dev).tolist(), d.max_over_ranks([3, 1], dev))
 try:

@@ -1,5 +1,6 @@
 """Run under torchrun (or alone) by tests/test_train.py: a few optimizer steps of a tiny recipe on FIXED micro-batches
-through the real Trainer, saving the averaged full gradients of the first step, the grad norms and the final weights.
+through the real Trainer, saving the averaged full gradients of the first step, the grad norms and the final weights
+(and, per rank, that rank's own weights in OUT.rankN).
 
     python tests/train_worker.py OUT.pt RECIPE [k=v ...]
 Micro-batch i of a step is the same for every layout: a DP rank takes its contiguous share of the step's batches.
@@ -39,6 +40,9 @@ def main() -> None:
     params = trainer.full_state_dict()  # a collective under TP: every rank takes part
     if trainer.ddp.rank == 0:
         torch.save({"grads": first_grads, "norms": norms, "params": params}, out)
+    # Every rank's own weights too: DP replicas must end up bitwise equal.
+    local = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    torch.save(local, f"{out}.rank{trainer.ddp.rank}")
     trainer.close()
 
 

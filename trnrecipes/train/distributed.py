@@ -36,6 +36,8 @@ class Distributed:
         self.dp_rank, self.tp_rank = self.rank // self.tp, self.rank % self.tp
         self.mesh = self.dp_group = None
         self.neuron = backend.name == "neuron"
+        # NCCL and XLA's process group reduce device tensors only; gloo (cpu, and xla on PJRT CPU) takes CPU ones.
+        self.collectives_on_device = self.neuron or backend.dist_backend == "nccl"
         if self.neuron:
             from trnrecipes import neuron_parallel
 
@@ -76,8 +78,7 @@ class Distributed:
     def _all_reduce(self, values: torch.Tensor, device: torch.device, op) -> torch.Tensor:
         if self.world == 1:
             return values
-        # On Neuron the default group is XLA's, which reduces device tensors only; gloo/nccl groups take CPU ones.
-        t = values.to(device) if self.neuron else values.clone()
+        t = values.to(device) if self.collectives_on_device else values.clone()
         dist.all_reduce(t, op=op)
         return t.cpu()
 

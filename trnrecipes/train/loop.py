@@ -87,6 +87,12 @@ def build(recipe: Recipe, backend: Backend, ddp: Distributed, weights: dict | No
     return model
 
 
+def rounding_seed(seed: int, ddp: Distributed) -> int:
+    """Seed of the stochastic-rounding noise: one per TP rank, the same on every DP replica. The replicas apply the
+    same averaged update to the same weights; different noise would round them apart, and nothing re-syncs them."""
+    return seed + ddp.tp_rank
+
+
 def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss of a [b, s + 1] batch. Every family's forward takes labels: the fused head +
     cross-entropy, or full logits where the head is tensor parallel (recipes/common/loss.py decides)."""
@@ -115,7 +121,7 @@ class Trainer:
             stochastic_rounding=recipe.precision.stochastic_rounding
             and recipe.precision.dtype == "bf16"
             and self.backend.name != "neuron",
-            seed=recipe.train.seed + self.ddp.rank,
+            seed=rounding_seed(recipe.train.seed, self.ddp),
         )
         self._open_data()
         self.start_step, self.start_position = 0, None

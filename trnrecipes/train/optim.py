@@ -60,9 +60,11 @@ class AdamW:
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
         self.exp_avg = [torch.zeros_like(local_tensor(p), dtype=torch.float32) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(local_tensor(p), dtype=torch.float32) for p in self.params]
+        # An own generator where torch has one per device (cpu, cuda): checkpoints save and restore its state, so a
+        # resumed run draws the same rounding noise as an uninterrupted one. XLA: the device's default RNG.
         self.generator = None
-        if stochastic_rounding and device.type == "cpu":
-            self.generator = torch.Generator().manual_seed(seed)
+        if stochastic_rounding and device.type in ("cpu", "cuda"):
+            self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def set_lr(self, lr: float) -> None:
         # Copied in from a host tensor: on XLA this is new input data for the same graph, never a new constant.
