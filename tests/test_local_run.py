@@ -85,4 +85,5 @@ def test_a_world_size_that_does_not_match_the_layout_fails_before_training(tmp_p
     assert run_cli("sbatch", "--recipe", "neox-tiny", "--nodes", "1", "--out", str(job)).returncode == 0
     done = run_cli("train", "--config", str(job / "recipe.yaml"), env={"WORLD_SIZE": "3", "RANK": "0"})
     assert done.returncode == 2
-    assert "launched with 3 rank(s), but recipe neox-tiny at 1 node(s) needs 2 (DP 2 x TP 1 x PP 1)" in done.stderr
+    expected = "launched with 3 rank(s), but recipe neox-tiny at 1 node(s) needs 2 (DP 2 x TP 1); use its run.sbatch"
+    assert expected in done.stderr
