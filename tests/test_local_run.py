@@ -87,3 +87,19 @@ def test_a_world_size_that_does_not_match_the_layout_fails_before_training(tmp_p
     assert done.returncode == 2
     expected = "launched with 3 rank(s), but recipe neox-tiny at 1 node(s) needs 2 (DP 2 x TP 1); use its run.sbatch"
     assert expected in done.stderr
+
+
+def test_neuron_compile_job_stops_when_graphs_failed_to_compile(tmp_path):
+    """neuron_parallel_compile caches a failed graph as failed and later runs skip it: compile.sbatch must fail on
+    its summary instead of handing that cache to run.sbatch. A stand-in for the tool prints AWS's summary line."""
+    job = tmp_path / "job"
+    assert run_cli("sbatch", "--recipe", "pythia6.9b", "--nodes", "1", "--out", str(job)).returncode == 0
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "neuron_parallel_compile"
+    tool.write_text("#!/bin/sh\necho 'INFO ||NEURON_PARALLEL_COMPILE||: Total failed compilations: 2'\n")
+    tool.chmod(0o755)
+    done = _bash(job / "compile.sbatch", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert done.returncode == 1, done.stdout[-2000:]
+    assert "neuron_parallel_compile reports 'Total failed compilations: 2'" in done.stdout  # the log gets stderr
+    assert "--retry_failed_compilation" in done.stdout

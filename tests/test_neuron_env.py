@@ -26,13 +26,22 @@ def test_compiler_flags_for_llm_training():
     assert "--enable-mixed-precision-accumulation" not in flags
 
 
-@pytest.mark.parametrize(("sdk", "present"), [("2.21", True), ("2.30", True), ("2.31", False), ("2.32", False)])
-def test_async_inflight_requests_only_before_2_31(sdk, present):
-    env = env_of("neox20b", f"cluster.neuron_sdk={sdk}")
-    assert ("NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS" in env) is present
+@pytest.mark.parametrize(
+    ("recipe", "instance", "saturate"),
+    [("neox20b", "trn1.32xlarge", True), ("pythia6.9b", "trn1n.32xlarge", True), ("llama2-7b", "trn1.32xlarge", False),
+     ("neox20b", "trn2.48xlarge", False)],
+)  # fmt: skip
+def test_saturate_infinity_for_neox_on_trn1_as_aws_neox_scripts(recipe, instance, saturate):
+    flags = neuron_cc_flags(load_recipe(recipe, overrides=f"cluster.instance={instance}")).split()
+    assert ("--enable-saturate-infinity" in flags) is saturate
 
 
-@pytest.mark.parametrize("sdk", ["2.21", "2.24", "2.26", "2.32"])
+@pytest.mark.parametrize("sdk", ["2.21", "2.28"])
+def test_async_inflight_requests_on_every_supported_sdk(sdk):
+    assert env_of("neox20b", f"cluster.neuron_sdk={sdk}")["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "3"
+
+
+@pytest.mark.parametrize("sdk", ["2.21", "2.24", "2.26", "2.28"])
 @pytest.mark.parametrize("dtype", ["bf16", "bf16-mixed", "fp32"])
 def test_no_xla_bf16_variables_on_any_sdk(sdk, dtype):
     """The trainer casts (bf16) or autocasts (bf16-mixed) itself; XLA_USE_BF16 / XLA_DOWNCAST_BF16 on top would

@@ -127,6 +127,9 @@ def test_compile_then_run_on_two_nodes(reference):
         assert len([p for p in d.iterdir() if p.is_dir()]) == 2 * launches, sorted(d.iterdir())
     assert re.search(r"\[health\] .* rank 0/2: cpu matmul", out) and re.search(r"\[health\] .* rank 1/2: cpu", out)
     assert "[health] collectives over 2 ranks: ok" in out
+    # Every node's torchrun advertised its Slurm NodeAddr (127.0.0.1 here), not its host name: the workers'
+    # MASTER_ADDR (and Neuron's root comm id) is that address.
+    assert len(re.findall(r"\[health\] .*: cpu matmul .* rendezvous host 127\.0\.0\.1$", out, re.M)) == 2, out
     assert "train: llama2-tiny on cpu, 2 rank(s) = DP 2 x TP 1" in out
     assert f"step {MAX_STEPS}/{MAX_STEPS} | loss" in out and "training exited with status 0" in out
     assert "resuming from" not in out

@@ -38,7 +38,8 @@ def check_node(recipe: Recipe, collectives: bool = False, size: int = 512) -> in
         ok = err < 1e-5
         print(
             f"[health] {ctx.host} rank {ctx.rank}/{ctx.world_size}: cpu matmul {size}^3 {'ok' if ok else 'FAILED'}"
-            f" (max rel err {err:.1e}, {2 * size**3 / seconds / 1e9:.1f} GFLOP/s)",
+            f" (max rel err {err:.1e}, {2 * size**3 / seconds / 1e9:.1f} GFLOP/s);"
+            f" rendezvous host {os.environ.get('MASTER_ADDR', 'none')}",
             file=sys.stdout if ok else sys.stderr,
             flush=True,
         )

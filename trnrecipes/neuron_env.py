@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 from trnrecipes.recipe import Recipe
 
-# Oldest and newest SDK this table describes. XLA-based training (torch-neuronx + NxD) ends support in 2.32. From
-# 2.21 on the SDK ships PyTorch 2.5: torch_xla.device() (torch-xla 2.3+) and torch_xla.sync() (2.4+), which the
-# backend uses, exist; 2.18-2.20 ship torch-xla 2.1 without them.
-SUPPORTED_SDK: tuple[tuple[int, int], tuple[int, int]] = ((2, 21), (2, 32))
+# Oldest and newest SDK this table describes. From 2.21 on the SDK ships PyTorch 2.5: torch_xla.device() (torch-xla
+# 2.3+) and torch_xla.sync() (2.4+), which the backend uses, exist; 2.18-2.20 ship torch-xla 2.1 without them. 2.28
+# is the last release with NxD Core training APIs and PyTorch/XLA training ("Announcing end of support for NxDT and
+# NxD Core Training APIs starting with Neuron SDK release 2.29", AWS, February 2026).
+SUPPORTED_SDK: tuple[tuple[int, int], tuple[int, int]] = ((2, 21), (2, 28))
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ def neuron_cc_flags(r: Recipe) -> str:
     ]
     if r.compile.mixed_precision_accumulation:
         flags.append("--enable-mixed-precision-accumulation")
+    if r.model.family == "neox" and r.cluster.instance.startswith("trn1"):
+        # AWS's GPT-NeoX trn1 scripts (neuronx-distributed examples/training/tp_dp_gpt_neox_hf_pretrain) set it: it
+        # keeps matmul transposes the compiler adds from turning infinities into NaN; needed on trn1 only.
+        flags.append("--enable-saturate-infinity")
     return " ".join(flags + r.compile.extra_flags)
 
 
@@ -63,8 +68,7 @@ RULES: tuple[EnvRule, ...] = (
     EnvRule(
         "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS",
         _const("3"),
-        "overlap host and device execution; removed in SDK 2.31",
-        until=(2, 30),
+        "overlap host and device execution (the runtime drops it in SDK 2.31)",
     ),
     EnvRule("MALLOC_ARENA_MAX", _const("64"), "bounds glibc arenas: host memory of 32+ workers per node"),
     EnvRule("FI_PROVIDER", _const("efa"), "libfabric over EFA between nodes"),
