@@ -52,7 +52,7 @@ def own_cpu_s() -> float:
 
 
 def rss_mib(field: str) -> float:
-    """VmRSS / VmHWM of this process in MiB (Linux)."""
+    """A memory field of this process (VmHWM: peak RSS) in MiB (Linux)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -114,7 +114,6 @@ def worker(family: str, side: str, seq: int, batch: int) -> None:
             f.write("5")
     except OSError:
         pass
-    setup_mib = rss_mib("VmRSS")
     loss = step()
     for _ in range(WARMUP_STEPS - 1):
         step()
@@ -125,7 +124,7 @@ def worker(family: str, side: str, seq: int, batch: int) -> None:
         cpu, start = own_cpu_s(), time.perf_counter()
         step()
         print(json.dumps({"s": time.perf_counter() - start, "cpu": own_cpu_s() - cpu}), flush=True)
-    print(json.dumps({"peak_mib": rss_mib("VmHWM"), "setup_mib": setup_mib}), flush=True)
+    print(json.dumps({"peak_mib": rss_mib("VmHWM")}), flush=True)
 
 
 def reply(proc: subprocess.Popen, what: str) -> dict:

@@ -43,24 +43,25 @@ def lm_eval_tasks(
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+    device = _device()
     return lm_eval.simple_evaluate(
         model="hf",
-        model_args=model_args(hf, max_length),
+        model_args=model_args(hf, max_length, device),
         tasks=names,
         task_manager=manager,
         limit=limit,
-        device=_device(),
+        device=device,
         batch_size=1,
         # a cap on every generated answer (BBH's own is 1024 tokens): for quick checks of tiny models
         gen_kwargs=f"max_gen_toks={max_gen_toks}" if max_gen_toks else None,
     )
 
 
-def model_args(hf: Path, max_length: int, device: str | None = None) -> str:
+def model_args(hf: Path, max_length: int, device: str) -> str:
     """lm-eval's hf model arguments. On CPU fp32 (bf16 matmuls are slow on most CPUs, and the parity tests compare
     fp32 numbers). On CUDA bf16, the precision the recipes train in, split over the node's GPUs (accelerate's
     device_map): NeoX-20B in fp32 is 82 GB, more than one 80 GB GPU holds."""
-    if (device or _device()) == "cuda":
+    if device == "cuda":
         return f"pretrained={hf},dtype=bfloat16,parallelize=True,max_length={max_length}"
     return f"pretrained={hf},dtype=float32,max_length={max_length}"
 

@@ -86,14 +86,15 @@ def finalize(tmp: Path, out: Path, step: int, digests: dict[str, str] | None = N
     each rank its own shards); only the others (recipe, tokenizer, ...) are read here.
     """
     known = digests or {}
-    files = {str(p.relative_to(tmp)): p for p in sorted(tmp.rglob("*")) if p.is_file()}
+    paths = sorted(tmp.rglob("*"))
+    files = {str(p.relative_to(tmp)): p for p in paths if p.is_file()}
     if missing := sorted(set(known) - set(files)):
         raise CheckpointError(f"{tmp}: {missing[0]} was reported written but is not there ({len(missing)} missing)")
     entries = {name: known[name] if name in known else hash_and_sync(p) for name, p in files.items()}
     manifest = tmp / "manifest.json"
     manifest.write_text(json.dumps({"format": FORMAT, "step": step, "files": entries}, indent=2) + "\n")
     fsync_file(manifest)
-    for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
+    for d in [tmp, *(p for p in paths if p.is_dir())]:
         fsync_dir(d)
     # Only now, with everything it vouches for on disk, the done marker; then the rename that publishes step_N.
     (tmp / DONE).write_text("")

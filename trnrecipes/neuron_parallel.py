@@ -77,7 +77,7 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
     # sequence); see the hooks below for the gathers.
     sp = {"sequence_parallel_enabled": True, "sequence_dimension": 1} if sequence_parallel else {}
 
-    def keep(dtype: torch.dtype) -> dict:
+    def layer_args(dtype: torch.dtype) -> dict:
         # reduce_dtype = the weights' dtype: NxD all-reduces the input gradient in reduce_dtype, and when that differs
         # (its default fp32 vs bf16 weights) it reduces a converted copy and returns the unreduced original
         # (layers_utils._linear_autograd_bwd_grad_reduce, NxD 2.29). The no-op init skips filling weights that the
@@ -93,14 +93,19 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
             dtype = old.weight.dtype
             if spec.kind == "column":
                 new = layers.ColumnParallelLinear(
-                    spec.in_features, spec.out_features, bias=spec.bias, gather_output=False, **keep(dtype)
+                    spec.in_features, spec.out_features, bias=spec.bias, gather_output=False, **layer_args(dtype)
                 )
                 new.weight.copy_(shard(old.weight, 0))
                 if spec.bias:
                     new.bias.copy_(shard(old.bias, 0))
             else:
                 new = layers.RowParallelLinear(
-                    spec.in_features, spec.out_features, bias=spec.bias, input_is_parallel=True, **keep(dtype), **sp
+                    spec.in_features,
+                    spec.out_features,
+                    bias=spec.bias,
+                    input_is_parallel=True,
+                    **layer_args(dtype),
+                    **sp,
                 )
                 new.weight.copy_(shard(old.weight, 1))
                 if spec.bias:
@@ -119,7 +124,7 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
             model.head.out_features,
             bias=False,
             gather_output=True,
-            **keep(model.head.weight.dtype),
+            **layer_args(model.head.weight.dtype),
         )
         head.weight.copy_(shard(model.head.weight, 0))
         model.head = head

@@ -72,13 +72,14 @@ class Distributed:
         return [int(v) for v in t.tolist()]
 
     def sum_over_ranks(self, values: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Element-wise sum over all ranks of a small CPU tensor (metrics), returned on the CPU."""
+        """Element-wise sum over all ranks of a small tensor (metrics; on the host or `device`), returned on the CPU."""
         return self._all_reduce(values, device, dist.ReduceOp.SUM)
 
     def _all_reduce(self, values: torch.Tensor, device: torch.device, op) -> torch.Tensor:
         if self.world == 1:
-            return values
-        t = values.to(device) if self.collectives_on_device else values.clone()
+            return values.cpu()
+        # A copy either way: all_reduce works in place and must not change the caller's tensor.
+        t = values.to(device, copy=True) if self.collectives_on_device else values.to("cpu", copy=True)
         dist.all_reduce(t, op=op)
         return t.cpu()
 

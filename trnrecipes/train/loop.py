@@ -293,7 +293,7 @@ class Trainer:
             self.checkpointer.save(step, files)
 
     def _dp_mean(self, value: torch.Tensor) -> float:
-        v = self.ddp.sum_over_ranks(value.detach().float().cpu().reshape(1), self.backend.device)
+        v = self.ddp.sum_over_ranks(value.detach().float().reshape(1), self.backend.device)
         return float(v) / self.ddp.world  # every rank of a DP replica holds the same loss
 
     # ------------------------------------------------------------------ run
