@@ -26,7 +26,7 @@ export recipe nodes out overrides force ckpt tasks limit baseline n
 .PHONY: help setup debian-tools data xla-venv sbatch eval plan demo test lint format golden bench clean
 
 help:
-	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1]   write jobs/NAME-Nn/{compile,run}.sbatch"
+	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1]   write jobs/NAME-Nn/{compile,run,eval}.sbatch"
 	@echo "make recipe=NAME nodes=N plan [overrides='k=v ...']              layout, params, FLOPs, cost"
 	@echo "make eval ckpt=PATH [tasks=...] [limit=N]   MMLU, BBH, GSM8K, HumanEval pass@k -> results.md"
 	@echo "make demo        render a tiny recipe and run its run.sbatch locally (no Slurm, CPU)"

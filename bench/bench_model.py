@@ -16,8 +16,9 @@ setup: weights, gradients and activations of the timed steps. Prints ours/HF thr
 
 Then, in our process, the kernel floor: the step's GEMMs (for every linear: y = x W^T, dx = dy W, dW = dy^T x, into
 preallocated outputs) and its attention (SDPA forward + backward per layer), timed alone at the step's shapes.
-A step of this function built from PyTorch's kernels cannot take less on this machine, so HF's step time over the
-floor bounds the ratio that any fusion of the rest (norms, activations, rotary, softmax, copies) could reach.
+A step of this function built from these kernels would in practice take no less, so HF's step time over the floor
+estimates the best ratio any fusion of the rest (norms, activations, rotary, softmax, copies) could reach. It is an
+estimate, not a proof: it varies by a few hundredths between runs, and other GEMM splits are possible.
 
     .venv/bin/python bench/bench_model.py [--config pythia-70m ...] [--steps 8] [--seq 512] [--batch 4]
 """
@@ -173,11 +174,14 @@ def kernel_floor(model, batch: int, seq: int) -> dict[str, float]:
             gemm_s += count * median_s(gemms)
             del x, w, dy, y, dx, dw
     args = model.args
-    q, k, v = (torch.randn(batch, args.num_heads, seq, args.head_dim, requires_grad=True) for _ in range(3))
+    kv_heads = getattr(args, "num_kv_heads", None) or args.num_heads  # fewer under Llama's grouped-query attention
+    q = torch.randn(batch, args.num_heads, seq, args.head_dim, requires_grad=True)
+    k, v = (torch.randn(batch, kv_heads, seq, args.head_dim, requires_grad=True) for _ in range(2))
     grad = torch.randn_like(q)
 
     def attention():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        gqa = kv_heads != args.num_heads
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).backward(grad)
         q.grad = k.grad = v.grad = None
 
     return {"gemm_s": gemm_s, "attention_s": args.num_layers * median_s(attention)}
@@ -263,7 +267,7 @@ def compare(config: str, steps: int, seq: int, batch: int) -> None:
     )
     floor_s = floor["gemm_s"] + floor["attention_s"]
     print(
-        f"        kernel floor: GEMMs {floor['gemm_s']:.3f} s + attention {floor['attention_s']:.3f} s per step"
+        f"        kernel floor: GEMMs {floor['gemm_s']:.4f} s + attention {floor['attention_s']:.4f} s per step"
         f" = {batch * seq / floor_s:.0f} tok/s at most, a ratio of"
         f" {statistics.median(times['hf']) / floor_s:.2f}x if a step did nothing else"
     )

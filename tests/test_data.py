@@ -177,6 +177,9 @@ def test_to_arrow_errors_name_the_problem_and_write_nothing(tmp_path: Path, json
         to_arrow([tmp_path / "missing.jsonl"], out, progress=False)
     with pytest.raises(DataError, match=r"no field 'body' \(has: text, id\)"):
         to_arrow([jsonl], out, text_field="body", progress=False)
+    (tmp_path / "table.csv").write_text("text\nhello\n")
+    with pytest.raises(DataError, match=r"table.csv: unknown input type; expected .*\.json, .*\.md, \.rst or a dir"):
+        to_arrow([tmp_path / "table.csv"], out, progress=False)
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match="no documents"):
         to_arrow([tmp_path / "empty.jsonl"], out, progress=False)

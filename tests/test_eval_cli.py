@@ -25,6 +25,20 @@ def test_bad_eval_arguments_are_refused_with_the_reason(cli, tmp_path, args, mes
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--k", "1,0"], "--k must be comma-separated positive integers (e.g. 1,10,100), got '1,0'"),
+        (["--k", "one"], "--k must be comma-separated positive integers (e.g. 1,10,100), got 'one'"),
+        (["--workers", "0"], "--workers must be >= 1, got 0"),
+        (["--timeout", "0"], "--timeout must be > 0 seconds, got 0.0"),
+    ],
+)
+def test_bad_eval_code_arguments_name_the_flag_at_fault(cli, tmp_path, args, message):
+    done = cli("eval", "code", "--samples", str(tmp_path / "samples.jsonl"), *args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
 def test_a_run_dir_without_a_complete_checkpoint_is_named(cli, tmp_path):
     (tmp_path / "checkpoints" / ".step_5.tmp").mkdir(parents=True)  # a half-written save is not evaluated
     done = cli("eval", "run", "--ckpt", str(tmp_path), "--tasks", "mmlu")

@@ -140,6 +140,21 @@ def test_train_refuses_pipeline_parallelism_it_does_not_build(tmp_path: Path, cl
     assert "layout.tp=2" in done.stderr and not any(tmp_path.iterdir())
 
 
+def test_the_pipeline_refusal_suggests_a_tensor_parallel_degree_only_when_it_is_valid():
+    from trnrecipes.recipe import load_recipe
+    from trnrecipes.train.distributed import _wider_tp_hint
+
+    # NeoX-20B, tp 8 x pp 4: tp 32 divides its 64 heads and a trn1 node's 32 workers.
+    assert (
+        _wider_tp_hint(load_recipe("neox20b", nodes=4), 32)
+        == ", e.g. layout.tp=32, which keeps the model's memory per core"
+    )
+    # Llama 2 70B, tp 8 x pp 8: tp 64 is wider than a node and does not divide its 8 KV heads.
+    hint = _wider_tp_hint(load_recipe("llama2-70b", nodes=8), 64)
+    assert "layout.tp=64 would keep its memory per core but is not a valid layout here" in hint
+    assert "trnrecipes plan --recipe llama2-70b --nodes 8 --overrides 'layout.pp=1 layout.tp=N'" in hint
+
+
 def test_backends_that_are_not_installed_say_how_to_get_them(tmp_path: Path, cli):
     # the main venv has torch 2.13 and no torch-xla (it needs torch 2.9: .venv-xla); test_xla covers neuron
     done = cli("train", "--config", "llama2-tiny", *FAST, "cluster.backend=xla", f"run_dir={tmp_path}")

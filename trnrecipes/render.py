@@ -1,4 +1,4 @@
-"""Render a recipe into a job directory: compile.sbatch, run.sbatch, the resolved recipe.yaml and provenance.json.
+"""Render a recipe into a job directory: compile/run/eval.sbatch, the resolved recipe.yaml and provenance.json.
 
 Everything is rendered in memory first, so a bad value writes nothing; files are then replaced atomically.
 No torch import: `make ... sbatch` must stay instant.

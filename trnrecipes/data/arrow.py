@@ -119,7 +119,10 @@ def _expand(path: Path) -> list[tuple[Path, bool]]:
         raise DataError(f"input {path} does not exist")
     if path.is_file():
         if not path.name.endswith((".jsonl", ".jsonl.gz", ".json", ".arrow", *TEXT_FILE_SUFFIXES)):
-            raise DataError(f"{path}: unknown input type; expected .jsonl[.gz], .txt, .arrow or a directory")
+            raise DataError(
+                f"{path}: unknown input type; expected .jsonl[.gz], .json, .arrow, {', '.join(TEXT_FILE_SUFFIXES)}"
+                " or a directory"
+            )
         return [(path, False)]
     saved = sorted(path.glob("data-*.arrow"))
     if saved:  # datasets.save_to_disk

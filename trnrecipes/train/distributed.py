@@ -4,12 +4,13 @@ step loop needs beyond the model's own (DP gradient averaging, agreeing on decis
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from trnrecipes.layout import compute_layout
-from trnrecipes.recipe import Recipe, RecipeError
+from trnrecipes.recipe import Recipe, RecipeError, check_recipe
 from trnrecipes.train.backends import Backend
 
 
@@ -22,8 +23,7 @@ class Distributed:
             # The layout math and the scripts size jobs for PP; the step loop does not split the model into stages.
             raise RecipeError(
                 f"layout.pp {layout.pp}: pipeline parallelism is planned (layout, scripts) but not built in the step"
-                f" loop; train with layout.pp=1, e.g. layout.tp={layout.tp * layout.pp} to keep the model's memory"
-                " per core where its heads divide it"
+                f" loop; train with layout.pp=1{_wider_tp_hint(recipe, layout.tp * layout.pp)}"
             )
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
@@ -95,3 +95,21 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _wider_tp_hint(recipe: Recipe, tp: int) -> str:
+    """', e.g. layout.tp=N ...' when TP = old tp x pp is a valid layout (the same model memory per core), else a
+    pointer to `plan`, which checks any layout: suggesting an invalid one would only move the error."""
+    trial = replace(recipe, layout=replace(recipe.layout, tp=tp, pp=1))
+    try:
+        compute_layout(trial)
+        valid = not check_recipe(trial)
+    except RecipeError:
+        valid = False
+    if valid:
+        return f", e.g. layout.tp={tp}, which keeps the model's memory per core"
+    return (
+        f" and a layout.tp that holds the model (layout.tp={tp} would keep its memory per core but is not a valid"
+        f" layout here); `trnrecipes plan --recipe {recipe.name} --nodes {recipe.cluster.nodes}"
+        " --overrides 'layout.pp=1 layout.tp=N'` checks one"
+    )
