@@ -36,6 +36,14 @@ def test_saturate_infinity_for_neox_on_trn1_as_aws_neox_scripts(recipe, instance
     assert ("--enable-saturate-infinity" in flags) is saturate
 
 
+@pytest.mark.parametrize(
+    ("instance", "lnc"), [("trn1.32xlarge", None), ("trn1n.32xlarge", None), ("trn2.48xlarge", "2")]
+)
+def test_logical_neuroncore_size_is_set_on_trn2_only(instance, lnc):
+    # NxD's TP-group layout depends on it (neuron_parallel.initialize passes it on); trn1 has no LNC setting.
+    assert env_of("llama2-7b", f"cluster.instance={instance}").get("NEURON_LOGICAL_NC_CONFIG") == lnc
+
+
 @pytest.mark.parametrize("sdk", ["2.21", "2.28"])
 def test_async_inflight_requests_on_every_supported_sdk(sdk):
     assert env_of("neox20b", f"cluster.neuron_sdk={sdk}")["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "3"

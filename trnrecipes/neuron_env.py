@@ -59,6 +59,12 @@ RULES: tuple[EnvRule, ...] = (
         lambda r: r.compile.cache_dir,
         "node-local compile cache: many writers on a shared FS corrupt and slow it",
     ),
+    EnvRule(
+        "NEURON_LOGICAL_NC_CONFIG",
+        lambda r: "2" if r.cluster.instance.startswith("trn2") else None,
+        "trn2: two physical NeuronCores per logical one, the SDK's default, said aloud so the runtime, the compiler"
+        " and NxD's TP groups (trnrecipes/neuron_parallel.py reads it) agree with the catalog's 64 workers per node",
+    ),
     EnvRule("NEURON_FUSE_SOFTMAX", _const("1"), "fused softmax kernel"),
     EnvRule(
         "NEURON_RT_STOCHASTIC_ROUNDING_EN",
