@@ -151,8 +151,7 @@ def test_the_pipeline_refusal_suggests_a_tensor_parallel_degree_only_when_it_is_
     )
     # Llama 2 70B, tp 8 x pp 8: tp 64 is wider than a node and does not divide its 8 KV heads.
     hint = _wider_tp_hint(load_recipe("llama2-70b", nodes=8), 64)
-    assert "layout.tp=64 would keep its memory per core but is not a valid layout here" in hint
-    assert "trnrecipes plan --recipe llama2-70b --nodes 8 --overrides 'layout.pp=1 layout.tp=N'" in hint
+    assert hint.startswith("; layout.tp=64 would keep the model's memory per core but is not a valid layout here")
 
 
 def test_backends_that_are_not_installed_say_how_to_get_them(tmp_path: Path, cli):

@@ -124,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--ckpt", required=True, help="checkpoint, run dir (its newest checkpoint) or HF model dir")
     sub.add_argument("--tasks", default="mmlu,bbh,gsm8k,humaneval", help="comma-separated: mmlu, bbh, gsm8k, humaneval")
     sub.add_argument("--limit", type=int, help="at most this many examples per (sub)task: quick checks")
-    sub.add_argument("--out", help="output directory (default: <ckpt>-eval)")
+    sub.add_argument("--out", help="output directory (default: <ckpt>-eval; for a run dir RUN_DIR/eval/step_N)")
     sub.add_argument("--data-dir", default="data/eval", help="offline data (trnrecipes eval prepare-data)")
     sub.add_argument("--allow-code-execution", action="store_true", help="needed for humaneval: runs model code")
     sub.add_argument("--humaneval-n", type=int, default=1, help="samples per HumanEval problem (200 for pass@100)")
@@ -318,7 +318,7 @@ def _eval_code(args: argparse.Namespace) -> int:
         raise RecipeError(f"--k must be comma-separated positive integers (e.g. 1,10,100), got {args.k!r}") from None
     if args.workers < 1:
         raise RecipeError(f"--workers must be >= 1, got {args.workers}")
-    if args.timeout <= 0:
+    if not args.timeout > 0:  # also refuses nan
         raise RecipeError(f"--timeout must be > 0 seconds, got {args.timeout}")
     try:
         problems = load_problems(Path(args.problems))

@@ -98,8 +98,8 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _wider_tp_hint(recipe: Recipe, tp: int) -> str:
-    """', e.g. layout.tp=N ...' when TP = old tp x pp is a valid layout (the same model memory per core), else a
-    pointer to `plan`, which checks any layout: suggesting an invalid one would only move the error."""
+    """', e.g. layout.tp=N ...' when TP = old tp x pp is a valid layout (the same model memory per core), else why
+    there is no such suggestion: suggesting an invalid layout would only move the error."""
     trial = replace(recipe, layout=replace(recipe.layout, tp=tp, pp=1))
     try:
         compute_layout(trial)
@@ -109,7 +109,6 @@ def _wider_tp_hint(recipe: Recipe, tp: int) -> str:
     if valid:
         return f", e.g. layout.tp={tp}, which keeps the model's memory per core"
     return (
-        f" and a layout.tp that holds the model (layout.tp={tp} would keep its memory per core but is not a valid"
-        f" layout here); `trnrecipes plan --recipe {recipe.name} --nodes {recipe.cluster.nodes}"
-        " --overrides 'layout.pp=1 layout.tp=N'` checks one"
+        f"; layout.tp={tp} would keep the model's memory per core but is not a valid layout here, and a smaller"
+        " tp holds more of the model on each core (`trnrecipes plan` checks a layout's divisibility, not memory)"
     )
