@@ -14,11 +14,12 @@ the same setup (build our model, build HF's from its weights, keep one) so glibc
 adapts to what was freed before, starts from the same history on both sides. Peak RSS is counted from the end of
 setup: weights, gradients and activations of the timed steps. Prints ours/HF throughput ratios (goal >= 1.25x).
 
-Then, in our process, the kernel floor: the step's GEMMs (for every linear: y = x W^T, dx = dy W, dW = dy^T x, into
-preallocated outputs) and its attention (SDPA forward + backward per layer), timed alone at the step's shapes.
-A step of this function built from these kernels would in practice take no less, so HF's step time over the floor
-estimates the best ratio any fusion of the rest (norms, activations, rotary, softmax, copies) could reach. It is an
-estimate, not a proof: it varies by a few hundredths between runs, and other GEMM splits are possible.
+A third process samples the kernel floor in the same lockstep, once per step pair: the step's GEMMs (for every
+linear: y = x W^T, dx = dy W, dW = dy^T x, into preallocated outputs) and its attention (SDPA forward + backward per
+layer), timed alone at the step's shapes. A step of this function built from these kernels would in practice take
+no less, so HF's step over its neighbouring floor sample (the median over pairs) estimates the best ratio any
+fusion of the rest (norms, activations, rotary, softmax, copies) could reach. An estimate, not a proof: other GEMM
+splits are possible, and it moves by a few hundredths between runs.
 
     .venv/bin/python bench/bench_model.py [--config pythia-70m ...] [--steps 8] [--seq 512] [--batch 4]
 """
@@ -132,14 +133,10 @@ def build(config: str, side: str, seq: int, batch: int):
     return step, model
 
 
-def median_s(fn, reps: int = 3) -> float:
-    fn()  # warm-up: first-touch page faults, kernel selection
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed_s(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def linear_shapes(model) -> dict[tuple[int, int], int]:
@@ -154,25 +151,24 @@ def linear_shapes(model) -> dict[tuple[int, int], int]:
     return shapes
 
 
-def kernel_floor(model, batch: int, seq: int) -> dict[str, float]:
-    """Seconds per training step in GEMMs and in attention alone, at the model's shapes (see the docstring)."""
+def floor_sampler(model, batch: int, seq: int):
+    """A function timing, once, every GEMM and the attention of one training step at the model's shapes (see the
+    docstring): returns seconds {"gemm_s", "attention_s"}. Its buffers are made here, once, not in the timing."""
     import torch
     import torch.nn.functional as F
 
     tokens = batch * seq
-    gemm_s = 0.0
-    with torch.no_grad():
-        for (n_in, n_out), count in linear_shapes(model).items():
-            x, w, dy = torch.randn(tokens, n_in), torch.randn(n_out, n_in), torch.randn(tokens, n_out)
-            y, dx, dw = torch.empty(tokens, n_out), torch.empty(tokens, n_in), torch.empty(n_out, n_in)
+    gemm_sets = []
+    for (n_in, n_out), count in linear_shapes(model).items():
+        x, w, dy = torch.randn(tokens, n_in), torch.randn(n_out, n_in), torch.randn(tokens, n_out)
+        y, dx, dw = torch.empty(tokens, n_out), torch.empty(tokens, n_in), torch.empty(n_out, n_in)
 
-            def gemms(x=x, w=w, dy=dy, y=y, dx=dx, dw=dw):
-                torch.mm(x, w.t(), out=y)
-                torch.mm(dy, w, out=dx)
-                torch.mm(dy.t(), x, out=dw)
+        def gemms(x=x, w=w, dy=dy, y=y, dx=dx, dw=dw):
+            torch.mm(x, w.t(), out=y)
+            torch.mm(dy, w, out=dx)
+            torch.mm(dy.t(), x, out=dw)
 
-            gemm_s += count * median_s(gemms)
-            del x, w, dy, y, dx, dw
+        gemm_sets.append((count, gemms))
     args = model.args
     kv_heads = getattr(args, "num_kv_heads", None) or args.num_heads  # fewer under Llama's grouped-query attention
     q = torch.randn(batch, args.num_heads, seq, args.head_dim, requires_grad=True)
@@ -184,33 +180,52 @@ def kernel_floor(model, batch: int, seq: int) -> dict[str, float]:
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).backward(grad)
         q.grad = k.grad = v.grad = None
 
-    return {"gemm_s": gemm_s, "attention_s": args.num_layers * median_s(attention)}
+    def sample() -> dict[str, float]:
+        with torch.no_grad():
+            gemm_s = sum(count * timed_s(gemms) for count, gemms in gemm_sets)
+        return {"gemm_s": gemm_s, "attention_s": args.num_layers * timed_s(attention)}
+
+    return sample
+
+
+def build_floor(config: str, seq: int, batch: int):
+    from trnrecipes.models import build_model
+    from trnrecipes.recipe import ModelConfig
+
+    family, sizes = CONFIGS[config]
+    model = build_model(ModelConfig(family=family, max_seq_len=seq, **sizes), device="meta")  # shapes only
+    return floor_sampler(model, batch, seq)
 
 
 def worker(config: str, side: str, seq: int, batch: int) -> None:
-    """One side, driven over stdin/stdout: 'step' times one step, 'peak' reports peak RSS so far, 'floor' (ours
-    only, after 'peak': its buffers are not the model's memory) measures the kernel floor."""
-    step, model = build(config, side, seq, batch)
-    gc.collect()
-    try:  # count the peak from here: what training needs, not the other side's model built during setup
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    loss = step()
-    for _ in range(WARMUP_STEPS - 1):
-        step()
-    print(json.dumps({"loss": loss}), flush=True)
+    """One side, driven over stdin/stdout: 'step' times one step (the floor side: one floor sample), 'peak' reports
+    peak RSS so far. The floor runs in a process of its own so its buffers never count in a model's peak RSS."""
+    if side == "floor":
+        sample = build_floor(config, seq, batch)
+        sample()  # warm-up: first-touch page faults, kernel selection
+        print(json.dumps({"ready": True}), flush=True)
+    else:
+        step, _ = build(config, side, seq, batch)
+        gc.collect()
+        try:  # count the peak from here: what training needs, not the other side's model built during setup
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+        loss = step()
+        for _ in range(WARMUP_STEPS - 1):
+            step()
+        print(json.dumps({"loss": loss}), flush=True)
     for line in sys.stdin:
         command = line.strip()
         if command == "step":
             cpu, start = own_cpu_s(), time.perf_counter()
-            step()
-            print(json.dumps({"s": time.perf_counter() - start, "cpu": own_cpu_s() - cpu}), flush=True)
+            timing = sample() if side == "floor" else {}
+            if side != "floor":
+                step()
+            print(json.dumps({"s": time.perf_counter() - start, "cpu": own_cpu_s() - cpu, **timing}), flush=True)
         elif command == "peak":
             print(json.dumps({"peak_mib": rss_mib("VmHWM")}), flush=True)
-        elif command == "floor":
-            print(json.dumps(kernel_floor(model, batch, seq)), flush=True)
         else:
             raise SystemExit(f"worker: unknown command {line!r}")
 
@@ -237,39 +252,47 @@ def compare(config: str, steps: int, seq: int, batch: int) -> None:
             stdout=subprocess.PIPE,
             text=True,
         )
-        for side in SIDES
+        for side in (*SIDES, "floor")
     }
-    losses = {side: reply(p, f"{config} {side} setup")["loss"] for side, p in procs.items()}
+    setup = {side: reply(p, f"{config} {side} setup") for side, p in procs.items()}
+    losses = {side: setup[side]["loss"] for side in SIDES}
     if abs(losses["ours"] - losses["hf"]) > 1e-4 * abs(losses["hf"]):
         raise SystemExit(f"{config}: our loss {losses['ours']} differs from HF's {losses['hf']}: not the same model")
-    times: dict[str, list[float]] = {side: [] for side in SIDES}
+    times: dict[str, list[float]] = {side: [] for side in procs}
+    parts: dict[str, list[float]] = {"gemm_s": [], "attention_s": []}
     worker_cpu = 0.0
     busy, wall, main_cpu = machine_busy_s(), time.perf_counter(), own_cpu_s()
     for i in range(steps):
-        for side in SIDES if i % 2 == 0 else SIDES[::-1]:
+        # A floor sample sits between or beside each pair, so HF/floor, like HF/ours, compares neighbours in time.
+        for side in ("ours", "hf", "floor") if i % 2 == 0 else ("floor", "hf", "ours"):
             r = ask(procs[side], "step", f"{config} {side} step {i}")
             times[side].append(r["s"])
             worker_cpu += r["cpu"]
+            if side == "floor":
+                for name in parts:
+                    parts[name].append(r[name])
     wall = time.perf_counter() - wall
     foreign = (machine_busy_s() - busy - worker_cpu - (own_cpu_s() - main_cpu)) / wall / (os.cpu_count() or 1)
-    peaks = {side: ask(p, "peak", f"{config} {side} peak")["peak_mib"] for side, p in procs.items()}
-    floor = ask(procs["ours"], "floor", f"{config} kernel floor")
+    peaks = {side: ask(procs[side], "peak", f"{config} {side} peak")["peak_mib"] for side in SIDES}
     for p in procs.values():
         p.stdin.close()
         p.wait()
     ratios = sorted(h / o for o, h in zip(times["ours"], times["hf"], strict=True))
-    tok_s = {side: batch * seq / statistics.median(t) for side, t in times.items()}
+    floors = [g + a for g, a in zip(parts["gemm_s"], parts["attention_s"], strict=True)]
+    bounds = sorted(h / f for f, h in zip(floors, times["hf"], strict=True))
+    tok_s = {side: batch * seq / statistics.median(times[side]) for side in SIDES}
     print(
         f"{config:12s} loss {losses['ours']:.6f} = HF {losses['hf']:.6f}"
         f"  ours {tok_s['ours']:6.0f} tok/s  HF {tok_s['hf']:6.0f} tok/s"
         f"  ratio {statistics.median(ratios):.2f}x (pairs {ratios[0]:.2f}-{ratios[-1]:.2f}, goal >= 1.25x)"
         f"  | peak RSS ours {peaks['ours']:.0f} MiB, HF {peaks['hf']:.0f} MiB"
     )
-    floor_s = floor["gemm_s"] + floor["attention_s"]
+    floor_s = statistics.median(floors)
     print(
-        f"        kernel floor: GEMMs {floor['gemm_s']:.4f} s + attention {floor['attention_s']:.4f} s per step"
-        f" = {batch * seq / floor_s:.0f} tok/s at most, a ratio of"
-        f" {statistics.median(times['hf']) / floor_s:.2f}x if a step did nothing else"
+        f"        kernel floor {floor_s:.4f} s per step (GEMMs {statistics.median(parts['gemm_s']):.4f} s, attention"
+        f" {statistics.median(parts['attention_s']):.4f} s) = {batch * seq / floor_s:.0f} tok/s at most;"
+        f" HF/floor {statistics.median(bounds):.2f}x (pairs {bounds[0]:.2f}-{bounds[-1]:.2f}),"
+        " the ratio if a step did nothing else"
     )
     if foreign > 0.05:  # timings taken next to other work (a parallel build, a test run) are not worth comparing
         print(f"        warning: other programs took {foreign:.0%} of the CPUs during the timed steps")
