@@ -87,22 +87,27 @@ def rss_mib(field: str) -> float:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def model_config(config: str, seq: int):
+    from trnrecipes.recipe import ModelConfig
+
+    family, sizes = CONFIGS[config]
+    return ModelConfig(family=family, max_seq_len=seq, **sizes)
+
+
 def build(config: str, side: str, seq: int, batch: int):
     """The model of one side and a closure running one training step; the same setup work on both sides."""
     import torch
     import transformers
 
     from trnrecipes.models import FAMILIES, build_model, model_args
-    from trnrecipes.recipe import ModelConfig
 
     torch.manual_seed(0)
-    family, sizes = CONFIGS[config]
-    cfg = ModelConfig(family=family, max_seq_len=seq, **sizes)
+    cfg = model_config(config, seq)
     ours = build_model(cfg)
     ours.init_weights()
     # Own generator: building the HF model draws from the global one, the batch must not depend on that.
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-    hf_mod = FAMILIES[family].hf
+    hf_mod = FAMILIES[cfg.family].hf
     args = model_args(cfg)
     hf_cfg = transformers.AutoConfig.for_model(**hf_mod.hf_config_from_args(args), attn_implementation="sdpa")
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
@@ -130,7 +135,7 @@ def build(config: str, side: str, seq: int, batch: int):
         model.zero_grad(set_to_none=True)
         return loss.item()
 
-    return step, model
+    return step
 
 
 def timed_s(fn) -> float:
@@ -190,10 +195,8 @@ def floor_sampler(model, batch: int, seq: int):
 
 def build_floor(config: str, seq: int, batch: int):
     from trnrecipes.models import build_model
-    from trnrecipes.recipe import ModelConfig
 
-    family, sizes = CONFIGS[config]
-    model = build_model(ModelConfig(family=family, max_seq_len=seq, **sizes), device="meta")  # shapes only
+    model = build_model(model_config(config, seq), device="meta")  # shapes only
     return floor_sampler(model, batch, seq)
 
 
@@ -201,11 +204,16 @@ def worker(config: str, side: str, seq: int, batch: int) -> None:
     """One side, driven over stdin/stdout: 'step' times one step (the floor side: one floor sample), 'peak' reports
     peak RSS so far. The floor runs in a process of its own so its buffers never count in a model's peak RSS."""
     if side == "floor":
-        sample = build_floor(config, seq, batch)
-        sample()  # warm-up: first-touch page faults, kernel selection
+        run = build_floor(config, seq, batch)  # one floor sample; its timings go into the reply
+        run()  # warm-up: first-touch page faults, kernel selection
         print(json.dumps({"ready": True}), flush=True)
     else:
-        step, _ = build(config, side, seq, batch)
+        step = build(config, side, seq, batch)
+
+        def run() -> dict:
+            step()
+            return {}
+
         gc.collect()
         try:  # count the peak from here: what training needs, not the other side's model built during setup
             with open("/proc/self/clear_refs", "w") as f:
@@ -220,9 +228,7 @@ def worker(config: str, side: str, seq: int, batch: int) -> None:
         command = line.strip()
         if command == "step":
             cpu, start = own_cpu_s(), time.perf_counter()
-            timing = sample() if side == "floor" else {}
-            if side != "floor":
-                step()
+            timing = run()
             print(json.dumps({"s": time.perf_counter() - start, "cpu": own_cpu_s() - cpu, **timing}), flush=True)
         elif command == "peak":
             print(json.dumps({"peak_mib": rss_mib("VmHWM")}), flush=True)
@@ -258,19 +264,20 @@ def compare(config: str, steps: int, seq: int, batch: int) -> None:
     losses = {side: setup[side]["loss"] for side in SIDES}
     if abs(losses["ours"] - losses["hf"]) > 1e-4 * abs(losses["hf"]):
         raise SystemExit(f"{config}: our loss {losses['ours']} differs from HF's {losses['hf']}: not the same model")
-    times: dict[str, list[float]] = {side: [] for side in procs}
-    parts: dict[str, list[float]] = {"gemm_s": [], "attention_s": []}
+    times: dict[str, list[float]] = {side: [] for side in SIDES}
+    parts: dict[str, list[float]] = {"gemm_s": [], "attention_s": []}  # the floor samples
     worker_cpu = 0.0
     busy, wall, main_cpu = machine_busy_s(), time.perf_counter(), own_cpu_s()
     for i in range(steps):
         # A floor sample sits between or beside each pair, so HF/floor, like HF/ours, compares neighbours in time.
         for side in ("ours", "hf", "floor") if i % 2 == 0 else ("floor", "hf", "ours"):
             r = ask(procs[side], "step", f"{config} {side} step {i}")
-            times[side].append(r["s"])
             worker_cpu += r["cpu"]
             if side == "floor":
                 for name in parts:
                     parts[name].append(r[name])
+            else:
+                times[side].append(r["s"])
     wall = time.perf_counter() - wall
     foreign = (machine_busy_s() - busy - worker_cpu - (own_cpu_s() - main_cpu)) / wall / (os.cpu_count() or 1)
     peaks = {side: ask(procs[side], "peak", f"{config} {side} peak")["peak_mib"] for side in SIDES}

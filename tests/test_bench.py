@@ -65,8 +65,7 @@ def test_bench_model_reports_a_config_of_each_family():
 def test_kernel_floor_covers_every_linear_of_the_step(config, linears):
     """The floor times three GEMMs per linear at these shapes: every projection of every layer and the LM head."""
     bench_model = load_bench()
-    family, sizes = bench_model.CONFIGS[config]
-    model = build_model(ModelConfig(family=family, max_seq_len=32, **sizes), device="meta")
+    model = build_model(bench_model.model_config(config, 32), device="meta")
     assert bench_model.linear_shapes(model) == linears
 
 
