@@ -18,6 +18,7 @@ from trnrecipes.train.checkpointing import Checkpointer, shard_dims
 
 def rank_files(rank: int) -> dict[str, object]:
     return {
+        f"model-tp{rank:02d}-of-02.safetensors": {"w": torch.full((8,), float(rank))},
         f"optim-tp{rank:02d}-of-02.safetensors": {"m": torch.full((64,), float(rank))},
         f"rng-rank{rank:04d}.json": {"seed": rank},
     }

@@ -169,3 +169,82 @@ def test_resume_with_another_dp_and_tp_layout(tmp_path: Path):
         if not layout:
             assert "data parallel size changed (1 -> 2)" in done.stdout
         assert (run / "checkpoints/step_8/done").exists()
+
+
+def copy_run(straight: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    shutil.copytree(straight, tmp_path / "run")
+    (tmp_path / "run" / ".trnrecipes.lock").unlink(missing_ok=True)
+    return tmp_path / "run"
+
+
+def test_the_issue_repro_a_corrupt_newest_checkpoint_does_not_get_the_new_saves_pruned(straight: Path, tmp_path: Path):
+    run = copy_run(straight, tmp_path)
+    newest = run / "checkpoints/step_30/model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    out = finish(start(config(tmp_path, "train.max_steps=27", "checkpoint.every_steps=5", "checkpoint.keep_last=1")))
+    assert "(step 25)" in out and "step_30 is unusable, moved to" in out
+    assert [s for s, _ in step_dirs(run / "checkpoints")] == [27]  # before: only the corrupt step_30 was left
+    assert (run / "checkpoints/unusable/step_30").is_dir()
+    out = finish(start(config(tmp_path, "train.max_steps=29", "checkpoint.every_steps=5", "checkpoint.keep_last=1")))
+    assert "(step 27)" in out  # before: the next run silently started from step 1
+    assert last_losses(run)[29] == last_losses(straight)[29]
+
+
+def test_a_second_trainer_on_the_same_run_dir_is_refused(tmp_path: Path):
+    cfg = config(tmp_path, "train.max_steps=400", "checkpoint.every_steps=1000")
+    run = tmp_path / "run"
+    first = start(cfg)
+    try:
+        wait_for_step(run, 2, first)
+        second = start(cfg)
+        out = finish_failing(second)
+        assert f"is in use by another trainer (pid {first.pid} on " in out and "Traceback" not in out, out
+        assert first.poll() is None  # the first one trains on
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    steps = [r["step"] for r in logged_steps(run)]
+    assert steps == list(range(1, len(steps) + 1))  # one writer: no interleaved metrics
+    out = finish(start(config(tmp_path, "train.max_steps=3", "checkpoint.every_steps=1000")))
+    assert f"taking over the run dir lock left by pid {first.pid}" in out
+
+
+def finish_failing(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 2, out[-3000:]
+    return out
+
+
+def test_resume_refuses_a_changed_recipe_and_lists_the_differences(straight: Path, tmp_path: Path):
+    run = copy_run(straight, tmp_path)
+    changed = ["train.max_steps=31", "model.rotary_base=20000", "optim.lr=0.01", "data.val_fraction=0.2"]
+    out = finish_failing(start(config(tmp_path, *changed)))
+    assert "cannot resume from" in out and "Traceback" not in out, out
+    for key in ("model.rotary_base: 10000.0 -> 20000", "optim.lr: ", "data.val_fraction: "):
+        assert key in out, out
+    assert not (run / "checkpoints/step_31").exists()
+    shape = finish_failing(start(config(tmp_path, "train.max_steps=31", "model.ffn_hidden_size=96")))
+    assert "model.ffn_hidden_size" in shape and "shape: cannot change" in shape and "Traceback" not in shape
+    allowed = finish(
+        start(config(tmp_path, "train.max_steps=31", "optim.lr=0.01", "checkpoint.allow_changes=[optim.lr]"))
+    )
+    assert "resuming with a changed recipe (checkpoint.allow_changes): optim.lr:" in allowed
+    assert "(step 30)" in allowed and (run / "checkpoints/step_31/done").exists()
+
+
+def test_resume_false_on_a_run_dir_with_checkpoints_refuses_unless_forced(straight: Path, tmp_path: Path):
+    run = copy_run(straight, tmp_path)
+    out = finish_failing(start(config(tmp_path, "train.max_steps=5", "checkpoint.resume=false")))
+    assert "already has checkpoints (step_30, step_25, step_20)" in out and "Traceback" not in out
+    assert [s for s, _ in step_dirs(run / "checkpoints")] == [30, 25, 20]
+    forced = ["train.max_steps=5", "checkpoint.every_steps=5", "checkpoint.resume=false", "checkpoint.force_fresh=true"]
+    out = finish(start(config(tmp_path, *forced)))
+    assert "moved the previous run's checkpoints and metrics to" in out
+    assert [s for s, _ in step_dirs(run / "checkpoints")] == [5]  # before: the new run's save was pruned
+    (archive,) = (run / "archived").iterdir()
+    verify(archive / "checkpoints/step_30")
+    assert [r["step"] for r in logged_steps(run)] == [1, 2, 3, 4, 5]

@@ -31,6 +31,7 @@ FORMAT = 2
 WEIGHTS = "model.safetensors"
 SHARDS = "shards.json"
 DONE = "done"
+MANIFEST = "manifest.json"
 
 
 class CheckpointError(RecipeError):
@@ -91,7 +92,7 @@ def finalize(tmp: Path, out: Path, step: int, digests: dict[str, str] | None = N
     if missing := sorted(set(known) - set(files)):
         raise CheckpointError(f"{tmp}: {missing[0]} was reported written but is not there ({len(missing)} missing)")
     entries = {name: known[name] if name in known else hash_and_sync(p) for name, p in files.items()}
-    manifest = tmp / "manifest.json"
+    manifest = tmp / MANIFEST
     manifest.write_text(json.dumps({"format": FORMAT, "step": step, "files": entries}, indent=2) + "\n")
     fsync_file(manifest)
     for d in [tmp, *(p for p in paths if p.is_dir())]:
@@ -124,25 +125,79 @@ def write_model_checkpoint(
         raise
 
 
+def _listed_name(path: Path, name: object) -> str:
+    """A manifest entry must name a file inside the checkpoint: a relative path of plain components (tokenizer
+    files sit in tokenizer/), nothing absolute, no '..', nothing a reader could be steered out of the dir with."""
+    parts = name.split("/") if isinstance(name, str) else []
+    plain = all(p not in ("", ".", "..") and "\\" not in p and p.isprintable() for p in parts)
+    if not parts or not plain or name in (MANIFEST, DONE):
+        raise CheckpointError(f"{path}/{MANIFEST}: entry {str(name)[:80]!r} is not a plain file name inside the dir")
+    return name
+
+
+def _files_on_disk(path: Path) -> set[str]:
+    """Every file under the checkpoint dir (relative names). A symlink anywhere inside is refused: a checkpoint
+    holds its own bytes, and a link could make a reader (or a pruner) act on another run's files."""
+    found = set()
+    for dirpath, dirnames, filenames in os.walk(path):
+        here = Path(dirpath)
+        for name in dirnames + filenames:
+            if (here / name).is_symlink():
+                raise CheckpointError(f"{here / name}: a symlink inside a checkpoint (refused; copy the file in)")
+        found.update(str((here / f).relative_to(path)) for f in filenames)
+    return found
+
+
 def verify(path: Path) -> dict:
-    """The manifest of a complete, uncorrupted checkpoint, else CheckpointError saying what is wrong."""
+    """The manifest of a complete, uncorrupted checkpoint, else CheckpointError saying what is wrong.
+
+    Complete means: the done marker, a manifest listing every file in the dir (nothing unlisted is ever read), each
+    listed file present with its sha256, and the weights that shards.json promises."""
     path = Path(path)
     if not (path / DONE).exists():
         raise CheckpointError(f"{path}: no '{DONE}' marker: not a complete trnrecipes checkpoint")
     try:
-        manifest = json.loads((path / "manifest.json").read_text())
+        manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}/manifest.json: unreadable ({err})") from None
+        raise CheckpointError(f"{path}/{MANIFEST}: unreadable ({err})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or manifest.get("format") != FORMAT or SHARDS not in files:
-        raise CheckpointError(f"{path}/manifest.json: not a format-{FORMAT} manifest listing {SHARDS}")
+        raise CheckpointError(f"{path}/{MANIFEST}: not a format-{FORMAT} manifest listing {SHARDS}")
+    listed = {_listed_name(path, name) for name in files}
+    on_disk = _files_on_disk(path) - {MANIFEST, DONE}
+    if unlisted := sorted(on_disk - listed):
+        raise CheckpointError(
+            f"{path}: {unlisted[0]} is not in the manifest ({len(unlisted)} unlisted file(s)):"
+            " it would be read unchecked"
+        )
     for name, digest in files.items():
         file = path / name
-        if not file.is_file():
+        if name not in on_disk:
             raise CheckpointError(f"{file}: listed in the manifest but missing")
         if _sha256(file) != digest:
             raise CheckpointError(f"{file}: checksum mismatch (truncated or corrupted)")
+    tp = _shard_count(path)
+    if missing := [f for f in (shard_file("model", r, tp) for r in range(tp)) if f not in files]:
+        raise CheckpointError(f"{path}: {missing[0]} (weights, TP {tp}) is not in the manifest")
     return manifest
+
+
+def _shard_count(path: Path) -> int:
+    tp = read_json(path / SHARDS).get("tp")
+    if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= 4096:
+        raise CheckpointError(f"{path / SHARDS}: 'tp' must be a whole number from 1 to 4096, got {str(tp)[:40]!r}")
+    return tp
+
+
+def load_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file, or CheckpointError naming it: a file that matches its hash can still be malformed
+    (written that way, or a manifest rewritten to match)."""
+    try:
+        return load_file(file)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing") from None
+    except Exception as err:  # safetensors raises its own SafetensorError, plus OSError/ValueError
+        raise CheckpointError(f"{file}: not a readable safetensors file ({str(err)[:200]})") from None
 
 
 def read_json(path: Path) -> dict:
@@ -155,17 +210,33 @@ def read_json(path: Path) -> dict:
     return value
 
 
+def saved_recipe(path: Path) -> dict:
+    """The resolved recipe a checkpoint was written with, as the plain mapping in its recipe.yaml."""
+    file = Path(path) / "recipe.yaml"
+    try:
+        data = yaml.safe_load(file.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise CheckpointError(f"{file}: unreadable ({str(err)[:200]})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a recipe mapping")
+    return data
+
+
 def consolidate(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
     """Full tensors from the per-TP-rank files `<prefix>-tpNN-of-MM.safetensors` (or the single unsharded file)."""
-    shards = read_json(path / SHARDS)
-    tp, dims = int(shards["tp"]), shards["dims"]
-    parts = [load_file(path / shard_file(prefix, r, tp)) for r in range(tp)]
+    tp, dims = _shard_count(path), read_json(path / SHARDS).get("dims")
+    if not isinstance(dims, dict):
+        raise CheckpointError(f"{path / SHARDS}: 'dims' must map tensor names to a dim or null")
+    parts = [load_tensors(path / shard_file(prefix, r, tp)) for r in range(tp)]
     if tp == 1:
         return parts[0]
     full = {}
     for name, tensor in parts[0].items():
         dim = dims.get(name.split(".", 1)[1] if prefix == "optim" else name)
-        full[name] = tensor if dim is None else torch.cat([p[name] for p in parts], dim=dim)
+        try:
+            full[name] = tensor if dim is None else torch.cat([p[name] for p in parts], dim=dim)
+        except (KeyError, RuntimeError, IndexError, TypeError) as err:
+            raise CheckpointError(f"{path}: the TP shards of {name} ({prefix}) do not fit together ({err})") from None
     return full
 
 
@@ -173,6 +244,6 @@ def read_model_checkpoint(path: Path) -> tuple[Recipe, dict[str, torch.Tensor], 
     """(recipe, consolidated state dict, tokenizer dir or None), after verifying the checkpoint."""
     path = Path(path)
     verify(path)
-    recipe = recipe_from_dict(yaml.safe_load((path / "recipe.yaml").read_text()), str(path / "recipe.yaml"))
+    recipe = recipe_from_dict(saved_recipe(path), str(path / "recipe.yaml"))
     tokenizer = path / "tokenizer"
     return recipe, consolidate(path), tokenizer if tokenizer.is_dir() else None

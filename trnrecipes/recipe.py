@@ -105,6 +105,12 @@ class CheckpointConfig:
     keep_last: int = 3
     async_save: bool = True
     resume: bool = True  # start from the newest complete checkpoint in the run dir if there is one
+    # resume false on a run dir with checkpoints is refused; force_fresh moves them (and the metrics) to
+    # RUN_DIR/archived/<time>/ first. Each requeue of such a job starts over again: it is for one-off runs.
+    force_fresh: bool = False
+    # Recipe keys (or sections) that may differ from the checkpoint's on resume, e.g. [optim.lr]; the model's shape
+    # never may (trnrecipes.train.resume_compat lists what is free to change and what needs naming here).
+    allow_changes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -373,6 +379,9 @@ def check_recipe(r: Recipe) -> list[str]:
             f" ({r.slurm.signal_seconds} s before the end); use more than {r.slurm.signal_seconds + 300} s",
         )
     need(r.slurm.max_restarts >= 0, f"slurm.max_restarts must be >= 0, got {r.slurm.max_restarts}")
+    from trnrecipes.train.resume_compat import check_allow_changes  # torch-free; it imports this module
+
+    problems += check_allow_changes(r.checkpoint.allow_changes)
     return problems
 
 

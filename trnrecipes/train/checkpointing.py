@@ -1,5 +1,5 @@
-"""Training checkpoints: what each rank contributes, the background writer, keep-last-K, and finding the newest
-complete checkpoint to resume from (a corrupt one is reported and skipped in favour of the one before).
+"""Training checkpoints: what each rank contributes, the background writer (which prunes to keep-last-K after each
+save, trnrecipes.train.run_dir.prune), and reading a checkpoint's training state back.
 
 Every rank writes its own files into checkpoints/.step_N.tmp/ and then a `.rank-R.ok` marker; rank 0 waits for all
 markers, adds recipe, tokenizer, manifest and `done`, and renames the directory to step_N (trnrecipes.checkpoint).
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -20,24 +19,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from trnrecipes.checkpoint import DONE, CheckpointError, finalize, hash_and_sync, verify, write_common
+from trnrecipes.checkpoint import CheckpointError, finalize, hash_and_sync, verify, write_common
 from trnrecipes.recipe import Recipe
 from trnrecipes.train.distributed import local_tensor
+from trnrecipes.train.run_dir import prune, step_dirs
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
 RANK_WAIT_S = 3600.0  # rank 0 waits this long for the other ranks' files before giving up on a checkpoint
 
 
-def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of every step_N directory, newest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return sorted(found, reverse=True)
-
-
 def latest_checkpoint(root: Path, log=print) -> tuple[int, Path] | None:
-    """The newest step_N that verifies; unusable ones are reported (and left alone, as evidence)."""
+    """The newest step_N that verifies, for readers (eval, convert): unusable ones are reported and left alone.
+    The trainer settles its run dir with run_dir.settle_checkpoints instead."""
     for step, path in step_dirs(root):
         try:
             verify(path)
@@ -46,17 +38,6 @@ def latest_checkpoint(root: Path, log=print) -> tuple[int, Path] | None:
             continue
         return step, path
     return None
-
-
-def remove_partial(root: Path, log=print) -> None:
-    """Temp dirs of saves that never finished, and step dirs whose pruning was interrupted (no done marker: prune
-    deletes it first). Only called by rank 0 before anything is saved."""
-    if not root.is_dir():
-        return
-    for p in root.iterdir():
-        if p.name.startswith(".step_") or (STEP_DIR.match(p.name) and p.is_dir() and not (p / DONE).exists()):
-            log(f"[trnrecipes] removing incomplete checkpoint {p.name}")
-            shutil.rmtree(p, ignore_errors=True)
 
 
 class Checkpointer:
@@ -70,8 +51,12 @@ class Checkpointer:
         keep_last: int,
         async_save: bool,
         log=print,
+        newest_valid: int | None = None,
     ):
+        """newest_valid: the step of the checkpoint this run resumed from (verified), if any; pruning counts only
+        checkpoints at or below a step known to be valid (run_dir.prune)."""
         self.root, self.recipe, self.tokenizer_dir = root, recipe, tokenizer_dir
+        self.newest_valid = newest_valid
         self.rank, self.world, self.keep_last, self.async_save, self.log = rank, world, keep_last, async_save, log
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -144,13 +129,8 @@ class Checkpointer:
         finalize(tmp, out, step, digests)
         self.saved.append(out)
         self.log(f"[trnrecipes] saved checkpoint {out}")
-        self._prune()
-
-    def _prune(self) -> None:
-        complete = [(s, p) for s, p in step_dirs(self.root) if (p / DONE).exists()]
-        for _, path in complete[self.keep_last :]:
-            (path / DONE).unlink()  # first: a half-deleted checkpoint must never look complete
-            shutil.rmtree(path)
+        self.newest_valid = max(step, self.newest_valid or 0)
+        prune(self.root, self.keep_last, self.newest_valid, self.log)
 
 
 def rng_state(sr_generator: torch.Generator | None) -> dict[str, torch.Tensor]:
@@ -243,9 +223,7 @@ def local_slice(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int) -> t
 def restore_training_state(path: Path, model, optimizer, ddp, sr_generator, log=print):
     """Optimizer moments (re-sliced for this TP layout), RNG (same world only) and this DP rank's data position
     (same DP only). Returns the data position to start from, or None for "start the stream fresh"."""
-    from safetensors.torch import load_file
-
-    from trnrecipes.checkpoint import consolidate, read_json
+    from trnrecipes.checkpoint import consolidate, load_tensors, read_json
     from trnrecipes.data.pack import StreamPosition
 
     state = read_json(path / "state.json")
@@ -261,7 +239,7 @@ def restore_training_state(path: Path, model, optimizer, ddp, sr_generator, log=
         {"step": torch.tensor(float(state["optimizer_steps"])), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     )
     if state["world"] == ddp.world:
-        set_rng_state(load_file(path / f"rng-rank{ddp.rank:04d}.safetensors"), sr_generator)
+        set_rng_state(load_tensors(path / f"rng-rank{ddp.rank:04d}.safetensors"), sr_generator)
     if state["dp"] == ddp.dp:
         return StreamPosition.from_dict(read_json(path / f"data-dp{ddp.dp_rank:04d}.json"))
     epochs = [read_json(f)["epoch"] for f in sorted(path.glob("data-dp*.json"))]

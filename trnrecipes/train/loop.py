@@ -22,24 +22,19 @@ from pathlib import Path
 import torch
 
 from trnrecipes import REPO_ROOT
-from trnrecipes.checkpoint import consolidate
+from trnrecipes.checkpoint import CheckpointError, consolidate
 from trnrecipes.data import open_corpus
 from trnrecipes.data.pack import PackedStream, Prefetcher, StreamPosition, batches, split_documents
 from trnrecipes.layout import compute_layout, plan
 from trnrecipes.models import build_model
 from trnrecipes.recipe import Recipe, RecipeError
 from trnrecipes.train.backends import Backend, make_backend
-from trnrecipes.train.checkpointing import (
-    Checkpointer,
-    HostBuffers,
-    latest_checkpoint,
-    remove_partial,
-    restore_training_state,
-    snapshot,
-)
+from trnrecipes.train.checkpointing import Checkpointer, HostBuffers, restore_training_state, snapshot
 from trnrecipes.train.distributed import Distributed, full_tensor, local_tensor
 from trnrecipes.train.monitor import Metrics, SpikeDetector, progress_line
 from trnrecipes.train.optim import AdamW, lr_at, no_decay_params
+from trnrecipes.train.resume_compat import check_resume
+from trnrecipes.train.run_dir import RunDirLock, settle_checkpoints
 
 
 @dataclass
@@ -56,7 +51,7 @@ def build(recipe: Recipe, backend: Backend, ddp: Distributed, weights: dict | No
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe.model, "cpu")  # every rank builds the same full weights, then keeps its shard
     if weights is not None:  # resuming: consolidated weights of any TP layout, re-sliced below
-        model.load_state_dict(weights)
+        load_weights(model, weights, "the checkpoint resumed from")
     elif recipe.train.init_from:
         from trnrecipes.checkpoint import read_model_checkpoint
 
@@ -66,7 +61,7 @@ def build(recipe: Recipe, backend: Backend, ddp: Distributed, weights: dict | No
                 f"train.init_from {recipe.train.init_from}: its model section differs from this recipe's"
                 f" ({ckpt_recipe.model} vs {recipe.model})"
             )
-        model.load_state_dict(state)
+        load_weights(model, state, f"train.init_from {recipe.train.init_from}")
     else:
         model.init_weights(torch.Generator().manual_seed(recipe.train.seed))
     if recipe.precision.dtype == "bf16":
@@ -85,6 +80,15 @@ def build(recipe: Recipe, backend: Backend, ddp: Distributed, weights: dict | No
 
         apply_tensor_parallel(model, ddp.mesh["tp"], recipe.model.family, recipe.layout.sequence_parallel)
     return model
+
+
+def load_weights(model: torch.nn.Module, weights: dict, source: str) -> None:
+    """load_state_dict, with a mismatch said as a recipe problem rather than torch's traceback."""
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as err:
+        first = " ".join(str(err).strip().splitlines()[:3])[:400]
+        raise CheckpointError(f"{source}: its weights do not fit this recipe's model: {first}") from None
 
 
 def rounding_seed(seed: int, ddp: Distributed) -> int:
@@ -111,7 +115,16 @@ class Trainer:
         self.run_dir = Path(run_dir or env_dir or default)
         if not self.run_dir.is_absolute():
             self.run_dir = REPO_ROOT / self.run_dir
-        resume = self._find_resume()
+        self.lock: RunDirLock | None = None
+        resume = self._claim_run_dir()
+        try:
+            self._build(resume)
+        except BaseException:
+            self._release()  # not ddp.close(): its barrier would wait for ranks that may not fail with this one
+            raise
+
+    def _build(self, resume: Path | None) -> None:
+        recipe = self.recipe
         self.model = build(recipe, self.backend, self.ddp, consolidate(resume) if resume else None)
         self.optimizer = AdamW(
             list(self.model.parameters()),
@@ -141,19 +154,34 @@ class Trainer:
             recipe.checkpoint.keep_last,
             recipe.checkpoint.async_save,
             self.log,
+            newest_valid=self.start_step if resume is not None else None,
         )
 
-    def _find_resume(self) -> Path | None:
-        """Auto-resume (checkpoint.resume, on by default): the newest complete checkpoint in the run dir. Rank 0
-        verifies (checksums) and the others follow its choice."""
-        if self.compile_only or not self.recipe.checkpoint.resume:
+    def _claim_run_dir(self) -> Path | None:
+        """Rank 0 locks the run dir for the whole run and settles the checkpoints already in it (run_dir.py): the
+        one to resume from (auto-resume, checkpoint.resume, on by default), checked against this recipe. Every rank
+        learns the outcome: an error on rank 0 stops them all instead of leaving them waiting in a collective.
+        Compile mode writes nothing and takes nothing."""
+        if self.compile_only:
             return None
-        root = self.run_dir / "checkpoints"
-        found = None
+        c, root = self.recipe.checkpoint, self.run_dir / "checkpoints"
+        error, step = None, -1
         if self.ddp.rank == 0:
-            remove_partial(root, self.log)
-            found = latest_checkpoint(root, self.log)
-        (step,) = self.ddp.max_over_ranks([found[0] if found else -1], self.backend.device)
+            try:
+                self.lock = RunDirLock(self.run_dir, self.log).acquire()
+                found = settle_checkpoints(root, c.resume, c.force_fresh, self.log)
+                if found is not None:
+                    tokenizer = REPO_ROOT / self.recipe.data.tokenizer  # an absolute path stays itself
+                    check_resume(found[1], self.recipe.to_dict(), tokenizer, c.allow_changes, self.log)
+                    step = found[0]
+            except RecipeError as err:
+                error = err
+        failed, step = self.ddp.max_over_ranks([error is not None, step], self.backend.device)
+        if error is not None:
+            self._release()
+            raise error
+        if failed:
+            raise RecipeError(f"rank 0 refused the run dir {self.run_dir} (its message says why)")
         return root / f"step_{step}" if step >= 0 else None
 
     # ------------------------------------------------------------------ data
@@ -375,7 +403,13 @@ class Trainer:
         result.checkpoints = list(self.checkpointer.saved)
         return result
 
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
     def close(self) -> None:
+        self._release()
         self.ddp.close()
 
 

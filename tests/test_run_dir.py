@@ -1,0 +1,304 @@
+"""The run dir is never left without its newest valid checkpoint, is held by one trainer at a time, and a checkpoint
+is only read through a manifest that lists and hashes every file (fast tests: no training; tests/test_resume.py
+trains for real)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import REPO, run_cli
+
+from trnrecipes.checkpoint import CheckpointError, read_model_checkpoint, verify, write_model_checkpoint
+from trnrecipes.recipe import RecipeError, load_recipe
+from trnrecipes.train.checkpointing import Checkpointer, latest_checkpoint
+from trnrecipes.train.resume_compat import check_allow_changes, resume_differences
+from trnrecipes.train.run_dir import LOCK_FILE, RunDirBusy, RunDirLock, settle_checkpoints, step_dirs
+
+RECIPE = load_recipe("llama2-tiny")
+
+
+def quiet(*_a, **_k) -> None:
+    pass
+
+
+def save(root: Path, step: int, keep_last: int = 3, newest_valid: int | None = None) -> None:
+    """One complete checkpoint written by the real writer (rank 0 of 1)."""
+    ck = Checkpointer(root, RECIPE, None, 0, 1, keep_last, async_save=False, log=quiet, newest_valid=newest_valid)
+    ck.save(step, {"model.safetensors": {"w": torch.full((16,), float(step))}, "shards.json": {"tp": 1, "dims": {}}})
+
+
+def flip_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def valid_steps(root: Path) -> list[int]:
+    out = []
+    for step, path in step_dirs(root):
+        try:
+            verify(path)
+            out.append(step)
+        except CheckpointError:
+            pass
+    return out
+
+
+def listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
+
+
+# ---- pruning and settling
+
+
+def test_the_issue_repro_a_corrupt_newer_checkpoint_never_outlives_the_valid_ones(tmp_path: Path):
+    root = tmp_path / "checkpoints"
+    for step in (5, 10, 15, 20):
+        save(root, step, keep_last=4)
+    flip_byte(root / "step_20/model.safetensors")
+    found = settle_checkpoints(root, resume=True, force_fresh=False, log=quiet)
+    assert found == (15, root / "step_15")
+    save(root, 17, keep_last=1, newest_valid=15)
+    assert [s for s, _ in step_dirs(root)] == [17]  # the corrupt step_20 no longer outranks it
+    assert (root / "unusable/step_20/model.safetensors").exists()  # kept as evidence, out of the way
+    assert latest_checkpoint(root, quiet)[0] == 17
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_property_random_saves_corruptions_and_restarts_never_lose_the_newest_valid_checkpoint(
+    tmp_path: Path, seed: int
+):
+    rng = random.Random(seed)
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    for _ in range(40):
+        before = valid_steps(root)
+        op = rng.choice(["run", "run", "corrupt"])
+        if op == "corrupt" and step_dirs(root):
+            _, victim = rng.choice(step_dirs(root))
+            kind = rng.choice(["flip", "done", "file", "unlisted"])
+            if kind == "flip":
+                flip_byte(victim / "model.safetensors")
+            elif kind == "done":
+                (victim / "done").unlink(missing_ok=True)
+            elif kind == "file":
+                (victim / "shards.json").unlink(missing_ok=True)
+            else:
+                (victim / "data-dp0000.json").write_text("{}")
+            continue
+        resume, force, keep = rng.random() < 0.8, rng.random() < 0.5, rng.randint(1, 3)
+        saves = rng.randint(0, 4)
+        untouched = listing(run)
+        try:
+            found = settle_checkpoints(root, resume, force, quiet)
+        except RecipeError as err:
+            assert not resume and not force and step_dirs(root), err
+            assert listing(run) == untouched  # a refusal changes nothing
+            continue
+        if resume:
+            assert (found[0] if found else None) == (before[0] if before else None)
+        elif before:  # force_fresh: the old run's checkpoints were moved aside whole, still valid
+            archived = sorted((run / "archived").iterdir())[-1] / "checkpoints"
+            assert valid_steps(archived)[0] == before[0]
+        start = found[0] if found else 0
+        for i in range(saves):
+            save(root, start + 10 * (i + 1), keep, newest_valid=found[0] if found else None)
+        after = valid_steps(root)
+        expected_newest = start + 10 * saves if saves else (found[0] if found else None)
+        assert (after[0] if after else None) == expected_newest, (seed, before, after)
+        assert len(after) >= min(keep, saves + (1 if found else 0))
+
+
+def test_symlinked_step_dirs_are_refused_and_the_other_run_is_untouched(tmp_path: Path):
+    other = tmp_path / "other/checkpoints"
+    save(other, 30)
+    before = listing(other)
+    for name in ("step_1", ".step_2.tmp"):
+        root = tmp_path / f"run-{name}/checkpoints"
+        save(root, 5)
+        (root / name).symlink_to(other / "step_30", target_is_directory=True)
+        with pytest.raises(CheckpointError, match=rf"{name}.* is a symlink"):
+            settle_checkpoints(root, resume=True, force_fresh=False, log=quiet)
+    assert listing(other) == before
+    verify(other / "step_30")
+
+
+def test_resume_false_refuses_a_run_dir_with_checkpoints_unless_forced_and_then_archives(tmp_path: Path):
+    run = tmp_path / "run"
+    save(run / "checkpoints", 20)
+    (run / "metrics.jsonl").write_text('{"step": 20}\n')
+    before = listing(run)
+    with pytest.raises(RecipeError, match=r"already has checkpoints \(step_20\).*checkpoint.force_fresh=true"):
+        settle_checkpoints(run / "checkpoints", resume=False, force_fresh=False, log=quiet)
+    assert listing(run) == before
+    assert settle_checkpoints(run / "checkpoints", resume=False, force_fresh=True, log=quiet) is None
+    (archive,) = (run / "archived").iterdir()
+    verify(archive / "checkpoints/step_20")
+    assert (archive / "metrics.jsonl").exists() and not (run / "metrics.jsonl").exists()
+    save(run / "checkpoints", 5, keep_last=1)  # the new run's first save is not pruned by the old run's
+    assert [s for s, _ in step_dirs(run / "checkpoints")] == [5]
+
+
+# ---- the manifest
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    return write_model_checkpoint(tmp_path / "ckpt", {"w": torch.ones(4), "b": torch.zeros(2)}, RECIPE)
+
+
+def rewrite_manifest(path: Path, edit) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    edit(manifest["files"])
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name", ["../escape.json", "/etc/passwd", "tokenizer/../../x", "", "a//b"])
+def test_manifest_entries_must_name_files_inside_the_checkpoint(ckpt: Path, name: str):
+    rewrite_manifest(ckpt, lambda files: files.update({name: "0" * 64}))
+    with pytest.raises(CheckpointError, match="not a plain file name inside the dir"):
+        verify(ckpt)
+
+
+def test_files_not_in_the_manifest_are_refused(ckpt: Path):
+    (ckpt / "data-dp0000.json").write_text('{"epoch": 0}')
+    with pytest.raises(CheckpointError, match=r"data-dp0000\.json is not in the manifest"):
+        verify(ckpt)
+
+
+def test_weights_missing_from_manifest_and_disk_are_refused(ckpt: Path):
+    rewrite_manifest(ckpt, lambda files: files.pop("model.safetensors"))
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"model.safetensors \(weights, TP 1\) is not in the manifest"):
+        verify(ckpt)
+
+
+def test_a_symlink_inside_a_checkpoint_is_refused(ckpt: Path, tmp_path: Path):
+    (tmp_path / "elsewhere.json").write_text("{}")
+    (ckpt / "extra.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(CheckpointError, match=r"extra\.json: a symlink inside a checkpoint"):
+        verify(ckpt)
+
+
+def test_malformed_safetensors_that_match_their_hash_give_a_message_not_a_traceback(ckpt: Path, tmp_path: Path):
+    import hashlib
+
+    (ckpt / "model.safetensors").write_bytes(b"\xff" * 64)
+    digest = hashlib.sha256(b"\xff" * 64).hexdigest()
+    rewrite_manifest(ckpt, lambda files: files.update({"model.safetensors": digest}))
+    verify(ckpt)  # the hash matches: only reading it can tell
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
+        read_model_checkpoint(ckpt)
+    done = run_cli("convert", "to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "not a readable safetensors file" in done.stderr
+
+
+# ---- resume compatibility
+
+
+def checkpoint_with_recipe(tmp_path: Path, tokenizer: Path | None = None) -> Path:
+    path = tmp_path / "step_5"
+    path.mkdir()
+    (path / "recipe.yaml").write_text(yaml.safe_dump(RECIPE.to_dict()))
+    if tokenizer is not None:
+        import shutil
+
+        shutil.copytree(tokenizer, path / "tokenizer")
+    return path
+
+
+def test_resume_lists_every_meaningful_difference_and_accepts_only_named_ones(tmp_path: Path):
+    path = checkpoint_with_recipe(tmp_path)
+    changed = load_recipe("llama2-tiny", overrides=["optim.lr=1e-2", "model.rotary_base=20000", "batch.seq_len=64",
+                                                    "train.max_steps=999", "cluster.workers_per_node=2"])  # fmt: skip
+    refused, accepted = resume_differences(path, changed.to_dict(), None, [])
+    keys = sorted(line.split(":")[0] for line in refused)
+    assert keys == ["batch.seq_len", "model.rotary_base", "optim.lr"]  # max_steps and the cluster are free
+    refused, accepted = resume_differences(path, changed.to_dict(), None, ["optim", "batch.seq_len"])
+    assert [line.split(":")[0] for line in refused] == ["model.rotary_base"]
+    assert sorted(line.split(":")[0] for line in accepted) == ["batch.seq_len", "optim.lr"]
+    shape = load_recipe("llama2-tiny", overrides=["model.num_layers=3"])
+    refused, _ = resume_differences(path, shape.to_dict(), None, ["model"])
+    assert len(refused) == 1 and refused[0].startswith("model.num_layers: "), refused
+    assert refused[0].endswith("(shape: cannot change)")  # even with the whole model section allowed
+
+
+def test_a_tokenizer_with_other_files_is_refused_even_at_the_same_path(tmp_path: Path):
+    import shutil
+
+    tok = REPO / RECIPE.data.tokenizer
+    path = checkpoint_with_recipe(tmp_path, tok)
+    assert resume_differences(path, RECIPE.to_dict(), tok, []) == ([], [])
+    other = tmp_path / "tok"
+    shutil.copytree(tok, other)
+    with (other / "tokenizer.json").open("a") as f:
+        f.write("\n")
+    refused, _ = resume_differences(path, RECIPE.to_dict(), other, [])
+    assert len(refused) == 1 and refused[0].startswith("data.tokenizer: its files")
+    assert resume_differences(path, RECIPE.to_dict(), other, ["data.tokenizer"])[0] == []
+
+
+def test_allow_changes_is_checked_when_the_recipe_loads():
+    assert check_allow_changes(["optim.lr", "data", "batch.seq_len"]) == []
+    assert "covers the model's shape" in check_allow_changes(["model.hidden_size"])[0]
+    with pytest.raises(RecipeError, match="covers the model's shape"):
+        load_recipe("llama2-tiny", overrides=["checkpoint.allow_changes=[model]"])
+
+
+# ---- the lock
+
+
+def test_a_second_holder_is_refused_with_the_first_ones_name(tmp_path: Path):
+    with RunDirLock(tmp_path, quiet):
+        with pytest.raises(RunDirBusy, match=rf"in use by another trainer \(pid {os.getpid()} on "):
+            RunDirLock(tmp_path, quiet).acquire()
+    RunDirLock(tmp_path, quiet).acquire().release()  # released on exit
+
+
+def test_a_lock_left_by_a_killed_process_is_taken_over(tmp_path: Path):
+    code = f"from trnrecipes.train.run_dir import RunDirLock; RunDirLock({str(tmp_path)!r}).acquire(); input()"
+    holder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / LOCK_FILE).exists() or not (tmp_path / LOCK_FILE).stat().st_size:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(RunDirBusy, match=f"pid {holder.pid}"):
+        RunDirLock(tmp_path, quiet).acquire()
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    said: list[str] = []
+    RunDirLock(tmp_path, said.append).acquire().release()
+    assert said and f"left by pid {holder.pid}" in said[0] and "no longer running" in said[0]
+
+
+def test_the_heartbeat_lock_for_file_systems_without_flock(tmp_path: Path):
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        record = {"host": os.uname().nodename, "pid": sleeper.pid, "since": "then", "heartbeat": time.time()}
+        (tmp_path / LOCK_FILE).write_text(json.dumps(record))
+        with pytest.raises(RunDirBusy, match=f"pid {sleeper.pid}"):
+            RunDirLock(tmp_path, quiet, use_flock=False).acquire()
+        record |= {"host": "another-node", "heartbeat": time.time() - 10}  # alive elsewhere: fresh heartbeat
+        (tmp_path / LOCK_FILE).write_text(json.dumps(record))
+        with pytest.raises(RunDirBusy):
+            RunDirLock(tmp_path, quiet, use_flock=False).acquire()
+        record["heartbeat"] = time.time() - 600  # that node died
+        (tmp_path / LOCK_FILE).write_text(json.dumps(record))
+        lock = RunDirLock(tmp_path, quiet, use_flock=False).acquire()
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+        lock.release()
+        assert not (tmp_path / LOCK_FILE).exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
