@@ -313,7 +313,7 @@ def test_split_documents():
     assert len(val) == 5 and len(train) == 95 and not set(train) & set(val)
     assert np.array_equal(split_documents(100, 0.05, seed=1)[1], val)
     assert len(split_documents(10, 0.01, seed=1)[1]) == 1  # at least one validation document
-    with pytest.raises(ValueError, match="leaves no training documents"):
+    with pytest.raises(DataError, match="too few to hold out 1 for validation"):
         split_documents(1, 0.5, seed=0)
 
 

@@ -57,6 +57,28 @@ def test_rerendering_keeps_logs_and_needs_force_to_change_the_recipe(cli, tmp_pa
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left
 
 
+def test_out_dir_that_is_not_a_job_dir_is_written_only_with_force(cli, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "run.sbatch").write_text("my own script")
+    (out / "notes.txt").write_text("keep")
+    args = ["sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out)]
+    done = cli(*args)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"{out} is not empty and is not a job dir `trnrecipes sbatch` wrote" in done.stderr
+    assert "would replace its run.sbatch" in done.stderr and "--force" in done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "run.sbatch"]
+    assert (out / "run.sbatch").read_text() == "my own script"
+    assert cli(*args, "--force").returncode == 0
+    assert (out / "notes.txt").read_text() == "keep" and (out / "recipe.yaml").exists()
+    assert cli(*args).returncode == 0  # now it is a job dir: re-rendering the same recipe needs no force
+    (tmp_path / "empty").mkdir()
+    assert cli("sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(tmp_path / "empty")).returncode == 0
+    (tmp_path / "file").write_text("x")
+    done = cli("sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(tmp_path / "file"))
+    assert done.returncode == 2 and "exists and is not a directory" in done.stderr
+
+
 def test_make_sbatch_default_job_dir(tmp_path):
     done = make("recipe=llama2-tiny", "nodes=2", "sbatch", "overrides=train.max_steps=7 slurm.partition=debug")
     job = REPO / "jobs" / "llama2-tiny-2n"

@@ -64,3 +64,23 @@ def test_all_problems_are_reported_at_once():
     with pytest.raises(SchemaError) as err:
         from_dict(Outer, {"inner": {"size": "x", "extra": 1}, "flag": "yes"})
     assert len(err.value.problems) == 3
+
+
+def test_integers_must_fit_64_bits():
+    assert from_dict(Inner, {"size": 2**63 - 1}).size == 2**63 - 1
+    with pytest.raises(SchemaError, match=r"size: expected an integer from -2\*\*63 to 2\*\*63 - 1, got 9223372"):
+        from_dict(Inner, {"size": 2**63})
+
+
+def test_shown_values_are_short_however_big_the_value():
+    from trnrecipes.schema import shown
+
+    assert shown("fast") == "'fast'" and shown(2.5) == "2.5"
+    shared = ["lol"] * 9
+    for _ in range(12):  # 9**12 leaves through shared references, as a YAML alias bomb builds them
+        shared = [shared] * 9
+    for value in ("x" * 10**6, list(range(10**6)), shared, 10**5000, {"k" * 1000: 1}):
+        assert len(shown(value)) <= 80
+    with pytest.raises(SchemaError) as err:
+        from_dict(Outer, {"inner": {"size": 1}, "pair": shared, "k" * 10**5: 1})
+    assert len(str(err.value)) < 400

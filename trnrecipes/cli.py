@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -53,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     recipe_args(sub)
     sub.add_argument("--out", default="", help="job directory (default: jobs/<recipe>-<nodes>n)")
-    sub.add_argument("--force", action="store_true", help="replace a job dir's recipe.yaml even if it differs")
+    sub.add_argument(
+        "--force", action="store_true", help="replace a job dir's differing recipe.yaml; write into a non-job dir"
+    )
 
     sub = verb("train", _train, "train from a resolved recipe (launched by run.sbatch under torchrun)")
     sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
@@ -356,8 +359,10 @@ def _plan(args: argparse.Namespace) -> int:
     from trnrecipes.report import format_plan
 
     recipe = load_recipe(args.recipe, args.nodes, args.overrides)
-    if args.price is not None and args.price < 0:
-        raise RecipeError(f"--price must be >= 0, got {args.price}")
+    if args.price is not None and not 0 <= args.price < math.inf:  # also refuses nan
+        raise RecipeError(f"--price must be a finite number >= 0, got {args.price}")
+    if args.seq_per_s is not None and not 0 < args.seq_per_s < math.inf:
+        raise RecipeError(f"--seq-per-s must be a finite number > 0, got {args.seq_per_s}")
     result = plan(recipe, seq_per_s=args.seq_per_s, price_per_hour=args.price)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0

@@ -6,6 +6,7 @@ A recipe is data (recipes/<family>/<name>.yaml). This module never imports torch
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import shlex
 import types
@@ -18,9 +19,11 @@ import yaml
 
 from trnrecipes import REPO_ROOT
 from trnrecipes.cluster import INSTANCES, get_instance
-from trnrecipes.schema import SchemaError, from_dict, to_dict
+from trnrecipes.schema import SchemaError, from_dict, shown, to_dict
 
 RECIPES_DIR = REPO_ROOT / "recipes"
+MAX_RECIPE_BYTES = 1 << 20  # the largest shipped recipe is ~2 KB; a bigger file is a wrong path, not a recipe
+MAX_PROBLEMS_SHOWN = 20
 
 
 class RecipeError(ValueError):
@@ -192,13 +195,15 @@ def find_recipe(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") and path.is_file():
         return path
-    raise RecipeError(f"unknown recipe {name_or_path!r}; known recipes: {', '.join(known)} (or a path to a .yaml file)")
+    raise RecipeError(
+        f"unknown recipe {shown(name_or_path)}; known recipes: {', '.join(known)} (or a path to a .yaml file)"
+    )
 
 
 def parse_nodes(text: str | int) -> int:
     value = str(text).strip()
     if not re.fullmatch(r"[0-9]+", value) or int(value) < 1:
-        raise RecipeError(f"nodes must be a positive whole number, got {str(text)!r}")
+        raise RecipeError(f"nodes must be a positive whole number, got {shown(str(text))}")
     return int(value)
 
 
@@ -212,9 +217,9 @@ def parse_overrides(items: list[str] | str | None) -> list[tuple[str, Any]]:
     for item in items:
         key, sep, raw = item.partition("=")
         if any(ord(c) < 32 for c in item):
-            raise RecipeError(f"override {item!r} contains a control character (newline, tab, ...)")
+            raise RecipeError(f"override {shown(item)} contains a control character (newline, tab, ...)")
         if not sep or not re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*", key):
-            raise RecipeError(f"override {item!r} is not of the form section.key=value (e.g. optim.lr=1e-4)")
+            raise RecipeError(f"override {shown(item)} is not of the form section.key=value (e.g. optim.lr=1e-4)")
         parsed.append((key, _typed_value(key, raw)))
     return parsed
 
@@ -235,9 +240,37 @@ def _typed_value(key: str, raw: str) -> Any:
     if tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp)):
         return raw
     try:
-        return yaml.safe_load(raw) if raw else ""
-    except yaml.YAMLError:
+        return _load_yaml(raw) if raw else ""
+    except _AliasError as err:
+        raise RecipeError(f"override {key}: {err}") from None
+    except (yaml.YAMLError, ValueError, RecursionError):
         return raw  # not YAML: keep the text; the schema says whether text is valid there
+
+
+class _AliasError(yaml.YAMLError):
+    pass
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """PyYAML builds one shared object per anchor, so ten lines of `&b [*a, *a, ...]` make a value of a billion
+    items that explodes only when something walks or prints it. Recipes have no use for aliases: refuse them."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _AliasError(
+                f"YAML aliases are not allowed (*{event.anchor[:40]} at line {event.start_mark.line + 1});"
+                " write the value out"
+            )
+        return super().compose_node(parent, index)
+
+
+def _load_yaml(text: str | bytes) -> Any:
+    loader = _NoAliasLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def _apply_override(data: dict[str, Any], key: str, value: Any) -> None:
@@ -253,17 +286,39 @@ def _apply_override(data: dict[str, Any], key: str, value: Any) -> None:
 
 def load_recipe(name_or_path: str, nodes: int | str | None = None, overrides: list[str] | str | None = None) -> Recipe:
     path = find_recipe(name_or_path)
+    with open(path, "rb") as f:
+        raw = f.read(MAX_RECIPE_BYTES + 1)
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise RecipeError(
+            f"{path}: {path.stat().st_size:,} bytes is too big for a recipe; the limit is {MAX_RECIPE_BYTES:,} bytes"
+        )
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise RecipeError(f"{path}: not valid YAML: {err}") from None
+        data = _load_yaml(raw)
+    except _AliasError as err:
+        raise RecipeError(f"{path}: {err}") from None
+    except (yaml.YAMLError, ValueError) as err:
+        raise RecipeError(f"{path}: not valid YAML: {_clip(str(err))}") from None
+    except RecursionError:
+        raise RecipeError(f"{path}: not valid YAML: nested too deeply") from None
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: expected a mapping at the top level")
-    for key, value in parse_overrides(overrides):
+    parsed = parse_overrides(overrides)
+    for key, value in parsed:
         _apply_override(data, key, value)
     if nodes is not None:
-        _apply_override(data, "cluster.nodes", parse_nodes(nodes))
+        count = parse_nodes(nodes)
+        for key, value in parsed:
+            if key == "cluster.nodes" and not (type(value) is int and value == count):
+                raise RecipeError(
+                    f"the overrides set cluster.nodes={shown(value)} but nodes is {count}: give the node count once"
+                    " (nodes=, --nodes)"
+                )
+        _apply_override(data, "cluster.nodes", count)
     return recipe_from_dict(data, path.name)
+
+
+def _clip(text: str, limit: int = 500) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def recipe_from_dict(data: dict[str, Any], source: str) -> Recipe:
@@ -271,18 +326,76 @@ def recipe_from_dict(data: dict[str, Any], source: str) -> Recipe:
     try:
         recipe = from_dict(Recipe, data)
     except SchemaError as err:
-        raise RecipeError(f"recipe {source}:\n  " + "\n  ".join(err.problems)) from None
+        raise RecipeError(_problems(source, err.problems)) from None
     problems = check_recipe(recipe)
     if problems:
-        raise RecipeError(f"recipe {source}:\n  " + "\n  ".join(problems))
+        raise RecipeError(_problems(source, problems))
     return recipe
+
+
+def _problems(source: str, problems: list[str]) -> str:
+    lines = problems[:MAX_PROBLEMS_SHOWN]
+    if len(problems) > len(lines):
+        lines.append(f"... and {len(problems) - len(lines)} more")
+    return f"recipe {source}:\n  " + "\n  ".join(lines)
 
 
 # Values that land in #SBATCH lines, which sbatch parses itself: no shell quoting can protect them, so they must
 # be plain words.
 _SLURM_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_SLURM_TIME = re.compile(r"([0-9]+-)?[0-9]{1,2}:[0-9]{2}:[0-9]{2}")
+_SLURM_TIME = re.compile(r"([0-9]{1,4}-)?[0-9]{1,2}:[0-9]{2}:[0-9]{2}")
 _SDK_VERSION = re.compile(r"2\.[0-9]{1,2}")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The valid range of a numeric field; `*_open`: that end itself is out. Non-finite numbers are always out."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def holds(self, value: float) -> bool:
+        low_ok = value > self.low if self.low_open else value >= self.low
+        high_ok = value < self.high if self.high_open else value <= self.high
+        return math.isfinite(value) and low_ok and high_ok
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+
+POSITIVE, NON_NEGATIVE = Bound(0, low_open=True), Bound(0)
+FRACTION = Bound(0, 1, high_open=True)
+# Every numeric field and its range (a tuple field: each item); None passes (the default applies).
+FIELD_BOUNDS: dict[str, Bound] = {
+    "model.vocab_size": POSITIVE, "model.hidden_size": POSITIVE, "model.num_layers": POSITIVE,
+    "model.num_heads": POSITIVE, "model.ffn_hidden_size": POSITIVE, "model.max_seq_len": POSITIVE,
+    "model.num_kv_heads": POSITIVE, "model.rotary_pct": Bound(0, 1, low_open=True), "model.rotary_base": POSITIVE,
+    "model.norm_eps": POSITIVE, "model.init_std": POSITIVE,
+    "layout.tp": POSITIVE, "layout.pp": POSITIVE,
+    "batch.global_batch": POSITIVE, "batch.micro_batch": POSITIVE, "batch.seq_len": POSITIVE,
+    "optim.lr": POSITIVE, "optim.min_lr": NON_NEGATIVE, "optim.warmup_steps": NON_NEGATIVE,
+    "optim.decay_steps": NON_NEGATIVE, "optim.betas": FRACTION, "optim.eps": POSITIVE,
+    "optim.weight_decay": NON_NEGATIVE, "optim.clip_grad_norm": NON_NEGATIVE,  # 0: no clipping
+    "train.max_steps": POSITIVE, "train.seed": NON_NEGATIVE, "train.log_every": POSITIVE,
+    "train.val_every": POSITIVE, "train.val_batches": POSITIVE,
+    "data.val_fraction": FRACTION,
+    "checkpoint.every_steps": POSITIVE, "checkpoint.every_minutes": POSITIVE, "checkpoint.keep_last": POSITIVE,
+    "compile.steps": POSITIVE,
+    "cluster.nodes": POSITIVE, "cluster.workers_per_node": POSITIVE, "cluster.price_per_hour": NON_NEGATIVE,
+    "slurm.signal_seconds": Bound(60, 65535),  # Slurm: at least its 60 s resolution; sbatch --signal takes <= 65535
+    "slurm.max_restarts": NON_NEGATIVE,
+}  # fmt: skip
+
+
+def _field(r: Recipe, key: str) -> Any:
+    value: Any = r
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def check_recipe(r: Recipe) -> list[str]:
@@ -296,28 +409,18 @@ def check_recipe(r: Recipe) -> list[str]:
             problems.append(message)
 
     m, b, o = r.model, r.batch, r.optim
-    positive = {
-        "model.vocab_size": m.vocab_size, "model.hidden_size": m.hidden_size, "model.num_layers": m.num_layers,
-        "model.num_heads": m.num_heads, "model.ffn_hidden_size": m.ffn_hidden_size,
-        "model.max_seq_len": m.max_seq_len, "layout.tp": r.layout.tp, "layout.pp": r.layout.pp,
-        "batch.global_batch": b.global_batch, "batch.micro_batch": b.micro_batch, "batch.seq_len": b.seq_len,
-        "train.max_steps": r.train.max_steps, "train.log_every": r.train.log_every,
-        "checkpoint.every_steps": r.checkpoint.every_steps, "checkpoint.keep_last": r.checkpoint.keep_last,
-        "compile.steps": r.compile.steps, "cluster.nodes": r.cluster.nodes,
-    }  # fmt: skip
-    for key, value in positive.items():
-        need(value > 0, f"{key}: must be > 0, got {value}")
-    if problems:
+    for key, bound in FIELD_BOUNDS.items():
+        value = _field(r, key)
+        items = value if isinstance(value, tuple) else (value,)
+        need(all(v is None or bound.holds(v) for v in items), f"{key}: must be {bound}, got {shown(value)}")
+    if problems:  # the checks below divide by these
         return problems
     need(
         m.hidden_size % m.num_heads == 0,
         f"model.hidden_size {m.hidden_size} is not divisible by num_heads {m.num_heads}",
     )
     kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads
-    if kv <= 0:
-        return [*problems, f"model.num_kv_heads: must be > 0, got {kv}"]
     need(m.num_heads % kv == 0, f"model.num_kv_heads {kv} must divide num_heads {m.num_heads}")
-    need(0.0 < m.rotary_pct <= 1.0, f"model.rotary_pct must be in (0, 1], got {m.rotary_pct}")
     need(b.seq_len <= m.max_seq_len, f"batch.seq_len {b.seq_len} exceeds model.max_seq_len {m.max_seq_len}")
     tp = r.layout.tp
     need(m.num_heads % tp == 0, f"layout.tp {tp} must divide model.num_heads {m.num_heads}")
@@ -331,15 +434,13 @@ def check_recipe(r: Recipe) -> list[str]:
     )
     need(m.num_layers % r.layout.pp == 0, f"layout.pp {r.layout.pp} must divide model.num_layers {m.num_layers}")
     need(not r.layout.sequence_parallel or r.layout.tp > 1, "layout.sequence_parallel needs layout.tp > 1")
-    need(0.0 <= o.min_lr <= o.lr, f"optim.min_lr {o.min_lr} must be between 0 and optim.lr {o.lr}")
-    need(o.warmup_steps >= 0 and o.decay_steps >= 0, "optim.warmup_steps and optim.decay_steps must be >= 0")
-    need(all(0.0 <= beta < 1.0 for beta in o.betas), f"optim.betas must be in [0, 1), got {list(o.betas)}")
-    need(0.0 <= r.data.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {r.data.val_fraction}")
+    need(o.min_lr <= o.lr, f"optim.min_lr {o.min_lr} must be <= optim.lr {o.lr}")
     need(
         not r.precision.stochastic_rounding or r.precision.dtype == "bf16",
         f"precision.stochastic_rounding needs precision.dtype 'bf16', got {r.precision.dtype!r}",
     )
-    need(r.cluster.instance in INSTANCES, f"cluster.instance {r.cluster.instance!r}: known: {', '.join(INSTANCES)}")
+    known = ", ".join(INSTANCES)
+    need(r.cluster.instance in INSTANCES, f"cluster.instance {shown(r.cluster.instance)}: known: {known}")
     if r.cluster.instance in INSTANCES:
         allowed = INSTANCES[r.cluster.instance].backends
         need(
@@ -349,36 +450,32 @@ def check_recipe(r: Recipe) -> list[str]:
     if r.cluster.backend == "neuron":
         lo, hi = SUPPORTED_SDK
         ok = bool(_SDK_VERSION.fullmatch(r.cluster.neuron_sdk)) and lo <= sdk_version(r.cluster.neuron_sdk) <= hi
-        need(ok, f"cluster.neuron_sdk {r.cluster.neuron_sdk!r}: supported 2.{lo[1]} to 2.{hi[1]}")
-    need(r.cluster.workers_per_node is None or r.cluster.workers_per_node > 0, "cluster.workers_per_node must be > 0")
-    need(r.cluster.price_per_hour is None or r.cluster.price_per_hour >= 0, "cluster.price_per_hour must be >= 0")
+        need(ok, f"cluster.neuron_sdk {shown(r.cluster.neuron_sdk)}: supported 2.{lo[1]} to 2.{hi[1]}")
     need(
         Path(r.compile.cache_dir).is_absolute() and is_plain_path(r.compile.cache_dir),
-        f"compile.cache_dir {r.compile.cache_dir!r} must be an absolute node-local path (e.g. /var/tmp/...):"
+        f"compile.cache_dir {shown(r.compile.cache_dir)} must be an absolute node-local path (e.g. /var/tmp/...):"
         " a relative one would land on the shared file system the job is submitted from",
     )
     for flag in r.compile.extra_flags:
-        need(re.fullmatch(r"-[-A-Za-z0-9_=.,:/+]+", flag) is not None, f"compile.extra_flags: bad flag {flag!r}")
+        need(re.fullmatch(r"-[-A-Za-z0-9_=.,:/+]+", flag) is not None, f"compile.extra_flags: bad flag {shown(flag)}")
     for key in ("job_name", "partition", "account"):
         value = getattr(r.slurm, key)
         need(
             value is None or bool(_SLURM_WORD.fullmatch(value)),
-            f"slurm.{key} {value!r}: use letters, digits, '.', '_' and '-' only (it goes into an #SBATCH line)",
+            f"slurm.{key} {shown(value)}: use letters, digits, '.', '_' and '-' only (it goes into an #SBATCH line)",
         )
     need(
         _SLURM_WORD.fullmatch(r.name) is not None,
-        f"name {r.name!r}: use letters, digits, '.', '_' and '-' only (it names the job and its directories)",
+        f"name {shown(r.name)}: use letters, digits, '.', '_' and '-' only (it names the job and its directories)",
     )
     t = r.slurm.time_limit
-    need(t is None or bool(_SLURM_TIME.fullmatch(t)), f"slurm.time_limit {t!r}: expected [D-]HH:MM:SS")
-    need(r.slurm.signal_seconds >= 60, f"slurm.signal_seconds must be >= 60, got {r.slurm.signal_seconds}")
+    need(t is None or bool(_SLURM_TIME.fullmatch(t)), f"slurm.time_limit {shown(t)}: expected [D-]HH:MM:SS")
     if t is not None and _SLURM_TIME.fullmatch(t):
         need(
             _seconds(t) > r.slurm.signal_seconds + 300,
             f"slurm.time_limit {t} leaves no time to train before the pre-timeout signal"
             f" ({r.slurm.signal_seconds} s before the end); use more than {r.slurm.signal_seconds + 300} s",
         )
-    need(r.slurm.max_restarts >= 0, f"slurm.max_restarts must be >= 0, got {r.slurm.max_restarts}")
     from trnrecipes.train.resume_compat import check_allow_changes  # torch-free; it imports this module
 
     problems += check_allow_changes(r.checkpoint.allow_changes)

@@ -24,9 +24,11 @@ from trnrecipes import REPO_ROOT, __version__
 from trnrecipes.layout import Layout, compute_layout
 from trnrecipes.neuron_env import backend_env, neuron_cc_flags
 from trnrecipes.recipe import Recipe, RecipeError, is_plain_path
+from trnrecipes.schema import shown
 
 TEMPLATES_DIR = REPO_ROOT / "templates"
 SCRIPTS = ("compile.sbatch", "run.sbatch", "eval.sbatch")
+RECIPE_HEADER = "# Resolved recipe: "  # the first line of every recipe.yaml we write: it marks our job dirs
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def render_job(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = RE
     # The job dir appears in #SBATCH lines, which sbatch reads without a shell: no quoting can protect it.
     if not is_plain_path(str(job_dir)):
         raise RecipeError(
-            f"job directory {str(job_dir)!r} must use only letters, digits and . _ / + - (Slurm reads it from"
+            f"job directory {shown(str(job_dir))} must use only letters, digits and . _ / + - (Slurm reads it from"
             " #SBATCH lines, which no quoting protects); pass --out with a plain path"
         )
     run_dir = Path(recipe.run_dir) if recipe.run_dir else Path("runs") / recipe.job_name
@@ -99,9 +101,7 @@ def render_job(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = RE
     }
     env = _environment()
     files = {name: env.get_template(f"{name}.j2").render(context) for name in SCRIPTS}
-    header = (
-        f"# Resolved recipe: {_comment(recipe.name)}, {recipe.cluster.nodes} node(s). Made by: {_comment(command)}\n"
-    )
+    header = f"{RECIPE_HEADER}{_comment(recipe.name)}, {recipe.cluster.nodes} node(s). Made by: {_comment(command)}\n"
     files["recipe.yaml"] = header + yaml.safe_dump(recipe.to_dict(), sort_keys=False)
     return Job(recipe, layout, job_dir, files)
 
@@ -132,7 +132,7 @@ def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> Non
     """Write the job dir. A new dir appears whole (temp dir + rename), with the logs/ dir Slurm's --output needs
     (sbatch does not create it). In an existing dir (logs of earlier runs, the compile cache copy) each file is
     replaced atomically; but queued and requeued jobs read recipe.yaml when they start, so a different recipe
-    replaces it only with force."""
+    replaces it only with force, and so do our files in a non-empty directory we did not write."""
     files = job.files | extra_files
     parent = job.job_dir.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -148,6 +148,15 @@ def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> Non
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return
+    if not job.job_dir.is_dir():
+        raise RecipeError(f"{job.job_dir} exists and is not a directory; pass --out with a new or empty directory")
+    if not force and any(job.job_dir.iterdir()) and not is_job_dir(job.job_dir):
+        clash = sorted(name for name in [*files, "logs"] if (job.job_dir / name).exists())
+        replacing = f": writing there would replace its {', '.join(clash)}" if clash else ""
+        raise RecipeError(
+            f"{job.job_dir} is not empty and is not a job dir `trnrecipes sbatch` wrote (no recipe.yaml of ours)"
+            f"{replacing}; pass --out with a new or empty directory, or --force (make: force=1) to write into it"
+        )
     current = job.job_dir / "recipe.yaml"
     if not force and current.exists() and current.read_text() != files["recipe.yaml"]:
         raise RecipeError(
@@ -163,6 +172,14 @@ def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> Non
             os.replace(tmp_name, job.job_dir / name)
         finally:
             Path(tmp_name).unlink(missing_ok=True)
+
+
+def is_job_dir(path: Path) -> bool:
+    try:
+        with open(path / "recipe.yaml", encoding="utf-8") as f:
+            return f.read(len(RECIPE_HEADER)) == RECIPE_HEADER
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _write(path: Path, text: str) -> None:

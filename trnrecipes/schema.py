@@ -8,11 +8,35 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 import types
 import typing
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 T = TypeVar("T")
+
+SHOWN_CHARS = 80
+INT64 = (-(2**63), 2**63 - 1)  # torch, numpy and bash arithmetic all read integers as 64-bit
+
+
+def _bounded_repr() -> reprlib.Repr:
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother, r.maxlong = 3, SHOWN_CHARS, SHOWN_CHARS, 40
+    r.maxlist = r.maxtuple = r.maxdict = r.maxset = r.maxfrozenset = 6
+    return r
+
+
+_REPR = _bounded_repr()
+
+
+def shown(value: Any) -> str:
+    """repr() of a user value for an error message, at most SHOWN_CHARS long. reprlib stops at a few items and
+    levels, so a YAML alias bomb (a billion shared references) is never expanded just to be truncated."""
+    try:
+        text = _REPR.repr(value)
+    except ValueError:  # an int with more digits than int -> str allows
+        text = f"<an integer of {value.bit_length()} bits>" if isinstance(value, int) else "<unprintable>"
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
 class SchemaError(ValueError):
@@ -76,22 +100,22 @@ def _convert(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
             converted = _convert(arg, value, where, trial)
             if not trial:
                 return converted
-        problems.append(f"{_name(where)}: expected {_describe(tp)}, got {value!r}")
+        problems.append(f"{_name(where)}: expected {_describe(tp)}, got {shown(value)}")
         return None
     if origin is Literal:
         allowed = get_args(tp)
         # YAML turns `optlevel: 2` into an int and `x=2` overrides alike; compare as given.
         if value in allowed and type(value) in {type(a) for a in allowed}:
             return value
-        problems.append(f"{_name(where)}: expected {_describe(tp)}, got {value!r}")
+        problems.append(f"{_name(where)}: expected {_describe(tp)}, got {shown(value)}")
         return None
     if origin in (list, tuple):
         args = get_args(tp)
         if not isinstance(value, list | tuple):
-            problems.append(f"{_name(where)}: expected {_describe(tp)}, got {value!r}")
+            problems.append(f"{_name(where)}: expected {_describe(tp)}, got {shown(value)}")
             return None
         if origin is tuple and len(args) != len(value):
-            problems.append(f"{_name(where)}: expected {_describe(tp)}, got {len(value)} items: {value!r}")
+            problems.append(f"{_name(where)}: expected {_describe(tp)}, got {len(value)} items: {shown(value)}")
             return None
         item_types = args if origin is tuple else [args[0]] * len(value)
         pairs = enumerate(zip(item_types, value, strict=True))
@@ -105,7 +129,10 @@ def _convert_scalar(tp: Any, value: Any, where: str, problems: list[str]) -> Any
     if tp is bool and isinstance(value, bool):
         return value
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
+        if INT64[0] <= value <= INT64[1]:
+            return value
+        problems.append(f"{_name(where)}: expected an integer from -2**63 to 2**63 - 1, got {shown(value)}")
+        return None
     if tp is float and not isinstance(value, bool):
         if isinstance(value, int | float) and math.isfinite(value):
             return float(value)
@@ -120,20 +147,21 @@ def _convert_scalar(tp: Any, value: Any, where: str, problems: list[str]) -> Any
     if tp is str and isinstance(value, str):
         return value
     hint = " (quote it in YAML: '...')" if tp is str and isinstance(value, int | float) else ""
-    problems.append(f"{_name(where)}: expected {_describe(tp)}, got {value!r}{hint}")
+    problems.append(f"{_name(where)}: expected {_describe(tp)}, got {shown(value)}{hint}")
     return None
 
 
 def _convert_dataclass(cls: Any, value: Any, where: str, problems: list[str]) -> Any:
     if not isinstance(value, dict):
-        problems.append(f"{_name(where)}: expected a mapping, got {value!r}")
+        problems.append(f"{_name(where)}: expected a mapping, got {shown(value)}")
         return None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     prefix = f"{where}." if where else ""
     for key in value:
         if key not in fields:
-            problems.append(f"{prefix}{key}: unknown key; valid keys here: {', '.join(fields)}")
+            name = key if isinstance(key, str) and len(key) <= SHOWN_CHARS else shown(key)
+            problems.append(f"{prefix}{name}: unknown key; valid keys here: {', '.join(fields)}")
     kwargs = {}
     for name, field in fields.items():
         if name in value:

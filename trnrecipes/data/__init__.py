@@ -8,6 +8,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trnrecipes.recipe import RecipeError
+
+
+class DataError(RecipeError):  # a user error: the CLI prints it, exit 2
+    pass
+
+
+def clipped(err: BaseException, limit: int = 200) -> str:
+    """The first line of a library's error, capped: enough to say what is wrong, never a page of it."""
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def listed(names, limit: int = 10) -> str:
+    names = [str(n)[:80] for n in list(names)[: limit + 1]]
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+
 
 def open_corpus(fmt: str, path: str | Path, tokenizer_dir: str | Path, text_field: str, root: Path):
     """(documents, tokenizer) for a recipe's data section; relative paths are taken from `root` (the repo)."""

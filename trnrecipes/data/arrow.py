@@ -10,20 +10,17 @@ import gzip
 import json
 import os
 import tempfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 
-from trnrecipes.recipe import RecipeError
+from trnrecipes.data import DataError, clipped, listed
 
 TEXT_FILE_SUFFIXES = (".txt", ".md", ".rst")
 BATCH_DOCS = 1024  # documents per record batch: small enough to stream, big enough to be cheap
-
-
-class DataError(RecipeError):  # a user error: the CLI prints it, exit 2
-    pass
 
 
 @dataclass
@@ -89,15 +86,27 @@ def read_arrow(path: Path, text_field: str | None = None) -> pa.Array:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"Arrow file {path} does not exist")
-    source = pa.memory_map(str(path))
     try:
-        table = pa.ipc.open_stream(source).read_all()
-    except pa.ArrowInvalid:
-        table = pa.ipc.open_file(source).read_all()
-    field_name = text_field or table.schema.names[0]
+        source = pa.memory_map(str(path))
+        try:
+            table = pa.ipc.open_stream(source).read_all()
+        except pa.ArrowInvalid as stream_err:
+            try:
+                table = pa.ipc.open_file(source).read_all()
+            except pa.ArrowInvalid:
+                raise stream_err from None
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(
+            f"{path}: not a readable Arrow IPC stream or file ({clipped(err)}); corrupt or truncated?"
+            " `trnrecipes data to-arrow` writes one"
+        ) from None
+    field_name = text_field or (table.schema.names or [""])[0]
     if field_name not in table.schema.names:
-        raise DataError(f"{path} has no column {field_name!r}; its columns: {', '.join(table.schema.names)}")
-    return table.column(field_name).combine_chunks()
+        raise DataError(f"{path} has no column {field_name!r}; its columns: {listed(table.schema.names)}")
+    column = table.column(field_name)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise DataError(f"{path}: column {field_name!r} holds {column.type}, not text (string)")
+    return column.combine_chunks()
 
 
 def read_documents(
@@ -172,7 +181,7 @@ def _lines(f: Path, on_bad_utf8: str, stats: ConversionStats) -> Iterator[str]:
 def _jsonl(f: Path, text_field: str, on_bad_utf8: str, stats: ConversionStats) -> Iterator[str]:
     opener = gzip.open if f.name.endswith(".gz") else open
     with opener(f, "rb") as fh:
-        for i, raw in enumerate(fh, 1):
+        for i, raw in enumerate(_read_lines(fh, f), 1):
             line = _decode(raw, f"{f}:{i}", on_bad_utf8, stats)
             if line is None or not line.strip():
                 continue
@@ -181,21 +190,33 @@ def _jsonl(f: Path, text_field: str, on_bad_utf8: str, stats: ConversionStats) -
             except json.JSONDecodeError as err:
                 raise DataError(f"{f}:{i}: not valid JSON ({err})") from None
             if not isinstance(record, dict) or text_field not in record:
-                keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+                keys = listed(record) if isinstance(record, dict) else type(record).__name__
                 raise DataError(f"{f}:{i}: no field {text_field!r} (has: {keys}); choose one with --text-field")
             if not isinstance(record[text_field], str):
                 raise DataError(f"{f}:{i}: field {text_field!r} is {type(record[text_field]).__name__}, not text")
             yield record[text_field]
 
 
+def _read_lines(fh, f: Path) -> Iterator[bytes]:
+    """The lines of an open (possibly gzip) file; a corrupt or truncated gzip stream is a DataError naming `f`."""
+    try:
+        yield from fh
+    except (OSError, EOFError, zlib.error) as err:
+        what = "not a readable gzip file" if f.name.endswith(".gz") else "cannot be read"
+        raise DataError(f"{f}: {what} ({clipped(err)}); corrupt or truncated?") from None
+
+
 def _saved_arrow(f: Path, text_field: str) -> Iterator[str]:
-    reader = pa.ipc.open_stream(pa.memory_map(str(f)))
-    if text_field not in reader.schema.names:
-        raise DataError(f"{f} has no column {text_field!r}; its columns: {', '.join(reader.schema.names)}")
-    for batch in reader:
-        for text in batch.column(text_field).to_pylist():
-            if text is not None:
-                yield text
+    try:
+        reader = pa.ipc.open_stream(pa.memory_map(str(f)))
+        if text_field not in reader.schema.names:
+            raise DataError(f"{f} has no column {text_field!r}; its columns: {listed(reader.schema.names)}")
+        for batch in reader:
+            for text in batch.column(text_field).to_pylist():
+                if text is not None:
+                    yield text
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{f}: not a readable Arrow IPC stream ({clipped(err)}); corrupt or truncated?") from None
 
 
 def _progress(items: Iterator, enabled: bool, unit: str) -> Iterator:
@@ -210,6 +231,7 @@ class ArrowDocuments:
     """Documents of an Arrow text file, tokenized on demand (online), each followed by EOS."""
 
     def __init__(self, path: Path, tokenizer, text_field: str | None = None):
+        self.path = path
         self.texts = read_arrow(path, text_field)
         self.tokenizer = tokenizer
         self.num_docs = len(self.texts)

@@ -7,12 +7,14 @@ reader uses documents as stored. Documents made of several sequences (sentence-s
 from __future__ import annotations
 
 import os
+import struct
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from trnrecipes.data import clipped
 from trnrecipes.data.arrow import ConversionStats, DataError, read_documents
 
 DTYPES = {"uint16": np.uint16, "int32": np.int32}
@@ -102,7 +104,23 @@ class IndexedDocuments:
                 raise DataError(
                     f"Megatron data {prefix}{suffix} does not exist (`trnrecipes data preprocess` makes it)"
                 )
-        self.dataset = _megatron().IndexedDataset(str(prefix))
+        self.path = prefix
+        megatron = _megatron()
+
+        class Dataset(megatron.IndexedDataset):
+            def __del__(self):  # megatron's raises (printing a traceback) for a dataset whose files did not open
+                self.__dict__.pop("bin_reader", None)
+                self.__dict__.pop("index", None)
+
+        try:
+            if Path(f"{prefix}.bin").stat().st_size == 0:  # megatron's reader fails on it with noise
+                raise ValueError("the .bin file is empty")
+            self.dataset = Dataset(str(prefix))
+        except (AssertionError, ValueError, OSError, struct.error) as err:
+            raise DataError(
+                f"Megatron data {prefix}.bin/.idx: not readable ({clipped(err)}); corrupt or truncated?"
+                " `trnrecipes data preprocess` writes them"
+            ) from None
         self.doc_starts = np.asarray(self.dataset.document_indices)
         self.num_docs = len(self.doc_starts) - 1
 

@@ -19,6 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
+from trnrecipes.data import DataError
+
 TOKENIZE_BLOCK = 64  # documents per encode_batch call
 
 
@@ -47,17 +49,22 @@ class StreamPosition:
         return cls(**{k: int(d[k]) for k in ("epoch", "doc", "offset", "samples")})
 
 
-def split_documents(num_docs: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def split_documents(
+    num_docs: int, val_fraction: float, seed: int, source: object = "the corpus"
+) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation) document ids: a seeded choice of round(val_fraction * n) documents (at least 1) is held
-    out. Fixed by the seed alone, so every rank and every restart agrees."""
+    out. Fixed by the seed alone, so every rank and every restart agrees. `source` names the corpus in errors."""
     if num_docs < 1:
-        raise ValueError("the corpus has no documents")
+        raise DataError(f"{source} has no documents")
     if not 0 <= val_fraction < 1:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    perm = np.random.default_rng([seed, 0x5EED]).permutation(num_docs)
+        raise DataError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
     n_val = max(1, round(val_fraction * num_docs)) if val_fraction > 0 else 0
     if n_val >= num_docs:
-        raise ValueError(f"val_fraction {val_fraction} leaves no training documents out of {num_docs}")
+        raise DataError(
+            f"{source} has {num_docs} document(s): too few to hold out {n_val} for validation"
+            f" (data.val_fraction {val_fraction}) and train on the rest; use a bigger corpus or data.val_fraction=0"
+        )
+    perm = np.random.default_rng([seed, 0x5EED]).permutation(num_docs)
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 
@@ -76,7 +83,10 @@ class PackedStream:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_size})")
         if len(doc_ids) < dp_size:
-            raise ValueError(f"{len(doc_ids)} document(s) cannot be shared by {dp_size} data-parallel ranks")
+            raise DataError(
+                f"{getattr(source, 'path', 'the corpus')}: {len(doc_ids)} document(s) to read cannot be shared by"
+                f" {dp_size} data-parallel ranks; use a corpus with more documents"
+            )
         self.source, self.doc_ids, self.sample_len = source, np.asarray(doc_ids), seq_len + 1
         self.seed, self.dp_rank, self.dp_size, self.shuffle = seed, dp_rank, dp_size, shuffle
         self.start = start or StreamPosition()

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from trnrecipes.data import clipped
 from trnrecipes.recipe import RecipeError
+from trnrecipes.schema import shown
 
 
 class TokenizerError(RecipeError):  # a user error: the CLI prints it, exit 2
@@ -63,14 +65,19 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
         if path.name in ("gpt2", "demo-sp") and path.parent.name == "tokenizers":
             hint = " (the demo tokenizers are made by `make setup`, or `trnrecipes data prepare-demo`)"
         raise TokenizerError(f"no tokenizer at {path}: expected an HF tokenizer directory with tokenizer.json{hint}")
-    backend = Tokenizer.from_file(str(tok_file))
+    try:
+        backend = Tokenizer.from_file(str(tok_file))
+    except Exception as err:  # tokenizers raises a bare Exception for every malformed file
+        raise TokenizerError(
+            f"{tok_file}: not a valid Hugging Face tokenizer.json ({clipped(err)}); corrupt or truncated?"
+        ) from None
     config = _read_json(path / "tokenizer_config.json")
     eos = config.get("eos_token")
     if isinstance(eos, dict):
         eos = eos.get("content")
     eos_id = backend.token_to_id(eos) if isinstance(eos, str) else None
     if eos_id is None:
-        raise TokenizerError(f"{path}/tokenizer_config.json names no eos_token in the vocabulary (got {eos!r})")
+        raise TokenizerError(f"{path}/tokenizer_config.json names no eos_token in the vocabulary (got {shown(eos)})")
     return TextTokenizer(
         path, backend, eos_id, backend.get_vocab_size(with_added_tokens=True), _tiktoken_equivalent(tok_file)
     )
@@ -133,9 +140,14 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_bytes())
     except FileNotFoundError:
         return {}
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise TokenizerError(f"{path}: not valid JSON ({clipped(err)})") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def from_gpt2_files(vocab: Path, merges: Path, out: Path) -> Path:
@@ -145,7 +157,10 @@ def from_gpt2_files(vocab: Path, merges: Path, out: Path) -> Path:
     for f in (vocab, merges):
         if not Path(f).is_file():
             raise TokenizerError(f"GPT-2 tokenizer file {f} does not exist")
-    backend = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    try:
+        backend = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    except Exception as err:  # tokenizers raises a bare Exception for malformed files
+        raise TokenizerError(f"GPT-2 files {vocab} and {merges}: not readable ({clipped(err)})") from None
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)

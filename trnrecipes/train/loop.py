@@ -194,7 +194,7 @@ class Trainer:
                 f" {self.recipe.model.vocab_size}"
             )
         seed = self.recipe.train.seed
-        self.train_docs, self.val_docs = split_documents(self.documents.num_docs, d.val_fraction, seed)
+        self.train_docs, self.val_docs = split_documents(self.documents.num_docs, d.val_fraction, seed, source=d.path)
         # Validation: the same fixed batches every time (a fresh stream from its start), split over DP ranks.
         val_dp = min(self.ddp.dp, len(self.val_docs)) if len(self.val_docs) else 0
         self.val_batches: list[torch.Tensor] = []

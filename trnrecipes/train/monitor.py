@@ -87,10 +87,3 @@ def progress_line(r: dict, max_steps: int) -> str:
     if r.get("spike"):
         parts.append("grad-norm SPIKE")
     return " | ".join(parts)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: not a training run directory")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

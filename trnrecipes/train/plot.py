@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
-from trnrecipes.train.monitor import read_metrics
+from trnrecipes.recipe import RecipeError
 
 PANELS = (("loss", "training loss"), ("grad_norm", "gradient L2 norm"), ("param_norm", "parameter L2 norm"))
 
@@ -16,18 +18,18 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    runs = [(Path(d), read_metrics(Path(d))) for d in run_dirs]
+    runs = [(Path(d), read_records(Path(d) / "metrics.jsonl")) for d in run_dirs]
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for key, title in PANELS:
         fig, ax = plt.subplots(figsize=(7, 4))
         for run_dir, records in runs:
-            points = [(r["step"], r[key]) for r in records if key in r]
+            points = [(r["step"], r[key]) for r in records if _is_number(r.get(key))]
             if points:
                 steps, values = zip(*points, strict=True)
                 ax.plot(steps, values, label=run_dir.name, marker="." if len(points) < 50 else None)
             if key == "loss":
-                val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+                val = [(r["step"], r["val_loss"]) for r in records if _is_number(r.get("val_loss"))]
                 if val:
                     steps, values = zip(*val, strict=True)
                     ax.plot(steps, values, "o--", label=f"{run_dir.name} (validation)")
@@ -41,3 +43,31 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def read_records(path: Path) -> list[dict]:
+    """The step records of a metrics.jsonl. A line that is not one (a run killed mid-write leaves half a line) is
+    skipped with a warning: the rest of the run still plots."""
+    records, bad = [], []
+    with open(path, "rb") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError
+                record = None
+            if isinstance(record, dict) and _is_number(record.get("step")):
+                records.append(record)
+            else:
+                bad.append(i)
+    if bad:
+        lines = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        print(f"warning: {path}: skipped {len(bad)} line(s) that are not step records (line {lines})", file=sys.stderr)
+    if not records:
+        raise RecipeError(f"{path}: no step records to plot (JSON lines with a numeric 'step')")
+    return records
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
