@@ -4,13 +4,16 @@ The checkpoint is exported to an HF directory (trnrecipes convert to-hf; an HF d
 simple_evaluate runs the local tasks (eval/tasks.py: MMLU 5-shot, BBH 3-shot CoT, GSM8K 8-shot CoT), HumanEval
 completions are sampled with transformers and scored in the sandbox (eval/sandbox.py, only with
 --allow-code-execution), and results.json + results.md (task, shots, metric, value (stderr), baseline) are written
-to the output directory.
+to the output directory. results.json names the weights it scored (path, step, manifest sha256). Models and
+tokenizers load with trust_remote_code=False: code in a model directory never runs, and transformers never asks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 from pathlib import Path
 
 # the reported metric of each local task: MMLU accuracy, BBH's "the answer is X" match, GSM8K's strict match
@@ -24,16 +27,33 @@ def _offline() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def export(ckpt: Path, out: Path) -> Path:
-    """An HF directory for `ckpt`: itself if it already is one, else `out/hf` (exported once)."""
-    if (ckpt / "config.json").exists():
-        return ckpt
-    hf = out / "hf"
-    if not (hf / "config.json").exists():
-        from trnrecipes.convert import to_hf
+def export(ckpt: Path, out: Path) -> tuple[Path, dict]:
+    """An HF directory for `ckpt` and the weights it holds (results.json's "checkpoint"): `ckpt` itself if it is
+    an HF directory, else `out/hf`, reused only if its record names this checkpoint's manifest, else exported anew."""
+    from trnrecipes.convert import checkpoint_source, export_source, to_hf
 
-        to_hf(ckpt, hf)
-    return hf
+    if (ckpt / "config.json").exists():
+        source = {"path": str(ckpt.resolve()), "trnrecipes_checkpoint": False}
+        exported = export_source(ckpt)
+        return ckpt, source | ({"exported_from": exported} if exported else {})
+    source = checkpoint_source(ckpt) | {"trnrecipes_checkpoint": True}
+    hf = out / "hf"
+    recorded = export_source(hf) or {}
+    if recorded.get("manifest_sha256") == source["manifest_sha256"] and (hf / "config.json").exists():
+        return hf, source
+    # Exported beside it (to_hf: whole or absent), then swapped in; a directory cannot be renamed onto a non-empty
+    # one, so the old export moves aside first. A crash between the two renames leaves no hf/ at all.
+    tag = secrets.token_hex(4)
+    fresh, stale = out / f".hf-new-{tag}", out / f".hf-old-{tag}"
+    try:
+        to_hf(ckpt, fresh)
+        if hf.exists():
+            os.replace(hf, stale)
+        os.replace(fresh, hf)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
+        shutil.rmtree(stale, ignore_errors=True)
+    return hf, source
 
 
 def lm_eval_tasks(
@@ -61,9 +81,10 @@ def model_args(hf: Path, max_length: int, device: str) -> str:
     """lm-eval's hf model arguments. On CPU fp32 (bf16 matmuls are slow on most CPUs, and the parity tests compare
     fp32 numbers). On CUDA bf16, the precision the recipes train in, split over the node's GPUs (accelerate's
     device_map): NeoX-20B in fp32 is 82 GB, more than one 80 GB GPU holds."""
+    no_code = "trust_remote_code=False"  # never run code from the model directory (and never ask on stdin)
     if device == "cuda":
-        return f"pretrained={hf},dtype=bfloat16,parallelize=True,max_length={max_length}"
-    return f"pretrained={hf},dtype=float32,max_length={max_length}"
+        return f"pretrained={hf},dtype=bfloat16,parallelize=True,max_length={max_length},{no_code}"
+    return f"pretrained={hf},dtype=float32,max_length={max_length},{no_code}"
 
 
 def default_max_length(hf: Path) -> int:
@@ -80,6 +101,22 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def load_model(hf: Path, device: str):
+    """(tokenizer, model) as model_args loads them: CPU fp32, or CUDA bf16 spread over the node's GPUs. Explicit
+    trust_remote_code=False: with None, transformers asks on stdin whether to run a model directory's own code."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf, trust_remote_code=False)
+    if device == "cuda":
+        model = AutoModelForCausalLM.from_pretrained(
+            hf, dtype=torch.bfloat16, device_map="auto", trust_remote_code=False
+        ).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, trust_remote_code=False).to(device).eval()
+    return tok, model
+
+
 def humaneval(
     hf: Path,
     problems_path: Path,
@@ -94,18 +131,13 @@ def humaneval(
     0.8, top-p 0.95: the Codex paper's best for pass@100; it reports pass@1 at 0.2)."""
     import torch
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eval.code import load_problems, score
 
     problems = load_problems(problems_path)
     chosen = dict(list(problems.items())[:limit] if limit else problems.items())
     device = _device()
-    tok = AutoTokenizer.from_pretrained(hf)
-    if device == "cuda":  # as model_args: bf16, spread over the node's GPUs
-        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16, device_map="auto").eval()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).to(device).eval()
+    tok, model = load_model(hf, device)
     torch.manual_seed(0)
     sample = n > 1 or temperature is not None
     samples = []
@@ -179,7 +211,7 @@ def run(
 
     _offline()
     out.mkdir(parents=True, exist_ok=True)
-    hf = export(Path(ckpt), out)
+    hf, checkpoint = export(Path(ckpt), out)
     rows: list[dict] = []
     harness = [t for t in tasks if t != "humaneval"]
     if harness:
@@ -206,7 +238,7 @@ def run(
         for key in ("pass@1", "pass@10", "pass@100"):
             if key in report:
                 rows.append({"task": "humaneval", "shots": 0, "metric": key, "value": report[key], "stderr": None})
-    meta = {"model": str(hf), "limit": limit, "max_gen_toks": max_gen_toks}
+    meta = {"checkpoint": checkpoint, "model": str(hf), "limit": limit, "max_gen_toks": max_gen_toks}
     (out / "results.json").write_text(json.dumps(meta | {"results": rows}, indent=1))
     (out / "results.md").write_text(table(rows, baseline))
     return rows

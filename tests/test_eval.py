@@ -43,6 +43,7 @@ def test_all_tasks_are_reported(evaluated):
     assert rows[("trn_gsm8k_cot", "exact_match,strict-match")]["shots"] == 8
     assert ("humaneval", "pass@1") in rows and ("humaneval", "pass@10") not in rows  # k <= n only
     assert (out / "hf/config.json").exists() and (out / "results.md").read_text().count("\n") == 2 + len(rows)
+    assert report["checkpoint"]["step"] == 8 and report["checkpoint"]["path"].endswith("checkpoints/step_8")
 
 
 def test_numbers_equal_lm_eval_cli_on_the_exported_model(evaluated, tmp_path):

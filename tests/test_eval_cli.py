@@ -1,10 +1,16 @@
-"""`trnrecipes eval run` refuses bad input before loading anything, naming the value and what would be valid."""
+"""`trnrecipes eval run` / `eval code` refuse bad input before loading anything, in one line naming the value (or
+file) and what would be valid."""
 
 from __future__ import annotations
 
+import gzip
+import json
 from pathlib import Path
 
 import pytest
+from conftest import REPO
+
+PROBLEMS = REPO / "data/eval/humaneval/HumanEval.jsonl.gz"
 
 
 @pytest.mark.parametrize(
@@ -30,7 +36,9 @@ def test_bad_eval_arguments_are_refused_with_the_reason(cli, tmp_path, args, mes
     [
         (["--k", "1,0"], "--k must be comma-separated positive integers (e.g. 1,10,100), got '1,0'"),
         (["--k", "one"], "--k must be comma-separated positive integers (e.g. 1,10,100), got 'one'"),
-        (["--workers", "0"], "--workers must be >= 1, got 0"),
+        (["--workers", "0"], "--workers must be between 1 and 64, got 0"),
+        # each program runs as a sandbox uid of its own: an unbounded count would run into system accounts' uids
+        (["--workers", "1000"], "--workers must be between 1 and 64, got 1000"),
         (["--timeout", "0"], "--timeout must be > 0 seconds, got 0.0"),
     ],
 )
@@ -59,4 +67,48 @@ def test_lm_eval_model_args_per_device(device, expected):
     from eval.run import model_args
 
     args = simple_parse_args_string(model_args(Path("/ckpt/hf"), 4096, device))  # as lm-eval parses them
-    assert args == {"pretrained": "/ckpt/hf", "max_length": 4096, **expected}
+    # trust_remote_code=False, explicitly: code in a model directory never runs
+    assert args == {"pretrained": "/ckpt/hf", "max_length": 4096, "trust_remote_code": False, **expected}
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda d: d / "none.jsonl", "samples file {path} does not exist"),
+        (lambda d: d, "samples file {path}: cannot be read (Is a directory)"),
+        (lambda d: _write(d / "s.jsonl", b"\x89PNG\r\n\x1a\n\xff\xfe"), "samples file {path}:1: not UTF-8 text"),
+        (lambda d: _write(d / "s.jsonl", b"task_id,completion\n"), "samples file {path}:1: not valid JSON"),
+        (lambda d: _write(d / "s.jsonl", b'{"task_id": "HumanEval/0"}\n'), "need string fields task_id and completion"),
+        (lambda d: _write(d / "s.jsonl", b'{"task_id": ["HumanEval/0"], "completion": ""}\n'), "need string fields"),
+        (lambda d: _write(d / "s.jsonl", b"\n"), "samples file {path}: no samples"),
+    ],
+)
+def test_a_bad_samples_file_is_one_line_naming_it(cli, tmp_path, make, message):
+    path = make(tmp_path)
+    done = cli("eval", "code", "--samples", str(path), "--problems", str(PROBLEMS), "--allow-code-execution")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("error: ") and message.format(path=path) in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "message"),
+    [
+        ("p.jsonl.gz", b'{"task_id": "HumanEval/0"}\n', "cannot be read (Not a gzipped file"),
+        ("p.jsonl.gz", gzip.compress(b"\n" * 64)[:20], "a truncated or corrupt gzip file"),
+        ("p.jsonl", bytes(range(255, 0, -1)), ":1: not UTF-8 text"),
+        ("p.jsonl", b'{"task_id": "HumanEval/0", "prompt": "def f():\\n"}\n', ":1: need string fields task_id, prompt"),
+        ("p.jsonl", b"[1, 2]\n", ":1: need string fields task_id, prompt, test, entry_point"),
+        ("p.jsonl", b"", ": no problems in it"),
+    ],
+)
+def test_a_bad_problems_file_is_one_line_naming_it(cli, tmp_path, name, data, message):
+    problems = _write(tmp_path / name, data)
+    samples = _write(tmp_path / "s.jsonl", json.dumps({"task_id": "HumanEval/0", "completion": ""}).encode() + b"\n")
+    done = cli("eval", "code", "--samples", str(samples), "--problems", str(problems), "--allow-code-execution")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert f"error: HumanEval problems {problems}" in done.stderr and message in done.stderr, done.stderr

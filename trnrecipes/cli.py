@@ -244,7 +244,7 @@ def _eval_prepare(args: argparse.Namespace) -> int:
 
 def _eval_run(args: argparse.Namespace) -> int:
     from eval.run import load_baseline, run
-    from eval.sandbox import ExecutionNotAllowed
+    from eval.sandbox import ExecutionNotAllowed, SandboxError
     from eval.tasks import TaskDataError
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -302,7 +302,7 @@ def _eval_run(args: argparse.Namespace) -> int:
             humaneval_temperature=args.humaneval_temperature,
             max_length=args.max_length,
         )
-    except (ValueError, TaskDataError, ExecutionNotAllowed) as err:
+    except (ValueError, TaskDataError, ExecutionNotAllowed, SandboxError) as err:
         raise RecipeError(str(err)) from None
     print((out / "results.md").read_text(), end="")
     print(f"wrote {out}/results.json and results.md")
@@ -311,7 +311,7 @@ def _eval_run(args: argparse.Namespace) -> int:
 
 def _eval_code(args: argparse.Namespace) -> int:
     from eval.code import EvalInputError, load_problems, load_samples, score
-    from eval.sandbox import ExecutionNotAllowed, Limits
+    from eval.sandbox import MAX_WORKERS, ExecutionNotAllowed, Limits, SandboxError
 
     try:
         ks = tuple(int(k) for k in args.k.split(","))
@@ -319,15 +319,15 @@ def _eval_code(args: argparse.Namespace) -> int:
             raise ValueError
     except ValueError:
         raise RecipeError(f"--k must be comma-separated positive integers (e.g. 1,10,100), got {args.k!r}") from None
-    if args.workers < 1:
-        raise RecipeError(f"--workers must be >= 1, got {args.workers}")
+    if not 1 <= args.workers <= MAX_WORKERS:  # each program runs as a sandbox uid of its own
+        raise RecipeError(f"--workers must be between 1 and {MAX_WORKERS}, got {args.workers}")
     if not args.timeout > 0:  # also refuses nan
         raise RecipeError(f"--timeout must be > 0 seconds, got {args.timeout}")
     try:
         problems = load_problems(Path(args.problems))
         samples = load_samples(Path(args.samples), problems)
         report = score(samples, problems, ks, args.workers, Limits(timeout_s=args.timeout), args.allow_code_execution)
-    except (EvalInputError, ExecutionNotAllowed) as err:
+    except (EvalInputError, ExecutionNotAllowed, SandboxError) as err:
         raise RecipeError(str(err)) from None
     for k in ks:
         if f"pass@{k}" in report:
@@ -335,6 +335,13 @@ def _eval_code(args: argparse.Namespace) -> int:
         else:
             print(f"pass@{k}: n/a (fewer than {k} samples per task)")
     print(f"{report['samples']} samples over {report['tasks']} tasks")
+    errors = [o for o in report["outcomes"] if o["status"] == "error"]
+    if errors:
+        print(
+            f"warning: {len(errors)} sample(s) could not be run or cleaned up and count as failed; the first:"
+            f" {errors[0]['task_id']}: {errors[0]['detail']}{'' if args.out else ' (--out lists them all)'}",
+            file=sys.stderr,
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     return 0

@@ -2,12 +2,14 @@
 
 from-hf takes the architecture and sizes from the HF config.json (any GPT-NeoX or Llama shape); a recipe only adds
 training settings (default: the family's tiny recipe). to-hf writes config.json + model.safetensors + tokenizer
-files, which transformers' AutoModelForCausalLM.from_pretrained(DIR) loads offline.
+files, which transformers' AutoModelForCausalLM.from_pretrained(DIR) loads offline, and trnrecipes-source.json: the
+checkpoint it came from (path, step, sha256 of its manifest.json, which lists the sha256 of every file).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -17,10 +19,11 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from trnrecipes import REPO_ROOT
-from trnrecipes.checkpoint import read_model_checkpoint, write_model_checkpoint
+from trnrecipes.checkpoint import CheckpointError, read_model_checkpoint, write_model_checkpoint
 from trnrecipes.models import FAMILIES, family_of_hf_config, model_args, model_config_from_args
 from trnrecipes.recipe import RecipeError, load_recipe, recipe_from_dict
 
+EXPORT_SOURCE = "trnrecipes-source.json"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
     "tokenizer.model", "added_tokens.json",
@@ -78,8 +81,29 @@ def from_hf(hf_dir: Path, out: Path, recipe_name: str | None = None) -> Path:
         return write_model_checkpoint(out, state, recipe, tok_dir)
 
 
+def checkpoint_source(ckpt: Path) -> dict:
+    """Which weights a checkpoint holds: its path, step and the sha256 of its manifest.json."""
+    manifest = Path(ckpt) / "manifest.json"
+    try:
+        data = manifest.read_bytes()
+        step = json.loads(data)["step"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{manifest}: not a trnrecipes checkpoint manifest with a step ({err})") from None
+    return {"path": str(Path(ckpt).resolve()), "step": step, "manifest_sha256": hashlib.sha256(data).hexdigest()}
+
+
+def export_source(hf_dir: Path) -> dict | None:
+    """The checkpoint an HF directory was exported from (to_hf's record), or None if it has no readable record."""
+    try:
+        source = json.loads((Path(hf_dir) / EXPORT_SOURCE).read_text())
+    except (OSError, ValueError):
+        return None
+    return source if isinstance(source, dict) else None
+
+
 def to_hf(ckpt: Path, out: Path) -> Path:
     recipe, state, tokenizer_dir = read_model_checkpoint(ckpt)
+    source = checkpoint_source(ckpt)  # the manifest read_model_checkpoint just verified
     family = FAMILIES[recipe.model.family]
     args = model_args(recipe.model)
     out = Path(out)
@@ -95,6 +119,7 @@ def to_hf(ckpt: Path, out: Path) -> Path:
             tokenizer_dir = recipe_tokenizer
         for f in _tokenizer_files(tokenizer_dir) if tokenizer_dir else []:
             shutil.copy2(f, tmp / f.name)
+        (tmp / EXPORT_SOURCE).write_text(json.dumps(source, indent=2) + "\n")
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
