@@ -149,7 +149,7 @@ def test_a_corrupt_checkpoint_is_reported_and_the_previous_one_used(straight: Pa
 def test_resume_with_another_dp_and_tp_layout(tmp_path: Path):
     """Saved by 1 process, resumed by 2 (DP 2, then TP 2): weights and moments re-sliced, training goes on."""
     base = ["batch.seq_len=32", "batch.global_batch=4", "batch.micro_batch=2", "train.val_every=1000",
-            "checkpoint.every_steps=5"]  # fmt: skip
+            "checkpoint.every_steps=5", "checkpoint.allow_changes=[layout.dp]"]  # fmt: skip
     for i, layout in enumerate([[], ["layout.tp=2"]]):
         run = tmp_path / f"run{i}"
         one = load_recipe("llama2-tiny", overrides=[*base, "cluster.workers_per_node=1", f"run_dir={run}"])
@@ -228,7 +228,7 @@ def test_resume_refuses_a_changed_recipe_and_lists_the_differences(straight: Pat
         assert key in out, out
     assert not (run / "checkpoints/step_31").exists()
     shape = finish_failing(start(config(tmp_path, "train.max_steps=31", "model.ffn_hidden_size=96")))
-    assert "model.ffn_hidden_size" in shape and "shape: cannot change" in shape and "Traceback" not in shape
+    assert "model.ffn_hidden_size" in shape and "cannot change on resume" in shape and "Traceback" not in shape
     allowed = finish(
         start(config(tmp_path, "train.max_steps=31", "optim.lr=0.01", "checkpoint.allow_changes=[optim.lr]"))
     )
@@ -248,3 +248,27 @@ def test_resume_false_on_a_run_dir_with_checkpoints_refuses_unless_forced(straig
     (archive,) = (run / "archived").iterdir()
     verify(archive / "checkpoints/step_30")
     assert [r["step"] for r in logged_steps(run)] == [1, 2, 3, 4, 5]
+
+
+def test_another_corpus_at_the_same_path_is_refused_unless_named(tmp_path: Path):
+    import pyarrow as pa
+
+    source = pa.memory_map(str(REPO / "data/demo/pythondocs.arrow"))
+    try:
+        table = pa.ipc.open_stream(source).read_all()
+    except pa.ArrowInvalid:
+        table = pa.ipc.open_file(pa.memory_map(str(REPO / "data/demo/pythondocs.arrow"))).read_all()
+    corpus = tmp_path / "corpus.arrow"
+
+    def write(rows: int) -> None:
+        with pa.OSFile(str(corpus), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table.slice(0, rows))
+
+    write(table.num_rows)
+    finish(start(config(tmp_path, "train.max_steps=3", "checkpoint.every_steps=3", f"data.path={corpus}")))
+    write(table.num_rows // 2)  # the same path, another corpus: the saved positions would index other documents
+    out = finish_failing(start(config(tmp_path, "train.max_steps=4", f"data.path={corpus}")))
+    assert f"trained on a corpus of {table.num_rows} documents, but data.path now has" in out and "Traceback" not in out
+    allow = ["train.max_steps=4", f"data.path={corpus}", "checkpoint.allow_changes=[data.path]"]
+    out = finish(start(config(tmp_path, *allow)))
+    assert "the corpus changed" in out and "the data stream restarts at epoch 1" in out and "(step 3)" in out

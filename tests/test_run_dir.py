@@ -34,7 +34,10 @@ def quiet(*_a, **_k) -> None:
 def save(root: Path, step: int, keep_last: int = 3, newest_valid: int | None = None) -> None:
     """One complete checkpoint written by the real writer (rank 0 of 1)."""
     ck = Checkpointer(root, RECIPE, None, 0, 1, keep_last, async_save=False, log=quiet, newest_valid=newest_valid)
-    ck.save(step, {"model.safetensors": {"w": torch.full((16,), float(step))}, "shards.json": {"tp": 1, "dims": {}}})
+    state = {"step": step, "optimizer_steps": step, "dp": 1, "tp": 1, "world": 1}
+    files = {"model.safetensors": {"w": torch.full((16,), float(step))}, "shards.json": {"tp": 1, "dims": {}},
+             "optim-tp00-of-01.safetensors": {"exp_avg.w": torch.zeros(16)}, "state.json": state}  # fmt: skip
+    ck.save(step, files)
 
 
 def flip_byte(file: Path) -> None:
@@ -102,7 +105,8 @@ def test_property_random_saves_corruptions_and_restarts_never_lose_the_newest_va
         try:
             found = settle_checkpoints(root, resume, force, quiet)
         except RecipeError as err:
-            assert not resume and not force and step_dirs(root), err
+            # refused: resume off without force, or resume on and not one checkpoint verifies
+            assert step_dirs(root) and ((not resume and not force) or (resume and not before)), err
             assert listing(run) == untouched  # a refusal changes nothing
             continue
         if resume:
@@ -117,6 +121,50 @@ def test_property_random_saves_corruptions_and_restarts_never_lose_the_newest_va
         expected_newest = start + 10 * saves if saves else (found[0] if found else None)
         assert (after[0] if after else None) == expected_newest, (seed, before, after)
         assert len(after) >= min(keep, saves + (1 if found else 0))
+
+
+def test_when_no_checkpoint_verifies_the_run_is_refused_and_nothing_moves(tmp_path: Path):
+    root = tmp_path / "checkpoints"
+    for step in (5, 10):
+        save(root, step)
+    flip_byte(root / "step_10/model.safetensors")
+    (root / "step_5/done").unlink()
+    before = listing(root)
+    with pytest.raises(RecipeError, match=r"none of its checkpoints \(step_10, step_5\) verifies.*checksum mismatch"):
+        settle_checkpoints(root, resume=True, force_fresh=False, log=quiet)
+    assert listing(root) == before  # before: both moved aside and the run silently started at step 0
+
+
+def test_an_io_error_while_verifying_moves_nothing_aside(tmp_path: Path, monkeypatch):
+    import trnrecipes.checkpoint as checkpoint
+
+    root = tmp_path / "checkpoints"
+    for step in (5, 10):
+        save(root, step)
+    before = listing(root)
+
+    def flaky(path: Path) -> str:
+        raise checkpoint.CheckpointReadError(f"{path}: cannot be read (Stale file handle)")
+
+    monkeypatch.setattr(checkpoint, "_sha256", flaky)
+    with pytest.raises(checkpoint.CheckpointReadError, match="Stale file handle"):
+        settle_checkpoints(root, resume=True, force_fresh=False, log=quiet)
+    assert listing(root) == before
+
+
+def test_files_no_loader_reads_do_not_demote_a_checkpoint(tmp_path: Path):
+    root = tmp_path / "checkpoints"
+    save(root, 5)
+    (root / "step_5/NOTES.txt").write_text("a note")
+    (root / "step_5/.nfs000001").write_text("")
+    assert settle_checkpoints(root, resume=True, force_fresh=False, log=quiet) == (5, root / "step_5")
+
+
+def test_force_fresh_on_a_requeued_job_resumes_instead_of_archiving_again(tmp_path: Path):
+    run = tmp_path / "run"
+    save(run / "checkpoints", 20)
+    found = settle_checkpoints(run / "checkpoints", resume=False, force_fresh=True, log=quiet, restarted=True)
+    assert found == (20, run / "checkpoints/step_20") and not (run / "archived").exists()
 
 
 def test_symlinked_step_dirs_are_refused_and_the_other_run_is_untouched(tmp_path: Path):
@@ -231,7 +279,7 @@ def test_resume_lists_every_meaningful_difference_and_accepts_only_named_ones(tm
     shape = load_recipe("llama2-tiny", overrides=["model.num_layers=3"])
     refused, _ = resume_differences(path, shape.to_dict(), None, ["model"])
     assert len(refused) == 1 and refused[0].startswith("model.num_layers: "), refused
-    assert refused[0].endswith("(shape: cannot change)")  # even with the whole model section allowed
+    assert refused[0].endswith("(cannot change on resume)")  # even with the whole model section allowed
 
 
 def test_a_tokenizer_with_other_files_is_refused_even_at_the_same_path(tmp_path: Path):
@@ -250,8 +298,10 @@ def test_a_tokenizer_with_other_files_is_refused_even_at_the_same_path(tmp_path:
 
 
 def test_allow_changes_is_checked_when_the_recipe_loads():
-    assert check_allow_changes(["optim.lr", "data", "batch.seq_len"]) == []
+    assert check_allow_changes(["optim.lr", "data", "batch.seq_len", "layout.dp"]) == []
     assert "covers the model's shape" in check_allow_changes(["model.hidden_size"])[0]
+    assert "covers the model's shape" in check_allow_changes(["model.parallel_residual"])[0]
+    assert "is not a recipe section or section.key" in check_allow_changes(["optim.lrr"])[0]
     with pytest.raises(RecipeError, match="covers the model's shape"):
         load_recipe("llama2-tiny", overrides=["checkpoint.allow_changes=[model]"])
 
@@ -282,23 +332,93 @@ def test_a_lock_left_by_a_killed_process_is_taken_over(tmp_path: Path):
     assert said and f"left by pid {holder.pid}" in said[0] and "no longer running" in said[0]
 
 
-def test_the_heartbeat_lock_for_file_systems_without_flock(tmp_path: Path):
-    sleeper = subprocess.Popen(["sleep", "60"])
+def write_record(path: Path, **fields) -> dict:
+    """A holder's record as RunDirLock writes it: in place, padded, never truncated first."""
+    record = {"host": os.uname().nodename, "pid": os.getpid(), "since": "then", "heartbeat": time.time(), **fields}
+    with open(path / LOCK_FILE, "r+b" if (path / LOCK_FILE).exists() else "wb") as f:
+        f.write(json.dumps(record).ljust(512).encode())
+    return record
+
+
+def beat(path: Path, stop, **fields) -> None:
+    while True:
+        write_record(path, **fields)
+        if stop.wait(0.05):
+            return
+
+
+@pytest.mark.parametrize("use_flock", [True, False])
+def test_a_live_holder_elsewhere_is_seen_through_its_heartbeat_even_when_flock_succeeds(tmp_path: Path, use_flock):
+    """flock on NFS with local_lock=flock or Lustre localflock only excludes this node: the heartbeat still does."""
+    import threading
+
+    stop = threading.Event()
+    write_record(tmp_path, host="another-node", pid=7)
+    beater = threading.Thread(target=beat, args=(tmp_path, stop), kwargs={"host": "another-node", "pid": 7})
+    beater.start()
     try:
-        record = {"host": os.uname().nodename, "pid": sleeper.pid, "since": "then", "heartbeat": time.time()}
-        (tmp_path / LOCK_FILE).write_text(json.dumps(record))
-        with pytest.raises(RunDirBusy, match=f"pid {sleeper.pid}"):
-            RunDirLock(tmp_path, quiet, use_flock=False).acquire()
-        record |= {"host": "another-node", "heartbeat": time.time() - 10}  # alive elsewhere: fresh heartbeat
-        (tmp_path / LOCK_FILE).write_text(json.dumps(record))
-        with pytest.raises(RunDirBusy):
-            RunDirLock(tmp_path, quiet, use_flock=False).acquire()
-        record["heartbeat"] = time.time() - 600  # that node died
-        (tmp_path / LOCK_FILE).write_text(json.dumps(record))
-        lock = RunDirLock(tmp_path, quiet, use_flock=False).acquire()
-        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
-        lock.release()
-        assert not (tmp_path / LOCK_FILE).exists()
+        with pytest.raises(RunDirBusy, match="pid 7 on 'another-node'"):
+            RunDirLock(tmp_path, quiet, use_flock=use_flock, heartbeat_s=0.2).acquire()
     finally:
+        stop.set()
+        beater.join()
+    said: list[str] = []
+    lock = RunDirLock(tmp_path, said.append, use_flock=use_flock, heartbeat_s=0.2).acquire()  # its beat stopped
+    assert "its heartbeat stopped" in said[-1]
+    lock.release()
+
+
+def test_the_heartbeat_fallback_refuses_a_live_holder_here_and_takes_over_a_dead_one_at_once(tmp_path: Path):
+    import threading
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    stop = threading.Event()
+    write_record(tmp_path, pid=sleeper.pid)
+    beater = threading.Thread(target=beat, args=(tmp_path, stop), kwargs={"pid": sleeper.pid})
+    beater.start()
+    try:
+        with pytest.raises(RunDirBusy, match=f"pid {sleeper.pid}"):
+            RunDirLock(tmp_path, quiet, use_flock=False, heartbeat_s=0.2).acquire()
+    finally:
+        stop.set()
+        beater.join()
         sleeper.kill()
         sleeper.wait()
+    write_record(tmp_path, pid=sleeper.pid)  # fresh, but its pid is gone on this host: no need to wait
+    said: list[str] = []
+    lock = RunDirLock(tmp_path, said.append, use_flock=False, heartbeat_s=30).acquire()
+    assert f"left by pid {sleeper.pid}" in said[-1] and "no longer running" in said[-1]
+    lock.release()
+    lock = RunDirLock(tmp_path, quiet, use_flock=False, heartbeat_s=0.2).acquire()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    time.sleep(0.5)  # it beats
+    assert time.time() - json.loads((tmp_path / LOCK_FILE).read_text())["heartbeat"] < 0.5
+    lock.release()
+    assert (tmp_path / LOCK_FILE).read_text() == ""  # a clean release leaves no holder
+
+
+def test_concurrent_acquirers_without_flock_get_one_lock(tmp_path: Path):
+    code = (
+        "import sys, time; from trnrecipes.train.run_dir import RunDirLock, RunDirBusy\n"
+        "try:\n    RunDirLock(sys.argv[1], lambda *_: None, use_flock=False, heartbeat_s=0.5).acquire()\n"
+        "except RunDirBusy:\n    print('busy'); sys.exit(0)\n"
+        "print('held'); sys.stdout.flush(); time.sleep(2)\n"
+    )
+    for trial in range(3):
+        d = tmp_path / str(trial)
+        d.mkdir()
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(d)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+                 for _ in range(4)]  # fmt: skip
+        outs = [p.communicate(timeout=60)[0].strip() for p in procs]
+        assert sorted(outs) == ["busy", "busy", "busy", "held"], outs
+
+
+def test_a_symlink_where_the_lock_goes_is_refused(tmp_path: Path):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_FILE).symlink_to(target)
+    with pytest.raises(RunDirBusy, match="cannot open the run dir lock"):
+        RunDirLock(run, quiet).acquire()
+    assert target.read_text() == "keep me"

@@ -25,7 +25,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from trnrecipes.recipe import Recipe, RecipeError, recipe_from_dict
+from trnrecipes.recipe import Recipe, RecipeError, read_recipe_file, recipe_from_dict
 
 FORMAT = 2
 WEIGHTS = "model.safetensors"
@@ -38,6 +38,11 @@ class CheckpointError(RecipeError):
     """A checkpoint that is missing, incomplete or corrupt; the message names the file."""
 
 
+class CheckpointReadError(CheckpointError):
+    """An I/O error while reading a checkpoint (EIO, ESTALE, ...): it says nothing about the checkpoint itself, so
+    nothing may be concluded from it (a valid checkpoint must not be set aside over a flaky read)."""
+
+
 def shard_file(prefix: str, tp_rank: int, tp: int) -> str:
     """The file of TP rank `tp_rank` of `prefix` ("model" or "optim"); unsharded weights are model.safetensors."""
     if prefix == "model" and tp == 1:
@@ -47,9 +52,14 @@ def shard_file(prefix: str, tp_rank: int, tp: int) -> str:
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
+    try:
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as err:
+        raise CheckpointReadError(f"{path}: cannot be read ({err.strerror or err})") from None
     return digest.hexdigest()
 
 
@@ -135,6 +145,12 @@ def _listed_name(path: Path, name: object) -> str:
     return name
 
 
+def _read_by_loaders(name: str) -> bool:
+    """Whether some reader opens this file: the tokenizer dir is copied whole; at the top, tensors, JSON and YAML
+    (data-dp*.json and rng-*.safetensors are found by pattern). Anything else (notes, NFS .nfs* files) never is."""
+    return name.startswith("tokenizer/") or name.endswith((".safetensors", ".json", ".yaml"))
+
+
 def _files_on_disk(path: Path) -> set[str]:
     """Every file under the checkpoint dir (relative names). A symlink anywhere inside is refused: a checkpoint
     holds its own bytes, and a link could make a reader (or a pruner) act on another run's files."""
@@ -156,16 +172,13 @@ def verify(path: Path) -> dict:
     path = Path(path)
     if not (path / DONE).exists():
         raise CheckpointError(f"{path}: no '{DONE}' marker: not a complete trnrecipes checkpoint")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}/{MANIFEST}: unreadable ({err})") from None
+    manifest = read_json(path / MANIFEST)
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or manifest.get("format") != FORMAT or SHARDS not in files:
         raise CheckpointError(f"{path}/{MANIFEST}: not a format-{FORMAT} manifest listing {SHARDS}")
     listed = {_listed_name(path, name) for name in files}
     on_disk = _files_on_disk(path) - {MANIFEST, DONE}
-    if unlisted := sorted(on_disk - listed):
+    if unlisted := sorted(n for n in on_disk - listed if _read_by_loaders(n)):
         raise CheckpointError(
             f"{path}: {unlisted[0]} is not in the manifest ({len(unlisted)} unlisted file(s)):"
             " it would be read unchecked"
@@ -179,6 +192,22 @@ def verify(path: Path) -> dict:
     tp = _shard_count(path)
     if missing := [f for f in (shard_file("model", r, tp) for r in range(tp)) if f not in files]:
         raise CheckpointError(f"{path}: {missing[0]} (weights, TP {tp}) is not in the manifest")
+    return manifest
+
+
+def verify_training(path: Path) -> dict:
+    """verify(), plus what resuming training reads: state.json's entries and every TP rank's optimizer file (a
+    weights-only checkpoint, e.g. from convert from-hf, is for train.init_from, not for resuming)."""
+    manifest = verify(path)
+    state = read_json(Path(path) / "state.json")
+    for key in ("step", "optimizer_steps", "dp", "tp", "world"):
+        if not isinstance(state.get(key), int) or isinstance(state.get(key), bool):
+            raise CheckpointError(f"{path}/state.json: no whole-number {key!r}: not a training checkpoint")
+    tp = _shard_count(path)
+    if missing := [f for f in (shard_file("optim", r, tp) for r in range(tp)) if f not in manifest["files"]]:
+        raise CheckpointError(
+            f"{path}: {missing[0]} (optimizer state) is not in the manifest: not a training checkpoint"
+        )
     return manifest
 
 
@@ -202,9 +231,13 @@ def load_tensors(file: Path) -> dict[str, torch.Tensor]:
 
 def read_json(path: Path) -> dict:
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: unreadable ({err})") from None
+        value = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as err:
+        raise CheckpointReadError(f"{path}: cannot be read ({err.strerror or err})") from None
+    except (ValueError, RecursionError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({str(err)[:200]})") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return value
@@ -212,14 +245,10 @@ def read_json(path: Path) -> dict:
 
 def saved_recipe(path: Path) -> dict:
     """The resolved recipe a checkpoint was written with, as the plain mapping in its recipe.yaml."""
-    file = Path(path) / "recipe.yaml"
     try:
-        data = yaml.safe_load(file.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise CheckpointError(f"{file}: unreadable ({str(err)[:200]})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file}: expected a recipe mapping")
-    return data
+        return read_recipe_file(Path(path) / "recipe.yaml")  # size-capped, no YAML aliases
+    except RecipeError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def consolidate(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:

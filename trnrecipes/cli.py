@@ -404,7 +404,7 @@ def _train(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.config, overrides=args.overrides)
     result = train(recipe, compile_only=args.compile)
-    return 0 if result.losses or args.compile else 1
+    return 0 if result.losses or result.already_done or args.compile else 1
 
 
 def _plot(args: argparse.Namespace) -> int:

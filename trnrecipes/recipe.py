@@ -284,10 +284,13 @@ def _apply_override(data: dict[str, Any], key: str, value: Any) -> None:
     node[leaf] = value
 
 
-def load_recipe(name_or_path: str, nodes: int | str | None = None, overrides: list[str] | str | None = None) -> Recipe:
-    path = find_recipe(name_or_path)
-    with open(path, "rb") as f:
-        raw = f.read(MAX_RECIPE_BYTES + 1)
+def read_recipe_file(path: Path) -> dict[str, Any]:
+    """A recipe file's mapping: at most MAX_RECIPE_BYTES, no YAML aliases, errors that name the file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RECIPE_BYTES + 1)
+    except OSError as err:
+        raise RecipeError(f"{path}: cannot read ({err.strerror or err})") from None
     if len(raw) > MAX_RECIPE_BYTES:
         raise RecipeError(
             f"{path}: {path.stat().st_size:,} bytes is too big for a recipe; the limit is {MAX_RECIPE_BYTES:,} bytes"
@@ -302,6 +305,12 @@ def load_recipe(name_or_path: str, nodes: int | str | None = None, overrides: li
         raise RecipeError(f"{path}: not valid YAML: nested too deeply") from None
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def load_recipe(name_or_path: str, nodes: int | str | None = None, overrides: list[str] | str | None = None) -> Recipe:
+    path = find_recipe(name_or_path)
+    data = read_recipe_file(path)
     parsed = parse_overrides(overrides)
     for key, value in parsed:
         _apply_override(data, key, value)

@@ -134,7 +134,9 @@ def _convert_scalar(tp: Any, value: Any, where: str, problems: list[str]) -> Any
         problems.append(f"{_name(where)}: expected an integer from -2**63 to 2**63 - 1, got {shown(value)}")
         return None
     if tp is float and not isinstance(value, bool):
-        if isinstance(value, int | float) and math.isfinite(value):
+        if isinstance(value, float) and math.isfinite(value):
+            return value
+        if isinstance(value, int) and INT64[0] <= value <= INT64[1]:  # float(10**400) would raise OverflowError
             return float(value)
         # PyYAML reads `1e-5` (no dot) as a string; accept any finite number spelled as text.
         if isinstance(value, str):

@@ -130,7 +130,10 @@ class Checkpointer:
         self.saved.append(out)
         self.log(f"[trnrecipes] saved checkpoint {out}")
         self.newest_valid = max(step, self.newest_valid or 0)
-        prune(self.root, self.keep_last, self.newest_valid, self.log)
+        try:  # the checkpoint is saved; a failed prune costs disk space, not the run
+            prune(self.root, self.keep_last, self.newest_valid, self.log)
+        except (OSError, CheckpointError) as err:
+            self.log(f"[trnrecipes] warning: pruning old checkpoints failed: {err}")
 
 
 def rng_state(sr_generator: torch.Generator | None) -> dict[str, torch.Tensor]:
@@ -183,7 +186,7 @@ class HostBuffers:
 
 
 def snapshot(
-    model, optimizer, ddp, step: int, position, sr_generator, recipe: Recipe, host: HostBuffers
+    model, optimizer, ddp, step: int, position, sr_generator, recipe: Recipe, host: HostBuffers, *, num_docs: int
 ) -> dict[str, object]:
     """This rank's files for checkpoint `step`: weights and moments from DP rank 0 of each TP group (one file per
     TP rank), the data position from TP rank 0 of each DP group, RNG state from every rank."""
@@ -208,6 +211,7 @@ def snapshot(
             "tp": ddp.tp,
             "world": ddp.world,
             "consumed_samples": step * recipe.batch.global_batch,
+            "num_docs": num_docs,  # the corpus the data positions index (resume refuses another)
         }
     if ddp.tp_rank == 0 and position is not None:
         files[f"data-dp{ddp.dp_rank:04d}.json"] = position.to_dict()
@@ -220,13 +224,31 @@ def local_slice(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int) -> t
     return full if dim is None else full.chunk(tp, dim=dim)[tp_rank]
 
 
-def restore_training_state(path: Path, model, optimizer, ddp, sr_generator, log=print):
-    """Optimizer moments (re-sliced for this TP layout), RNG (same world only) and this DP rank's data position
-    (same DP only). Returns the data position to start from, or None for "start the stream fresh"."""
+def restore_training_state(
+    path: Path,
+    model,
+    optimizer,
+    ddp,
+    sr_generator,
+    log=print,
+    *,
+    num_docs: int,
+    allowed=(),
+    data_order_changed: bool = False,
+):
+    """Optimizer moments (re-sliced for this TP layout), RNG (same world only) and this DP rank's data position.
+    Returns the data position to start from: the saved one only while it means the same documents (same corpus
+    size, same DP size, same order); otherwise the stream restarts at the next epoch, and only when
+    checkpoint.allow_changes accepted what moved it (data.path, layout.dp)."""
     from trnrecipes.checkpoint import consolidate, load_tensors, read_json
     from trnrecipes.data.pack import StreamPosition
+    from trnrecipes.train.resume_compat import allows
 
     state = read_json(path / "state.json")
+    try:
+        saved_dp, saved_world, optimizer_steps = int(state["dp"]), int(state["world"]), float(state["optimizer_steps"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path / 'state.json'}: missing or bad entry ({err})") from None
     moments = consolidate(path, "optim")
     exp_avg, exp_avg_sq = [], []
     for name, p in model.named_parameters():
@@ -235,16 +257,33 @@ def restore_training_state(path: Path, model, optimizer, ddp, sr_generator, log=
             if full is None:
                 raise CheckpointError(f"{path}: no optimizer state for parameter {name}")
             out.append(local_slice(full, p, ddp.tp, ddp.tp_rank))
-    optimizer.load_state_dict(
-        {"step": torch.tensor(float(state["optimizer_steps"])), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    )
-    if state["world"] == ddp.world:
+    optimizer.load_state_dict({"step": torch.tensor(optimizer_steps), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+    if saved_world == ddp.world:
         set_rng_state(load_tensors(path / f"rng-rank{ddp.rank:04d}.safetensors"), sr_generator)
-    if state["dp"] == ddp.dp:
-        return StreamPosition.from_dict(read_json(path / f"data-dp{ddp.dp_rank:04d}.json"))
-    epochs = [read_json(f)["epoch"] for f in sorted(path.glob("data-dp*.json"))]
-    log(
-        f"[trnrecipes] data parallel size changed ({state['dp']} -> {ddp.dp}): positions do not carry over, the"
-        f" data stream restarts at epoch {max(epochs) + 1}"
-    )
+    why = "checkpoint.allow_changes changed the data order" if data_order_changed else None
+    saved_docs = state.get("num_docs")
+    if saved_docs is not None and saved_docs != num_docs:
+        if not allows(allowed, "data.path"):
+            raise CheckpointError(
+                f"{path}: trained on a corpus of {saved_docs} documents, but data.path now has {num_docs}: its data"
+                " position would index other documents. Restore the corpus, or name data.path in"
+                " checkpoint.allow_changes to go on with this one (its stream then starts afresh)"
+            )
+        why = f"the corpus changed ({saved_docs} -> {num_docs} documents)"
+    if saved_dp != ddp.dp:
+        if not allows(allowed, "layout.dp"):
+            raise CheckpointError(
+                f"{path}: saved at data-parallel size {saved_dp}, resumed at {ddp.dp}: each DP rank's data position"
+                " cannot carry over (the stream would restart at the next epoch, skipping the rest of this one);"
+                " name layout.dp in checkpoint.allow_changes to accept that"
+            )
+        why = f"data parallel size changed ({saved_dp} -> {ddp.dp})"
+    if why is None:
+        file = path / f"data-dp{ddp.dp_rank:04d}.json"
+        try:
+            return StreamPosition.from_dict(read_json(file))
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{file}: not a data position ({str(err)[:80]})") from None
+    epochs = [int(read_json(f).get("epoch", 0)) for f in sorted(path.glob("data-dp*.json"))] or [-1]
+    log(f"[trnrecipes] {why}: positions do not carry over, the data stream restarts at epoch {max(epochs) + 1}")
     return StreamPosition(epoch=max(epochs) + 1)

@@ -28,12 +28,13 @@ from trnrecipes.data.pack import PackedStream, Prefetcher, StreamPosition, batch
 from trnrecipes.layout import compute_layout, plan
 from trnrecipes.models import build_model
 from trnrecipes.recipe import Recipe, RecipeError
+from trnrecipes.schema import shown
 from trnrecipes.train.backends import Backend, make_backend
 from trnrecipes.train.checkpointing import Checkpointer, HostBuffers, restore_training_state, snapshot
 from trnrecipes.train.distributed import Distributed, full_tensor, local_tensor
 from trnrecipes.train.monitor import Metrics, SpikeDetector, progress_line
 from trnrecipes.train.optim import AdamW, lr_at, no_decay_params
-from trnrecipes.train.resume_compat import check_resume
+from trnrecipes.train.resume_compat import changes_data_order, check_resume
 from trnrecipes.train.run_dir import RunDirLock, settle_checkpoints
 
 
@@ -44,6 +45,7 @@ class RunResult:
     compilations: list[int | None] = field(default_factory=list)  # XLA compile counter after each step
     checkpoints: list[Path] = field(default_factory=list)
     stopped_early: bool = False
+    already_done: bool = False  # the run dir's checkpoint had reached the last step
     position: StreamPosition | None = None
 
 
@@ -116,6 +118,7 @@ class Trainer:
         if not self.run_dir.is_absolute():
             self.run_dir = REPO_ROOT / self.run_dir
         self.lock: RunDirLock | None = None
+        self.data_order_changed = False
         resume = self._claim_run_dir()
         try:
             self._build(resume)
@@ -141,7 +144,15 @@ class Trainer:
         if resume is not None:
             self.start_step = int(resume.name.split("_")[1])
             self.start_position = restore_training_state(
-                resume, self.model, self.optimizer, self.ddp, self.optimizer.generator, self.log
+                resume,
+                self.model,
+                self.optimizer,
+                self.ddp,
+                self.optimizer.generator,
+                self.log,
+                num_docs=self.documents.num_docs,
+                allowed=recipe.checkpoint.allow_changes,
+                data_order_changed=self.data_order_changed,
             )
             self.log(f"[trnrecipes] resuming from {resume} (step {self.start_step})")
         self.host = HostBuffers()
@@ -165,18 +176,25 @@ class Trainer:
         if self.compile_only:
             return None
         c, root = self.recipe.checkpoint, self.run_dir / "checkpoints"
-        error, step = None, -1
+        error, step, reorder = None, -1, False
         if self.ddp.rank == 0:
             try:
                 self.lock = RunDirLock(self.run_dir, self.log).acquire()
-                found = settle_checkpoints(root, c.resume, c.force_fresh, self.log)
+                restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0  # a requeue resumes, never archives
+                found = settle_checkpoints(root, c.resume, c.force_fresh, self.log, restarted=restarted)
                 if found is not None:
                     tokenizer = REPO_ROOT / self.recipe.data.tokenizer  # an absolute path stays itself
-                    check_resume(found[1], self.recipe.to_dict(), tokenizer, c.allow_changes, self.log)
-                    step = found[0]
+                    accepted = check_resume(found[1], self.recipe.to_dict(), tokenizer, c.allow_changes, self.log)
+                    step, reorder = found[0], changes_data_order(accepted)
             except RecipeError as err:
                 error = err
-        failed, step = self.ddp.max_over_ranks([error is not None, step], self.backend.device)
+            except OSError as err:  # the run dir's file system, not a checkpoint: say which file, no traceback
+                error = RecipeError(f"run dir {self.run_dir}: {err.strerror or err} ({shown(err.filename)})")
+            except BaseException:
+                self._release()
+                raise
+        failed, step, reorder = self.ddp.max_over_ranks([error is not None, step, reorder], self.backend.device)
+        self.data_order_changed = bool(reorder)
         if error is not None:
             self._release()
             raise error
@@ -315,7 +333,15 @@ class Trainer:
         Compile mode traces the same copies (and TP gathers) and writes nothing."""
         self.checkpointer.wait()  # the previous writer may still read the host buffers this copy reuses
         files = snapshot(
-            self.model, self.optimizer, self.ddp, step, position, self.optimizer.generator, self.recipe, self.host
+            self.model,
+            self.optimizer,
+            self.ddp,
+            step,
+            position,
+            self.optimizer.generator,
+            self.recipe,
+            self.host,
+            num_docs=self.documents.num_docs,
         )
         if not self.compile_only:
             self.checkpointer.save(step, files)
@@ -331,6 +357,7 @@ class Trainer:
         result = RunResult(position=self.start_position)
         if self.start_step >= steps:
             self.log(f"[trnrecipes] {r.name}: already trained to step {self.start_step} of {steps}; nothing to do")
+            result.already_done = True  # a success: a requeue after the last save must not fail the job
             return result
         metrics = Metrics(self.run_dir, enabled=self.ddp.rank == 0 and not self.compile_only)
         spikes = SpikeDetector()
@@ -404,6 +431,13 @@ class Trainer:
         return result
 
     def _release(self) -> None:
+        """The lock goes last: a background save still finalizing or pruning must finish under it."""
+        checkpointer = getattr(self, "checkpointer", None)
+        if checkpointer is not None:
+            try:
+                checkpointer.wait()
+            except RuntimeError as err:
+                self.log(f"[trnrecipes] {err}")
         if self.lock is not None:
             self.lock.release()
             self.lock = None

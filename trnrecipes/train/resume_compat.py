@@ -6,20 +6,24 @@ wants anyway (a new learning rate). Torch-free: check_recipe validates allow_cha
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterable
 from pathlib import Path
 
 from trnrecipes.recipe import RecipeError
+from trnrecipes.schema import shown
 
 # Free to change on resume: how and where the run executes, how long it goes on, how it saves and logs. The
 # tokenizer's path may change too: its files are compared instead.
 FREE = ("name", "description", "run_dir", "cluster.", "slurm.", "compile.", "checkpoint.", "layout.", "train.max_steps",
         "train.log_every", "train.val_every", "train.val_batches", "train.init_from", "model.activation_checkpointing",
         "model.init_std", "batch.micro_batch", "data.tokenizer")  # fmt: skip
-# Never: the weights would not load, or token ids would mean other text.
-SHAPE = ("model.family", "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",
-         "model.num_kv_heads", "model.ffn_hidden_size")  # fmt: skip
+# Never: the weights would not load, or would compute something else (which residual form, which dims rotate).
+FIXED = ("model.family", "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",
+         "model.num_kv_heads", "model.ffn_hidden_size", "model.parallel_residual", "model.rotary_pct")  # fmt: skip
+# Accepted changes of these reorder the data: the saved position would index other documents, so it is dropped.
+DATA_ORDER = ("data", "train.seed", "batch.seq_len")
+# Not recipe keys, but decisions allow_changes can take: a new DP size (each DP rank's position is its own).
+PSEUDO_KEYS = ("layout.dp",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -36,16 +40,42 @@ def _matches(key: str, patterns: Iterable[str]) -> bool:
     return any(key == p or (p.endswith(".") and key.startswith(p)) or key.startswith(p + ".") for p in patterns)
 
 
+def allows(allowed: Iterable[str], key: str) -> bool:
+    return _matches(key, allowed)
+
+
+def changes_data_order(accepted_keys: Iterable[str]) -> bool:
+    return any(_matches(key, DATA_ORDER) for key in accepted_keys)
+
+
+def _recipe_keys() -> set[str]:
+    """Every section and section.key of the recipe schema, plus the pseudo keys."""
+    import dataclasses
+    import typing
+
+    from trnrecipes.recipe import Recipe
+
+    keys = set(PSEUDO_KEYS)
+    for name, tp in typing.get_type_hints(Recipe).items():
+        keys.add(name)
+        if dataclasses.is_dataclass(tp):
+            keys.update(f"{name}.{f.name}" for f in dataclasses.fields(tp))
+    return keys
+
+
 def check_allow_changes(allowed: Iterable[str]) -> list[str]:
     """Problems with checkpoint.allow_changes entries (render time): each a section or key that may be allowed."""
-    problems = []
+    problems, known = [], _recipe_keys()
     for key in allowed:
-        if not re.fullmatch(r"[a-z_]+(\.[a-z_]+)?", key):
-            problems.append(f"checkpoint.allow_changes: {key[:80]!r} is not a section or section.key (e.g. optim.lr)")
-        elif _matches(key, SHAPE) or any(s.startswith(key + ".") for s in SHAPE):
+        if not isinstance(key, str) or key not in known:
+            problems.append(
+                f"checkpoint.allow_changes: {shown(key)} is not a recipe section or section.key (e.g. optim.lr,"
+                " data, layout.dp)"
+            )
+        elif _matches(key, FIXED) or any(s.startswith(key + ".") for s in FIXED):
             problems.append(
                 f"checkpoint.allow_changes: {key!r} covers the model's shape, which cannot change on resume"
-                f" ({', '.join(s for s in SHAPE if _matches(s, [key]))}); start a new run_dir (train.init_from)"
+                f" ({', '.join(s for s in FIXED if _matches(s, [key]))}); start a new run_dir (train.init_from)"
             )
     return problems
 
@@ -72,13 +102,13 @@ def resume_differences(
     refused, accepted = [], []
     for key in sorted(set(saved) | set(now)):
         a, b = saved.get(key, "<unset>"), now.get(key, "<unset>")
-        if a == b or (_matches(key, FREE) and not _matches(key, SHAPE)):
+        if a == b or (_matches(key, FREE) and not _matches(key, FIXED)):
             continue
-        line = f"{key}: {str(a)[:60]} -> {str(b)[:60]}"
-        if not _matches(key, SHAPE) and _matches(key, allowed):
+        line = f"{key}: {shown(a)} -> {shown(b)}"
+        if not _matches(key, FIXED) and _matches(key, allowed):
             accepted.append(line)
         else:
-            refused.append(line + ("" if not _matches(key, SHAPE) else " (shape: cannot change)"))
+            refused.append(line + ("" if not _matches(key, FIXED) else " (cannot change on resume)"))
     theirs = _tokenizer_digest(checkpoint / "tokenizer")
     ours = _tokenizer_digest(tokenizer_dir)
     if theirs is not None and ours is not None and theirs != ours:
@@ -88,8 +118,10 @@ def resume_differences(
     return refused, accepted
 
 
-def check_resume(checkpoint: Path, current: dict, tokenizer_dir: Path | None, allowed: Iterable[str], log=print):
-    """Raise RecipeError listing every refused difference; log the accepted ones."""
+def check_resume(
+    checkpoint: Path, current: dict, tokenizer_dir: Path | None, allowed: Iterable[str], log=print
+) -> list[str]:
+    """Raise RecipeError listing every refused difference; log the accepted ones and return their keys."""
     refused, accepted = resume_differences(checkpoint, current, tokenizer_dir, allowed)
     if refused:
         raise RecipeError(
@@ -100,3 +132,4 @@ def check_resume(checkpoint: Path, current: dict, tokenizer_dir: Path | None, al
         )
     for line in accepted:
         log(f"[trnrecipes] resuming with a changed recipe (checkpoint.allow_changes): {line}")
+    return [line.split(":", 1)[0] for line in accepted]

@@ -6,6 +6,7 @@ Everything here runs on rank 0 only (one per job, whatever the node count) and i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -18,15 +19,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from trnrecipes.checkpoint import DONE, CheckpointError, verify
+from trnrecipes.checkpoint import DONE, CheckpointError, CheckpointReadError, verify_training
 from trnrecipes.recipe import RecipeError
+from trnrecipes.schema import shown
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TEMP_DIR = re.compile(r"^\.step_\d+\.tmp$")  # a save in progress (trnrecipes.train.checkpointing)
 PRUNING = re.compile(r"^\.prune-step_\d+$")  # a step dir renamed for deletion: gone from view in one rename
 UNUSABLE = "unusable"  # checkpoints/unusable/step_N: complete-looking checkpoints that failed verification
 LOCK_FILE = ".trnrecipes.lock"
-HEARTBEAT_S = 30.0  # the fallback lock (file systems without flock) is stale after 4 missed heartbeats
+RECORD_BYTES = 512  # the lock file's holder record, space-padded JSON
 
 
 class RunDirBusy(RecipeError):
@@ -44,8 +46,8 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
             continue
         if p.is_symlink():
             raise CheckpointError(
-                f"{p} is a symlink (to {os.readlink(p)}): a run dir holds its own checkpoints. Remove the link; to"
-                " start from another run's checkpoint copy it in, or use train.init_from"
+                f"{p} is a symlink (to {shown(os.readlink(p))}): a run dir holds its own checkpoints. Remove the"
+                " link; to start from another run's checkpoint copy it in, or use train.init_from"
             )
         if p.is_dir():
             found.append((int(m.group(1)), p))
@@ -55,6 +57,8 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
 def _move_aside(path: Path, root: Path) -> Path:
     """checkpoints/unusable/step_N[.K]: out of every reader's and pruner's view, kept as evidence."""
     aside = root / UNUSABLE
+    if aside.is_symlink() or (aside.exists() and not aside.is_dir()):
+        raise CheckpointError(f"{aside} exists and is not a directory: cannot move {path.name} aside into it")
     aside.mkdir(exist_ok=True)
     target, k = aside / path.name, 0
     while target.exists():
@@ -64,29 +68,43 @@ def _move_aside(path: Path, root: Path) -> Path:
     return target
 
 
-def settle_checkpoints(root: Path, resume: bool, force_fresh: bool, log=print) -> tuple[int, Path] | None:
+def _remove_leftovers(root: Path, log) -> None:
+    """Leftovers of interrupted saves (.step_N.tmp) and prunes (.prune-step_N): never complete, so deleted."""
+    for p in sorted(root.iterdir()):
+        if not (TEMP_DIR.match(p.name) or PRUNING.match(p.name)):
+            continue
+        if p.is_symlink():
+            link = shown(os.readlink(p))
+            raise CheckpointError(f"{p} is a symlink (to {link}): refusing to write or delete through it")
+        log(f"[trnrecipes] removing incomplete checkpoint {p.name}")
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+def settle_checkpoints(
+    root: Path, resume: bool, force_fresh: bool, log=print, restarted: bool = False
+) -> tuple[int, Path] | None:
     """Before the first save: the checkpoint to resume from (verified), or None to start at step 0.
 
-    - Leftovers of interrupted saves (.step_N.tmp) and prunes (.prune-step_N) are deleted; they were never
-      complete. Symlinks among them, or among step dirs, are refused, never followed.
-    - resume: step dirs newer than the newest one that verifies are moved to checkpoints/unusable/ (a corrupt or
-      half-pruned newer checkpoint must not outrank the valid one in later runs, in pruning or in eval).
+    - Leftovers of interrupted saves and prunes are deleted. Symlinks among them, or among step dirs, are refused.
+    - resume: step dirs newer than the newest one that verifies are moved to checkpoints/unusable/ (a corrupt
+      newer checkpoint must not outrank the valid one in later runs, in pruning or in eval). If none verifies,
+      nothing is moved and the run is refused: starting over at step 0 is the user's call (force_fresh).
+      An I/O error while reading is not corruption: it stops the run and moves nothing.
     - not resume: a run dir with checkpoints is refused unless force_fresh, which moves checkpoints/ and the
-      metrics aside to RUN_DIR/archived/<time>/ (a new run's saves would otherwise mix with the old run's).
+      metrics aside to RUN_DIR/archived/<time>/ (a new run's saves would otherwise mix with the old run's). A
+      requeued job (`restarted`) resumes instead: archiving again would throw away its own progress every time.
     """
     if not root.is_dir():
         return None
-    for p in sorted(root.iterdir()):
-        if TEMP_DIR.match(p.name) or PRUNING.match(p.name):
-            if p.is_symlink():
-                raise CheckpointError(f"{p} is a symlink (to {os.readlink(p)}): refusing to write or delete through it")
-            log(f"[trnrecipes] removing incomplete checkpoint {p.name}")
-            shutil.rmtree(p)
+    _remove_leftovers(root, log)
     found = step_dirs(root)
-    if not resume:
-        if not found:
-            return None
-        names = ", ".join(p.name for _, p in found[:3]) + (", ..." if len(found) > 3 else "")
+    if not found:
+        return None
+    names = ", ".join(p.name for _, p in found[:3]) + (", ..." if len(found) > 3 else "")
+    if not resume and not (force_fresh and restarted):
         if not force_fresh:
             raise RecipeError(
                 f"{root} already has checkpoints ({names}) and checkpoint.resume is false: resume (the default), use"
@@ -95,15 +113,24 @@ def settle_checkpoints(root: Path, resume: bool, force_fresh: bool, log=print) -
         archive = _archive(root.parent)
         log(f"[trnrecipes] checkpoint.force_fresh: moved the previous run's checkpoints and metrics to {archive}")
         return None
+    unusable: list[tuple[Path, CheckpointError]] = []
     for step, path in found:
         try:
-            verify(path)
+            verify_training(path)
+        except CheckpointReadError:
+            raise
         except CheckpointError as err:
-            where = _move_aside(path, root)
-            log(f"[trnrecipes] checkpoint {path.name} is unusable, moved to {where} (trying the one before): {err}")
+            unusable.append((path, err))
             continue
+        for bad, err in unusable:
+            where = _move_aside(bad, root)
+            log(f"[trnrecipes] checkpoint {bad.name} is unusable, moved to {where}: {err}")
         return step, path
-    return None
+    raise RecipeError(
+        f"{root}: none of its checkpoints ({names}) verifies, the newest because: {unusable[0][1]}. Nothing was"
+        " changed. Repair or remove them, or start over with checkpoint.resume=false checkpoint.force_fresh=true"
+        " (which moves them aside)"
+    )
 
 
 def _archive(run_dir: Path) -> Path:
@@ -132,112 +159,161 @@ def prune(root: Path, keep_last: int, newest_valid: int, log=print) -> None:
 # ---- the lock
 
 
-def _holder_text(path: Path) -> str:
+def _holder_text(record: dict | None) -> str:
     try:
-        h = json.loads(path.read_text())
-        job = f", Slurm job {h['job']}" if h.get("job") else ""
-        return f"pid {h['pid']} on {h['host']}{job}, since {h['since']}"
-    except (OSError, ValueError, KeyError, TypeError):
+        job = f", Slurm job {shown(record['job'])}" if record.get("job") else ""
+        return f"pid {int(record['pid'])} on {shown(record['host'])}{job}, since {shown(record['since'])}"
+    except (AttributeError, KeyError, TypeError, ValueError):
         return "an unknown process"
-
-
-def _holder_record() -> dict:
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "job": os.environ.get("SLURM_JOB_ID"),
-        "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "heartbeat": time.time(),
-    }
 
 
 class RunDirLock:
     """An exclusive lock on the run dir for the whole training run, taken by the job's rank 0 only.
 
-    flock(2) on RUN_DIR/.trnrecipes.lock: the kernel releases it when the process dies however it dies, so a lock
-    left by a crash is never in the way (the file's holder record is then just history). Where the file system has
-    no flock (some Lustre mounts), a heartbeat in the file stands in: the holder rewrites it every 30 s and a lock
-    whose heartbeat is 2 minutes old, or whose pid is gone on this host, is taken over."""
+    Two layers, because shared file systems differ:
+    - flock(2) on RUN_DIR/.trnrecipes.lock: the kernel drops it when the process dies however it dies, so a crash
+      never leaves the dir locked.
+    - a holder record in that file (host, pid, Slurm job, heartbeat), rewritten in place every `heartbeat_s`. Where
+      flock is node-local (NFS local_lock=flock, Lustre localflock) a second node's flock succeeds; a fresh record
+      from another holder still refuses it. Where there is no flock at all, an O_EXCL claim file serialises the
+      check-and-write. A record whose heartbeat stops is stale after 4 beats (a crashed node): its successor waits
+      that long at most, and takes over once the beat has stopped. Hosts' clocks are assumed to agree within a beat.
+    """
 
-    def __init__(self, run_dir: Path, log: Callable[[str], None] = print, use_flock: bool = True):
+    def __init__(self, run_dir: Path, log: Callable[[str], None] = print, use_flock: bool = True, heartbeat_s=30.0):
         self.path = Path(run_dir) / LOCK_FILE
-        self.log, self.use_flock = log, use_flock
+        self.log, self.use_flock, self.heartbeat_s = log, use_flock, heartbeat_s
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
+                       "since": since, "token": os.urandom(8).hex()}  # fmt: skip
         self._fd: int | None = None
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
 
     def acquire(self) -> RunDirLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.use_flock:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise RunDirBusy(self._busy_message()) from None
-            except OSError as err:
-                os.close(fd)
-                if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    raise
-                self.log(f"[trnrecipes] {self.path.parent}: no flock on this file system ({err}); using a heartbeat")
-                self.use_flock = False
-            else:
-                self._fd = fd
-                self._take_over_notice()
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, json.dumps(_holder_record()).encode(), 0)
-                return self
-        self._acquire_heartbeat()
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:  # ELOOP: a symlink planted where the lock goes
+            raise RunDirBusy(f"{self.path}: cannot open the run dir lock ({err.strerror or err})") from None
+        try:
+            if self.use_flock and not self._flock(fd):
+                raise RunDirBusy(self._busy(self._read(fd)))
+            with self._claim():
+                self._wait_out_previous_holder(fd)
+                self._write(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._beat = threading.Thread(target=self._heartbeat, name="run-dir-lock", daemon=True)
+        self._beat.start()
         return self
 
-    def _busy_message(self) -> str:
+    def _flock(self, fd: int) -> bool:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            self.log(f"[trnrecipes] {self.path.parent}: no flock on this file system ({err}); using the heartbeat only")
+            self.use_flock = False
+            return True
+
+    @contextlib.contextmanager
+    def _claim(self):
+        """Without flock, contenders take turns through an O_EXCL file (one left by a crash is stale after 60 s)."""
+        if self.use_flock:
+            yield
+            return
+        claim = self.path.with_name(LOCK_FILE + ".claim")
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644))
+                break
+            except FileExistsError:
+                with contextlib.suppress(FileNotFoundError):
+                    if time.time() - claim.stat().st_mtime > 60:
+                        claim.unlink()
+                if time.monotonic() > deadline:
+                    raise RunDirBusy(f"{claim}: another trainer is taking the run dir lock; try again") from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            claim.unlink(missing_ok=True)
+
+    @staticmethod
+    def _read(fd: int) -> dict | None:
+        try:
+            record = json.loads(os.pread(fd, 4096, 0) or b"null")
+            return record if isinstance(record, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def _alive(self, record: dict | None) -> bool:
+        """Whether a record may belong to a running trainer: fresh heartbeat, and on this host a live pid."""
+        try:
+            fresh = time.time() - float(record["heartbeat"]) < 4 * self.heartbeat_s
+            if record["host"] == self.record["host"]:
+                return fresh and int(record["pid"]) != os.getpid() and Path(f"/proc/{int(record['pid'])}").exists()
+            return fresh
+        except (KeyError, TypeError, ValueError):
+            return False
+
+    def _wait_out_previous_holder(self, fd: int) -> None:
+        record = self._read(fd)
+        if record is not None and not self._alive(record):
+            self.log(f"[trnrecipes] taking over the run dir lock left by {_holder_text(record)} (no longer running)")
+            return
+        first = record
+        while self._alive(record):
+            if record.get("heartbeat") != first.get("heartbeat"):  # still beating: it is held elsewhere
+                raise RunDirBusy(self._busy(record))
+            time.sleep(self.heartbeat_s / 4)
+            record = self._read(fd)
+        if first is not None:
+            self.log(f"[trnrecipes] taking over the run dir lock left by {_holder_text(first)} (its heartbeat stopped)")
+
+    def _write(self, fd: int) -> None:
+        # In place (the flock stays on this inode), padded to one size and never truncated first: a reader never
+        # sees an empty file, which would read as "no holder".
+        data = json.dumps({**self.record, "heartbeat": time.time()}).ljust(RECORD_BYTES).encode()
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                current = self._read(self._fd)
+                if current is not None and current.get("token") != self.record["token"]:
+                    self.log(f"[trnrecipes] ERROR: the run dir lock was taken over by {_holder_text(current)}")
+                    return
+                self._write(self._fd)
+            except OSError as err:  # a flaky shared FS: keep trying; the record goes stale only after 4 misses
+                self.log(f"[trnrecipes] warning: could not refresh the run dir lock: {err}")
+
+    def _busy(self, record: dict | None) -> str:
         return (
-            f"run dir {self.path.parent} is in use by another trainer ({_holder_text(self.path)}); wait for it to"
+            f"run dir {self.path.parent} is in use by another trainer ({_holder_text(record)}); wait for it to"
             " finish, stop it, or train into another run_dir"
         )
 
-    def _take_over_notice(self) -> None:
-        if self.path.stat().st_size:
-            self.log(f"[trnrecipes] taking over the run dir lock left by {_holder_text(self.path)} (no longer running)")
-
-    def _acquire_heartbeat(self) -> None:
-        if self.path.exists() and self._alive(self.path):
-            raise RunDirBusy(self._busy_message())
-        if self.path.exists():
-            self._take_over_notice()
-        self._write_record()
-        self._beat = threading.Thread(target=self._heartbeat, name="run-dir-lock", daemon=True)
-        self._beat.start()
-
-    @staticmethod
-    def _alive(path: Path) -> bool:
-        try:
-            h = json.loads(path.read_text())
-            if h["host"] == socket.gethostname():
-                return Path(f"/proc/{int(h['pid'])}").exists() and int(h["pid"]) != os.getpid()
-            return time.time() - float(h["heartbeat"]) < 4 * HEARTBEAT_S
-        except (OSError, ValueError, KeyError, TypeError):
-            return False  # unreadable: a crash mid-write; nobody can be holding it in a known way
-
-    def _write_record(self) -> None:
-        tmp = self.path.with_name(f"{LOCK_FILE}.{os.getpid()}")
-        tmp.write_text(json.dumps(_holder_record()))
-        os.replace(tmp, self.path)
-
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            self._write_record()
-
     def release(self) -> None:
         self._stop.set()
-        if self._fd is not None:
-            os.ftruncate(self._fd, 0)  # an empty file: the next trainer knows this one ended cleanly
-            os.close(self._fd)  # releases the flock
-            self._fd = None
         if self._beat is not None:
             self._beat.join()
             self._beat = None
-            self.path.unlink(missing_ok=True)
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                if (self._read(self._fd) or {}).get("token") == self.record["token"]:
+                    os.ftruncate(self._fd, 0)  # empty: the next trainer knows this one ended cleanly
+            os.close(self._fd)  # drops the flock
+            self._fd = None
 
     def __enter__(self) -> RunDirLock:
         return self.acquire()
