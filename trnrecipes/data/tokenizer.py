@@ -16,9 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trnrecipes.data import clipped
 from trnrecipes.recipe import RecipeError
-from trnrecipes.schema import shown
+from trnrecipes.schema import clipped, shown
 
 
 class TokenizerError(RecipeError):  # a user error: the CLI prints it, exit 2

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from trnrecipes.checkpoint import CheckpointError, finalize, hash_and_sync, verify, write_common
 from trnrecipes.recipe import Recipe
+from trnrecipes.schema import clipped
 from trnrecipes.train.distributed import local_tensor
 from trnrecipes.train.run_dir import prune, step_dirs
 
@@ -283,7 +284,7 @@ def restore_training_state(
         try:
             return StreamPosition.from_dict(read_json(file))
         except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"{file}: not a data position ({str(err)[:80]})") from None
+            raise CheckpointError(f"{file}: not a data position ({clipped(err, 80)})") from None
     epochs = [int(read_json(f).get("epoch", 0)) for f in sorted(path.glob("data-dp*.json"))] or [-1]
     log(f"[trnrecipes] {why}: positions do not carry over, the data stream restarts at epoch {max(epochs) + 1}")
     return StreamPosition(epoch=max(epochs) + 1)

@@ -14,7 +14,7 @@ from trnrecipes.schema import shown
 
 # Free to change on resume: how and where the run executes, how long it goes on, how it saves and logs. The
 # tokenizer's path may change too: its files are compared instead.
-FREE = ("name", "description", "run_dir", "cluster.", "slurm.", "compile.", "checkpoint.", "layout.", "train.max_steps",
+FREE = ("name", "description", "run_dir", "cluster", "slurm", "compile", "checkpoint", "layout", "train.max_steps",
         "train.log_every", "train.val_every", "train.val_batches", "train.init_from", "model.activation_checkpointing",
         "model.init_std", "batch.micro_batch", "data.tokenizer")  # fmt: skip
 # Never: the weights would not load, or would compute something else (which residual form, which dims rotate).
@@ -28,16 +28,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _flat(data: object, prefix: str = "") -> dict[str, object]:
+    """{"optim": {"lr": 1}} -> {"optim.lr": 1}."""
     if not isinstance(data, dict):
         return {prefix: data}
     out: dict[str, object] = {}
     for key, value in data.items():
-        out.update(_flat(value, f"{prefix}{key}."))
-    return {k.rstrip("."): v for k, v in out.items()}
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
 
 
 def _matches(key: str, patterns: Iterable[str]) -> bool:
-    return any(key == p or (p.endswith(".") and key.startswith(p)) or key.startswith(p + ".") for p in patterns)
+    """Whether `key` is one of `patterns` or inside one of them (a section)."""
+    return any(key == p or key.startswith(p + ".") for p in patterns)
 
 
 def allows(allowed: Iterable[str], key: str) -> bool:
