@@ -32,7 +32,7 @@ help:
 	@echo "make demo        render a tiny recipe and run its run.sbatch locally (no Slurm, CPU)"
 	@echo "make test        lint + the whole test suite (unit, golden scripts, shellcheck, local launch)"
 	@echo "make golden      regenerate tests/golden/ after an intended template or recipe change"
-	@echo "make bench       benchmarks in bench/ (render, model vs transformers, data pipeline, checkpoint stall)"
+	@echo "make bench       benchmarks in bench/ (render, model vs transformers, data pipeline, checkpoint stall, host memory)"
 	@echo "make setup       create .venv, install Debian tools (shellcheck), prepare the demo data (idempotent)"
 
 setup: $(STAMP) debian-tools data
@@ -115,6 +115,7 @@ bench: setup
 	$(PY) bench/bench_data.py --tokenizer data/tokenizers/gpt2
 	$(PY) bench/bench_data.py --tokenizer data/tokenizers/demo-sp
 	$(PY) bench/bench_checkpoint.py
+	$(PY) bench/bench_memory.py
 
 clean:
 	rm -rf jobs/demo .pytest_cache .ruff_cache

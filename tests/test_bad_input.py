@@ -17,17 +17,23 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_cli
 
-from trnrecipes.recipe import Recipe, RecipeError, load_recipe
+from trnrecipes.families import FAMILIES
+from trnrecipes.recipe import Recipe, RecipeError, load_recipe, model_bounds
 
 RECIPE = "pythia-tiny"
 BOMB_LEVELS = 9  # 9**9 = 387,420,489 leaves: printed in full, several GB
 
 
 def numeric_fields(cls: type = Recipe, prefix: str = "") -> dict[str, type]:
-    """Dotted key -> int or float, for every numeric field of the recipe schema (tuple fields: their item type)."""
+    """Dotted key -> int or float, for every numeric field of the recipe schema (tuple fields: their item type),
+    the model section's of every family included."""
     found: dict[str, type] = {}
     for f in dataclasses.fields(cls):
         tp, key = typing.get_type_hints(cls)[f.name], prefix + f.name
+        if f.name == "model":
+            for spec in FAMILIES.values():
+                found |= numeric_fields(spec.config, key + ".")
+            continue
         if typing.get_origin(tp) in (typing.Union, types.UnionType):
             tp = next(a for a in typing.get_args(tp) if a is not type(None))
         if typing.get_origin(tp) is tuple:
@@ -43,10 +49,18 @@ def override(key: str, text: str) -> str:
     return f"{key}=[{text},0.95]" if key == "optim.betas" else f"{key}={text}"
 
 
-def refused(overrides: list[str] | str, nodes: int | None = None) -> str:
+def refused(overrides: list[str] | str, nodes: int | None = None, recipe: str = RECIPE) -> str:
     with pytest.raises(RecipeError) as err:
-        load_recipe(RECIPE, nodes=nodes, overrides=overrides)
+        load_recipe(recipe, nodes=nodes, overrides=overrides)
     return str(err.value)
+
+
+def recipe_with(key: str) -> str:
+    """RECIPE, or for a model key its family lacks, the tiny recipe of a family that has it."""
+    field = key.removeprefix("model.")
+    if field == key or field in {f.name for f in dataclasses.fields(load_recipe(RECIPE).model)}:
+        return RECIPE
+    return next(f"{n}-tiny" for n, s in FAMILIES.items() if field in {f.name for f in dataclasses.fields(s.config)})
 
 
 # ---------------------------------------------------------------- 1. every numeric field has a range
@@ -58,7 +72,7 @@ def test_every_numeric_field_refuses_negative_and_non_finite_values(key):
     numpy and bash read 64 bits)."""
     bad = ["-1", ".nan", ".inf", "-.inf"] if numeric_fields()[key] is float else ["-1", str(2**63)]
     for text in bad:
-        message = refused([override(key, text)])
+        message = refused([override(key, text)], recipe=recipe_with(key))
         assert key in message and len(message) < 300, (text, message)
 
 
@@ -98,7 +112,8 @@ def test_range_edges_that_mean_something_stay_valid():
 def test_the_bounds_table_covers_every_numeric_field():
     from trnrecipes.recipe import FIELD_BOUNDS
 
-    assert sorted(FIELD_BOUNDS) == sorted(numeric_fields())
+    every_family = {key: bound for name in FAMILIES for key, bound in model_bounds(name).items()}
+    assert sorted(FIELD_BOUNDS | every_family) == sorted(numeric_fields())
 
 
 def test_plan_refuses_non_finite_throughput_and_price():

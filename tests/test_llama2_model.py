@@ -179,7 +179,7 @@ def test_llama2_7b_param_count_on_meta():
 def test_scaled_init():
     args = Llama2Args(vocab_size=64, hidden_size=512, num_layers=8, num_heads=8, ffn_hidden_size=1024, max_seq_len=8)
     model = Llama2(args)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(seed=0)
     layer = model.layers[3]
     out_std = args.init_std / math.sqrt(2 * args.num_layers)
     assert layer.attn.out.weight.std().item() == pytest.approx(out_std, rel=0.1)
@@ -210,7 +210,7 @@ def test_contiguous_row_shards_hold_whole_heads_and_ffn_units(tp):
         vocab_size=64, hidden_size=128, num_layers=1, num_heads=8, num_kv_heads=4, ffn_hidden_size=96, max_seq_len=16
     )
     model = Llama2(args).eval()
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(seed=0)
     x = torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(1))
     attn, mlp = model.layers[0].attn, model.layers[0].mlp
     with torch.no_grad():
@@ -232,7 +232,7 @@ def test_activation_checkpointing_gives_same_loss_and_grads():
     )
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
     ref = Llama2(base)
-    ref.init_weights(torch.Generator().manual_seed(0))
+    ref.init_weights(seed=0)
     results = {}
     for mode in ("none", "selective", "full"):
         model = Llama2(Llama2Args(**{**vars(base), "activation_checkpointing": mode})).train()

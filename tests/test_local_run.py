@@ -85,7 +85,7 @@ def test_a_world_size_that_does_not_match_the_layout_fails_before_training(tmp_p
     assert run_cli("sbatch", "--recipe", "neox-tiny", "--nodes", "1", "--out", str(job)).returncode == 0
     done = run_cli("train", "--config", str(job / "recipe.yaml"), env={"WORLD_SIZE": "3", "RANK": "0"})
     assert done.returncode == 2
-    expected = "launched with 3 rank(s), but recipe neox-tiny at 1 node(s) needs 2 (DP 2 x TP 1); use its run.sbatch"
+    expected = "launched with 3 rank(s), but recipe neox-tiny at 1 node(s) needs 2 (PP 1 x DP 2 x TP 1); use its"
     assert expected in done.stderr
 
 

@@ -98,7 +98,7 @@ MODELS = {
 def test_model_labels_path_equals_logits_plus_cross_entropy(family):
     torch.manual_seed(0)
     model = MODELS[family]().train()
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(seed=0)
     tokens = torch.randint(0, 97, (3, 16))
     labels = shifted(tokens)
     labels[1, :4] = IGNORE_INDEX  # e.g. a prompt that is not trained on
@@ -127,7 +127,7 @@ def test_tensor_parallel_head_falls_back_to_full_logits(family):
     if dist.is_initialized():
         pytest.skip("a process group is already up")
     model = MODELS[family]().train()
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(seed=0)
     tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
     want = model(tokens, labels=shifted(tokens))
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())

@@ -116,7 +116,7 @@ def test_zero_frequency_rotary_scores_equal_hf_and_the_naive_variant_does_not(he
 def test_scaled_init():
     args = NeoXArgs(vocab_size=64, hidden_size=512, num_layers=8, num_heads=8, ffn_hidden_size=2048, max_seq_len=16)
     model = NeoX(args)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(seed=0)
     layer = model.layers[0]
     assert layer.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert layer.mlp.fc_out.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
@@ -128,7 +128,7 @@ def test_scaled_init():
 def test_activation_checkpointing_changes_nothing_but_memory(mode):
     args = NeoXArgs(vocab_size=50, hidden_size=64, num_layers=2, num_heads=4, ffn_hidden_size=128, max_seq_len=32)
     base = NeoX(args)
-    base.init_weights(torch.Generator().manual_seed(0))
+    base.init_weights(seed=0)
     other = NeoX(NeoXArgs(**{**args.__dict__, "activation_checkpointing": mode}))
     other.load_state_dict(base.state_dict())
     tokens = torch.randint(0, 50, (2, 16))

@@ -3,7 +3,6 @@ themselves only exist on Trainium hosts."""
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import sys
 import types
@@ -20,6 +19,9 @@ from trnrecipes.neuron_parallel import (
     sequence_parallel_params,
 )
 from trnrecipes.recipe import load_recipe
+from trnrecipes.sharding import shard_region
+from trnrecipes.train import build as build_module
+from trnrecipes.train.build import build_model_shard
 
 
 def test_specs_follow_the_family_plans_on_the_real_shapes():
@@ -62,8 +64,14 @@ def test_sequence_parallel_tags_exactly_the_norm_parameters(recipe, family):
 # weights land in the right layers, and the hooks keep the model's function; not NxD's collectives.
 
 
-def install_fake_nxd(monkeypatch) -> list[dict]:
+def install_fake_nxd(monkeypatch, tp: int = 1, rank: int = 0) -> list[dict]:
+    """At tp > 1 the layers allocate NxD's shard shapes and tag them as NxD does (tensor_model_parallel,
+    partition_dim): column-parallel weights and biases split rows, row-parallel weights split columns (their bias is
+    whole), the embedding splits the vocabulary. Their forward is then not meaningful (no collectives)."""
     built: list[dict] = []
+
+    def tag(param: nn.Parameter, dim: int) -> None:
+        param.tensor_model_parallel, param.partition_dim = True, dim
 
     class _Linear(nn.Linear):
         def __init__(
@@ -79,7 +87,12 @@ def install_fake_nxd(monkeypatch) -> list[dict]:
             sequence_dimension=None,
             **kind,
         ):
-            super().__init__(input_size, output_size, bias=bias, dtype=dtype)
+            column = type(self).__name__ == "ColumnParallelLinear"
+            shape = (input_size, output_size // tp) if column else (input_size // tp, output_size)
+            super().__init__(*shape, bias=bias, dtype=dtype)
+            tag(self.weight, 0 if column else 1)
+            if bias and column:
+                tag(self.bias, 0)
             sp = (sequence_parallel_enabled, sequence_dimension)
             layer = {"layer": type(self).__name__, "dtype": dtype, "reduce_dtype": reduce_dtype, "sp": sp}
             built.append({**layer, "init_method": init_method, **kind})
@@ -96,7 +109,8 @@ def install_fake_nxd(monkeypatch) -> list[dict]:
 
     class ParallelEmbedding(nn.Embedding):
         def __init__(self, num_embeddings, embedding_dim, *, init_method=None, dtype=torch.float32):
-            super().__init__(num_embeddings, embedding_dim, dtype=dtype)
+            super().__init__(num_embeddings // tp, embedding_dim, dtype=dtype)
+            tag(self.weight, 0)
             built.append({"layer": "ParallelEmbedding", "dtype": dtype, "init_method": init_method})
 
     def scatter_to_sequence_parallel_region(input_, sequence_dimension=0, process_group=None):
@@ -120,8 +134,10 @@ def install_fake_nxd(monkeypatch) -> list[dict]:
             reduce_from_tensor_model_parallel_region=lambda input_, process_group=None: input_,
         ),
         "neuronx_distributed.parallel_layers.parallel_state": dict(
-            get_tensor_model_parallel_size=lambda: 1, get_tensor_model_parallel_rank=lambda: 0
+            get_tensor_model_parallel_size=lambda: tp, get_tensor_model_parallel_rank=lambda: rank
         ),
+        "neuronx_distributed.utils": {},
+        "neuronx_distributed.utils.model_utils": dict(move_model_to_device=lambda model, device: model.to(device)),
     }
     package = types.ModuleType("neuronx_distributed.parallel_layers")
     monkeypatch.setitem(sys.modules, package.__name__, package)
@@ -134,32 +150,66 @@ def install_fake_nxd(monkeypatch) -> list[dict]:
     return built
 
 
+def _neuron_build(recipe, tp: int, rank: int) -> nn.Module:
+    dims = types.SimpleNamespace(tp=tp, tp_rank=rank, neuron=True, mesh=None)
+    return build_model_shard(recipe, dims=dims, device=torch.device("cpu"))
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize(("recipe", "family"), [("neox-tiny", "neox"), ("llama2-tiny", "llama2")])
 def test_adapter_builds_nxd_layers_that_keep_the_function(monkeypatch, recipe, family, dtype, sequence_parallel):
+    """Through the training build (meta model -> NxD layers -> each shard filled): at TP 1 the stand-in is the
+    whole model, so the result must compute what the plain model with the same seed computes."""
     built = install_fake_nxd(monkeypatch)
-    torch.manual_seed(0)
-    model = build_model(load_recipe(recipe).model)
-    model.init_weights()
-    model.to(dtype)
+    layout = ["layout.tp=2", "cluster.workers_per_node=2", f"layout.sequence_parallel={sequence_parallel}"]
+    r = load_recipe(recipe, overrides=[f"precision.dtype={dtype}", *layout])
+    model = build_model(r.model)
+    model.init_weights(seed=r.train.seed)
+    model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
     tokens = torch.randint(0, model.args.vocab_size, (2, 16))
     with torch.no_grad():
         expected = model(tokens)
-    parallel = apply_neuron_tensor_parallel(copy.deepcopy(model), family, sequence_parallel)
+    monkeypatch.setattr(build_module, "shard_region", lambda shape, dim, tp, rank: shard_region(shape, dim, 1, 0))
+    parallel = _neuron_build(r, 2, 0)  # tp 2 routes through NxD; the TP-1 stand-in makes whole layers
     with torch.no_grad():
-        assert torch.equal(parallel(tokens), expected)  # weights copied into the right layers, hooks harmless
+        assert torch.equal(parallel(tokens), expected)  # weights filled into the right layers, hooks harmless
 
     linears = [b for b in built if b["layer"] != "ParallelEmbedding"]
     assert len(linears) == len(linear_specs(model, family)) + 1  # + the head
     for b in built:
-        assert b["dtype"] == dtype and b["init_method"].__name__ == "_keep_uninitialized"
+        assert b["dtype"] == expected.dtype and b["init_method"].__name__ == "_keep_uninitialized"
     for b in linears:
         # NxD reduces the input gradient in reduce_dtype; any other dtype than the weights' loses the reduction.
-        assert b["reduce_dtype"] == dtype
+        assert b["reduce_dtype"] == expected.dtype
         row = b["layer"] == "RowParallelLinear"
         assert b["sp"] == ((True, 1) if row and sequence_parallel else (False, None))
         assert b.get("input_is_parallel", True) and b.get("gather_output", False) is (b is linears[-1])
+
+
+@pytest.mark.parametrize("recipe", ["neox-tiny", "llama2-tiny"])
+def test_each_neuron_tp_rank_allocates_and_fills_only_its_shard_of_the_same_model(monkeypatch, recipe):
+    """TP 2 stand-in with NxD's shard shapes: each rank's parameters are its shard (half of every split one) of the
+    TP-1 init, found by partition_dim; joined they are that model bitwise."""
+    r = load_recipe(recipe)
+    reference = build_model(r.model)
+    reference.init_weights(seed=r.train.seed)
+    shards = []
+    for rank in (0, 1):
+        install_fake_nxd(monkeypatch, tp=2, rank=rank)
+        shards.append(dict(_neuron_build(r, 2, rank).named_parameters()))
+    split = 0
+    for name, full in reference.named_parameters():
+        a, b = shards[0][name], shards[1][name]
+        if getattr(a, "tensor_model_parallel", False):
+            split += 1
+            assert a.numel() * 2 == full.numel()
+            assert torch.equal(torch.cat([a, b], dim=a.partition_dim), full.detach()), name
+        else:
+            assert torch.equal(a, full) and torch.equal(b, full), name
+    assert split == 2 * len(linear_specs(reference, r.model.family)) + 2 - sum(
+        not s.bias or s.kind == "row" for s in linear_specs(reference, r.model.family)
+    )
 
 
 def test_param_norm_counts_sharded_and_replicated_parameters(monkeypatch):

@@ -142,7 +142,7 @@ def test_train_refuses_pipeline_parallelism_it_does_not_build(tmp_path: Path, cl
 
 def test_the_pipeline_refusal_suggests_a_tensor_parallel_degree_only_when_it_is_valid():
     from trnrecipes.recipe import load_recipe
-    from trnrecipes.train.distributed import _wider_tp_hint
+    from trnrecipes.train.parallel_dims import _wider_tp_hint
 
     # NeoX-20B, tp 8 x pp 4: tp 32 divides its 64 heads and a trn1 node's 32 workers.
     assert (

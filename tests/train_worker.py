@@ -2,20 +2,22 @@
 through the real Trainer, saving the averaged full gradients of the first step, the grad norms and the final weights
 (and, per rank, that rank's own weights in OUT.rankN).
 
-    python tests/train_worker.py OUT.pt RECIPE [k=v ...]
+    python tests/train_worker.py OUT.pt RECIPE [k=v ...]      (TRAIN_WORKER_STEPS optimizer steps, default 3)
 Micro-batch i of a step is the same for every layout: a DP rank takes its contiguous share of the step's batches.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import torch
 
 from trnrecipes.layout import compute_layout
 from trnrecipes.recipe import load_recipe
-from trnrecipes.train.distributed import full_tensor
 from trnrecipes.train.loop import Trainer
+from trnrecipes.train.parallel_dims import full_tensor
 
 
 def main() -> None:
@@ -26,11 +28,11 @@ def main() -> None:
     micro, seq = recipe.batch.micro_batch, recipe.batch.seq_len
     per_step = layout.grad_accum * layout.dp
     gen = torch.Generator().manual_seed(42)
-    steps = 3
+    steps = int(os.environ.get("TRAIN_WORKER_STEPS", "3"))
     all_batches = torch.randint(0, 4000, (steps, per_step, micro, seq + 1), generator=gen)
     first_grads, norms = {}, []
     for step in range(steps):
-        first = trainer.ddp.dp_rank * layout.grad_accum
+        first = trainer.dims.dp_rank * layout.grad_accum
         mine = all_batches[step, first : first + layout.grad_accum]
         trainer.accumulate(iter(mine), layout.grad_accum)
         norms.append(float(trainer.reduce_and_clip()))
@@ -38,11 +40,14 @@ def main() -> None:
             first_grads = {n: full_tensor(p.grad).detach().clone() for n, p in trainer.model.named_parameters()}
         trainer.optimizer_step(step)
     params = trainer.full_state_dict()  # a collective under TP: every rank takes part
-    if trainer.ddp.rank == 0:
+    if trainer.dims.rank == 0:
         torch.save({"grads": first_grads, "norms": norms, "params": params}, out)
     # Every rank's own weights too: DP replicas must end up bitwise equal.
     local = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    torch.save(local, f"{out}.rank{trainer.ddp.rank}")
+    torch.save(local, f"{out}.rank{trainer.dims.rank}")
+    moments = sum(m.numel() for m in trainer.optimizer.exp_avg + trainer.optimizer.exp_avg_sq)
+    params_numel = sum(p.numel() for p in local.values())
+    json.dump({"moments": moments, "params": params_numel}, open(f"{out}.rank{trainer.dims.rank}.json", "w"))
     trainer.close()
 
 

@@ -2,8 +2,10 @@
 
     step_N/
       model.safetensors                 weights, our names (TP > 1: model-tp00-of-08.safetensors ..., one per rank)
-      shards.json                       per parameter: the dim its TP shards split, or null (replicated)
-      optim-tp00-of-01.safetensors      AdamW moments per parameter (training checkpoints)
+      shards.json                       per parameter: the dim its TP shards split (or null) and its full shape;
+                                        how many DP slices the optimizer state is in (optim_dp)
+      optim-tp00-of-01.safetensors      AdamW moments per parameter (training checkpoints); under ZeRO-1 one file per
+                                        TP x DP rank, optim-tp00-of-08-dp0000-of-0004.safetensors, each a dim-0 slice
       state.json                        step, layout; data-dpNNNN.json / rng-rankNNNN.safetensors per rank
       recipe.yaml, tokenizer/           the resolved recipe and the tokenizer files
       manifest.json                     sha256 of every file above
@@ -14,6 +16,7 @@ verifies every checksum and reads tensors with safetensors and the rest as JSON/
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,10 +26,13 @@ from pathlib import Path
 
 import torch
 import yaml
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from trnrecipes.families import FAMILIES
 from trnrecipes.recipe import Recipe, RecipeError, read_recipe_file, recipe_from_dict
 from trnrecipes.schema import clipped, shown
+from trnrecipes.sharding import Region, shard_region
 
 FORMAT = 2
 WEIGHTS = "model.safetensors"
@@ -44,11 +50,22 @@ class CheckpointReadError(CheckpointError):
     nothing may be concluded from it (a valid checkpoint must not be set aside over a flaky read)."""
 
 
-def shard_file(prefix: str, tp_rank: int, tp: int) -> str:
-    """The file of TP rank `tp_rank` of `prefix` ("model" or "optim"); unsharded weights are model.safetensors."""
+def shard_file(prefix: str, tp_rank: int, tp: int, dp_rank: int = 0, dp: int = 1) -> str:
+    """The file of TP rank `tp_rank` (and, for ZeRO-1 optimizer state, DP rank `dp_rank`) of `prefix` ("model" or
+    "optim"); unsharded weights are model.safetensors. Every checkpoint file name is made here."""
     if prefix == "model" and tp == 1:
         return WEIGHTS
-    return f"{prefix}-tp{tp_rank:02d}-of-{tp:02d}.safetensors"
+    if dp == 1:
+        return f"{prefix}-tp{tp_rank:02d}-of-{tp:02d}.safetensors"
+    return f"{prefix}-tp{tp_rank:02d}-of-{tp:02d}-dp{dp_rank:04d}-of-{dp:04d}.safetensors"
+
+
+def data_file(dp_rank: int) -> str:
+    return f"data-dp{dp_rank:04d}.json"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank:04d}.safetensors"
 
 
 def _sha256(path: Path) -> str:
@@ -205,7 +222,9 @@ def verify_training(path: Path) -> dict:
         if not isinstance(state.get(key), int) or isinstance(state.get(key), bool):
             raise CheckpointError(f"{path}/state.json: no whole-number {key!r}: not a training checkpoint")
     tp, _ = _read_shards(path)
-    if missing := [f for f in (shard_file("optim", r, tp) for r in range(tp)) if f not in manifest["files"]]:
+    dp = optim_dp(path)
+    optim_files = [shard_file("optim", t, tp, d, dp) for t in range(tp) for d in range(dp)]
+    if missing := [f for f in optim_files if f not in manifest["files"]]:
         raise CheckpointError(
             f"{path}: {missing[0]} (optimizer state) is not in the manifest: not a training checkpoint"
         )
@@ -221,6 +240,81 @@ def _read_shards(path: Path) -> tuple[int, dict]:
     if not isinstance(dims, dict):
         raise CheckpointError(f"{path / SHARDS}: 'dims' must map tensor names to a dim or null")
     return tp, dims
+
+
+def optim_dp(path: Path) -> int:
+    """How many data-parallel slices each TP rank's optimizer state was saved in (ZeRO-1), 1 without it."""
+    dp = read_json(path / SHARDS).get("optim_dp", 1)
+    if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= 1 << 20:
+        raise CheckpointError(
+            f"{path / SHARDS}: 'optim_dp' must be a whole number from 1 to {1 << 20}, got {shown(dp)}"
+        )
+    return dp
+
+
+class ShardReader:
+    """Any rectangle of a checkpoint's tensors, read from the files that hold it with safetensors get_slice: a rank
+    reads the bytes of its own shard, whatever TP / ZeRO-1 layout saved the checkpoint and whatever layout reads it.
+
+    prefix "model": weights (split over the saved TP ranks); "optim": AdamW moments named exp_avg.<param> and
+    exp_avg_sq.<param> (split over TP, and over DP under ZeRO-1)."""
+
+    def __init__(self, path: Path, prefix: str):
+        self.path, self.prefix = Path(path), prefix
+        self.tp, self.dims = _read_shards(self.path)
+        self.dp = optim_dp(self.path) if prefix == "optim" else 1
+        self._handles: dict[str, object] = {}
+
+    def _handle(self, name: str):
+        if name not in self._handles:
+            file = self.path / name
+            try:
+                self._handles[name] = safe_open(str(file), framework="pt")
+            except FileNotFoundError:
+                raise CheckpointError(f"{file}: missing") from None
+            except Exception as err:  # SafetensorError, OSError
+                raise CheckpointError(f"{file}: not a readable safetensors file ({clipped(err)})") from None
+        return self._handles[name]
+
+    def names(self) -> set[str]:
+        """The tensor names in the checkpoint (every file of a prefix holds the same names)."""
+        return set(self._handle(shard_file(self.prefix, 0, self.tp, 0, self.dp)).keys())
+
+    def read_into(self, key: str, dest: torch.Tensor, full_shape: tuple[int, ...], start: tuple[int, ...]) -> None:
+        """Fill `dest` with the part of tensor `key` (full shape `full_shape`) that begins at `start`."""
+        param = key.split(".", 1)[1] if self.prefix == "optim" else key
+        dim = self.dims.get(param)
+        if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool) or not 0 <= dim < len(full_shape)):
+            raise CheckpointError(
+                f"{self.path / SHARDS}: {param} has shard dim {shown(dim)}, not a dim of {full_shape}"
+            )
+        want = Region(tuple(start), tuple(dest.shape))
+        covered = 0
+        for t in range(self.tp) if dim is not None else [0]:  # a replicated tensor: every TP rank saved it whole
+            for d in range(self.dp):
+                held = shard_region(full_shape, dim, self.tp, t, self.dp, d)
+                part = want.intersect(held)
+                if part is None:
+                    continue
+                file = shard_file(self.prefix, t, self.tp, d, self.dp)
+                try:
+                    piece = self._handle(file).get_slice(key)
+                    shape = tuple(piece.get_shape())
+                    if shape != held.size:
+                        raise CheckpointError(
+                            f"{self.path / file}: {key} is {list(shape)}, but a {list(full_shape)} tensor split this"
+                            f" way holds {list(held.size)} there: its weights do not fit this recipe's model"
+                        )
+                    values = piece[part.slices_within(held)]
+                except CheckpointError:
+                    raise
+                except Exception as err:  # a missing name (SafetensorError), a malformed file
+                    raise CheckpointError(f"{self.path / file}: cannot read {key} ({clipped(err)})") from None
+                with torch.no_grad():
+                    dest[part.slices_within(want)].copy_(values)
+                covered += part.numel
+        if covered != want.numel:
+            raise CheckpointError(f"{self.path}: the saved shards of {key} do not cover {want} of {list(full_shape)}")
 
 
 def load_tensors(file: Path) -> dict[str, torch.Tensor]:
@@ -248,28 +342,49 @@ def read_json(path: Path) -> dict:
     return value
 
 
+# Before each family had its own model section, recipes held every family's fields; a checkpoint from then lists
+# the other family's at these defaults. Dropped on reading, so those checkpoints still resume and evaluate.
+LEGACY_MODEL_DEFAULTS = {"num_kv_heads": None, "rotary_pct": 1.0, "parallel_residual": True}
+
+
 def saved_recipe(path: Path) -> dict:
     """The resolved recipe a checkpoint was written with, as the plain mapping in its recipe.yaml."""
     try:
-        return read_recipe_file(Path(path) / "recipe.yaml")  # size-capped, no YAML aliases
+        data = read_recipe_file(Path(path) / "recipe.yaml")  # size-capped, no YAML aliases
     except RecipeError as err:
         raise CheckpointError(str(err)) from None
+    model = data.get("model")
+    if isinstance(model, dict) and model.get("family") in FAMILIES:
+        fields = {f.name for f in dataclasses.fields(FAMILIES[model["family"]].config)}
+        for key, default in LEGACY_MODEL_DEFAULTS.items():
+            if key not in fields and key in model and model[key] == default:
+                del model[key]
+    return data
 
 
-def consolidate(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
-    """Full tensors from the per-TP-rank files `<prefix>-tpNN-of-MM.safetensors` (or the single unsharded file)."""
+def consolidate(path: Path) -> dict[str, torch.Tensor]:
+    """Full weights from the per-TP-rank files `model-tpNN-of-MM.safetensors` (or the single unsharded file), for
+    one process that needs the whole model (eval, export). Training ranks read their shard with ShardReader."""
+    prefix = "model"
     tp, dims = _read_shards(path)
     parts = [load_tensors(path / shard_file(prefix, r, tp)) for r in range(tp)]
     if tp == 1:
         return parts[0]
     full = {}
     for name, tensor in parts[0].items():
-        dim = dims.get(name.split(".", 1)[1] if prefix == "optim" else name)
+        dim = dims.get(name)
         try:
             full[name] = tensor if dim is None else torch.cat([p[name] for p in parts], dim=dim)
         except (KeyError, RuntimeError, IndexError, TypeError) as err:
             raise CheckpointError(f"{path}: the TP shards of {name} ({prefix}) do not fit together ({err})") from None
     return full
+
+
+def read_model_checkpoint_recipe(path: Path) -> Recipe:
+    """The recipe of a checkpoint, after verifying the checkpoint (its tensors are read later, shard by shard)."""
+    path = Path(path)
+    verify(path)
+    return recipe_from_dict(saved_recipe(path), str(path / "recipe.yaml"))
 
 
 def read_model_checkpoint(path: Path) -> tuple[Recipe, dict[str, torch.Tensor], Path | None]:

@@ -8,6 +8,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Oldest and newest Neuron SDK the env/flag table (trnrecipes.neuron_env) describes. From 2.21 on the SDK ships
+# PyTorch 2.5: torch_xla.device() (torch-xla 2.3+) and torch_xla.sync() (2.4+), which the backend uses, exist;
+# 2.18-2.20 ship torch-xla 2.1 without them. 2.28 is the last release with NxD Core training APIs and PyTorch/XLA
+# training ("Announcing end of support for NxDT and NxD Core Training APIs starting with Neuron SDK release 2.29",
+# AWS, February 2026).
+SUPPORTED_SDK: tuple[tuple[int, int], tuple[int, int]] = ((2, 21), (2, 28))
+
+
+def sdk_version(text: str) -> tuple[int, int]:
+    """'2.26' -> (2, 26)."""
+    major, minor = text.split(".")
+    return int(major), int(minor)
+
 
 @dataclass(frozen=True)
 class Instance:

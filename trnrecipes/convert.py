@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from trnrecipes import REPO_ROOT
 from trnrecipes.checkpoint import CheckpointError, read_model_checkpoint, write_model_checkpoint
-from trnrecipes.models import FAMILIES, family_of_hf_config, model_args, model_config_from_args
+from trnrecipes.families import FAMILIES, family_of_hf_config
 from trnrecipes.recipe import RecipeError, load_recipe, recipe_from_dict
 
 EXPORT_SOURCE = "trnrecipes-source.json"
@@ -60,8 +60,7 @@ def from_hf(hf_dir: Path, out: Path, recipe_name: str | None = None) -> Path:
     template = load_recipe(recipe_name or f"{family.name}-tiny")
     if template.model.family != family.name:
         raise RecipeError(f"--recipe {recipe_name} is a {template.model.family} recipe; {hf_dir} holds {family.name}")
-    model = dataclasses.asdict(model_config_from_args(family.name, args))
-    model["activation_checkpointing"] = template.model.activation_checkpointing
+    model = dataclasses.asdict(args) | {"activation_checkpointing": template.model.activation_checkpointing}
     data = template.to_dict() | {"model": model}
     if recipe_name is None:  # the default template adapts to short-context models; a named recipe must fit
         data["batch"]["seq_len"] = min(template.batch.seq_len, args.max_seq_len)
@@ -104,8 +103,7 @@ def export_source(hf_dir: Path) -> dict | None:
 def to_hf(ckpt: Path, out: Path) -> Path:
     recipe, state, tokenizer_dir = read_model_checkpoint(ckpt)
     source = checkpoint_source(ckpt)  # the manifest read_model_checkpoint just verified
-    family = FAMILIES[recipe.model.family]
-    args = model_args(recipe.model)
+    family, args = FAMILIES[recipe.model.family], recipe.model
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise RecipeError(f"{out} exists and is not empty; choose a new --out")

@@ -1,4 +1,5 @@
-"""Parallel layout, batch math, parameter count, FLOPs and cost: the one place these numbers are computed.
+"""Parallel layout, batch math and cost: the one place these numbers are computed (parameters and FLOPs: the
+family's spec, recipes/<family>/spec.py).
 
 world = nodes x workers/node; DP = world / (TP x PP); grad-accum = GBS / (micro-batch x DP).
 No torch import: `plan` and `sbatch` use this.
@@ -9,7 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from trnrecipes.cluster import get_instance
-from trnrecipes.recipe import ModelConfig, Recipe, RecipeError
+from trnrecipes.families import ModelSection
+from trnrecipes.recipe import Recipe, RecipeError
 
 
 @dataclass(frozen=True)
@@ -78,28 +80,14 @@ def _fmt(values: list[int]) -> str:
     return ", ".join(map(str, values)) if values else "none up to 128"
 
 
-def param_count(m: ModelConfig) -> int:
-    """Exact trainable parameters of recipes/<family>/model.py (untied embedding and head, no head bias)."""
-    h, f, v, layers = m.hidden_size, m.ffn_hidden_size, m.vocab_size, m.num_layers
-    head_dim = h // m.num_heads
-    kv = m.num_kv_heads or m.num_heads
-    if m.family == "neox":
-        # 2 LayerNorms (weight+bias), fused QKV with bias, output dense with bias, 2-layer GELU MLP with biases.
-        per_layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-        final_norm = 2 * h
-    elif m.family == "llama2":
-        # 2 RMSNorms (weight), fused qkv (GQA) and output without bias, fused gate_up + down without bias.
-        per_layer = 2 * h + h * (m.num_heads + 2 * kv) * head_dim + m.num_heads * head_dim * h + 3 * h * f
-        final_norm = h
-    else:  # the schema's Literal makes this unreachable for loaded recipes
-        raise RecipeError(f"model.family {m.family!r}: no parameter formula")
-    return 2 * v * h + layers * per_layer + final_norm
+def param_count(m: ModelSection) -> int:
+    """Exact trainable parameters of the family's model (recipes/<family>/spec.py)."""
+    return m.param_count()
 
 
-def flops_per_token(m: ModelConfig, seq_len: int) -> int:
-    """Training FLOPs per token, PaLM appendix B: 6N + 12 L H Q T (N all parameters, attention scores included)."""
-    head_dim = m.hidden_size // m.num_heads
-    return 6 * param_count(m) + 12 * m.num_layers * m.num_heads * head_dim * seq_len
+def flops_per_token(m: ModelSection, seq_len: int) -> int:
+    """Training FLOPs per token (recipes/<family>/spec.py; PaLM appendix B: 6N + 12 L H Q T)."""
+    return m.flops_per_token(seq_len)
 
 
 def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None = None) -> dict[str, object]:

@@ -10,13 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from trnrecipes.cluster import SUPPORTED_SDK, sdk_version
+from trnrecipes.families import FAMILIES
 from trnrecipes.recipe import Recipe
-
-# Oldest and newest SDK this table describes. From 2.21 on the SDK ships PyTorch 2.5: torch_xla.device() (torch-xla
-# 2.3+) and torch_xla.sync() (2.4+), which the backend uses, exist; 2.18-2.20 ship torch-xla 2.1 without them. 2.28
-# is the last release with NxD Core training APIs and PyTorch/XLA training ("Announcing end of support for NxDT and
-# NxD Core Training APIs starting with Neuron SDK release 2.29", AWS, February 2026).
-SUPPORTED_SDK: tuple[tuple[int, int], tuple[int, int]] = ((2, 21), (2, 28))
 
 
 @dataclass(frozen=True)
@@ -38,10 +34,7 @@ def neuron_cc_flags(r: Recipe) -> str:
     ]
     if r.compile.mixed_precision_accumulation:
         flags.append("--enable-mixed-precision-accumulation")
-    if r.model.family == "neox" and r.cluster.instance.startswith("trn1"):
-        # AWS's GPT-NeoX trn1 scripts (neuronx-distributed examples/training/tp_dp_gpt_neox_hf_pretrain) set it: it
-        # keeps matmul transposes the compiler adds from turning infinities into NaN; needed on trn1 only.
-        flags.append("--enable-saturate-infinity")
+    flags += FAMILIES[r.model.family].compiler_flags(r.cluster.instance)  # e.g. neox on trn1
     return " ".join(flags + r.compile.extra_flags)
 
 
@@ -81,11 +74,6 @@ RULES: tuple[EnvRule, ...] = (
     EnvRule("FI_EFA_USE_DEVICE_RDMA", _const("1"), "EFA RDMA straight to device memory"),
     EnvRule("FI_EFA_FORK_SAFE", _const("1"), "the data loader forks; EFA must survive it"),
 )
-
-
-def sdk_version(text: str) -> tuple[int, int]:
-    major, minor = text.split(".")
-    return int(major), int(minor)
 
 
 def backend_env(r: Recipe) -> list[tuple[str, str, str]]:

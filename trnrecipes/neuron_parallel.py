@@ -61,7 +61,9 @@ def _keep_uninitialized(weight: torch.Tensor) -> None:
 
 
 def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_parallel: bool = False) -> nn.Module:
-    """Replace the model's linears/embedding/head with NxD layers holding this rank's shard of the current weights.
+    """Replace the model's linears/embedding/head with NxD layers, each allocating only this rank's shard, left
+    unfilled: the model is built on the meta device and trnrecipes.train.build fills every parameter afterwards
+    (initialised or read from a checkpoint, by the shard's place in the full tensor: its partition_dim).
     Call after neuronx_distributed.parallel_layers.parallel_state.initialize_model_parallel(tp)."""
     try:
         from neuronx_distributed.parallel_layers import layers, mappings, parallel_state
@@ -71,7 +73,6 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
             " repository configured); it is not installable here. Use backend cpu, cuda or xla elsewhere."
         ) from err
     tp = parallel_state.get_tensor_model_parallel_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
     family_plan(family).check_tensor_parallel(model.args, tp)
     # Under SP only the row-parallel linears use NxD's sequence-parallel mode (reduce-scatter of the output along the
     # sequence); see the hooks below for the gathers.
@@ -80,54 +81,34 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
     def layer_args(dtype: torch.dtype) -> dict:
         # reduce_dtype = the weights' dtype: NxD all-reduces the input gradient in reduce_dtype, and when that differs
         # (its default fp32 vs bf16 weights) it reduces a converted copy and returns the unreduced original
-        # (layers_utils._linear_autograd_bwd_grad_reduce, NxD 2.29). The no-op init skips filling weights that the
-        # copy below overwrites anyway.
+        # (layers_utils._linear_autograd_bwd_grad_reduce, NxD 2.29). The no-op init skips filling weights that are
+        # filled right after.
         return {"dtype": dtype, "reduce_dtype": dtype, "init_method": _keep_uninitialized}
 
-    def shard(t: torch.Tensor, dim: int) -> torch.Tensor:
-        return t.detach().chunk(tp, dim=dim)[rank].clone()
-
-    with torch.no_grad():
-        for spec in linear_specs(model, family):
-            old = model.get_submodule(spec.name)
-            dtype = old.weight.dtype
-            if spec.kind == "column":
-                new = layers.ColumnParallelLinear(
-                    spec.in_features, spec.out_features, bias=spec.bias, gather_output=False, **layer_args(dtype)
-                )
-                new.weight.copy_(shard(old.weight, 0))
-                if spec.bias:
-                    new.bias.copy_(shard(old.bias, 0))
-            else:
-                new = layers.RowParallelLinear(
-                    spec.in_features,
-                    spec.out_features,
-                    bias=spec.bias,
-                    input_is_parallel=True,
-                    **layer_args(dtype),
-                    **sp,
-                )
-                new.weight.copy_(shard(old.weight, 1))
-                if spec.bias:
-                    new.bias.copy_(old.bias)  # added once, after the reduction
-            model.set_submodule(spec.name, new)
-        embed = layers.ParallelEmbedding(
-            model.embed.num_embeddings,
-            model.embed.embedding_dim,
-            dtype=model.embed.weight.dtype,
-            init_method=_keep_uninitialized,
-        )
-        embed.weight.copy_(shard(model.embed.weight, 0))
-        model.embed = embed
-        head = layers.ColumnParallelLinear(
-            model.head.in_features,
-            model.head.out_features,
-            bias=False,
-            gather_output=True,
-            **layer_args(model.head.weight.dtype),
-        )
-        head.weight.copy_(shard(model.head.weight, 0))
-        model.head = head
+    for spec in linear_specs(model, family):
+        dtype = model.get_submodule(spec.name).weight.dtype
+        if spec.kind == "column":
+            new = layers.ColumnParallelLinear(
+                spec.in_features, spec.out_features, bias=spec.bias, gather_output=False, **layer_args(dtype)
+            )
+        else:
+            new = layers.RowParallelLinear(
+                spec.in_features, spec.out_features, bias=spec.bias, input_is_parallel=True, **layer_args(dtype), **sp
+            )
+        model.set_submodule(spec.name, new)
+    model.embed = layers.ParallelEmbedding(
+        model.embed.num_embeddings,
+        model.embed.embedding_dim,
+        dtype=model.embed.weight.dtype,
+        init_method=_keep_uninitialized,
+    )
+    model.head = layers.ColumnParallelLinear(
+        model.head.in_features,
+        model.head.out_features,
+        bias=False,
+        gather_output=True,
+        **layer_args(model.head.weight.dtype),
+    )
     if sequence_parallel:
         params = dict(model.named_parameters())
         for name in sequence_parallel_params(model, family):

@@ -6,7 +6,6 @@ A recipe is data (recipes/<family>/<name>.yaml). This module never imports torch
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import shlex
 import types
@@ -18,8 +17,19 @@ from typing import Any, Literal
 import yaml
 
 from trnrecipes import REPO_ROOT
-from trnrecipes.cluster import INSTANCES, get_instance
-from trnrecipes.schema import SchemaError, from_dict, shown, to_dict
+from trnrecipes.cluster import INSTANCES, SUPPORTED_SDK, get_instance, sdk_version
+from trnrecipes.families import FAMILIES, ModelSection, model_config
+from trnrecipes.schema import (
+    FRACTION,
+    NON_NEGATIVE,
+    POSITIVE,
+    Bound,
+    SchemaError,
+    from_dict,
+    shown,
+    tagged_union,
+    to_dict,
+)
 
 RECIPES_DIR = REPO_ROOT / "recipes"
 MAX_RECIPE_BYTES = 1 << 20  # the largest shipped recipe is ~2 KB; a bigger file is a wrong path, not a recipe
@@ -30,22 +40,9 @@ class RecipeError(ValueError):
     """A recipe, an override or a node count that cannot make a valid job; the message says what would."""
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    family: Literal["neox", "llama2"]
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    ffn_hidden_size: int
-    max_seq_len: int
-    num_kv_heads: int | None = None  # grouped-query attention (llama2-70b); None = num_heads
-    rotary_pct: float = 1.0  # NeoX/Pythia rotate the first 25% of each head
-    rotary_base: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    activation_checkpointing: Literal["none", "selective", "full"] = "none"
-    parallel_residual: bool = True  # neox only: x + attn(ln1(x)) + mlp(ln2(x)), as every Pythia and NeoX-20B
+# The model section is its family's own config dataclass (recipes/<family>/spec.py), picked by model.family.
+# ModelConfig(family=..., **fields) builds one: the name the single merged class had (bench/ still calls it).
+ModelConfig = model_config
 
 
 @dataclass(frozen=True)
@@ -53,6 +50,7 @@ class LayoutConfig:
     tp: int = 1  # tensor parallel degree (inside a node)
     pp: int = 1  # pipeline parallel degree
     sequence_parallel: bool = False  # shard norms/dropout activations along the sequence over the TP group
+    zero1: bool = False  # ZeRO-1: optimizer states sharded over the data-parallel group (AWS's zero1 / USE_ZERO_1)
 
 
 @dataclass(frozen=True)
@@ -150,7 +148,7 @@ class SlurmConfig:
 class Recipe:
     name: str
     description: str
-    model: ModelConfig
+    model: ModelSection
     batch: BatchConfig
     optim: OptimConfig
     train: TrainConfig
@@ -229,11 +227,13 @@ def _typed_value(key: str, raw: str) -> Any:
     so `optim.betas=[0.9,0.95]` is a list and `layout.sequence_parallel=false` a bool."""
     tp: Any = Recipe
     for part in key.split("."):
-        hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
-        if part not in hints:
+        tagged = tagged_union(tp)  # the model section: the field of whichever family has it
+        classes = tagged[1].values() if tagged else [tp] if dataclasses.is_dataclass(tp) else []
+        hints = [h[part] for h in map(typing.get_type_hints, classes) if part in h]
+        if not hints:
             tp = None
             break
-        tp = hints[part]
+        tp = hints[0]
     optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
     if optional and raw in ("null", "~"):
         return None  # `slurm.partition=null` clears it
@@ -356,34 +356,9 @@ _SLURM_TIME = re.compile(r"([0-9]{1,4}-)?[0-9]{1,2}:[0-9]{2}:[0-9]{2}")
 _SDK_VERSION = re.compile(r"2\.[0-9]{1,2}")
 
 
-@dataclass(frozen=True)
-class Bound:
-    """The valid range of a numeric field; `*_open`: that end itself is out. Non-finite numbers are always out."""
-
-    low: float
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = False
-
-    def holds(self, value: float) -> bool:
-        low_ok = value > self.low if self.low_open else value >= self.low
-        high_ok = value < self.high if self.high_open else value <= self.high
-        return math.isfinite(value) and low_ok and high_ok
-
-    def __str__(self) -> str:
-        if self.high == math.inf:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
-
-
-POSITIVE, NON_NEGATIVE = Bound(0, low_open=True), Bound(0)
-FRACTION = Bound(0, 1, high_open=True)
-# Every numeric field and its range (a tuple field: each item); None passes (the default applies).
+# Every numeric field and its range (a tuple field: each item); None passes (the default applies). The model
+# section's come from its family: model_bounds().
 FIELD_BOUNDS: dict[str, Bound] = {
-    "model.vocab_size": POSITIVE, "model.hidden_size": POSITIVE, "model.num_layers": POSITIVE,
-    "model.num_heads": POSITIVE, "model.ffn_hidden_size": POSITIVE, "model.max_seq_len": POSITIVE,
-    "model.num_kv_heads": POSITIVE, "model.rotary_pct": Bound(0, 1, low_open=True), "model.rotary_base": POSITIVE,
-    "model.norm_eps": POSITIVE, "model.init_std": POSITIVE,
     "layout.tp": POSITIVE, "layout.pp": POSITIVE,
     "batch.global_batch": POSITIVE, "batch.micro_batch": POSITIVE, "batch.seq_len": POSITIVE,
     "optim.lr": POSITIVE, "optim.min_lr": NON_NEGATIVE, "optim.warmup_steps": NON_NEGATIVE,
@@ -400,6 +375,11 @@ FIELD_BOUNDS: dict[str, Bound] = {
 }  # fmt: skip
 
 
+def model_bounds(family: str) -> dict[str, Bound]:
+    """The numeric ranges of a family's model section, as FIELD_BOUNDS keys (model.<field>)."""
+    return {f"model.{name}": bound for name, bound in FAMILIES[family].bounds.items()}
+
+
 def _field(r: Recipe, key: str) -> Any:
     value: Any = r
     for part in key.split("."):
@@ -409,8 +389,6 @@ def _field(r: Recipe, key: str) -> Any:
 
 def check_recipe(r: Recipe) -> list[str]:
     """Semantic checks the types cannot express. Layout divisibility needs the node count: trnrecipes.layout."""
-    from trnrecipes.neuron_env import SUPPORTED_SDK, sdk_version
-
     problems: list[str] = []
 
     def need(ok: bool, message: str) -> None:
@@ -418,25 +396,18 @@ def check_recipe(r: Recipe) -> list[str]:
             problems.append(message)
 
     m, b, o = r.model, r.batch, r.optim
-    for key, bound in FIELD_BOUNDS.items():
+    for key, bound in (model_bounds(m.family) | FIELD_BOUNDS).items():
         value = _field(r, key)
         items = value if isinstance(value, tuple) else (value,)
         need(all(v is None or bound.holds(v) for v in items), f"{key}: must be {bound}, got {shown(value)}")
     if problems:  # the checks below divide by these
         return problems
-    need(
-        m.hidden_size % m.num_heads == 0,
-        f"model.hidden_size {m.hidden_size} is not divisible by num_heads {m.num_heads}",
-    )
-    kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads
-    need(m.num_heads % kv == 0, f"model.num_kv_heads {kv} must divide num_heads {m.num_heads}")
+    model_problems = m.problems()
+    problems += model_problems
     need(b.seq_len <= m.max_seq_len, f"batch.seq_len {b.seq_len} exceeds model.max_seq_len {m.max_seq_len}")
     tp = r.layout.tp
-    need(m.num_heads % tp == 0, f"layout.tp {tp} must divide model.num_heads {m.num_heads}")
-    if m.family == "llama2":  # each rank holds whole KV groups (recipes/llama2/parallelize.py)
-        need(kv % tp == 0, f"layout.tp {tp} must divide model.num_kv_heads {kv}")
-    need(m.ffn_hidden_size % tp == 0, f"layout.tp {tp} must divide model.ffn_hidden_size {m.ffn_hidden_size}")
-    need(m.vocab_size % tp == 0, f"layout.tp {tp} must divide model.vocab_size {m.vocab_size} (vocab-parallel)")
+    if not model_problems:  # the TP rule reads derived sizes (heads, KV groups) that need a consistent model
+        problems += m.tp_problems(tp)
     need(
         not r.layout.sequence_parallel or b.seq_len % tp == 0,
         f"batch.seq_len {b.seq_len} must be divisible by layout.tp {tp} with sequence parallelism",

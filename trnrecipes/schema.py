@@ -1,7 +1,8 @@
 """Build typed dataclasses from plain YAML data, rejecting unknown keys and wrong types with readable errors.
 
 Small on purpose (no pydantic): the rendering path must start in well under 0.5 s and import nothing heavy.
-Supported field types: bool, int, float, str, Literal[...], X | None, list[X], tuple[X, ...] and nested dataclasses.
+Supported field types: bool, int, float, str, Literal[...], X | None, list[X], tuple[X, ...], nested dataclasses,
+and tagged unions of dataclasses (A | B whose first fields are one-value Literals: the tag picks the class).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 import reprlib
 import types
 import typing
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 T = TypeVar("T")
@@ -45,6 +47,30 @@ def clipped(err: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+@dataclass(frozen=True)
+class Bound:
+    """The valid range of a numeric field; `*_open`: that end itself is out. Non-finite numbers are always out."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def holds(self, value: float) -> bool:
+        low_ok = value > self.low if self.low_open else value >= self.low
+        high_ok = value < self.high if self.high_open else value <= self.high
+        return math.isfinite(value) and low_ok and high_ok
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+
+POSITIVE, NON_NEGATIVE = Bound(0, low_open=True), Bound(0)
+FRACTION = Bound(0, 1, high_open=True)
+
+
 class SchemaError(ValueError):
     """All problems found in one document, one per line."""
 
@@ -74,8 +100,30 @@ def _name(where: str) -> str:
     return where or "<top level>"
 
 
+def tagged_union(tp: Any) -> tuple[str, dict[Any, type]] | None:
+    """(tag field, {tag value: class}) when `tp` is a union of dataclasses whose first field is a one-value
+    Literal, e.g. the model section: `family: Literal["neox"]` picks NeoXConfig. None for any other type."""
+    if get_origin(tp) not in (Union, types.UnionType):
+        return None
+    arms = get_args(tp)
+    if not all(dataclasses.is_dataclass(a) for a in arms):
+        return None
+    tags = {dataclasses.fields(a)[0].name for a in arms}
+    if len(tags) != 1:
+        return None
+    tag, classes = tags.pop(), {}
+    for arm in arms:
+        values = get_args(typing.get_type_hints(arm)[tag])
+        if len(values) != 1:
+            return None
+        classes[values[0]] = arm
+    return tag, classes
+
+
 def _describe(tp: Any) -> str:
     origin = get_origin(tp)
+    if tagged_union(tp):
+        return "a mapping"
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
     if origin in (Union, types.UnionType):
@@ -95,6 +143,8 @@ def _convert(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return _convert_dataclass(tp, value, where, problems)
+    if tagged_union(tp):
+        return _convert_tagged(tp, value, where, problems)
     if origin in (Union, types.UnionType):
         args = get_args(tp)
         if value is None and type(None) in args:
@@ -156,6 +206,21 @@ def _convert_scalar(tp: Any, value: Any, where: str, problems: list[str]) -> Any
         return value
     hint = " (quote it in YAML: '...')" if tp is str and isinstance(value, int | float) else ""
     problems.append(f"{_name(where)}: expected {_describe(tp)}, got {shown(value)}{hint}")
+    return None
+
+
+def _convert_tagged(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
+    tag, classes = tagged_union(tp)  # type: ignore[misc]
+    key = f"{where}.{tag}" if where else tag
+    valid = ", ".join(repr(v) for v in classes)
+    if not isinstance(value, dict):
+        problems.append(f"{_name(where)}: expected a mapping, got {shown(value)}")
+    elif tag not in value:
+        problems.append(f"{key}: required key is missing (one of {valid})")
+    elif not any(value[tag] == v and type(value[tag]) is type(v) for v in classes):
+        problems.append(f"{key}: expected one of {valid}, got {shown(value[tag])}")
+    else:
+        return _convert_dataclass(classes[value[tag]], value, where, problems)
     return None
 
 

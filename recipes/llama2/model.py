@@ -9,49 +9,17 @@ the same code runs unchanged on a tensor-parallel (column-sharded) weight.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from recipes.common.init import Init, init_full
 from recipes.common.loss import causal_lm_loss
+from recipes.llama2.spec import Llama2Config
 
-CHECKPOINTING = ("none", "selective", "full")
-
-
-@dataclass
-class Llama2Args:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    ffn_hidden_size: int
-    max_seq_len: int
-    num_kv_heads: int | None = None  # grouped-query attention; None = num_heads (plain multi-head attention)
-    rotary_base: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    activation_checkpointing: str = "none"  # "none" | "selective" (core attention only) | "full" (each layer)
-
-    def __post_init__(self) -> None:
-        if self.num_kv_heads is None:
-            self.num_kv_heads = self.num_heads
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
-        if self.activation_checkpointing not in CHECKPOINTING:
-            raise ValueError(
-                f"activation_checkpointing must be one of {CHECKPOINTING}, not {self.activation_checkpointing!r}"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+Llama2Args = Llama2Config  # the recipe's model section is the model's arguments: one definition of the fields
 
 
 class RMSNorm(nn.Module):
@@ -173,22 +141,25 @@ class Llama2(nn.Module):
             return self.head(x)
         return causal_lm_loss(self.head, x, labels)
 
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
+    def init_rules(self) -> dict[str, Init]:
+        """What each parameter starts as (recipes/common/init.py draws it, whole or one shard at a time).
+        Output projections write into the residual stream 2 * num_layers times; scaling their std by 1/sqrt(2L)
+        keeps the residual's variance from growing with depth (GPT-2 / Megatron scaled init)."""
         std = self.args.init_std
-        # Output projections write into the residual stream 2 * num_layers times; scaling their std by
-        # 1/sqrt(2L) keeps the residual's variance from growing with depth (GPT-2 / Megatron scaled init).
         out_std = std / math.sqrt(2 * self.args.num_layers)
-        nn.init.normal_(self.embed.weight, 0.0, std, generator=generator)
-        for layer in self.layers:
-            nn.init.normal_(layer.attn.qkv.weight, 0.0, std, generator=generator)
-            nn.init.normal_(layer.attn.out.weight, 0.0, out_std, generator=generator)
-            nn.init.normal_(layer.mlp.gate_up.weight, 0.0, std, generator=generator)
-            nn.init.normal_(layer.mlp.down.weight, 0.0, out_std, generator=generator)
-            nn.init.ones_(layer.attn_norm.weight)
-            nn.init.ones_(layer.mlp_norm.weight)
-        nn.init.ones_(self.norm.weight)
-        nn.init.normal_(self.head.weight, 0.0, std, generator=generator)
+        rules = {}
+        for name, _ in self.named_parameters():
+            if "norm" in name:
+                rules[name] = Init("ones")
+            elif name.endswith(("attn.out.weight", "mlp.down.weight")):
+                rules[name] = Init("normal", out_std)
+            else:
+                rules[name] = Init("normal", std)
+        return rules
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise the whole (unsharded) model: bitwise what every sharded layout builds for the same seed."""
+        init_full(self, self.init_rules(), seed)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

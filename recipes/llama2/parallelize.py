@@ -5,7 +5,7 @@ neuronx-distributed's layers: a plain ColumnParallelLinear for qkv, since its ro
 must divide num_kv_heads (NxD's GQAQKVColumnParallelLinear, which replicates KV heads for larger TP, is not used).
 """
 
-from recipes.llama2.model import Llama2Args
+from recipes.common.spec import check_tensor_parallel  # the TP rule: recipes/llama2/spec.py
 
 # Output features split: qkv rows are grouped per KV group and gate_up rows interleave gate/up, so each rank gets
 # whole KV groups and whole SwiGLU units.
@@ -16,11 +16,4 @@ ROW_PARALLEL = ("attn.out", "mlp.down")
 NORMS = ("attn_norm", "mlp_norm")
 BRANCHES = ("attn", "mlp")
 
-
-def check_tensor_parallel(args: Llama2Args, tp: int) -> None:
-    if args.num_kv_heads % tp:
-        raise ValueError(f"tensor parallel degree {tp} must divide num_kv_heads {args.num_kv_heads} (whole KV groups)")
-    if args.ffn_hidden_size % tp:
-        raise ValueError(f"tensor parallel degree {tp} must divide ffn_hidden_size {args.ffn_hidden_size}")
-    if args.vocab_size % tp:
-        raise ValueError(f"tensor parallel degree {tp} must divide vocab_size {args.vocab_size}")
+__all__ = ["BRANCHES", "COLUMN_PARALLEL", "NORMS", "ROW_PARALLEL", "check_tensor_parallel"]

@@ -14,38 +14,17 @@ q.k is unchanged by a permutation applied to both, so attention scores equal HF'
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from recipes.common.init import Init, init_full
 from recipes.common.loss import causal_lm_loss
+from recipes.neox.spec import NeoXConfig
 
-
-@dataclass
-class NeoXArgs:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    ffn_hidden_size: int
-    max_seq_len: int
-    rotary_pct: float = 0.25
-    rotary_base: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    activation_checkpointing: str = "none"  # none | selective (core attention) | full (whole layer)
-    parallel_residual: bool = True
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.rotary_pct)
+NeoXArgs = NeoXConfig  # the recipe's model section is the model's arguments: one definition of the fields
 
 
 def rotary_frequencies(args: NeoXArgs) -> torch.Tensor:
@@ -144,23 +123,26 @@ class NeoX(nn.Module):
             return self.head(x)
         return causal_lm_loss(self.head, x, labels)
 
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
+    def init_rules(self) -> dict[str, Init]:
         """Normal(0, init_std); the output projections of attention and MLP get init_std / sqrt(2 * num_layers) so
-        the residual stream's variance does not grow with depth (seed 002). Biases zero, norms one."""
+        the residual stream's variance does not grow with depth (seed 002). Biases zero, norms one. Drawn by
+        recipes/common/init.py, whole or one shard at a time."""
         std = self.args.init_std
         out_std = std / math.sqrt(2 * self.args.num_layers)
-        for name, p in self.named_parameters():
+        rules = {}
+        for name, _ in self.named_parameters():
             if name.endswith("bias"):
-                p.zero_()
+                rules[name] = Init("zeros")
             elif "norm" in name:
-                p.fill_(1.0)
+                rules[name] = Init("ones")
             else:
-                p.normal_(
-                    0.0,
-                    out_std if name.endswith(("attn.out.weight", "mlp.fc_out.weight")) else std,
-                    generator=generator,
-                )
+                out = name.endswith(("attn.out.weight", "mlp.fc_out.weight"))
+                rules[name] = Init("normal", out_std if out else std)
+        return rules
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise the whole (unsharded) model: bitwise what every sharded layout builds for the same seed."""
+        init_full(self, self.init_rules(), seed)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

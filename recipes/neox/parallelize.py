@@ -4,7 +4,7 @@ trnrecipes.parallel applies it with DTensor off Neuron; the Neuron adapter maps 
 neuronx-distributed's ColumnParallelLinear / RowParallelLinear / ParallelEmbedding.
 """
 
-from recipes.neox.model import NeoXArgs
+from recipes.common.spec import check_tensor_parallel  # the TP rule: recipes/neox/spec.py
 
 # Output features split across ranks: qkv rows are grouped per head ([q, k, v] blocks), so each rank gets whole heads.
 COLUMN_PARALLEL = ("attn.qkv", "mlp.fc_in")
@@ -14,11 +14,4 @@ ROW_PARALLEL = ("attn.out", "mlp.fc_out")
 NORMS = ("attn_norm", "mlp_norm")
 BRANCHES = ("attn", "mlp")
 
-
-def check_tensor_parallel(args: NeoXArgs, tp: int) -> None:
-    if args.num_heads % tp:
-        raise ValueError(f"tensor parallel degree {tp} must divide num_heads {args.num_heads}")
-    if args.ffn_hidden_size % tp:
-        raise ValueError(f"tensor parallel degree {tp} must divide ffn_hidden_size {args.ffn_hidden_size}")
-    if args.vocab_size % tp:
-        raise ValueError(f"tensor parallel degree {tp} must divide vocab_size {args.vocab_size}")
+__all__ = ["BRANCHES", "COLUMN_PARALLEL", "NORMS", "ROW_PARALLEL", "check_tensor_parallel"]

@@ -19,10 +19,22 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from trnrecipes.checkpoint import CheckpointError, finalize, hash_and_sync, verify, write_common
+from trnrecipes.checkpoint import (
+    SHARDS,
+    CheckpointError,
+    data_file,
+    finalize,
+    hash_and_sync,
+    rng_file,
+    shard_file,
+    verify,
+    write_common,
+)
 from trnrecipes.recipe import Recipe
 from trnrecipes.schema import clipped
-from trnrecipes.train.distributed import local_tensor
+from trnrecipes.sharding import shard_region
+from trnrecipes.train.build import shard_dim
+from trnrecipes.train.parallel_dims import local_tensor
 from trnrecipes.train.run_dir import prune, step_dirs
 
 RANK_WAIT_S = 3600.0  # rank 0 waits this long for the other ranks' files before giving up on a checkpoint
@@ -153,16 +165,6 @@ def set_rng_state(state: dict[str, torch.Tensor], sr_generator: torch.Generator 
 # ---- what goes in, and how it comes back (layout-agnostic: full tensors are re-sliced for the new DP/TP)
 
 
-def shard_dim(p: torch.Tensor) -> int | None:
-    """The dim a parameter's TP shards split: DTensor Shard(d), or neuronx-distributed's partition_dim."""
-    placements = getattr(p, "placements", None)
-    if placements is not None:
-        return next((pl.dim for pl in placements if pl.is_shard()), None)
-    if getattr(p, "tensor_model_parallel", False):
-        return int(p.partition_dim)
-    return None
-
-
 def shard_dims(model: torch.nn.Module) -> dict[str, int | None]:
     """shard_dim of every state_dict entry, read from the Parameters: state_dict() detaches, and a detached tensor
     has lost neuronx-distributed's tensor_model_parallel / partition_dim attributes (DTensors keep placements)."""
@@ -187,49 +189,55 @@ class HostBuffers:
 
 
 def snapshot(
-    model, optimizer, ddp, step: int, position, sr_generator, recipe: Recipe, host: HostBuffers, *, num_docs: int
+    model, optimizer, dims, step: int, position, sr_generator, recipe: Recipe, host: HostBuffers, *, num_docs: int
 ) -> dict[str, object]:
-    """This rank's files for checkpoint `step`: weights and moments from DP rank 0 of each TP group (one file per
-    TP rank), the data position from TP rank 0 of each DP group, RNG state from every rank."""
-    from trnrecipes.checkpoint import SHARDS, shard_file
-
+    """This rank's files for checkpoint `step`: weights from DP rank 0 of each TP group (one file per TP rank);
+    moments likewise, or under ZeRO-1 from every rank (its rows); the data position from TP rank 0 of each DP group;
+    RNG state from every rank."""
     _host = host.copy
     files: dict[str, object] = {}
-    params = dict(model.named_parameters())
-    if ddp.dp_rank == 0:
-        files[shard_file("model", ddp.tp_rank, ddp.tp)] = {k: _host(k, v) for k, v in model.state_dict().items()}
+    optim_dp = dims.dp if dims.zero1 else 1
+    if dims.dp_rank == 0:
+        files[shard_file("model", dims.tp_rank, dims.tp)] = {k: _host(k, v) for k, v in model.state_dict().items()}
+    if dims.dp_rank == 0 or dims.zero1:
         moments = {}
-        for (name, _), m, v in zip(params.items(), optimizer.exp_avg, optimizer.exp_avg_sq, strict=True):
+        for (name, _), m, v in zip(model.named_parameters(), optimizer.exp_avg, optimizer.exp_avg_sq, strict=True):
             moments[f"exp_avg.{name}"] = _host(f"exp_avg.{name}", m)
             moments[f"exp_avg_sq.{name}"] = _host(f"exp_avg_sq.{name}", v)
-        files[shard_file("optim", ddp.tp_rank, ddp.tp)] = moments
-    if ddp.rank == 0:
-        files[SHARDS] = {"tp": ddp.tp, "dims": shard_dims(model)}
+        files[shard_file("optim", dims.tp_rank, dims.tp, dims.dp_rank if dims.zero1 else 0, optim_dp)] = moments
+    if dims.rank == 0:
+        files[SHARDS] = {"tp": dims.tp, "dims": shard_dims(model), "optim_dp": optim_dp}
         files["state.json"] = {
             "step": step,
             "optimizer_steps": int(optimizer.step_count.item()),
-            "dp": ddp.dp,
-            "tp": ddp.tp,
-            "world": ddp.world,
+            "dp": dims.dp,
+            "tp": dims.tp,
+            "pp": dims.pp,
+            "world": dims.world,
+            "zero1": dims.zero1,
             "consumed_samples": step * recipe.batch.global_batch,
             "num_docs": num_docs,  # the corpus the data positions index (resume refuses another)
         }
-    if ddp.tp_rank == 0 and position is not None:
-        files[f"data-dp{ddp.dp_rank:04d}.json"] = position.to_dict()
-    files[f"rng-rank{ddp.rank:04d}.safetensors"] = rng_state(sr_generator)
+    if dims.tp_rank == 0 and position is not None:
+        files[data_file(dims.dp_rank)] = position.to_dict()
+    files[rng_file(dims.rank)] = rng_state(sr_generator)
     return files
 
 
-def local_slice(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+def full_shape(p: torch.Tensor, tp: int) -> tuple[int, ...]:
+    """A parameter's full (unsharded) shape: a DTensor knows it; an NxD shard is tp times longer on partition_dim."""
     dim = shard_dim(p)
-    return full if dim is None else full.chunk(tp, dim=dim)[tp_rank]
+    shape = list(p.shape)
+    if dim is not None and not hasattr(p, "placements"):
+        shape[dim] *= tp
+    return tuple(shape)
 
 
 def restore_training_state(
     path: Path,
     model,
     optimizer,
-    ddp,
+    dims,
     sr_generator,
     log=print,
     *,
@@ -241,7 +249,7 @@ def restore_training_state(
     Returns the data position to start from: the saved one only while it means the same documents (same corpus
     size, same DP size, same order); otherwise the stream restarts at the next epoch, and only when
     checkpoint.allow_changes accepted what moved it (data.path, layout.dp)."""
-    from trnrecipes.checkpoint import consolidate, load_tensors, read_json
+    from trnrecipes.checkpoint import ShardReader, load_tensors, read_json
     from trnrecipes.data.pack import StreamPosition
     from trnrecipes.train.resume_compat import allows
 
@@ -250,17 +258,21 @@ def restore_training_state(
         saved_dp, saved_world, optimizer_steps = int(state["dp"]), int(state["world"]), float(state["optimizer_steps"])
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path / 'state.json'}: missing or bad entry ({err})") from None
-    moments = consolidate(path, "optim")
-    exp_avg, exp_avg_sq = [], []
-    for name, p in model.named_parameters():
-        for key, out in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-            full = moments.get(f"{key}.{name}")
-            if full is None:
-                raise CheckpointError(f"{path}: no optimizer state for parameter {name}")
-            out.append(local_slice(full, p, ddp.tp, ddp.tp_rank))
-    optimizer.load_state_dict({"step": torch.tensor(optimizer_steps), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
-    if saved_world == ddp.world:
-        set_rng_state(load_tensors(path / f"rng-rank{ddp.rank:04d}.safetensors"), sr_generator)
+    # Moments: this rank's slice only (its TP shard, and under ZeRO-1 its rows), read from whichever saved files
+    # hold it: any saved TP / ZeRO-1 layout resumes at any other.
+    reader = ShardReader(path, "optim")
+    params = list(model.named_parameters())
+    expected = {f"{key}.{name}" for name, _ in params for key in ("exp_avg", "exp_avg_sq")}
+    if missing := sorted(expected - reader.names()):
+        raise CheckpointError(f"{path}: no optimizer state for {missing[0]} ({len(missing)} missing)")
+    for i, (name, p) in enumerate(params):
+        shape = full_shape(p, dims.tp)
+        region = shard_region(shape, shard_dim(p), dims.tp, dims.tp_rank, dims.dp if dims.zero1 else 1, dims.dp_rank)
+        reader.read_into(f"exp_avg.{name}", optimizer.exp_avg[i], shape, region.start)
+        reader.read_into(f"exp_avg_sq.{name}", optimizer.exp_avg_sq[i], shape, region.start)
+    optimizer.step_count.fill_(optimizer_steps)
+    if saved_world == dims.world:
+        set_rng_state(load_tensors(path / rng_file(dims.rank)), sr_generator)
     why = "checkpoint.allow_changes changed the data order" if data_order_changed else None
     saved_docs = state.get("num_docs")
     if saved_docs is not None and saved_docs != num_docs:
@@ -271,16 +283,16 @@ def restore_training_state(
                 " checkpoint.allow_changes to go on with this one (its stream then starts afresh)"
             )
         why = f"the corpus changed ({saved_docs} -> {num_docs} documents)"
-    if saved_dp != ddp.dp:
+    if saved_dp != dims.dp:
         if not allows(allowed, "layout.dp"):
             raise CheckpointError(
-                f"{path}: saved at data-parallel size {saved_dp}, resumed at {ddp.dp}: each DP rank's data position"
+                f"{path}: saved at data-parallel size {saved_dp}, resumed at {dims.dp}: each DP rank's data position"
                 " cannot carry over (the stream would restart at the next epoch, skipping the rest of this one);"
                 " name layout.dp in checkpoint.allow_changes to accept that"
             )
-        why = f"data parallel size changed ({saved_dp} -> {ddp.dp})"
+        why = f"data parallel size changed ({saved_dp} -> {dims.dp})"
     if why is None:
-        file = path / f"data-dp{ddp.dp_rank:04d}.json"
+        file = path / data_file(dims.dp_rank)
         try:
             return StreamPosition.from_dict(read_json(file))
         except (KeyError, TypeError, ValueError) as err:

@@ -22,18 +22,18 @@ from pathlib import Path
 import torch
 
 from trnrecipes import REPO_ROOT
-from trnrecipes.checkpoint import CheckpointError, consolidate
+from trnrecipes.checkpoint import read_model_checkpoint_recipe
 from trnrecipes.data import open_corpus
 from trnrecipes.data.pack import PackedStream, Prefetcher, StreamPosition, batches, split_documents
 from trnrecipes.layout import compute_layout, plan
-from trnrecipes.models import build_model
 from trnrecipes.recipe import Recipe, RecipeError
 from trnrecipes.schema import shown
-from trnrecipes.train.backends import Backend, make_backend
+from trnrecipes.train.backends import make_backend
+from trnrecipes.train.build import build_model_shard
 from trnrecipes.train.checkpointing import Checkpointer, HostBuffers, restore_training_state, snapshot
-from trnrecipes.train.distributed import Distributed, full_tensor, local_tensor
 from trnrecipes.train.monitor import Metrics, SpikeDetector, progress_line
 from trnrecipes.train.optim import AdamW, lr_at, no_decay_params
+from trnrecipes.train.parallel_dims import ParallelDims, full_tensor, local_tensor
 from trnrecipes.train.resume_compat import changes_data_order, check_resume
 from trnrecipes.train.run_dir import RunDirLock, settle_checkpoints
 
@@ -49,54 +49,11 @@ class RunResult:
     position: StreamPosition | None = None
 
 
-def build(recipe: Recipe, backend: Backend, ddp: Distributed, weights: dict | None = None) -> torch.nn.Module:
-    torch.manual_seed(recipe.train.seed)
-    model = build_model(recipe.model, "cpu")  # every rank builds the same full weights, then keeps its shard
-    if weights is not None:  # resuming: consolidated weights of any TP layout, re-sliced below
-        load_weights(model, weights, "the checkpoint resumed from")
-    elif recipe.train.init_from:
-        from trnrecipes.checkpoint import read_model_checkpoint
-
-        ckpt_recipe, state, _ = read_model_checkpoint(Path(recipe.train.init_from))
-        if ckpt_recipe.model != recipe.model:
-            raise RecipeError(
-                f"train.init_from {recipe.train.init_from}: its model section differs from this recipe's"
-                f" ({ckpt_recipe.model} vs {recipe.model})"
-            )
-        load_weights(model, state, f"train.init_from {recipe.train.init_from}")
-    else:
-        model.init_weights(torch.Generator().manual_seed(recipe.train.seed))
-    if recipe.precision.dtype == "bf16":
-        model.to(torch.bfloat16)  # weights themselves in bf16 (no fp32 master copy)
-    if ddp.tp > 1 and ddp.neuron:
-        from trnrecipes.neuron_parallel import apply_neuron_tensor_parallel, move_to_device
-
-        # NxD builds its layers on the CPU: shard there, then move with NxD's helper, which keeps the parallel
-        # attributes on the parameters (a plain .to(xla) makes new Parameters without them).
-        apply_neuron_tensor_parallel(model, recipe.model.family, recipe.layout.sequence_parallel)
-        move_to_device(model, backend.device)
-        return model
-    model.to(backend.device)
-    if ddp.tp > 1:
-        from trnrecipes.parallel import apply_tensor_parallel
-
-        apply_tensor_parallel(model, ddp.mesh["tp"], recipe.model.family, recipe.layout.sequence_parallel)
-    return model
-
-
-def load_weights(model: torch.nn.Module, weights: dict, source: str) -> None:
-    """load_state_dict, with a mismatch said as a recipe problem rather than torch's traceback."""
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as err:
-        first = " ".join(str(err).strip().splitlines()[:3])[:400]
-        raise CheckpointError(f"{source}: its weights do not fit this recipe's model: {first}") from None
-
-
-def rounding_seed(seed: int, ddp: Distributed) -> int:
+def rounding_seed(seed: int, dims: ParallelDims) -> int:
     """Seed of the stochastic-rounding noise: one per TP rank, the same on every DP replica. The replicas apply the
-    same averaged update to the same weights; different noise would round them apart, and nothing re-syncs them."""
-    return seed + ddp.tp_rank
+    same averaged update to the same weights; different noise would round them apart, and nothing re-syncs them.
+    (Under ZeRO-1 each row is rounded by one rank and then shared, so the replicas agree either way.)"""
+    return seed + dims.tp_rank
 
 
 def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -109,9 +66,14 @@ class Trainer:
     def __init__(self, recipe: Recipe, compile_only: bool = False, run_dir: Path | None = None, log=print):
         self.recipe, self.compile_only = recipe, compile_only
         self.backend = make_backend(recipe.cluster.backend, int(os.environ.get("LOCAL_RANK", "0")))
-        self.ddp = Distributed(recipe, self.backend)
+        self.dims = ParallelDims(recipe, self.backend)
         self.layout = compute_layout(recipe)
-        self.log = log if self.ddp.rank == 0 else (lambda *a, **k: None)
+        self.log = log if self.dims.rank == 0 else (lambda *a, **k: None)
+        if self.dims.zero1_unavailable:
+            self.log(
+                f"[trnrecipes] warning: layout.zero1 is not available on backend {self.backend.name} yet (NxD's"
+                " zero-1 optimizer is not wired): optimizer states stay replicated over data parallel"
+            )
         env_dir = os.environ.get("TRNRECIPES_RUN_DIR")
         default = Path(recipe.run_dir) if recipe.run_dir else Path("runs") / recipe.job_name
         self.run_dir = Path(run_dir or env_dir or default)
@@ -123,21 +85,33 @@ class Trainer:
         try:
             self._build(resume)
         except BaseException:
-            self._release()  # not ddp.close(): its barrier would wait for ranks that may not fail with this one
+            self._release()  # not dims.close(): its barrier would wait for ranks that may not fail with this one
             raise
 
     def _build(self, resume: Path | None) -> None:
-        recipe = self.recipe
-        self.model = build(recipe, self.backend, self.ddp, consolidate(resume) if resume else None)
+        recipe, dims = self.recipe, self.dims
+        weights, source = resume, f"the checkpoint resumed from ({resume})"
+        if resume is None and recipe.train.init_from:
+            weights, source = Path(recipe.train.init_from), f"train.init_from {recipe.train.init_from}"
+            ckpt_model = read_model_checkpoint_recipe(weights).model  # verified
+            if ckpt_model != recipe.model:
+                raise RecipeError(
+                    f"train.init_from {recipe.train.init_from}: its model section differs from this recipe's"
+                    f" ({ckpt_model} vs {recipe.model})"
+                )
+        self.model = build_model_shard(recipe, dims=dims, device=self.backend.device, weights=weights, source=source)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.zero1_rows = [dims.zero1_rows(local_tensor(p).shape[0]) for p in params] if dims.zero1 else None
         self.optimizer = AdamW(
-            list(self.model.parameters()),
+            params,
             recipe.optim,
             no_decay_params(self.model, recipe.optim.decay_norms_and_biases),
             # On Neuron the runtime rounds stochastically (NEURON_RT_STOCHASTIC_ROUNDING_EN, set by the scripts).
             stochastic_rounding=recipe.precision.stochastic_rounding
             and recipe.precision.dtype == "bf16"
             and self.backend.name != "neuron",
-            seed=rounding_seed(recipe.train.seed, self.ddp),
+            seed=rounding_seed(recipe.train.seed, dims),
+            rows=self.zero1_rows,
         )
         self._open_data()
         self.start_step, self.start_position = 0, None
@@ -147,7 +121,7 @@ class Trainer:
                 resume,
                 self.model,
                 self.optimizer,
-                self.ddp,
+                self.dims,
                 self.optimizer.generator,
                 self.log,
                 num_docs=self.documents.num_docs,
@@ -160,8 +134,8 @@ class Trainer:
             self.run_dir / "checkpoints",
             recipe,
             self.tokenizer.path,
-            self.ddp.rank,
-            self.ddp.world,
+            self.dims.rank,
+            self.dims.world,
             recipe.checkpoint.keep_last,
             recipe.checkpoint.async_save,
             self.log,
@@ -177,7 +151,7 @@ class Trainer:
             return None
         c, root = self.recipe.checkpoint, self.run_dir / "checkpoints"
         error, step, reorder = None, -1, False
-        if self.ddp.rank == 0:
+        if self.dims.rank == 0:
             try:
                 self.lock = RunDirLock(self.run_dir, self.log).acquire()
                 restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0  # a requeue resumes, never archives
@@ -193,7 +167,7 @@ class Trainer:
             except BaseException:
                 self._release()
                 raise
-        failed, step, reorder = self.ddp.max_over_ranks([error is not None, step, reorder], self.backend.device)
+        failed, step, reorder = self.dims.max_over_ranks([error is not None, step, reorder], self.backend.device)
         self.data_order_changed = bool(reorder)
         if error is not None:
             self._release()
@@ -214,17 +188,17 @@ class Trainer:
         seed = self.recipe.train.seed
         self.train_docs, self.val_docs = split_documents(self.documents.num_docs, d.val_fraction, seed, source=d.path)
         # Validation: the same fixed batches every time (a fresh stream from its start), split over DP ranks.
-        val_dp = min(self.ddp.dp, len(self.val_docs)) if len(self.val_docs) else 0
+        val_dp = min(self.dims.dp, len(self.val_docs)) if len(self.val_docs) else 0
         self.val_batches: list[torch.Tensor] = []
-        if val_dp and self.ddp.dp_rank < val_dp:
-            stream = PackedStream(self.documents, self.val_docs, b.seq_len, 0, self.ddp.dp_rank, val_dp)
+        if val_dp and self.dims.dp_rank < val_dp:
+            stream = PackedStream(self.documents, self.val_docs, b.seq_len, 0, self.dims.dp_rank, val_dp)
             it = batches(stream, b.micro_batch)
             self.val_batches = [torch.from_numpy(next(it)[0]) for _ in range(self.recipe.train.val_batches)]
 
     def _train_loader(self, start: StreamPosition | None):
-        b, ddp = self.recipe.batch, self.ddp
+        b, dims = self.recipe.batch, self.dims
         seed = self.recipe.train.seed
-        stream = PackedStream(self.documents, self.train_docs, b.seq_len, seed, ddp.dp_rank, ddp.dp, True, start)
+        stream = PackedStream(self.documents, self.train_docs, b.seq_len, seed, dims.dp_rank, dims.dp, True, start)
         self._prefetch = Prefetcher(batches(stream, b.micro_batch))
         positions: collections.deque[StreamPosition] = collections.deque()
 
@@ -259,7 +233,7 @@ class Trainer:
         return total.sqrt()
 
     def _param_norm(self) -> torch.Tensor:
-        if self.ddp.neuron and self.layout.tp > 1:
+        if self.dims.neuron and self.layout.tp > 1:
             from trnrecipes import neuron_parallel
 
             return neuron_parallel.param_norm(list(self.model.parameters()))
@@ -280,7 +254,7 @@ class Trainer:
 
     def reduce_and_clip(self) -> torch.Tensor:
         """Average gradients over the DP group, then clip by the global norm (all TP shards); returns the norm."""
-        if self.ddp.neuron:
+        if self.dims.neuron:
             from trnrecipes import neuron_parallel
 
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -289,7 +263,7 @@ class Trainer:
             neuron_parallel.average_gradients_over_dp(params)
             return neuron_parallel.clip_grad_norm(params, self.recipe.optim.clip_grad_norm)
         local_grads = self._grads()
-        self.ddp.average_over_dp(local_grads)
+        self.dims.average_over_dp(local_grads)
         grad_norm = self._global_norm([p.grad for p in self.model.parameters() if p.grad is not None])
         clip = self.recipe.optim.clip_grad_norm
         if clip > 0:
@@ -301,6 +275,8 @@ class Trainer:
     def optimizer_step(self, step: int) -> None:
         self.optimizer.set_lr(lr_at(step, self.recipe.optim))
         self.optimizer.step()
+        if self.zero1_rows is not None:
+            self.dims.gather_zero1([local_tensor(p).data for p in self.optimizer.params], self.zero1_rows)
         self.optimizer.zero_grad()
         self.backend.sync()  # cut: the optimizer step is the second graph
 
@@ -319,9 +295,10 @@ class Trainer:
                 total = total + _loss(self.model, tokens.to(self.backend.device)).float()
             self.backend.sync()
         local = total.cpu() / max(1, len(self.val_batches))
-        counted = torch.tensor([float(local), float(bool(self.val_batches))])
+        held = float(bool(self.val_batches) and self.dims.holds_loss)
+        counted = torch.tensor([float(local) * held, held])
         # Each DP replica's loss arrives once per TP rank: the TP copies cancel in the ratio.
-        counted = self.ddp.sum_over_ranks(counted, self.backend.device)
+        counted = self.dims.sum_over_ranks(counted, self.backend.device)
         return float(counted[0] / counted[1])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -335,7 +312,7 @@ class Trainer:
         files = snapshot(
             self.model,
             self.optimizer,
-            self.ddp,
+            self.dims,
             step,
             position,
             self.optimizer.generator,
@@ -347,8 +324,7 @@ class Trainer:
             self.checkpointer.save(step, files)
 
     def _dp_mean(self, value: torch.Tensor) -> float:
-        v = self.ddp.sum_over_ranks(value.detach().float().reshape(1), self.backend.device)
-        return float(v) / self.ddp.world  # every rank of a DP replica holds the same loss
+        return self.dims.mean_over_holders(value, self.backend.device)
 
     # ------------------------------------------------------------------ run
     def run(self, max_steps: int | None = None) -> RunResult:
@@ -359,13 +335,13 @@ class Trainer:
             self.log(f"[trnrecipes] {r.name}: already trained to step {self.start_step} of {steps}; nothing to do")
             result.already_done = True  # a success: a requeue after the last save must not fail the job
             return result
-        metrics = Metrics(self.run_dir, enabled=self.ddp.rank == 0 and not self.compile_only)
+        metrics = Metrics(self.run_dir, enabled=self.dims.rank == 0 and not self.compile_only)
         spikes = SpikeDetector()
         stop_file = os.environ.get("TRNRECIPES_STOP_FILE")
         loader, positions = self._train_loader(self.start_position)
         mode = "compile (tracing every graph; nothing is written)" if self.compile_only else "train"
         self.log(
-            f"[trnrecipes] {mode}: {r.name} on {self.backend.name}, {self.ddp.world} rank(s) = DP {lay.dp} x TP"
+            f"[trnrecipes] {mode}: {r.name} on {self.backend.name}, {self.dims.world} rank(s) = DP {lay.dp} x TP"
             f" {lay.tp}; global batch {r.batch.global_batch} = micro {r.batch.micro_batch} x accum {lay.grad_accum}"
             f" x DP {lay.dp}; steps {self.start_step + 1}-{steps}; run dir {self.run_dir}"
         )
@@ -401,7 +377,7 @@ class Trainer:
                 # Decisions only some ranks can see (a stop file, a signal, the clock) are agreed on by all ranks.
                 stop_seen = bool(stop_file and os.path.exists(stop_file)) or signals.caught is not None
                 time_due = every_s is not None and time.monotonic() - last_save >= every_s
-                stop, time_due = map(bool, self.ddp.max_over_ranks([stop_seen, time_due], self.backend.device))
+                stop, time_due = map(bool, self.dims.max_over_ranks([stop_seen, time_due], self.backend.device))
                 if (step + 1) % r.train.val_every == 0 or last or first:
                     record["val_loss"] = result.val_losses[step + 1] = self.validate()
                 if (step + 1) % r.checkpoint.every_steps == 0 or last or first or time_due or stop:
@@ -414,7 +390,7 @@ class Trainer:
                 result.compilations.append(self.backend.compilations())
                 if stop and not last:
                     self.checkpointer.wait()
-                    if self.ddp.rank == 0 and stop_file:
+                    if self.dims.rank == 0 and stop_file:
                         Path(stop_file + ".saved").write_text(f"{step + 1}\n")
                     why = signals.caught or "stop file"
                     self.log(f"[trnrecipes] stop requested ({why}): saved at step {step + 1}, exiting")
@@ -444,7 +420,7 @@ class Trainer:
 
     def close(self) -> None:
         self._release()
-        self.ddp.close()
+        self.dims.close()
 
 
 class _catch_stop_signals:

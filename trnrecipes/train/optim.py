@@ -6,6 +6,9 @@ One AdamW instead of torch.optim's because three backends need things it does no
 - Tensor parallel: parameters may be DTensors; AdamW is elementwise, so it runs on each rank's local shard.
 - bf16 weights without fp32 masters: the update is computed in fp32 and rounded to bf16 either to nearest or
   stochastically (off Neuron in software here; on Neuron the runtime flag does it in hardware).
+- ZeRO-1: given `rows`, each parameter's moments exist only for this data-parallel rank's rows (dim 0 of its local
+  tensor, trnrecipes.sharding) and only those rows are updated; ParallelDims.gather_zero1 then shares the updated
+  rows. AdamW is elementwise, so the update of a row is bitwise the same whichever rank makes it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import math
 import torch
 
 from trnrecipes.recipe import OptimConfig
-from trnrecipes.train.distributed import local_tensor
+from trnrecipes.train.parallel_dims import local_tensor
 
 
 def lr_at(step: int, cfg: OptimConfig) -> float:
@@ -50,21 +53,34 @@ class AdamW:
         no_decay: set[int] | None = None,  # id()s of parameters that get no weight decay
         stochastic_rounding: bool = False,
         seed: int = 0,
+        rows: list[tuple[int, int]] | None = None,  # ZeRO-1: per parameter, the dim-0 rows this rank updates
     ):
         self.params = [p for p in params if p.requires_grad]
+        if rows is not None and len(rows) != len(self.params):
+            raise ValueError(f"ZeRO-1 rows for {len(rows)} parameters, but {len(self.params)} are trained")
+        self.rows = rows
         self.betas, self.eps, self.weight_decay = cfg.betas, cfg.eps, cfg.weight_decay
         self.no_decay = no_decay or set()
         self.stochastic_rounding = stochastic_rounding
         device = local_tensor(self.params[0]).device
         self.lr = torch.zeros((), dtype=torch.float32, device=device)
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
-        self.exp_avg = [torch.zeros_like(local_tensor(p), dtype=torch.float32) for p in self.params]
-        self.exp_avg_sq = [torch.zeros_like(local_tensor(p), dtype=torch.float32) for p in self.params]
+        self.exp_avg = [torch.zeros_like(self._mine(p, i), dtype=torch.float32) for i, p in enumerate(self.params)]
+        self.exp_avg_sq = [torch.zeros_like(self._mine(p, i), dtype=torch.float32) for i, p in enumerate(self.params)]
         # An own generator where torch has one per device (cpu, cuda): checkpoints save and restore its state, so a
         # resumed run draws the same rounding noise as an uninterrupted one. XLA: the device's default RNG.
         self.generator = None
         if stochastic_rounding and device.type in ("cpu", "cuda"):
             self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def _mine(self, t: torch.Tensor, index: int) -> torch.Tensor:
+        """The part of a parameter (or its gradient) this rank updates: its local tensor, or under ZeRO-1 a view of
+        its rows."""
+        local = local_tensor(t)
+        if self.rows is None:
+            return local
+        start, stop = self.rows[index]
+        return local[start:stop]
 
     def set_lr(self, lr: float) -> None:
         # Copied in from a host tensor: on XLA this is new input data for the same graph, never a new constant.
@@ -77,10 +93,10 @@ class AdamW:
         bias1 = 1 - beta1**self.step_count
         bias2 = 1 - beta2**self.step_count
         step_size = self.lr / bias1
-        for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True):
+        for i, (p, m, v) in enumerate(zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True)):
             if p.grad is None:
                 continue
-            param, grad = local_tensor(p), local_tensor(p.grad).float()
+            param, grad = self._mine(p, i), self._mine(p.grad, i).float()
             # In place and few passes over memory: on CPU an optimizer step is bandwidth-bound.
             m.lerp_(grad, 1 - beta1)  # beta1 * m + (1 - beta1) * g
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)

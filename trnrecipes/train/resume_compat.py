@@ -60,8 +60,9 @@ def _recipe_keys() -> set[str]:
     keys = set(PSEUDO_KEYS)
     for name, tp in typing.get_type_hints(Recipe).items():
         keys.add(name)
-        if dataclasses.is_dataclass(tp):
-            keys.update(f"{name}.{f.name}" for f in dataclasses.fields(tp))
+        for cls in typing.get_args(tp) or (tp,):  # the model section: every family's config
+            if dataclasses.is_dataclass(cls):
+                keys.update(f"{name}.{f.name}" for f in dataclasses.fields(cls))
     return keys
 
 

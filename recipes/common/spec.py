@@ -1,0 +1,87 @@
+"""What a model family is to the rest of the project: one FamilySpec per recipes/<family>/spec.py (torchtitan's
+ModelSpec is the model). Torch-free: rendering (`trnrecipes plan`, `sbatch`) reads specs and must not load torch.
+
+A family's config dataclass is both the recipe's `model:` section and its model.py's constructor argument. Its
+first field is `family: Literal["<name>"]` (the schema picks the class by it), and it provides:
+    param_count() -> int                   exact parameters of model.py's model (tests/test_families.py checks it)
+    flops_per_token(seq_len) -> int        training FLOPs per token
+    problems() -> list[str]                relations between its fields, once every bound in `bounds` holds
+    tp_problems(tp) -> list[str]           the tensor parallel rule: what `tp` must divide
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from trnrecipes.schema import POSITIVE, Bound
+
+CHECKPOINTING = ("none", "selective", "full")  # activation checkpointing: nothing, core attention, each layer
+# Ranges of the fields every decoder family has; a family adds its own (a field without a bound fails a test).
+DECODER_BOUNDS: dict[str, Bound] = {
+    "vocab_size": POSITIVE, "hidden_size": POSITIVE, "num_layers": POSITIVE, "num_heads": POSITIVE,
+    "ffn_hidden_size": POSITIVE, "max_seq_len": POSITIVE, "rotary_base": POSITIVE, "norm_eps": POSITIVE,
+    "init_std": POSITIVE,
+}  # fmt: skip
+
+
+def no_compiler_flags(instance: str) -> tuple[str, ...]:
+    return ()
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str  # model.family in a recipe
+    config: type  # the model section's dataclass (see the module docstring)
+    bounds: Mapping[str, Bound]  # every numeric field of `config` -> its valid range
+    model_class: str  # the nn.Module in recipes/<name>/model.py, built from a `config`
+    hf_architectures: tuple[str, ...]  # config.json "architectures" that recipes/<name>/hf.py converts
+    hf_model_type: str  # config.json "model_type"
+    # Extra neuronx-cc flags this family needs on an instance type (trnrecipes.neuron_env adds them).
+    compiler_flags: Callable[[str], tuple[str, ...]] = no_compiler_flags
+
+    @property
+    def package(self) -> str:
+        return f"recipes.{self.name}"
+
+    # The torch side, imported only when used: model.py, parallelize.py (the TP plan: COLUMN_PARALLEL,
+    # ROW_PARALLEL, NORMS, BRANCHES, check_tensor_parallel) and hf.py (the HF adapter).
+    @property
+    def model_module(self) -> ModuleType:
+        return importlib.import_module(f"{self.package}.model")
+
+    @property
+    def parallel_plan(self) -> ModuleType:
+        return importlib.import_module(f"{self.package}.parallelize")
+
+    @property
+    def hf(self) -> ModuleType:
+        return importlib.import_module(f"{self.package}.hf")
+
+
+def training_flops_per_token(config: Any, seq_len: int) -> int:
+    """PaLM appendix B: 6N + 12 L H Q T (N all parameters, attention scores included)."""
+    head_dim = config.hidden_size // config.num_heads
+    return 6 * config.param_count() + 12 * config.num_layers * config.num_heads * head_dim * seq_len
+
+
+def check_tensor_parallel(config: Any, tp: int) -> None:
+    """The family's TP rule, raised: training's last check before sharding (recipes are checked at render time)."""
+    problems = config.tp_problems(tp)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+_WHY = {"vocab_size": " (vocab-parallel embedding and head)", "num_kv_heads": " (each rank holds whole KV groups)"}
+
+
+def divides(tp: int, config: Any, *fields: str) -> list[str]:
+    """The TP rule's messages: `tp` must divide each named field of `config`."""
+    return [
+        f"layout.tp {tp} must divide model.{name} {getattr(config, name)}{_WHY.get(name, '')}"
+        for name in fields
+        if getattr(config, name) % tp
+    ]

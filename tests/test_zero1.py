@@ -1,0 +1,138 @@
+"""ZeRO-1 (optimizer states sharded over data parallel) on real torch.distributed (gloo, 2 processes): the same
+weights as plain DP, half the moments per rank, and checkpoints that cross ZeRO-1 on/off and DP 1 <-> 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import REPO
+from test_resume import finish, last_losses, start
+
+from trnrecipes.checkpoint import verify_training
+from trnrecipes.recipe import load_recipe
+
+pytestmark = pytest.mark.slow
+
+DP2 = ["cluster.workers_per_node=2"]
+FIXED = ["batch.seq_len=32", "batch.global_batch=8", "batch.micro_batch=2", "optim.clip_grad_norm=1.0"]
+
+
+def worker(tmp_path: Path, overrides: list[str], steps: int) -> tuple[dict, list[dict], list[dict]]:
+    out = tmp_path / f"w{abs(hash(tuple(overrides)))}.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+           "--rdzv-endpoint=127.0.0.1:0", str(REPO / "tests/train_worker.py"), str(out), "pythia-tiny",
+           *overrides]  # fmt: skip
+    env = {**os.environ, "TRAIN_WORKER_STEPS": str(steps), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
+    sizes = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
+    return torch.load(out, weights_only=True), ranks, sizes
+
+
+def test_zero1_at_dp2_gives_the_same_weights_as_plain_dp2_for_10_steps(tmp_path: Path):
+    """fp32, 10 steps with clipping and weight decay, NeoX (biases and norms: 1-d parameters split too)."""
+    plain, _, plain_sizes = worker(tmp_path, [*DP2, *FIXED], 10)
+    zero, zero_ranks, zero_sizes = worker(tmp_path, [*DP2, *FIXED, "layout.zero1=true"], 10)
+    assert zero["norms"] == plain["norms"]
+    for name, p in plain["params"].items():
+        assert torch.equal(zero["params"][name], p), name
+    for name, p in zero_ranks[0].items():  # the replicas hold every row after each step, not only their own
+        assert torch.equal(zero_ranks[1][name], p), name
+    # Each rank holds about half the moments; together exactly one copy.
+    assert sum(s["moments"] for s in zero_sizes) == plain_sizes[0]["moments"] == 2 * plain_sizes[0]["params"]
+    assert all(s["moments"] < 0.6 * plain_sizes[0]["moments"] for s in zero_sizes)
+
+
+SMALL = ["batch.seq_len=32", "batch.global_batch=4", "batch.micro_batch=2", "train.log_every=1",
+         "train.val_every=1000", "checkpoint.every_steps=5", "checkpoint.allow_changes=[layout.dp]"]  # fmt: skip
+
+
+def launch(tmp_path: Path, run: Path, nproc: int, steps: int, *overrides: str) -> str:
+    recipe = load_recipe(
+        "llama2-tiny", overrides=[*SMALL, f"cluster.workers_per_node={nproc}", f"run_dir={run}", *overrides]
+    )
+    cfg = tmp_path / f"cfg-{nproc}-{steps}-{abs(hash(overrides))}.yaml"
+    cfg.write_text(yaml.safe_dump({**recipe.to_dict(), "train": {**recipe.to_dict()["train"], "max_steps": steps}}))
+    if nproc == 1:
+        return finish(start(cfg))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+           "--rdzv-endpoint=127.0.0.1:0", "-m", "trnrecipes", "train", "--config", str(cfg)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_checkpoints_cross_zero1_on_and_off_bitwise(tmp_path: Path):
+    """Same DP size, so the data stream carries over: a run saved with ZeRO-1 and resumed without it (and the other
+    way round) continues bitwise as the uninterrupted ZeRO-1 run does."""
+    straight = tmp_path / "straight"
+    launch(tmp_path, straight, 2, 10, "layout.zero1=true")
+    reference = last_losses(straight)
+    saved = straight / "checkpoints/step_5"
+    assert "optim-tp00-of-01-dp0001-of-0002.safetensors" in verify_training(saved)["files"]
+    for first, then in (("true", "false"), ("false", "true")):
+        run = tmp_path / f"{first}-{then}"
+        launch(tmp_path, run, 2, 5, f"layout.zero1={first}")
+        out = launch(tmp_path, run, 2, 10, f"layout.zero1={then}")
+        assert "resuming from" in out and "(step 5)" in out
+        assert [last_losses(run)[s] for s in range(6, 11)] == [reference[s] for s in range(6, 11)], (first, then)
+
+
+@pytest.mark.parametrize(
+    ("first", "then", "layouts"),
+    [(1, 2, ["layout.zero1=false", "layout.zero1=true"]), (2, 1, ["layout.zero1=true", "layout.zero1=false"]),
+     (2, 1, ["layout.tp=2", "layout.tp=1"])],
+    ids=["dp1-to-dp2-zero1", "dp2-zero1-to-dp1", "tp2-to-tp1"],
+)  # fmt: skip
+def test_checkpoints_cross_layouts(tmp_path: Path, first: int, then: int, layouts: list[str]):
+    """DP 1 -> DP 2 with ZeRO-1 (moments split on load), back (the two ranks' slices joined), and TP 2 -> TP 1 (the
+    TP shards joined, replicated norms read once): training goes on from the checkpoint, not from scratch."""
+    run, fast = tmp_path / "run", ["optim.warmup_steps=0", "optim.lr=3e-3"]
+    launch(tmp_path, run, first, 5, layouts[0], *fast)
+    out = launch(tmp_path, run, then, 8, layouts[1], *fast)
+    assert "resuming from" in out and "(step 5)" in out
+    dp = [n // (2 if "tp=2" in layout else 1) for n, layout in ((first, layouts[0]), (then, layouts[1]))]
+    assert (f"data parallel size changed ({dp[0]} -> {dp[1]})" in out) == (dp[0] != dp[1])
+    losses = last_losses(run)
+    assert sorted(losses) == list(range(1, 9))
+    assert losses[6] < losses[1] - 0.3, losses  # a fresh start would be back near the first step's loss
+    assert (run / "checkpoints/step_8/done").exists()
+
+
+def test_the_shard_reader_joins_and_splits_zero1_slices_for_any_layout(tmp_path: Path):
+    """Moments saved as TP x DP slices (ZeRO-1 files) read back as any other TP x DP slice, exactly."""
+    from safetensors.torch import save_file
+
+    from trnrecipes.checkpoint import SHARDS, ShardReader, shard_file
+    from trnrecipes.sharding import shard_region
+
+    full = {"a": torch.randn(10, 6), "b": torch.randn(7), "c": torch.randn(4, 9)}
+    dims = {"a": 0, "b": None, "c": 1}
+    for saved_tp, saved_dp in ((1, 2), (2, 2), (2, 3), (1, 1)):
+        ckpt = tmp_path / f"tp{saved_tp}dp{saved_dp}"
+        ckpt.mkdir()
+        (ckpt / SHARDS).write_text(json.dumps({"tp": saved_tp, "dims": dims, "optim_dp": saved_dp}))
+        for t in range(saved_tp):
+            for d in range(saved_dp):
+                tensors = {}
+                for name, value in full.items():
+                    r = shard_region(tuple(value.shape), dims[name], saved_tp, t, saved_dp, d)
+                    tensors[f"exp_avg.{name}"] = value[r.slices_within(shard_region(value.shape, None, 1, 0))].clone()
+                save_file(tensors, ckpt / shard_file("optim", t, saved_tp, d, saved_dp))
+        reader = ShardReader(ckpt, "optim")
+        for tp, dp in ((1, 1), (2, 1), (1, 2), (2, 2), (1, 3)):
+            for t in range(tp):
+                for d in range(dp):
+                    for name, value in full.items():
+                        r = shard_region(tuple(value.shape), dims[name], tp, t, dp, d)
+                        out = torch.empty(r.size)
+                        reader.read_into(f"exp_avg.{name}", out, tuple(value.shape), r.start)
+                        assert torch.equal(out, value[r.slices_within(shard_region(value.shape, None, 1, 0))])

@@ -1,0 +1,188 @@
+"""Where a rank sits in a training run: world = pp x dp x tp, TP fastest, then DP, then PP (as NxD and torchtitan lay
+ranks out: a TP group is consecutive ranks inside a node), the process groups each dim needs, and the few collectives
+the step loop uses beyond the model's own (DP gradient averaging, ZeRO-1's parameter gather, metric reductions that
+count each value once, agreeing on decisions)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from trnrecipes.layout import compute_layout
+from trnrecipes.recipe import Recipe, RecipeError, check_recipe
+from trnrecipes.sharding import chunk_range
+from trnrecipes.train.backends import Backend
+
+
+def rank_coords(rank: int, *, pp: int, dp: int, tp: int) -> tuple[int, int, int]:
+    """(pp_rank, dp_rank, tp_rank) of a global rank in the [pp, dp, tp] layout (TP fastest)."""
+    if not 0 <= rank < pp * dp * tp:
+        raise ValueError(f"rank {rank} is outside a world of {pp * dp * tp} (pp {pp} x dp {dp} x tp {tp})")
+    return rank // (dp * tp), rank // tp % dp, rank % tp
+
+
+def global_rank(*, pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
+    return (pp_rank * dp + dp_rank) * tp + tp_rank
+
+
+class ParallelDims:
+    """This rank's place in the [pp, dp, tp] layout and the groups over each dim. Single process: no process group.
+
+    Metric reductions are written for pipeline stages: a value (the loss) may be held by some ranks only, and is
+    averaged over the ranks that hold it, never divided by the world size."""
+
+    def __init__(self, recipe: Recipe, backend: Backend):
+        layout = compute_layout(recipe)
+        if layout.pp > 1:
+            # The layout math, rank layout and scripts are written for PP; the step loop does not split the model yet.
+            raise RecipeError(
+                f"layout.pp {layout.pp}: pipeline parallelism is planned (layout, scripts) but not built in the step"
+                f" loop; train with layout.pp=1{_wider_tp_hint(recipe, layout.tp * layout.pp)}"
+            )
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        if self.world != layout.world_size:
+            raise RecipeError(
+                f"launched with {self.world} rank(s), but recipe {recipe.name} at {layout.nodes} node(s) needs"
+                f" {layout.world_size} (PP {layout.pp} x DP {layout.dp} x TP {layout.tp}); use its run.sbatch"
+            )
+        self.pp, self.dp, self.tp = layout.pp, layout.dp, layout.tp
+        self.pp_rank, self.dp_rank, self.tp_rank = rank_coords(self.rank, pp=self.pp, dp=self.dp, tp=self.tp)
+        # ZeRO-1 (optimizer states sharded over the DP group) runs on the torch backends; NxD's zero-1 optimizer is
+        # not wired yet, so on xla/neuron the states stay replicated and the trainer says so (zero1_unavailable).
+        wanted = recipe.layout.zero1 and self.dp > 1
+        self.zero1 = wanted and backend.name in ("cpu", "cuda")
+        self.zero1_unavailable = wanted and not self.zero1
+        self.mesh = self.dp_group = None
+        self.neuron = backend.name == "neuron"
+        # NCCL and XLA's process group reduce device tensors only; gloo (cpu, and xla on PJRT CPU) takes CPU ones.
+        self.collectives_on_device = self.neuron or backend.dist_backend == "nccl"
+        if self.neuron:
+            from trnrecipes import neuron_parallel
+
+            if not dist.is_initialized():
+                dist.init_process_group("xla", init_method="xla://")
+            # NxD owns the groups, and its TP groups are not always consecutive ranks (trn1 at TP 4 strides them by
+            # 8): the data shard, checkpoint files and re-slicing must use NxD's ranks, or a TP group mixes batches.
+            self.tp_rank, self.dp_rank = neuron_parallel.initialize(self.tp, self.dp)
+        elif self.world > 1:
+            if not dist.is_initialized():
+                dist.init_process_group(backend.dist_backend, rank=self.rank, world_size=self.world)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh(
+                backend.device.type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp")
+            )
+            self.dp_group = self.mesh["dp"].get_group()
+
+    @property
+    def holds_loss(self) -> bool:
+        """Whether this rank computes the loss: every rank without PP, the last stage's ranks with it."""
+        return self.pp_rank == self.pp - 1
+
+    def average_over_dp(self, tensors: list[torch.Tensor]) -> None:
+        """In place: the mean over the data-parallel replicas (never over TP ranks, which hold different shards).
+        Bucketed: the flat copy that one all-reduce needs is at most BUCKET_ELEMENTS, not the whole model's grads."""
+        if self.dp == 1 or not tensors:
+            return
+        for bucket in _buckets(tensors, BUCKET_ELEMENTS):
+            flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.dp
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def zero1_rows(self, local_rows: int) -> tuple[int, int]:
+        """ZeRO-1: the dim-0 rows of a TP-local tensor whose optimizer state this DP rank holds and updates."""
+        if not self.zero1:
+            return 0, local_rows
+        return chunk_range(local_rows, self.dp, self.dp_rank)
+
+    def gather_zero1(self, locals_: list[torch.Tensor], rows: list[tuple[int, int]]) -> None:
+        """After a ZeRO-1 step each DP rank has updated only its rows: give every replica all of them, in place.
+        The rows a rank does not own are set to -0.0 and the DP group sums: -0.0 is the exact additive identity
+        (x + -0.0 == x bitwise for every x, -0.0 and NaN included), so the result is the owners' values exactly,
+        with no gather buffer the size of the model."""
+        if not self.zero1:
+            return
+        with torch.no_grad():
+            for t, (start, stop) in zip(locals_, rows, strict=True):
+                t[:start].fill_(-0.0)
+                t[stop:].fill_(-0.0)
+                dist.all_reduce(t, group=self.dp_group)
+
+    def mean_over_holders(self, value: torch.Tensor, device: torch.device) -> float:
+        """The mean of a scalar over the ranks that hold it (holds_loss): with PP only the last stage computes the
+        loss. Every TP rank of a replica holds the same value, which cancels in the ratio (never divide by world)."""
+        v = value.detach().float().reshape(())
+        held = 1.0 if self.holds_loss else 0.0
+        total = self.sum_over_ranks(torch.stack([v * held, torch.ones_like(v) * held]), device)
+        return float(total[0] / total[1])
+
+    def max_over_ranks(self, values: list[int], device: torch.device) -> list[int]:
+        """Element-wise max over all ranks: how ranks agree on a decision only some of them can see."""
+        t = self._all_reduce(torch.tensor(values, dtype=torch.int64), device, dist.ReduceOp.MAX)
+        return [int(v) for v in t.tolist()]
+
+    def sum_over_ranks(self, values: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Element-wise sum over all ranks of a small tensor (metrics; on the host or `device`), returned on the CPU."""
+        return self._all_reduce(values, device, dist.ReduceOp.SUM)
+
+    def _all_reduce(self, values: torch.Tensor, device: torch.device, op) -> torch.Tensor:
+        if self.world == 1:
+            return values.cpu()
+        # A copy either way: all_reduce works in place and must not change the caller's tensor.
+        t = values.to(device, copy=True) if self.collectives_on_device else values.to("cpu", copy=True)
+        dist.all_reduce(t, op=op)
+        return t.cpu()
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+BUCKET_ELEMENTS = 1 << 24  # 64 MB of fp32 per gradient all-reduce
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive groups of at most `limit` elements (a larger tensor is a group of its own)."""
+    groups: list[list[torch.Tensor]] = []
+    size = limit
+    for t in tensors:
+        if size + t.numel() > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.numel()
+    return groups
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _wider_tp_hint(recipe: Recipe, tp: int) -> str:
+    """', e.g. layout.tp=N ...' when TP = old tp x pp is a valid layout (the same model memory per core), else why
+    there is no such suggestion: suggesting an invalid layout would only move the error."""
+    trial = replace(recipe, layout=replace(recipe.layout, tp=tp, pp=1))
+    try:
+        compute_layout(trial)
+        valid = not check_recipe(trial)
+    except RecipeError:
+        valid = False
+    if valid:
+        return f", e.g. layout.tp={tp}, which keeps the model's memory per core"
+    return (
+        f"; layout.tp={tp} would keep the model's memory per core but is not a valid layout here, and a smaller"
+        " tp holds more of the model on each core (`trnrecipes plan` checks a layout's divisibility, not memory)"
+    )
