@@ -71,3 +71,16 @@ def test_shard_dims_come_from_the_parameters_where_nxd_tags_them():
     for p, dim in ((model[0].weight, 0), (model[0].bias, 0), (model[1].weight, 1)):
         p.tensor_model_parallel, p.partition_dim = True, dim
     assert shard_dims(model) == {"0.weight": 0, "0.bias": 0, "1.weight": 1, "1.bias": None}
+
+
+def test_a_recipe_saved_by_the_merged_model_schema_reads_as_todays(tmp_path: Path):
+    """Checkpoints written before each family had its own model section list the other family's keys at their
+    defaults and num_kv_heads: null; they must still compare equal to the same recipe today (or resume is refused)."""
+    import yaml
+
+    from trnrecipes.checkpoint import saved_recipe
+
+    today = load_recipe("llama2-tiny", overrides=["model.num_kv_heads=4"]).to_dict()
+    old = {**today, "model": {**today["model"], "num_kv_heads": None, "rotary_pct": 1.0, "parallel_residual": True}}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    assert saved_recipe(tmp_path)["model"] == today["model"]

@@ -2,8 +2,8 @@
 
     step_N/
       model.safetensors                 weights, our names (TP > 1: model-tp00-of-08.safetensors ..., one per rank)
-      shards.json                       per parameter: the dim its TP shards split (or null) and its full shape;
-                                        how many DP slices the optimizer state is in (optim_dp)
+      shards.json                       per parameter: the dim its TP shards split (or null); how many DP slices
+                                        the optimizer state is in (optim_dp)
       optim-tp00-of-01.safetensors      AdamW moments per parameter (training checkpoints); under ZeRO-1 one file per
                                         TP x DP rank, optim-tp00-of-08-dp0000-of-0004.safetensors, each a dim-0 slice
       state.json                        step, layout; data-dpNNNN.json / rng-rankNNNN.safetensors per rank
@@ -355,10 +355,15 @@ def saved_recipe(path: Path) -> dict:
         raise CheckpointError(str(err)) from None
     model = data.get("model")
     if isinstance(model, dict) and model.get("family") in FAMILIES:
-        fields = {f.name for f in dataclasses.fields(FAMILIES[model["family"]].config)}
+        config = FAMILIES[model["family"]].config
+        fields = {f.name for f in dataclasses.fields(config)}
         for key, default in LEGACY_MODEL_DEFAULTS.items():
             if key not in fields and key in model and model[key] == default:
                 del model[key]
+        try:  # resolved as this version resolves it (num_kv_heads: null -> num_heads), so equal sections compare equal
+            data["model"] = {**model, **dataclasses.asdict(config(**model))}
+        except (TypeError, ValueError):
+            pass  # left as saved: the resume check reports what differs
     return data
 
 

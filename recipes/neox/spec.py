@@ -21,7 +21,7 @@ class NeoXConfig:
     num_heads: int
     ffn_hidden_size: int
     max_seq_len: int
-    rotary_pct: float = 0.25  # NeoX and Pythia rotate the first 25% of each head's dims
+    rotary_pct: float = 1.0  # NeoX and Pythia set 0.25 (every shipped recipe does); 1.0 as recipes always defaulted
     rotary_base: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02

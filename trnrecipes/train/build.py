@@ -54,7 +54,9 @@ def build_model_shard(
             from trnrecipes.parallel import apply_tensor_parallel
 
             apply_tensor_parallel(model, dims.mesh["tp"], recipe.model.family, recipe.layout.sequence_parallel)
-        model.to_empty(device=device)  # allocates each parameter's local shard only
+        # Each parameter's local shard only. On XLA devices on the host, then moved: filling device tensors block
+        # by block would trace the fills into the first training graph (another compilation).
+        model.to_empty(device="cpu" if device.type == "xla" else device)
     reader = ShardReader(weights, "model") if weights is not None else None
     fill_shards(
         model, full_shapes=full_shapes, rules=rules, seed=recipe.train.seed, reader=reader, dims=dims, source=source
@@ -63,6 +65,8 @@ def build_model_shard(
         from trnrecipes.neuron_parallel import move_to_device
 
         move_to_device(model, device)
+    elif device.type == "xla":
+        model.to(device)
     return model
 
 

@@ -201,7 +201,9 @@ def snapshot(
         files[shard_file("model", dims.tp_rank, dims.tp)] = {k: _host(k, v) for k, v in model.state_dict().items()}
     if dims.dp_rank == 0 or dims.zero1:
         moments = {}
-        for (name, _), m, v in zip(model.named_parameters(), optimizer.exp_avg, optimizer.exp_avg_sq, strict=True):
+        names = {id(p): name for name, p in model.named_parameters()}  # the optimizer holds the trained ones only
+        for p, m, v in zip(optimizer.params, optimizer.exp_avg, optimizer.exp_avg_sq, strict=True):
+            name = names[id(p)]
             moments[f"exp_avg.{name}"] = _host(f"exp_avg.{name}", m)
             moments[f"exp_avg_sq.{name}"] = _host(f"exp_avg_sq.{name}", v)
         files[shard_file("optim", dims.tp_rank, dims.tp, dims.dp_rank if dims.zero1 else 0, optim_dp)] = moments
@@ -261,7 +263,8 @@ def restore_training_state(
     # Moments: this rank's slice only (its TP shard, and under ZeRO-1 its rows), read from whichever saved files
     # hold it: any saved TP / ZeRO-1 layout resumes at any other.
     reader = ShardReader(path, "optim")
-    params = list(model.named_parameters())
+    names = {id(p): name for name, p in model.named_parameters()}
+    params = [(names[id(p)], p) for p in optimizer.params]  # the trained parameters, in the optimizer's order
     expected = {f"{key}.{name}" for name, _ in params for key in ("exp_avg", "exp_avg_sq")}
     if missing := sorted(expected - reader.names()):
         raise CheckpointError(f"{path}: no optimizer state for {missing[0]} ({len(missing)} missing)")

@@ -295,8 +295,8 @@ class Trainer:
                 total = total + _loss(self.model, tokens.to(self.backend.device)).float()
             self.backend.sync()
         local = total.cpu() / max(1, len(self.val_batches))
-        held = float(bool(self.val_batches) and self.dims.holds_loss)
-        counted = torch.tensor([float(local) * held, held])
+        held = bool(self.val_batches) and self.dims.holds_loss
+        counted = torch.tensor([float(local) if held else 0.0, float(held)])
         # Each DP replica's loss arrives once per TP rank: the TP copies cancel in the ratio.
         counted = self.dims.sum_over_ranks(counted, self.backend.device)
         return float(counted[0] / counted[1])

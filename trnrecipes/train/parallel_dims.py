@@ -120,8 +120,9 @@ class ParallelDims:
         """The mean of a scalar over the ranks that hold it (holds_loss): with PP only the last stage computes the
         loss. Every TP rank of a replica holds the same value, which cancels in the ratio (never divide by world)."""
         v = value.detach().float().reshape(())
-        held = 1.0 if self.holds_loss else 0.0
-        total = self.sum_over_ranks(torch.stack([v * held, torch.ones_like(v) * held]), device)
+        held = torch.ones_like(v) if self.holds_loss else torch.zeros_like(v)
+        mine = v if self.holds_loss else torch.zeros_like(v)  # not v * 0: a NaN elsewhere must not count here
+        total = self.sum_over_ranks(torch.stack([mine, held]), device)
         return float(total[0] / total[1])
 
     def max_over_ranks(self, values: list[int], device: torch.device) -> list[int]:
