@@ -395,7 +395,6 @@ def read_model_checkpoint_recipe(path: Path) -> Recipe:
 def read_model_checkpoint(path: Path) -> tuple[Recipe, dict[str, torch.Tensor], Path | None]:
     """(recipe, consolidated state dict, tokenizer dir or None), after verifying the checkpoint."""
     path = Path(path)
-    verify(path)
-    recipe = recipe_from_dict(saved_recipe(path), str(path / "recipe.yaml"))
+    recipe = read_model_checkpoint_recipe(path)
     tokenizer = path / "tokenizer"
     return recipe, consolidate(path), tokenizer if tokenizer.is_dir() else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -26,6 +26,29 @@ DECODER_BOUNDS: dict[str, Bound] = {
     "ffn_hidden_size": POSITIVE, "max_seq_len": POSITIVE, "rotary_base": POSITIVE, "norm_eps": POSITIVE,
     "init_std": POSITIVE,
 }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The fields every decoder family has, in recipe order. A family's config subclasses it, redefines `family` as
+    its Literal (a redefined field keeps its place: first) and adds its own fields, each with a default."""
+
+    family: str = field(default="", kw_only=True)
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    ffn_hidden_size: int
+    max_seq_len: int
+
+    def __post_init__(self) -> None:
+        checkpointing = getattr(self, "activation_checkpointing", "none")
+        if checkpointing not in CHECKPOINTING:  # recipes: the schema's Literal says it first
+            raise ValueError(f"activation_checkpointing must be one of {CHECKPOINTING}, not {checkpointing!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
 
 
 def no_compiler_flags(instance: str) -> tuple[str, ...]:

@@ -8,19 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from recipes.common.spec import CHECKPOINTING, DECODER_BOUNDS, FamilySpec, divides, training_flops_per_token
+from recipes.common.spec import DECODER_BOUNDS, DecoderConfig, FamilySpec, divides, training_flops_per_token
 from trnrecipes.schema import POSITIVE
 
 
 @dataclass(frozen=True)
-class Llama2Config:
+class Llama2Config(DecoderConfig):
     family: Literal["llama2"] = field(default="llama2", kw_only=True)
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    ffn_hidden_size: int
-    max_seq_len: int
     num_kv_heads: int | None = None  # grouped-query attention (70B: 8); None = num_heads (plain multi-head)
     rotary_base: float = 10000.0
     norm_eps: float = 1e-5
@@ -30,14 +24,7 @@ class Llama2Config:
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)  # frozen: set once, here
-        if self.activation_checkpointing not in CHECKPOINTING:  # recipes: the schema's Literal says it first
-            raise ValueError(
-                f"activation_checkpointing must be one of {CHECKPOINTING}, not {self.activation_checkpointing!r}"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        super().__post_init__()
 
     def param_count(self) -> int:
         """Exact parameters of recipes/llama2/model.py: untied embedding and head; per layer 2 RMSNorms (weight),

@@ -8,35 +8,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from recipes.common.spec import CHECKPOINTING, DECODER_BOUNDS, FamilySpec, divides, training_flops_per_token
+from recipes.common.spec import DECODER_BOUNDS, DecoderConfig, FamilySpec, divides, training_flops_per_token
 from trnrecipes.schema import Bound
 
 
 @dataclass(frozen=True)
-class NeoXConfig:
+class NeoXConfig(DecoderConfig):
     family: Literal["neox"] = field(default="neox", kw_only=True)
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    ffn_hidden_size: int
-    max_seq_len: int
     rotary_pct: float = 1.0  # NeoX and Pythia set 0.25 (every shipped recipe does); 1.0 as recipes always defaulted
     rotary_base: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
     activation_checkpointing: Literal["none", "selective", "full"] = "none"  # selective: core attention only
     parallel_residual: bool = True  # x + attn(ln1(x)) + mlp(ln2(x)), as every Pythia and NeoX-20B
-
-    def __post_init__(self) -> None:
-        if self.activation_checkpointing not in CHECKPOINTING:  # recipes: the schema's Literal says it first
-            raise ValueError(
-                f"activation_checkpointing must be one of {CHECKPOINTING}, not {self.activation_checkpointing!r}"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     @property
     def rotary_dim(self) -> int:
