@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import recipes.common.init as init_module
+from trnrecipes.backends import make_backend
 from trnrecipes.recipe import load_recipe
-from trnrecipes.train.backends import make_backend
 from trnrecipes.train.build import build_model_shard
 from trnrecipes.train.parallel_dims import ParallelDims, full_tensor, local_tensor
 
@@ -66,9 +66,7 @@ def main() -> None:
     dims = ParallelDims(recipe, backend)
     seen = Allocations()
     with seen:
-        model = build_model_shard(
-            recipe, dims=dims, device=backend.device, weights=None if weights == "-" else Path(weights)
-        )
+        model = build_model_shard(recipe, dims=dims, backend=backend, weights=None if weights == "-" else Path(weights))
     params = dict(model.named_parameters())
     local = {n: local_tensor(p).numel() for n, p in params.items()}
     report = {

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import trnrecipes.checkpoint as checkpoint
+import trnrecipes.checkpoint.format as checkpoint
+from trnrecipes.backends.neuron_xla import NeuronXlaBackend
 from trnrecipes.checkpoint import CheckpointError, verify
+from trnrecipes.checkpoint.writer import Checkpointer, shard_dims
 from trnrecipes.recipe import load_recipe
-from trnrecipes.train.checkpointing import Checkpointer, shard_dims
 
 
 def rank_files(rank: int) -> dict[str, object]:
@@ -70,7 +71,7 @@ def test_shard_dims_come_from_the_parameters_where_nxd_tags_them():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
     for p, dim in ((model[0].weight, 0), (model[0].bias, 0), (model[1].weight, 1)):
         p.tensor_model_parallel, p.partition_dim = True, dim
-    assert shard_dims(model) == {"0.weight": 0, "0.bias": 0, "1.weight": 1, "1.bias": None}
+    assert shard_dims(model, NeuronXlaBackend.shard_dim) == {"0.weight": 0, "0.bias": 0, "1.weight": 1, "1.bias": None}
 
 
 def test_a_recipe_saved_by_the_merged_model_schema_reads_as_todays(tmp_path: Path):

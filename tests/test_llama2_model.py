@@ -19,6 +19,7 @@ from recipes.llama2.hf import (  # noqa: E402
     state_dict_to_hf,
 )
 from recipes.llama2.model import Llama2, Llama2Args  # noqa: E402
+from trnrecipes.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
 
 # (hidden, heads, kv_heads, ffn, rope_theta): MHA, GQA 8/2, MQA-ish 4/1; head dims 16 and 32; an odd FFN width.
 SHAPES = [
@@ -235,7 +236,8 @@ def test_activation_checkpointing_gives_same_loss_and_grads():
     ref.init_weights(seed=0)
     results = {}
     for mode in ("none", "selective", "full"):
-        model = Llama2(Llama2Args(**{**vars(base), "activation_checkpointing": mode})).train()
+        model = Llama2(base).train()
+        apply_activation_checkpointing(model, mode)
         model.load_state_dict(ref.state_dict())
         logits = model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
@@ -247,7 +249,7 @@ def test_activation_checkpointing_gives_same_loss_and_grads():
             torch.testing.assert_close(results[mode][1][name], grad, msg=f"{mode}: {name}")
 
 
-def test_unknown_checkpointing_mode_is_refused():
+def test_unknown_checkpointing_mode_is_refused_by_the_config():
     with pytest.raises(ValueError, match="activation_checkpointing"):
         Llama2Args(
             vocab_size=8,

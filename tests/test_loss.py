@@ -1,12 +1,14 @@
-"""The fused chunked head + cross-entropy equals F.linear + F.cross_entropy, alone and as the models' labels= path."""
+"""The fused chunked head + cross-entropy equals F.linear + F.cross_entropy, alone, as fused_head_loss next to
+logits_loss, and as the models' labels= path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from recipes.common.loss import IGNORE_INDEX, linear_cross_entropy
+from recipes.common.loss import IGNORE_INDEX, fused_head_loss, linear_cross_entropy, logits_loss
 from recipes.llama2.model import Llama2, Llama2Args
 from recipes.neox.model import NeoX, NeoXArgs
 
@@ -82,6 +84,38 @@ def test_hidden_without_grad_and_no_grad_mode():
         torch.testing.assert_close(linear_cross_entropy(hidden, weight, labels), want_loss)
 
 
+def head_inputs(bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    head = nn.Linear(16, 53, bias=bias)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(53, 16, generator=g))
+    x = torch.randn(3, 7, 16, generator=g).requires_grad_()
+    labels = torch.randint(0, 53, (3, 7), generator=g)
+    labels[1, :3] = IGNORE_INDEX
+    return head, x, labels
+
+
+def test_fused_head_loss_equals_logits_loss_on_a_plain_head():
+    results = []
+    for head_loss in (fused_head_loss, logits_loss):
+        head, x, labels = head_inputs()
+        loss = head_loss(head, x, labels)
+        loss.backward()
+        results.append((loss.detach(), x.grad, head.weight.grad))
+    assert results[0][0].dtype == results[1][0].dtype == torch.float32
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_head_loss_refuses_a_head_it_cannot_fuse():
+    head, x, labels = head_inputs(bias=True)
+    with pytest.raises(TypeError, match=r"bias-free nn\.Linear.*with a bias.*logits_loss"):
+        fused_head_loss(head, x, labels)
+    with pytest.raises(TypeError, match=r"bias-free nn\.Linear head, got Sequential.*logits_loss"):
+        fused_head_loss(nn.Sequential(nn.Linear(16, 53, bias=False)), x, labels)
+    logits_loss(head, x, labels).backward()  # the logits path takes any head
+
+
 def shifted(tokens):
     return torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], IGNORE_INDEX)], dim=1)
 
@@ -114,10 +148,23 @@ def test_model_labels_path_equals_logits_plus_cross_entropy(family):
         torch.testing.assert_close(p.grad, want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("family", MODELS)
+def test_model_head_loss_is_fused_by_default_and_swappable(family):
+    model = MODELS[family]().train()
+    model.init_weights(seed=0)
+    assert model.head_loss is fused_head_loss
+    assert not any("head_loss" in name for name in model.state_dict())
+    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+    fused = model(tokens, labels=shifted(tokens))
+    model.head_loss = logits_loss
+    torch.testing.assert_close(model(tokens, labels=shifted(tokens)), fused, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 @pytest.mark.parametrize("family", MODELS)
-def test_tensor_parallel_head_falls_back_to_full_logits(family):
-    # One rank is enough to make the head weight a DTensor, which the fused path must not be handed.
+def test_tensor_parallel_head_takes_logits_loss(family):
+    # One rank is enough to make the head weight a DTensor, which the fused path must refuse: the parallelize step
+    # sets model.head_loss = logits_loss for a tensor-parallel head (set here too, so this tests the loss alone).
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -134,6 +181,9 @@ def test_tensor_parallel_head_falls_back_to_full_logits(family):
     try:
         parallel = apply_tensor_parallel(model, init_device_mesh("cpu", (1,)), family, sequence_parallel=True)
         assert isinstance(parallel.head.weight, DTensor)
+        with pytest.raises(TypeError, match=r"DTensor.*logits_loss"):
+            fused_head_loss(parallel.head, torch.zeros(2, 16, 32), shifted(tokens))
+        parallel.head_loss = logits_loss
         got = parallel(tokens, labels=shifted(tokens))
         got.backward()
     finally:

@@ -12,6 +12,7 @@ from transformers.models.gpt_neox import modeling_gpt_neox as hf_neox
 
 from recipes.neox import hf
 from recipes.neox.model import NeoX, NeoXArgs, rotary_frequencies, rotate_half
+from trnrecipes.activation_checkpointing import apply_activation_checkpointing
 
 torch.set_num_threads(2)
 
@@ -129,7 +130,8 @@ def test_activation_checkpointing_changes_nothing_but_memory(mode):
     args = NeoXArgs(vocab_size=50, hidden_size=64, num_layers=2, num_heads=4, ffn_hidden_size=128, max_seq_len=32)
     base = NeoX(args)
     base.init_weights(seed=0)
-    other = NeoX(NeoXArgs(**{**args.__dict__, "activation_checkpointing": mode}))
+    other = NeoX(args)
+    apply_activation_checkpointing(other, mode)
     other.load_state_dict(base.state_dict())
     tokens = torch.randint(0, 50, (2, 16))
     grads = []

@@ -20,8 +20,8 @@ from conftest import REPO
 from safetensors.torch import load_file
 
 from trnrecipes.checkpoint import verify
+from trnrecipes.checkpoint.writer import latest_checkpoint, step_dirs
 from trnrecipes.recipe import load_recipe
-from trnrecipes.train.checkpointing import latest_checkpoint, step_dirs
 
 pytestmark = pytest.mark.slow
 

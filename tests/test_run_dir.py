@@ -19,8 +19,8 @@ import yaml
 from conftest import REPO, run_cli
 
 from trnrecipes.checkpoint import CheckpointError, read_model_checkpoint, verify, write_model_checkpoint
+from trnrecipes.checkpoint.writer import Checkpointer, latest_checkpoint
 from trnrecipes.recipe import RecipeError, load_recipe
-from trnrecipes.train.checkpointing import Checkpointer, latest_checkpoint
 from trnrecipes.train.resume_compat import check_allow_changes, resume_differences
 from trnrecipes.train.run_dir import LOCK_FILE, RunDirBusy, RunDirLock, settle_checkpoints, step_dirs
 
@@ -136,7 +136,7 @@ def test_when_no_checkpoint_verifies_the_run_is_refused_and_nothing_moves(tmp_pa
 
 
 def test_an_io_error_while_verifying_moves_nothing_aside(tmp_path: Path, monkeypatch):
-    import trnrecipes.checkpoint as checkpoint
+    import trnrecipes.checkpoint.format as checkpoint
 
     root = tmp_path / "checkpoints"
     for step in (5, 10):

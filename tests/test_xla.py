@@ -64,7 +64,7 @@ def test_a_dynamic_shape_would_have_compiled_a_new_graph(runs):
 
 
 def test_neuron_backend_without_the_neuron_sdk_is_a_clear_error():
-    code = "from trnrecipes.train.backends import make_backend; make_backend('neuron', 0)"
+    code = "from trnrecipes.backends import make_backend; make_backend('neuron', 0)"
     done = subprocess.run([str(XLA_PYTHON), "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "cluster.backend neuron needs neuronx-distributed from the Neuron repository" in done.stderr

@@ -40,7 +40,7 @@ def verify_launch(recipe: Recipe) -> LaunchContext:
             f" {layout.workers_per_node} workers needs {layout.world_size}; launch it with its run.sbatch"
         )
     if "MASTER_ADDR" in os.environ:
-        # The collective backend of the neuron/xla/cuda step loops comes with trnrecipes/train/backends.py;
+        # The collective backend of the neuron/xla/cuda step loops comes with trnrecipes/backends/;
         # gloo proves the rendezvous and the rank numbering here.
         dist.init_process_group("gloo", rank=rank, world_size=world)
         ranks = torch.tensor([rank], dtype=torch.int64)

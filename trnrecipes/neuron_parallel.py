@@ -14,6 +14,9 @@ input (the role of PrepareModuleInput in the DTensor plan). The row-parallel lin
 back onto the shards (NxD's sequence_parallel_enabled, sequence_dimension=1). The norms' parameters and the
 row-parallel biases see only their shard's gradient: they are tagged `sequence_parallel_enabled` and summed over
 the TP group after backward (reduce_sequence_parallel_gradients).
+
+ZeRO-1 (optimizer states sharded over the data-parallel group) runs through NxD's zero-1 optimizer: see the section
+at the end (make_zero1_optimizer, zero1_moments).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 from trnrecipes.parallel import family_plan, require_divisible_sequence
+from trnrecipes.sharding import chunk_range
 
 
 @dataclass(frozen=True)
@@ -201,3 +205,199 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     from neuronx_distributed.parallel_layers.grads import clip_grad_norm as nxd_clip_grad_norm
 
     return nxd_clip_grad_norm(params, max_norm if max_norm > 0 else float("inf"))
+
+
+# ---- ZeRO-1 on Neuron: NxD's zero-1 optimizer (optimizer states sharded over the data-parallel group)
+#
+# Written against neuronx_distributed/optimizer/zero_redundancy_optimizer.py (NeuronZero1Optimizer, the same file
+# from NxD 2.26 to 2.29, aws-neuron/neuronx-distributed fbac349) and the class it extends, torch-xla's
+# torch_xla/distributed/zero_redundancy_optimizer.py (ZeroRedundancyOptimizer, the same file from v2.8.0 to v2.9.0,
+# pytorch/xla 5fab7053). NeuronZero1Optimizer passes its arguments through to ZeroRedundancyOptimizer, defaults
+# sharding_groups to NxD's DP replica groups and computes the grad norm with NxD's get_grad_norm. What it does:
+# - construction: each parameter (this TP rank's local tensor, on the XLA device) is copied, padded with zero rows
+#   to a multiple of the sharding group size along dim 0 and chunked along dim 0; this DP rank's chunk, cast to
+#   optimizer_dtype (an fp32 master copy when the weights are bf16), is the parameter of the base optimizer
+#   (`base_optimizer`, built as optimizer_class(sharded param groups, **defaults)). The copy is taken then: build
+#   the optimizer after the weights are filled and on the device.
+# - step(): param_groups are synced into base_optimizer (so lr set on optimizer.param_groups applies); each
+#   gradient is padded and reduce-scattered over the sharding group with scale 1/DP (the DP mean: no all-reduce of
+#   our own before it); with grad_clipping, the norm of the shards' gradients summed over the TP group (replicated
+#   parameters counted once), the pipeline group and the sharding group is kept as `optimizer.grad_norm` (a
+#   1-element tensor, before clipping) and the shard gradients are scaled by max_norm / (norm + 1e-6) where that is
+#   < 1 (torch.nn.utils.clip_grad_norm_'s rule); base_optimizer.step() updates the shards; they are all-gathered
+#   over the sharding group and copied, cast to the weights' dtype, into the parameters in place.
+# - it does not reduce sequence-parallel gradients: NxD's own NxDOptimizer.step runs
+#   allreduce_sequence_parallel_gradients before calling it, and so must we (reduce_sequence_parallel_gradients).
+# - state: base_optimizer.state[shard] is torch.optim.AdamW's {"step", "exp_avg", "exp_avg_sq"} of the padded shard
+#   ("step" a CPU scalar tensor per parameter), created lazily at the first step.
+# How AWS builds it: neuronx_distributed/trainer/trainer.py (initialize_optimizer_from_class, zero_one_enabled)
+# passes sharding_groups=get_data_parallel_replica_groups(), grad_norm_groups=get_tensor_model_parallel_replica_
+# groups(), pin_layout=False and, on torch >= 2.2, bucketed collectives (130 MB reduce-scatter buckets, 130 / DP MB
+# all-gather buckets; ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB overrides); the examples' param groups are
+# [{"params": decayed, "weight_decay": wd}, {"params": others, "weight_decay": 0.0}]. (grad_norm_groups is read only
+# by torch-xla's own norm, which NeuronZero1Optimizer replaces; passed as AWS does.)
+
+_NXD_MISSING = (
+    "the neuron backend needs neuronx-distributed from the Neuron SDK (a Trainium host with the Neuron repository"
+    " configured); it is not installable here. Use backend cpu, cuda or xla elsewhere."
+)
+# AWS's default bucket for the coalesced reduce-scatter / all-gather of zero-1 ("Bucket cap >140MB causes NaN at
+# step 3 (known issue)", trainer.py)
+ZERO1_BUCKET_CAP_MB = 130
+
+
+def zero1_param_groups(params: list[nn.Parameter], no_decay: set[int]) -> list[dict]:
+    """The trained parameters as torch param groups: weight-decayed ones, then those in `no_decay` (id()s, as for
+    trnrecipes.train.optim.AdamW) with weight_decay 0. An empty group is left out."""
+    trained = [p for p in params if p.requires_grad]
+    groups = [
+        {"params": [p for p in trained if id(p) not in no_decay]},
+        {"params": [p for p in trained if id(p) in no_decay], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def make_zero1_optimizer(
+    param_groups: list[dict],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    max_norm: float,
+):
+    """NxD's NeuronZero1Optimizer over torch.optim.AdamW, built as NxD's trainer builds it (DP replica groups shard
+    the states, TP replica groups for the norm, unpinned layouts, bucketed collectives), with fp32 states.
+
+    Clipping stays on whatever max_norm is: the optimizer computes the grad norm only when it clips, and the step
+    loop logs it. max_norm <= 0 (no clipping) becomes inf, whose coefficient is 1.
+    Call after initialize(), with the model's weights filled and on the XLA device (the shards are copied here)."""
+    try:
+        from neuronx_distributed.optimizer import NeuronZero1Optimizer
+        from neuronx_distributed.parallel_layers import parallel_state
+    except ImportError as err:
+        raise RuntimeError(_NXD_MISSING) from err
+    dp = parallel_state.get_data_parallel_size()
+    bucket = int(os.environ.get("ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB", ZERO1_BUCKET_CAP_MB))
+    return NeuronZero1Optimizer(
+        [g for g in param_groups if g["params"]],
+        torch.optim.AdamW,
+        optimizer_dtype=torch.float32,
+        grad_clipping=True,
+        max_norm=max_norm if max_norm > 0 else float("inf"),
+        pin_layout=False,
+        sharding_groups=parallel_state.get_data_parallel_replica_groups(),
+        grad_norm_groups=parallel_state.get_tensor_model_parallel_replica_groups(),
+        bucket_cap_mb_all_gather=max(1, bucket // dp),
+        bucket_cap_mb_reduce_scatter=bucket,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+    )
+
+
+def zero1_rows(local_rows: int, dp: int, dp_rank: int) -> tuple[int, int]:
+    """[start, stop) of the dim-0 rows of a TP-local parameter whose optimizer state DP rank `dp_rank` holds.
+
+    torch-xla pads dim 0 with zero rows to a multiple of dp and takes chunk dp_rank of dp: every chunk has
+    ceil(rows / dp) rows, and chunk i covers real rows [i * c, (i + 1) * c) cut at `rows`, which is torch.chunk's
+    split of the unpadded rows (trnrecipes.sharding.chunk_range, the rule the checkpoint files use). Trailing ranks
+    may hold only padding (an empty range)."""
+    return chunk_range(local_rows, dp, dp_rank)
+
+
+def zero1_rank(optimizer) -> tuple[int, int]:
+    """(sharding group size, this rank's place in it) as the optimizer sharded: the DP size and rank that its rows
+    follow (check them against the ranks the checkpoint files are named by)."""
+    return optimizer.local_world_size, optimizer.local_rank
+
+
+@dataclass(frozen=True)
+class Zero1Slice:
+    """One trained parameter's part of this rank's ZeRO-1 state. The tensors are views (padding rows cut off) into
+    the optimizer's own: read them to save, copy_ into them to restore."""
+
+    param: nn.Parameter  # the model's (TP-local) parameter
+    rows: tuple[int, int]  # [start, stop) of its dim 0 that the views cover
+    exp_avg: torch.Tensor  # fp32, shape (stop - start, *param.shape[1:])
+    exp_avg_sq: torch.Tensor
+    master: torch.Tensor  # the optimizer's fp32 copy of those rows (finer than bf16 weights; rebuilt from them)
+
+
+def _zero1_pairs(optimizer):
+    for group, shard_group in zip(optimizer.param_groups, optimizer.base_optimizer.param_groups, strict=True):
+        yield from zip(group["params"], shard_group["params"], strict=True)
+
+
+def _zero1_state(optimizer, shard: torch.Tensor) -> dict:
+    """The base AdamW's state of a shard, created as torch.optim.AdamW creates it at its first step (zero moments
+    like the shard, a CPU step count; AdamW then uses what it finds) so that it can be filled before any step."""
+    state = optimizer.base_optimizer.state[shard]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(shard, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(shard, memory_format=torch.preserve_format)
+    return state
+
+
+def zero1_moments(optimizer) -> list[Zero1Slice]:
+    """Per trained parameter (in the optimizer's order), this DP rank's rows of its AdamW moments: what a checkpoint
+    saves as exp_avg.<name> / exp_avg_sq.<name> over region shard_region(full shape, tp dim, tp, tp rank, dp,
+    dp rank), and what a restore fills (the states are created, zero, if no step has run yet)."""
+    dp, rank = zero1_rank(optimizer)
+    slices = []
+    for param, shard in _zero1_pairs(optimizer):
+        start, stop = zero1_rows(param.shape[0], dp, rank)
+        state = _zero1_state(optimizer, shard)
+        n = stop - start
+        slices.append(Zero1Slice(param, (start, stop), state["exp_avg"][:n], state["exp_avg_sq"][:n], shard.data[:n]))
+    return slices
+
+
+def load_zero1_moments(optimizer, moments: list[dict[str, torch.Tensor]], steps: int) -> None:
+    """Restore this rank's moments: moments[i] = {"exp_avg", "exp_avg_sq"} of zero1_moments(optimizer)[i]'s rows
+    (any device, any float dtype), and the optimizer step count. (A reader that fills tensors in place can write
+    into zero1_moments' views instead, then call set_zero1_step_count.)"""
+    slices = zero1_moments(optimizer)
+    if len(moments) != len(slices):
+        raise ValueError(f"moments for {len(moments)} parameters, but the optimizer trains {len(slices)}")
+    with torch.no_grad():
+        for s, m in zip(slices, moments, strict=True):
+            for key in ("exp_avg", "exp_avg_sq"):
+                dest = getattr(s, key)
+                if tuple(m[key].shape) != tuple(dest.shape):
+                    raise ValueError(f"{key} of rows {s.rows}: {tuple(m[key].shape)}, expected {tuple(dest.shape)}")
+                dest.copy_(m[key])
+    set_zero1_step_count(optimizer, steps)
+
+
+def zero1_step_count(optimizer) -> int:
+    """Optimizer steps taken (AdamW keeps one count per parameter, a CPU tensor: reading it does not sync)."""
+    counts = {int(optimizer.base_optimizer.state[shard]["step"]) if optimizer.base_optimizer.state[shard] else 0
+              for _, shard in _zero1_pairs(optimizer)}  # fmt: skip
+    if len(counts) != 1:
+        raise RuntimeError(f"ZeRO-1 parameters disagree on the step count: {sorted(counts)}")
+    return counts.pop()
+
+
+def set_zero1_step_count(optimizer, steps: int) -> None:
+    """Every parameter's AdamW step count (bias correction), e.g. on resume."""
+    for _, shard in _zero1_pairs(optimizer):
+        _zero1_state(optimizer, shard)["step"].fill_(float(steps))
+
+
+def set_zero1_lr(optimizer, lr: float) -> None:
+    """The learning rate of the next step(), which copies param_groups into the base optimizer. A Python float:
+    torch-xla uploads non-0/1 scalars as device data, so a changing lr compiles no new graph."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def zero1_grad_norm(optimizer) -> torch.Tensor:
+    """The global grad norm (all TP shards and DP slices, before clipping) computed by the last step(), a 0-dim
+    device tensor."""
+    norm = optimizer.grad_norm
+    if norm is None:
+        raise RuntimeError("the ZeRO-1 optimizer has no grad norm: it is computed by step() with grad_clipping on")
+    return norm.reshape(())

@@ -8,7 +8,10 @@ Backward then only scales those stored gradients by the incoming grad. Same math
 (mean over labels != ignore_index), fp32 accumulation whatever the parameter dtype. The idea is Liger-Kernel's
 fused linear cross entropy.
 
-Lives in recipes/ (plain PyTorch, no trnrecipes import) so the model code can use it.
+Lives in recipes/ (plain PyTorch, no trnrecipes import) so the model code can use it. The models take their loss
+from a `head_loss` attribute, fused_head_loss by default; the parallelize step switches a model whose head is tensor
+parallel to logits_loss (full logits gathered by the head, then plain cross-entropy). Which one applies is decided
+there, where the head's layout is known, not by inspecting the head here.
 """
 
 from __future__ import annotations
@@ -107,20 +110,32 @@ def linear_cross_entropy(
     )
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
+def fused_head_loss(head: nn.Module, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):
+    """Mean next-token loss of `head` on the final hidden states x [b, s, h]; labels [b, s] already shifted.
 
-    return isinstance(t, DTensor)
-
-
-def causal_lm_loss(head: nn.Module, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):
-    """Mean next-token loss of `head` on the final hidden states x [b, s, h]; labels [b, s] already shifted."""
+    The fused chunked path (linear_cross_entropy): the [b, s, vocab] logits never exist. It reads head.weight as
+    the whole vocabulary, so it needs a bias-free nn.Linear holding a plain (not DTensor) weight. A head split over
+    tensor-parallel ranks takes logits_loss instead: the parallelize step sets model.head_loss to it.
+    """
     weight = getattr(head, "weight", None)
-    if type(head) is nn.Linear and head.bias is None and not _is_dtensor(weight):
-        return linear_cross_entropy(x.flatten(0, 1), weight, labels.flatten(), ignore_index=ignore_index)
-    # A tensor-parallel head (DTensor weight, or a Neuron ColumnParallelLinear holding one vocab shard) does not
-    # hold the whole vocabulary locally: let the head's own forward gather full logits and take the plain loss.
+    if type(head) is not nn.Linear or head.bias is not None:
+        raise TypeError(
+            f"fused_head_loss needs a bias-free nn.Linear head, got {type(head).__name__}"
+            f"{' with a bias' if type(head) is nn.Linear else ''}; use logits_loss for this head"
+        )
+    if type(weight) not in (torch.Tensor, nn.Parameter):  # e.g. a DTensor: one vocabulary shard per TP rank
+        raise TypeError(
+            f"fused_head_loss needs the head's whole weight as a plain tensor, got {type(weight).__name__}"
+            " (a tensor-parallel head?); use logits_loss for this head"
+        )
+    return linear_cross_entropy(x.flatten(0, 1), weight, labels.flatten(), ignore_index=ignore_index)
+
+
+def logits_loss(head: nn.Module, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):
+    """The same loss through head(x): full [b, s, vocab] logits, then cross-entropy in fp32.
+
+    For any head, in particular a tensor-parallel one (a DTensor-sharded nn.Linear, a Neuron ColumnParallelLinear)
+    whose own forward gathers the full logits from the vocabulary shards.
+    """
     logits = head(x)
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=ignore_index)

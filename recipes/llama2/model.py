@@ -4,6 +4,10 @@ The projections are fused (qkv, gate_up) with row layouts chosen so that a conti
 out/tp holds whole KV groups / whole FFN units for any tp that divides num_kv_heads / ffn_hidden_size. The
 forward pass reads the local number of heads and FFN units from the weight shapes, never from the config, so
 the same code runs unchanged on a tensor-parallel (column-sharded) weight.
+
+No parallelism, activation checkpointing or compilation here: the parallelize step applies them from outside
+(activation checkpointing: trnrecipes/activation_checkpointing.py, on `layers` or on each attention's `core`), and
+sets `head_loss` for a tensor-parallel head. `args.activation_checkpointing` is recipe data for that step.
 """
 
 from __future__ import annotations
@@ -13,10 +17,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from recipes.common.attention import CoreAttention
 from recipes.common.init import Init, init_full
-from recipes.common.loss import causal_lm_loss
+from recipes.common.loss import fused_head_loss
 from recipes.llama2.spec import Llama2Config
 
 Llama2Args = Llama2Config  # the recipe's model section is the model's arguments: one definition of the fields
@@ -59,10 +63,10 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         self.q_per_kv = args.num_heads // args.num_kv_heads  # the same on every TP rank
         self.rotary_base = args.rotary_base
-        self.selective_checkpoint = args.activation_checkpointing == "selective"
         # Rows grouped per KV group g: [q heads of group g | k head g | v head g], so row shards keep whole groups.
         self.qkv = nn.Linear(args.hidden_size, (args.num_heads + 2 * args.num_kv_heads) * args.head_dim, bias=False)
         self.out = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=False)
+        self.core = CoreAttention()  # no parameters: a handle for selective activation checkpointing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -78,16 +82,8 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
 
-        if self.selective_checkpoint and self.training:
-            # Recompute only attention's O(s^2) internals in backward; the cheap-to-store projections stay saved.
-            o = checkpoint(self.core_attention, q, k, v, use_reentrant=False)
-        else:
-            o = self.core_attention(q, k, v)
+        o = self.core(q, k, v)
         return self.out(o.transpose(1, 2).reshape(b, s, -1))
-
-    @staticmethod
-    def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class MLP(nn.Module):
@@ -126,20 +122,22 @@ class Llama2(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.norm_eps)
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)  # untied from embed, as in Llama 2
         # No init here: construction on the meta device stays free. Callers run init_weights() (or load weights).
+        # How forward turns the final hidden states into the loss: a plain function, not a module (no parameters,
+        # no state dict entry). The parallelize step swaps in logits_loss when the head is tensor parallel.
+        self.head_loss = fused_head_loss
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> logits [b, s, vocab] in the model's dtype; or, given labels [b, s] (the target of
-        position s, already shifted; -100 = ignore), the mean loss over the labelled positions, computed by the
-        fused chunked head + cross-entropy so the [b, s, vocab] logits are never materialized."""
+        position s, already shifted; -100 = ignore), the mean loss over the labelled positions, computed by
+        self.head_loss: by default the fused chunked head + cross-entropy, so the [b, s, vocab] logits are never
+        materialized."""
         x = self.embed(tokens)
-        full = self.args.activation_checkpointing == "full" and self.training
         for layer in self.layers:
-            # Full checkpointing keeps only each layer's input and recomputes the layer in backward.
-            x = checkpoint(layer, x, use_reentrant=False) if full else layer(x)
+            x = layer(x)
         x = self.norm(x)
         if labels is None:
             return self.head(x)
-        return causal_lm_loss(self.head, x, labels)
+        return self.head_loss(self.head, x, labels)
 
     def init_rules(self) -> dict[str, Init]:
         """What each parameter starts as (recipes/common/init.py draws it, whole or one shard at a time).

@@ -1,5 +1,9 @@
 """GPT-NeoX as Pythia and NeoX-20B use it, single-device and plain PyTorch (no device or parallel logic here).
 
+Parallelism, activation checkpointing and compilation are applied from outside by the parallelize step (activation
+checkpointing: trnrecipes/activation_checkpointing.py, on `layers` or on each attention's `core`), which also sets
+`head_loss` for a tensor-parallel head; `args.activation_checkpointing` is recipe data for that step.
+
 Parallel residual, LayerNorm, fused QKV, GELU MLP, untied embedding and head, partial rotary embeddings.
 
 Partial rotary with the zero-frequency trick: instead of rotating only the first r = rotary_pct * head_dim dims
@@ -18,10 +22,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from recipes.common.attention import CoreAttention
 from recipes.common.init import Init, init_full
-from recipes.common.loss import causal_lm_loss
+from recipes.common.loss import fused_head_loss
 from recipes.neox.spec import NeoXConfig
 
 NeoXArgs = NeoXConfig  # the recipe's model section is the model's arguments: one definition of the fields
@@ -46,11 +50,11 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = args.head_dim
         self.args = args  # rotary table recomputed per forward: a buffer would be garbage after meta-device init
-        self.selective_checkpoint = args.activation_checkpointing == "selective"
         # Rows per head: [q, k, v] blocks of head_dim, as HF and Megatron lay them out: a contiguous row shard
         # holds whole heads, so tensor parallelism slices this weight without reordering.
         self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size)
         self.out = nn.Linear(args.hidden_size, args.hidden_size)
+        self.core = CoreAttention()  # no parameters: a handle for selective activation checkpointing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -63,15 +67,8 @@ class Attention(nn.Module):
         q, k, v = qkv.chunk(3, dim=-1)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if self.selective_checkpoint and self.training:
-            y = checkpoint(_core_attention, q, k, v, use_reentrant=False)
-        else:
-            y = _core_attention(q, k, v)
+        y = self.core(q, k, v)
         return self.out(y.transpose(1, 2).reshape(b, s, -1))
-
-
-def _core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -108,20 +105,22 @@ class NeoX(nn.Module):
         self.layers = nn.ModuleList(Layer(args) for _ in range(args.num_layers))
         self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # How forward turns the final hidden states into the loss: a plain function, not a module (no parameters,
+        # no state dict entry). The parallelize step swaps in logits_loss when the head is tensor parallel.
+        self.head_loss = fused_head_loss
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> logits [b, s, vocab] in the model's dtype; or, given labels [b, s] (the target of
-        position s, already shifted; -100 = ignore), the mean loss over the labelled positions, computed by the
-        fused chunked head + cross-entropy so the [b, s, vocab] logits are never materialized."""
+        position s, already shifted; -100 = ignore), the mean loss over the labelled positions, computed by
+        self.head_loss: by default the fused chunked head + cross-entropy, so the [b, s, vocab] logits are never
+        materialized."""
         x = self.embed(tokens)
-        full = self.args.activation_checkpointing == "full" and self.training
         for layer in self.layers:
-            # Full checkpointing keeps only each layer's input and recomputes the layer in backward.
-            x = checkpoint(layer, x, use_reentrant=False) if full else layer(x)
+            x = layer(x)
         x = self.norm(x)
         if labels is None:
             return self.head(x)
-        return causal_lm_loss(self.head, x, labels)
+        return self.head_loss(self.head, x, labels)
 
     def init_rules(self) -> dict[str, Init]:
         """Normal(0, init_std); the output projections of attention and MLP get init_std / sqrt(2 * num_layers) so

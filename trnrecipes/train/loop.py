@@ -22,18 +22,18 @@ from pathlib import Path
 import torch
 
 from trnrecipes import REPO_ROOT
+from trnrecipes.backends import make_backend
 from trnrecipes.checkpoint import read_model_checkpoint_recipe
+from trnrecipes.checkpoint.load import load
+from trnrecipes.checkpoint.writer import Checkpointer, HostBuffers, snapshot
 from trnrecipes.data import open_corpus
 from trnrecipes.data.pack import PackedStream, Prefetcher, StreamPosition, batches, split_documents
 from trnrecipes.layout import compute_layout, plan
 from trnrecipes.recipe import Recipe, RecipeError
 from trnrecipes.schema import shown
-from trnrecipes.train.backends import make_backend
-from trnrecipes.train.build import build_model_shard
-from trnrecipes.train.checkpointing import Checkpointer, HostBuffers, restore_training_state, snapshot
 from trnrecipes.train.monitor import Metrics, SpikeDetector, progress_line
-from trnrecipes.train.optim import AdamW, lr_at, no_decay_params
-from trnrecipes.train.parallel_dims import ParallelDims, full_tensor, local_tensor
+from trnrecipes.train.optim import lr_at
+from trnrecipes.train.parallel_dims import ParallelDims, full_tensor
 from trnrecipes.train.resume_compat import changes_data_order, check_resume
 from trnrecipes.train.run_dir import RunDirLock, settle_checkpoints
 
@@ -47,13 +47,6 @@ class RunResult:
     stopped_early: bool = False
     already_done: bool = False  # the run dir's checkpoint had reached the last step
     position: StreamPosition | None = None
-
-
-def rounding_seed(seed: int, dims: ParallelDims) -> int:
-    """Seed of the stochastic-rounding noise: one per TP rank, the same on every DP replica. The replicas apply the
-    same averaged update to the same weights; different noise would round them apart, and nothing re-syncs them.
-    (Under ZeRO-1 each row is rounded by one rank and then shared, so the replicas agree either way.)"""
-    return seed + dims.tp_rank
 
 
 def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -71,8 +64,8 @@ class Trainer:
         self.log = log if self.dims.rank == 0 else (lambda *a, **k: None)
         if self.dims.zero1_unavailable:
             self.log(
-                f"[trnrecipes] warning: layout.zero1 is not available on backend {self.backend.name} yet (NxD's"
-                " zero-1 optimizer is not wired): optimizer states stay replicated over data parallel"
+                f"[trnrecipes] warning: layout.zero1 is not available on backend {self.backend.name} (valid on cpu,"
+                " cuda and neuron): optimizer states stay replicated over data parallel"
             )
         env_dir = os.environ.get("TRNRECIPES_RUN_DIR")
         default = Path(recipe.run_dir) if recipe.run_dir else Path("runs") / recipe.job_name
@@ -99,35 +92,22 @@ class Trainer:
                     f"train.init_from {recipe.train.init_from}: its model section differs from this recipe's"
                     f" ({ckpt_model} vs {recipe.model})"
                 )
-        self.model = build_model_shard(recipe, dims=dims, device=self.backend.device, weights=weights, source=source)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.zero1_rows = [dims.zero1_rows(local_tensor(p).shape[0]) for p in params] if dims.zero1 else None
-        self.optimizer = AdamW(
-            params,
-            recipe.optim,
-            no_decay_params(self.model, recipe.optim.decay_norms_and_biases),
-            # On Neuron the runtime rounds stochastically (NEURON_RT_STOCHASTIC_ROUNDING_EN, set by the scripts).
-            stochastic_rounding=recipe.precision.stochastic_rounding
-            and recipe.precision.dtype == "bf16"
-            and self.backend.name != "neuron",
-            seed=rounding_seed(recipe.train.seed, dims),
-            rows=self.zero1_rows,
-        )
         self._open_data()
-        self.start_step, self.start_position = 0, None
+        state = load(
+            weights,
+            recipe,
+            dims=dims,
+            backend=self.backend,
+            num_docs=self.documents.num_docs,
+            weights_only=resume is None,
+            source=source,
+            allowed=recipe.checkpoint.allow_changes,
+            data_order_changed=self.data_order_changed,
+            log=self.log,
+        )
+        self.model, self.optimizer = state.model, state.optimizer
+        self.start_step, self.start_position = state.step, state.position
         if resume is not None:
-            self.start_step = int(resume.name.split("_")[1])
-            self.start_position = restore_training_state(
-                resume,
-                self.model,
-                self.optimizer,
-                self.dims,
-                self.optimizer.generator,
-                self.log,
-                num_docs=self.documents.num_docs,
-                allowed=recipe.checkpoint.allow_changes,
-                data_order_changed=self.data_order_changed,
-            )
             self.log(f"[trnrecipes] resuming from {resume} (step {self.start_step})")
         self.host = HostBuffers()
         self.checkpointer = Checkpointer(
@@ -215,30 +195,6 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.backend.device.type, dtype=torch.bfloat16)
 
-    def _grads(self) -> list[torch.Tensor]:
-        """Local gradient tensors laid out like their parameters: under TP a gradient can come back Partial (SP norms,
-        the vocab-parallel embedding); reducing it to the parameter's own placement makes the optimizer elementwise."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        for p in params:
-            if hasattr(p.grad, "placements") and tuple(p.grad.placements) != tuple(p.placements):
-                p.grad = p.grad.redistribute(placements=p.placements)
-        return [local_tensor(p.grad) for p in params]
-
-    @torch.no_grad()
-    def _global_norm(self, tensors) -> torch.Tensor:
-        """L2 norm over all parameters (or grads), each counted once however it is sharded over TP."""
-        total = torch.zeros((), dtype=torch.float32, device=self.backend.device)
-        for t in tensors:
-            total = total + full_tensor(t).float().pow(2).sum()
-        return total.sqrt()
-
-    def _param_norm(self) -> torch.Tensor:
-        if self.dims.neuron and self.layout.tp > 1:
-            from trnrecipes import neuron_parallel
-
-            return neuron_parallel.param_norm(list(self.model.parameters()))
-        return self._global_norm(self.model.parameters())
-
     def accumulate(self, loader, grad_accum: int) -> torch.Tensor:
         """Forward + backward over grad_accum micro-batches; returns their mean loss (this rank's)."""
         self.model.train()
@@ -254,36 +210,22 @@ class Trainer:
 
     def reduce_and_clip(self) -> torch.Tensor:
         """Average gradients over the DP group, then clip by the global norm (all TP shards); returns the norm."""
-        if self.dims.neuron:
-            from trnrecipes import neuron_parallel
-
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            if self.layout.tp > 1 and self.recipe.layout.sequence_parallel:
-                neuron_parallel.reduce_sequence_parallel_gradients(params)
-            neuron_parallel.average_gradients_over_dp(params)
-            return neuron_parallel.clip_grad_norm(params, self.recipe.optim.clip_grad_norm)
-        local_grads = self._grads()
-        self.dims.average_over_dp(local_grads)
-        grad_norm = self._global_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-        clip = self.recipe.optim.clip_grad_norm
-        if clip > 0:
-            scale = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
-            for g in local_grads:
-                g.mul_(scale.to(g.dtype))
-        return grad_norm
+        return self.backend.reduce_and_clip(self.model, self.dims, self.recipe.optim.clip_grad_norm)
 
     def optimizer_step(self, step: int) -> None:
+        """The optimizer step alone, after reduce_and_clip (tests drive the two halves separately)."""
         self.optimizer.set_lr(lr_at(step, self.recipe.optim))
-        self.optimizer.step()
-        if self.zero1_rows is not None:
-            self.dims.gather_zero1([local_tensor(p).data for p in self.optimizer.params], self.zero1_rows)
+        self.backend.optimizer_step(self.optimizer, self.dims)
         self.optimizer.zero_grad()
-        self.backend.sync()  # cut: the optimizer step is the second graph
+        self.backend.sync()
 
     def train_step(self, step: int, loader, grad_accum: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step: (this rank's mean loss, the global grad norm before clipping)."""
         loss = self.accumulate(loader, grad_accum)
-        grad_norm = self.reduce_and_clip()
-        self.optimizer_step(step)
+        self.optimizer.set_lr(lr_at(step, self.recipe.optim))
+        grad_norm = self.backend.step(self.model, self.optimizer, self.dims, self.recipe.optim.clip_grad_norm)
+        self.optimizer.zero_grad()
+        self.backend.sync()  # cut: the optimizer step is the second graph
         return loss, grad_norm
 
     @torch.no_grad()
@@ -319,6 +261,7 @@ class Trainer:
             self.recipe,
             self.host,
             num_docs=self.documents.num_docs,
+            shard_dim=self.backend.shard_dim,
         )
         if not self.compile_only:
             self.checkpointer.save(step, files)
@@ -384,7 +327,7 @@ class Trainer:
                     self.save(step + 1, result.position)
                     last_save = time.monotonic()
                 if (step + 1) % r.train.log_every == 0 or last or "val_loss" in record:
-                    record["param_norm"] = float(self._param_norm().cpu())
+                    record["param_norm"] = float(self.backend.param_norm(self.model).cpu())
                     self.log(progress_line(record, steps), flush=True)
                 metrics.log(record)
                 result.compilations.append(self.backend.compilations())

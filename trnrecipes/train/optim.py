@@ -73,6 +73,13 @@ class AdamW:
         if stochastic_rounding and device.type in ("cpu", "cuda"):
             self.generator = torch.Generator(device=device).manual_seed(seed)
 
+    def steps(self) -> int:
+        """Optimizer steps taken (what a checkpoint saves; the count drives bias correction)."""
+        return int(self.step_count.item())
+
+    def set_steps(self, steps: int) -> None:
+        self.step_count.fill_(float(steps))
+
     def _mine(self, t: torch.Tensor, index: int) -> torch.Tensor:
         """The part of a parameter (or its gradient) this rank updates: its local tensor, or under ZeRO-1 a view of
         its rows."""
@@ -135,3 +142,10 @@ def no_decay_params(model: torch.nn.Module, decay_norms_and_biases: bool) -> set
     if decay_norms_and_biases:
         return set()
     return {id(p) for p in model.parameters() if p.dim() < 2}
+
+
+def rounding_seed(seed: int, dims) -> int:
+    """Seed of the stochastic-rounding noise: one per TP rank, the same on every DP replica. The replicas apply the
+    same averaged update to the same weights; different noise would round them apart, and nothing re-syncs them.
+    (Under ZeRO-1 each row is rounded by one rank and then shared, so the replicas agree either way.)"""
+    return seed + dims.tp_rank

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,9 @@ import torch.distributed as dist
 from trnrecipes.layout import compute_layout
 from trnrecipes.recipe import Recipe, RecipeError, check_recipe
 from trnrecipes.sharding import chunk_range
-from trnrecipes.train.backends import Backend
+
+if TYPE_CHECKING:
+    from trnrecipes.backends import Backend
 
 
 def rank_coords(rank: int, *, pp: int, dp: int, tp: int) -> tuple[int, int, int]:
@@ -51,32 +54,14 @@ class ParallelDims:
             )
         self.pp, self.dp, self.tp = layout.pp, layout.dp, layout.tp
         self.pp_rank, self.dp_rank, self.tp_rank = rank_coords(self.rank, pp=self.pp, dp=self.dp, tp=self.tp)
-        # ZeRO-1 (optimizer states sharded over the DP group) runs on the torch backends; NxD's zero-1 optimizer is
-        # not wired yet, so on xla/neuron the states stay replicated and the trainer says so (zero1_unavailable).
+        # ZeRO-1 (optimizer states sharded over the DP group) where the backend can; elsewhere (xla; neuron until
+        # NxD's zero-1 optimizer is wired) the states stay replicated and the trainer says so (zero1_unavailable).
         wanted = recipe.layout.zero1 and self.dp > 1
-        self.zero1 = wanted and backend.name in ("cpu", "cuda")
+        self.zero1 = wanted and backend.supports_zero1
         self.zero1_unavailable = wanted and not self.zero1
         self.mesh = self.dp_group = None
-        self.neuron = backend.name == "neuron"
-        # NCCL and XLA's process group reduce device tensors only; gloo (cpu, and xla on PJRT CPU) takes CPU ones.
-        self.collectives_on_device = self.neuron or backend.dist_backend == "nccl"
-        if self.neuron:
-            from trnrecipes import neuron_parallel
-
-            if not dist.is_initialized():
-                dist.init_process_group("xla", init_method="xla://")
-            # NxD owns the groups, and its TP groups are not always consecutive ranks (trn1 at TP 4 strides them by
-            # 8): the data shard, checkpoint files and re-slicing must use NxD's ranks, or a TP group mixes batches.
-            self.tp_rank, self.dp_rank = neuron_parallel.initialize(self.tp, self.dp)
-        elif self.world > 1:
-            if not dist.is_initialized():
-                dist.init_process_group(backend.dist_backend, rank=self.rank, world_size=self.world)
-            from torch.distributed.device_mesh import init_device_mesh
-
-            self.mesh = init_device_mesh(
-                backend.device.type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp")
-            )
-            self.dp_group = self.mesh["dp"].get_group()
+        self.collectives_on_device = backend.collectives_on_device
+        backend.init_process_groups(self)
 
     @property
     def holds_loss(self) -> bool:

@@ -24,7 +24,7 @@ from trnrecipes.recipe import RecipeError
 from trnrecipes.schema import shown
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
-TEMP_DIR = re.compile(r"^\.step_\d+\.tmp$")  # a save in progress (trnrecipes.train.checkpointing)
+TEMP_DIR = re.compile(r"^\.step_\d+\.tmp$")  # a save in progress (trnrecipes.checkpoint.writer)
 PRUNING = re.compile(r"^\.prune-step_\d+$")  # a step dir renamed for deletion: gone from view in one rename
 UNUSABLE = "unusable"  # checkpoints/unusable/step_N: complete-looking checkpoints that failed verification
 LOCK_FILE = ".trnrecipes.lock"

@@ -1,4 +1,5 @@
-"""Checkpoint directories, written so that work is never lost and a half-written one is never mistaken for whole.
+"""The checkpoint format: directories written so that work is never lost and a half-written one is never mistaken
+for whole.
 
     step_N/
       model.safetensors                 weights, our names (TP > 1: model-tp00-of-08.safetensors ..., one per rank)

@@ -1,8 +1,8 @@
-"""Training checkpoints: what each rank contributes, the background writer (which prunes to keep-last-K after each
-save, trnrecipes.train.run_dir.prune), and reading a checkpoint's training state back.
+"""Writing training checkpoints: what each rank contributes, and the background writer (which prunes to keep-last-K
+after each save, trnrecipes.train.run_dir.prune). Reading them back: trnrecipes.checkpoint.load.
 
 Every rank writes its own files into checkpoints/.step_N.tmp/ and then a `.rank-R.ok` marker; rank 0 waits for all
-markers, adds recipe, tokenizer, manifest and `done`, and renames the directory to step_N (trnrecipes.checkpoint).
+markers, adds recipe, tokenizer, manifest and `done`, and renames the directory to step_N (checkpoint/format.py).
 Writing happens in a background thread: the step loop only pays for copying tensors to host memory. No collective
 is used by the writer, so it never races the training step's collectives.
 """
@@ -14,12 +14,13 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from trnrecipes.checkpoint import (
+from trnrecipes.checkpoint.format import (
     SHARDS,
     CheckpointError,
     data_file,
@@ -31,9 +32,6 @@ from trnrecipes.checkpoint import (
     write_common,
 )
 from trnrecipes.recipe import Recipe
-from trnrecipes.schema import clipped
-from trnrecipes.sharding import shard_region
-from trnrecipes.train.build import shard_dim
 from trnrecipes.train.parallel_dims import local_tensor
 from trnrecipes.train.run_dir import prune, step_dirs
 
@@ -156,18 +154,12 @@ def rng_state(sr_generator: torch.Generator | None) -> dict[str, torch.Tensor]:
     return state
 
 
-def set_rng_state(state: dict[str, torch.Tensor], sr_generator: torch.Generator | None) -> None:
-    torch.set_rng_state(state["torch_cpu"])
-    if sr_generator is not None and "stochastic_rounding" in state:
-        sr_generator.set_state(state["stochastic_rounding"])
+# ---- what goes in (layout-agnostic: each tensor's place in its full tensor is saved, checkpoint/load.py re-slices)
 
 
-# ---- what goes in, and how it comes back (layout-agnostic: full tensors are re-sliced for the new DP/TP)
-
-
-def shard_dims(model: torch.nn.Module) -> dict[str, int | None]:
-    """shard_dim of every state_dict entry, read from the Parameters: state_dict() detaches, and a detached tensor
-    has lost neuronx-distributed's tensor_model_parallel / partition_dim attributes (DTensors keep placements)."""
+def shard_dims(model: torch.nn.Module, shard_dim: Callable[[torch.Tensor], int | None]) -> dict[str, int | None]:
+    """shard_dim (the backend's) of every state_dict entry, read from the Parameters: state_dict() detaches, and a
+    detached tensor has lost neuronx-distributed's tensor_model_parallel / partition_dim attributes."""
     params = dict(model.named_parameters())
     return {k: shard_dim(params.get(k, v)) for k, v in model.state_dict().items()}
 
@@ -189,7 +181,17 @@ class HostBuffers:
 
 
 def snapshot(
-    model, optimizer, dims, step: int, position, sr_generator, recipe: Recipe, host: HostBuffers, *, num_docs: int
+    model,
+    optimizer,
+    dims,
+    step: int,
+    position,
+    sr_generator,
+    recipe: Recipe,
+    host: HostBuffers,
+    *,
+    num_docs: int,
+    shard_dim: Callable[[torch.Tensor], int | None],
 ) -> dict[str, object]:
     """This rank's files for checkpoint `step`: weights from DP rank 0 of each TP group (one file per TP rank);
     moments likewise, or under ZeRO-1 from every rank (its rows); the data position from TP rank 0 of each DP group;
@@ -208,10 +210,10 @@ def snapshot(
             moments[f"exp_avg_sq.{name}"] = _host(f"exp_avg_sq.{name}", v)
         files[shard_file("optim", dims.tp_rank, dims.tp, dims.dp_rank if dims.zero1 else 0, optim_dp)] = moments
     if dims.rank == 0:
-        files[SHARDS] = {"tp": dims.tp, "dims": shard_dims(model), "optim_dp": optim_dp}
+        files[SHARDS] = {"tp": dims.tp, "dims": shard_dims(model, shard_dim), "optim_dp": optim_dp}
         files["state.json"] = {
             "step": step,
-            "optimizer_steps": int(optimizer.step_count.item()),
+            "optimizer_steps": optimizer.steps(),
             "dp": dims.dp,
             "tp": dims.tp,
             "pp": dims.pp,
@@ -224,82 +226,3 @@ def snapshot(
         files[data_file(dims.dp_rank)] = position.to_dict()
     files[rng_file(dims.rank)] = rng_state(sr_generator)
     return files
-
-
-def full_shape(p: torch.Tensor, tp: int) -> tuple[int, ...]:
-    """A parameter's full (unsharded) shape: a DTensor knows it; an NxD shard is tp times longer on partition_dim."""
-    dim = shard_dim(p)
-    shape = list(p.shape)
-    if dim is not None and not hasattr(p, "placements"):
-        shape[dim] *= tp
-    return tuple(shape)
-
-
-def restore_training_state(
-    path: Path,
-    model,
-    optimizer,
-    dims,
-    sr_generator,
-    log=print,
-    *,
-    num_docs: int,
-    allowed=(),
-    data_order_changed: bool = False,
-):
-    """Optimizer moments (re-sliced for this TP layout), RNG (same world only) and this DP rank's data position.
-    Returns the data position to start from: the saved one only while it means the same documents (same corpus
-    size, same DP size, same order); otherwise the stream restarts at the next epoch, and only when
-    checkpoint.allow_changes accepted what moved it (data.path, layout.dp)."""
-    from trnrecipes.checkpoint import ShardReader, load_tensors, read_json
-    from trnrecipes.data.pack import StreamPosition
-    from trnrecipes.train.resume_compat import allows
-
-    state = read_json(path / "state.json")
-    try:
-        saved_dp, saved_world, optimizer_steps = int(state["dp"]), int(state["world"]), float(state["optimizer_steps"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{path / 'state.json'}: missing or bad entry ({err})") from None
-    # Moments: this rank's slice only (its TP shard, and under ZeRO-1 its rows), read from whichever saved files
-    # hold it: any saved TP / ZeRO-1 layout resumes at any other.
-    reader = ShardReader(path, "optim")
-    names = {id(p): name for name, p in model.named_parameters()}
-    params = [(names[id(p)], p) for p in optimizer.params]  # the trained parameters, in the optimizer's order
-    expected = {f"{key}.{name}" for name, _ in params for key in ("exp_avg", "exp_avg_sq")}
-    if missing := sorted(expected - reader.names()):
-        raise CheckpointError(f"{path}: no optimizer state for {missing[0]} ({len(missing)} missing)")
-    for i, (name, p) in enumerate(params):
-        shape = full_shape(p, dims.tp)
-        region = shard_region(shape, shard_dim(p), dims.tp, dims.tp_rank, dims.dp if dims.zero1 else 1, dims.dp_rank)
-        reader.read_into(f"exp_avg.{name}", optimizer.exp_avg[i], shape, region.start)
-        reader.read_into(f"exp_avg_sq.{name}", optimizer.exp_avg_sq[i], shape, region.start)
-    optimizer.step_count.fill_(optimizer_steps)
-    if saved_world == dims.world:
-        set_rng_state(load_tensors(path / rng_file(dims.rank)), sr_generator)
-    why = "checkpoint.allow_changes changed the data order" if data_order_changed else None
-    saved_docs = state.get("num_docs")
-    if saved_docs is not None and saved_docs != num_docs:
-        if not allows(allowed, "data.path"):
-            raise CheckpointError(
-                f"{path}: trained on a corpus of {saved_docs} documents, but data.path now has {num_docs}: its data"
-                " position would index other documents. Restore the corpus, or name data.path in"
-                " checkpoint.allow_changes to go on with this one (its stream then starts afresh)"
-            )
-        why = f"the corpus changed ({saved_docs} -> {num_docs} documents)"
-    if saved_dp != dims.dp:
-        if not allows(allowed, "layout.dp"):
-            raise CheckpointError(
-                f"{path}: saved at data-parallel size {saved_dp}, resumed at {dims.dp}: each DP rank's data position"
-                " cannot carry over (the stream would restart at the next epoch, skipping the rest of this one);"
-                " name layout.dp in checkpoint.allow_changes to accept that"
-            )
-        why = f"data parallel size changed ({saved_dp} -> {dims.dp})"
-    if why is None:
-        file = path / data_file(dims.dp_rank)
-        try:
-            return StreamPosition.from_dict(read_json(file))
-        except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"{file}: not a data position ({clipped(err, 80)})") from None
-    epochs = [int(read_json(f).get("epoch", 0)) for f in sorted(path.glob("data-dp*.json"))] or [-1]
-    log(f"[trnrecipes] {why}: positions do not carry over, the data stream restarts at epoch {max(epochs) + 1}")
-    return StreamPosition(epoch=max(epochs) + 1)

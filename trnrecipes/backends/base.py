@@ -1,0 +1,126 @@
+"""The interface every backend implements: what the step loop, the sharded build and the checkpoint code ask of the
+place they run. Adding a backend = one subclass answering these (README: "Adding a backend").
+
+A backend answers for:
+- the device, the torch.distributed backend, and the process groups (`init_process_groups`);
+- graphs and data: where a lazy graph ends (`sync`), a loader that feeds the device, the compile counter;
+- the model: how it is parallelized (`parallelize`: the TP/SP plan, the loss path, activation checkpointing), where
+  its shards are materialised and moved (`materialize`, `to_device`), and where a shard lives in its parameter
+  (`shard_dim`);
+- the step: the optimizer (`make_optimizer`; ZeRO-1 where `supports_zero1`), gradient reduction, clipping and the
+  optimizer step (`step` = `reduce_and_clip` + `optimizer_step` unless the optimizer does both), the parameter
+  norm, and whether the hardware rounds bf16 stochastically itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+from recipes.common.loss import logits_loss
+from trnrecipes.activation_checkpointing import apply_activation_checkpointing
+from trnrecipes.train.parallel_dims import local_tensor
+
+if TYPE_CHECKING:
+    from trnrecipes.recipe import Recipe
+    from trnrecipes.train.parallel_dims import ParallelDims
+
+
+class Backend:
+    name: str
+    dist_backend: ClassVar[str] = "gloo"  # torch.distributed backend: gloo, nccl or xla
+    # NCCL and XLA's process group reduce device tensors only; gloo takes CPU ones (metrics are reduced there).
+    collectives_on_device: ClassVar[bool] = False
+    supports_zero1: ClassVar[bool] = False  # can shard optimizer states over the DP group (layout.zero1)
+    # The hardware rounds bf16 stochastically (Neuron's NEURON_RT_STOCHASTIC_ROUNDING_EN): our AdamW must not too.
+    rounds_stochastically: ClassVar[bool] = False
+
+    def __init__(self, name: str, device: torch.device):
+        self.name, self.device = name, device
+
+    # ------------------------------------------------------------------ graphs and data
+    def sync(self) -> None:
+        """Cut the lazy graph here and run it (XLA); nothing to do for eager backends."""
+
+    def loader(self, batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """Batches on the device."""
+        return (b.to(self.device, non_blocking=True) for b in batches)
+
+    def compilations(self) -> int | None:
+        """Graphs compiled so far in this process (XLA cache misses); None where nothing is compiled."""
+        return None
+
+    # ------------------------------------------------------------------ process groups
+    def init_process_groups(self, dims: ParallelDims) -> None:
+        """Create the process groups (where a single process needs any) and set dims' mesh and dp_group, and its
+        tp_rank / dp_rank where the backend's library decides which ranks form a group."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the model
+    def parallelize(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
+        """Apply the layout to a model built on the meta device, in place: the tensor-parallel plan (and with it the
+        loss path: a TP head does not hold the whole vocabulary, so the fused head + loss gives way to full
+        logits), then activation checkpointing, which wraps what the plan produced."""
+        if dims.tp > 1:
+            self.tensor_parallel(model, recipe, dims)
+            model.head_loss = logits_loss
+        apply_activation_checkpointing(model, recipe.model.activation_checkpointing)
+
+    def tensor_parallel(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
+        raise NotImplementedError
+
+    def materialize(self, model: nn.Module) -> None:
+        """Give the parameters (each its local shard) real, unfilled memory where they will be filled."""
+        model.to_empty(device=self.device)
+
+    def to_device(self, model: nn.Module) -> None:
+        """Move the filled model to the device, if it was filled elsewhere."""
+
+    @staticmethod
+    def shard_dim(p: torch.Tensor) -> int | None:
+        """The dim of the full tensor this parameter's TP shards split; None if replicated."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the step
+    def make_optimizer(self, model: nn.Module, recipe: Recipe, dims: ParallelDims):
+        """AdamW over the model's trained parameters; under ZeRO-1 (dims.zero1) each DP rank keeps moments for, and
+        updates, only its rows of each parameter (trnrecipes.train.optim)."""
+        from trnrecipes.train.optim import AdamW, no_decay_params, rounding_seed
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        rows = [dims.zero1_rows(local_tensor(p).shape[0]) for p in params] if dims.zero1 else None
+        p = recipe.precision
+        return AdamW(
+            params,
+            recipe.optim,
+            no_decay_params(model, recipe.optim.decay_norms_and_biases),
+            stochastic_rounding=p.stochastic_rounding and p.dtype == "bf16" and not self.rounds_stochastically,
+            seed=rounding_seed(recipe.train.seed, dims),
+            rows=rows,
+        )
+
+    def optimizer_step(self, optimizer, dims: ParallelDims) -> None:
+        """One optimizer step (the learning rate already set); under ZeRO-1 each DP rank then shares the rows it
+        updated, so every replica holds the whole updated weights."""
+        optimizer.step()
+        if optimizer.rows is not None:
+            dims.gather_zero1([local_tensor(p).data for p in optimizer.params], optimizer.rows)
+
+    def step(self, model: nn.Module, optimizer, dims: ParallelDims, max_norm: float) -> torch.Tensor:
+        """Everything after backward: reduce and clip the gradients, step the optimizer (its lr already set);
+        returns the global grad norm before clipping."""
+        grad_norm = self.reduce_and_clip(model, dims, max_norm)
+        self.optimizer_step(optimizer, dims)
+        return grad_norm
+
+    def reduce_and_clip(self, model: nn.Module, dims: ParallelDims, max_norm: float) -> torch.Tensor:
+        """Average the gradients over the DP group, clip them by the global norm (every TP shard, each parameter
+        counted once; max_norm <= 0: no clipping) and return that norm."""
+        raise NotImplementedError
+
+    def param_norm(self, model: nn.Module) -> torch.Tensor:
+        """L2 norm of the whole model's parameters, each counted once however it is sharded."""
+        raise NotImplementedError

@@ -1,0 +1,151 @@
+"""Trainium through torch-xla + neuronx-distributed (`neuron`, the trn1 stack up to Neuron SDK 2.28): NxD owns the
+process groups and the tensor-parallel layers, and its own gradient reduction, clipping and norms count its shards
+(plain tensors tagged `tensor_model_parallel`, not DTensors). The NxD calls themselves live in
+trnrecipes.neuron_parallel, written against AWS's public source and tested against a stand-in: the Neuron SDK
+installs only on Trainium hosts."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trnrecipes import neuron_parallel
+from trnrecipes.backends.xla import XlaBackend
+from trnrecipes.recipe import RecipeError
+
+if TYPE_CHECKING:
+    from trnrecipes.recipe import Recipe
+    from trnrecipes.train.parallel_dims import ParallelDims
+
+
+class NeuronXlaBackend(XlaBackend):
+    collectives_on_device = True  # XLA's process group reduces device tensors
+    supports_zero1 = True  # through NxD's zero-1 optimizer (Zero1Optimizer below)
+    rounds_stochastically = True  # NEURON_RT_STOCHASTIC_ROUNDING_EN, set by the scripts (trnrecipes.neuron_env)
+    pjrt_device = "NEURON"
+
+    @classmethod
+    def check_installed(cls) -> None:
+        try:
+            import neuronx_distributed  # noqa: F401  (the real package exists only on Trainium hosts)
+        except Exception as err:  # the PyPI placeholder raises at import
+            raise RecipeError(
+                f"cluster.backend neuron needs neuronx-distributed from the Neuron repository ({err});"
+                " off Trainium, run the same recipe with cluster.backend=xla"
+            ) from None
+
+    def init_process_groups(self, dims: ParallelDims) -> None:
+        if not dist.is_initialized():
+            dist.init_process_group("xla", init_method="xla://")
+        # NxD owns the groups, and its TP groups are not always consecutive ranks (trn1 at TP 4 strides them by 8):
+        # the data shard, checkpoint files and re-slicing must use NxD's ranks, or a TP group mixes batches.
+        dims.tp_rank, dims.dp_rank = neuron_parallel.initialize(dims.tp, dims.dp)
+
+    def tensor_parallel(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
+        neuron_parallel.apply_neuron_tensor_parallel(model, recipe.model.family, recipe.layout.sequence_parallel)
+
+    def materialize(self, model: nn.Module) -> None:
+        # NxD layers allocate their shard on the host already; the rest (norms) is materialised there too. Not
+        # Module.to_empty: it would drop the attributes NxD sets on its Parameters.
+        materialize_meta(model, torch.device("cpu"))
+
+    def to_device(self, model: nn.Module) -> None:
+        neuron_parallel.move_to_device(model, self.device)  # keeps NxD's parameter attributes
+
+    @staticmethod
+    def shard_dim(p: torch.Tensor) -> int | None:
+        return int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
+
+    def make_optimizer(self, model: nn.Module, recipe: Recipe, dims: ParallelDims):
+        """Our AdamW, or under ZeRO-1 NxD's zero-1 optimizer, built as AWS's trainer builds it. It copies each
+        shard of the weights when built: load() builds it after the weights are filled and on the device."""
+        if not dims.zero1:
+            return super().make_optimizer(model, recipe, dims)
+        from trnrecipes.train.optim import no_decay_params
+
+        o = recipe.optim
+        no_decay = no_decay_params(model, o.decay_norms_and_biases)
+        groups = neuron_parallel.zero1_param_groups(list(model.parameters()), no_decay)
+        nxd = neuron_parallel.make_zero1_optimizer(
+            groups, lr=0.0, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, max_norm=o.clip_grad_norm
+        )
+        if (sharded := neuron_parallel.zero1_rank(nxd)) != (dims.dp, dims.dp_rank):
+            # the checkpoint files are named by dims' DP rank; moments saved under another would be misplaced
+            raise RuntimeError(
+                f"NxD's zero-1 optimizer shards over (size, rank) {sharded}, not (DP, DP rank) {dims.dp, dims.dp_rank}"
+            )
+        return Zero1Optimizer(nxd)
+
+    def step(self, model: nn.Module, optimizer, dims: ParallelDims, max_norm: float) -> torch.Tensor:
+        if not isinstance(optimizer, Zero1Optimizer):
+            return super().step(model, optimizer, dims, max_norm)
+        # NxD's zero-1 step reduce-scatters the gradients over DP (the mean), computes the global norm and clips;
+        # the sequence-parallel gradients it leaves to its caller, as NxD's own trainer does.
+        neuron_parallel.reduce_sequence_parallel_gradients([p for p in model.parameters() if p.requires_grad])
+        optimizer.step()
+        return optimizer.grad_norm()
+
+    def reduce_and_clip(self, model: nn.Module, dims: ParallelDims, max_norm: float) -> torch.Tensor:
+        params = [p for p in model.parameters() if p.requires_grad]
+        neuron_parallel.reduce_sequence_parallel_gradients(params)  # only the tagged ones (SP norms, row biases)
+        neuron_parallel.average_gradients_over_dp(params)
+        return neuron_parallel.clip_grad_norm(params, max_norm)
+
+    def param_norm(self, model: nn.Module) -> torch.Tensor:
+        return neuron_parallel.param_norm(list(model.parameters()))
+
+
+class Zero1Optimizer:
+    """NxD's zero-1 optimizer seen as the step loop and the checkpoint code see our AdamW: the trained parameters,
+    this rank's rows of their moments (views into NxD's state, padding cut off: a checkpoint saves them over the
+    same regions as our own ZeRO-1, and a restore copies into them), the step count and the learning rate.
+
+    Unlike our AdamW it keeps an fp32 master copy of bf16 weights (NxD's design); checkpoints hold the bf16 weights,
+    so a resumed bf16 run rebuilds the masters from them (fp32 runs resume bitwise)."""
+
+    generator = None  # the hardware rounds; no software rounding noise to save
+    rows = None  # NxD gathers the updated rows itself
+
+    def __init__(self, nxd):
+        self.nxd = nxd
+        self.params = [s.param for s in neuron_parallel.zero1_moments(nxd)]
+
+    @property
+    def exp_avg(self) -> list[torch.Tensor]:
+        return [s.exp_avg for s in neuron_parallel.zero1_moments(self.nxd)]
+
+    @property
+    def exp_avg_sq(self) -> list[torch.Tensor]:
+        return [s.exp_avg_sq for s in neuron_parallel.zero1_moments(self.nxd)]
+
+    def set_lr(self, lr: float) -> None:
+        neuron_parallel.set_zero1_lr(self.nxd, lr)
+
+    def step(self) -> None:
+        self.nxd.step()
+
+    def grad_norm(self) -> torch.Tensor:
+        return neuron_parallel.zero1_grad_norm(self.nxd)
+
+    def zero_grad(self) -> None:
+        self.nxd.zero_grad(set_to_none=True)
+
+    def steps(self) -> int:
+        return neuron_parallel.zero1_step_count(self.nxd)
+
+    def set_steps(self, steps: int) -> None:
+        neuron_parallel.set_zero1_step_count(self.nxd, steps)
+
+
+def materialize_meta(model: nn.Module, device: torch.device) -> None:
+    """Give every parameter still on the meta device real (uninitialised) memory, keeping the attributes set on the
+    Parameter (NxD's tensor_model_parallel, our sequence_parallel_enabled): Module.to_empty would drop them."""
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)
+                module._parameters[key] = new

@@ -1,0 +1,155 @@
+"""Loading a training rank's state: `load` is the one way in, for a fresh start, a resume and fine-tuning.
+
+It builds this rank's shard of the model (trnrecipes.train.build: weights drawn from the seed, or read slice by
+slice from the checkpoint), makes the backend's optimizer, and on a resume restores the optimizer moments (this
+rank's slice, whatever TP / ZeRO-1 layout saved them), the RNG state (same world size only) and this DP rank's
+data position. Fine-tuning from train.init_from reads the weights the same way and starts the rest afresh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from trnrecipes.checkpoint.format import CheckpointError, ShardReader, data_file, load_tensors, read_json, rng_file
+from trnrecipes.data.pack import StreamPosition
+from trnrecipes.recipe import Recipe
+from trnrecipes.schema import clipped
+from trnrecipes.sharding import shard_region
+from trnrecipes.train.build import build_model_shard
+from trnrecipes.train.resume_compat import allows
+
+if TYPE_CHECKING:
+    from trnrecipes.backends import Backend
+    from trnrecipes.train.parallel_dims import ParallelDims
+
+
+@dataclass
+class TrainState:
+    model: nn.Module  # this rank's shard, on the backend's device
+    optimizer: object  # the backend's optimizer over the model's trained parameters
+    step: int  # optimizer steps already taken (0: a fresh start or fine-tuning)
+    position: StreamPosition | None  # where this DP rank's data stream resumes; None: from its start
+
+
+def load(
+    path: Path | None,
+    recipe: Recipe,
+    *,
+    dims: ParallelDims,
+    backend: Backend,
+    num_docs: int,
+    weights_only: bool = False,
+    source: str = "",
+    allowed=(),
+    data_order_changed: bool = False,
+    log=print,
+) -> TrainState:
+    """This rank's training state from checkpoint `path` (a verified step_N dir): weights, optimizer, RNG and data
+    position; with weights_only (train.init_from), the weights only. path None: a fresh start from train.seed.
+    `source` names the checkpoint in errors; `allowed` (checkpoint.allow_changes) and `data_order_changed` decide
+    whether a saved data position still applies."""
+    model = build_model_shard(recipe, dims=dims, backend=backend, weights=path, source=source)
+    optimizer = backend.make_optimizer(model, recipe, dims)
+    if path is None or weights_only:
+        return TrainState(model, optimizer, 0, None)
+    position = restore_training_state(
+        path,
+        model,
+        optimizer,
+        dims,
+        optimizer.generator,
+        log,
+        num_docs=num_docs,
+        allowed=allowed,
+        data_order_changed=data_order_changed,
+        shard_dim=backend.shard_dim,
+    )
+    return TrainState(model, optimizer, int(path.name.split("_")[1]), position)
+
+
+def set_rng_state(state: dict[str, torch.Tensor], sr_generator: torch.Generator | None) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    if sr_generator is not None and "stochastic_rounding" in state:
+        sr_generator.set_state(state["stochastic_rounding"])
+
+
+def full_shape(p: torch.Tensor, tp: int, dim: int | None) -> tuple[int, ...]:
+    """A parameter's full (unsharded) shape: a DTensor knows it; an NxD shard is tp times longer on partition_dim."""
+    shape = list(p.shape)
+    if dim is not None and not hasattr(p, "placements"):
+        shape[dim] *= tp
+    return tuple(shape)
+
+
+def restore_training_state(
+    path: Path,
+    model,
+    optimizer,
+    dims,
+    sr_generator,
+    log=print,
+    *,
+    num_docs: int,
+    allowed=(),
+    data_order_changed: bool = False,
+    shard_dim: Callable[[torch.Tensor], int | None],
+):
+    """Optimizer moments (re-sliced for this TP layout), RNG (same world only) and this DP rank's data position.
+    Returns the data position to start from: the saved one only while it means the same documents (same corpus
+    size, same DP size, same order); otherwise the stream restarts at the next epoch, and only when
+    checkpoint.allow_changes accepted what moved it (data.path, layout.dp)."""
+    state = read_json(path / "state.json")
+    try:
+        saved_dp, saved_world, optimizer_steps = int(state["dp"]), int(state["world"]), float(state["optimizer_steps"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path / 'state.json'}: missing or bad entry ({err})") from None
+    # Moments: this rank's slice only (its TP shard, and under ZeRO-1 its rows), read from whichever saved files
+    # hold it: any saved TP / ZeRO-1 layout resumes at any other.
+    reader = ShardReader(path, "optim")
+    names = {id(p): name for name, p in model.named_parameters()}
+    params = [(names[id(p)], p) for p in optimizer.params]  # the trained parameters, in the optimizer's order
+    expected = {f"{key}.{name}" for name, _ in params for key in ("exp_avg", "exp_avg_sq")}
+    if missing := sorted(expected - reader.names()):
+        raise CheckpointError(f"{path}: no optimizer state for {missing[0]} ({len(missing)} missing)")
+    for i, (name, p) in enumerate(params):
+        dim = shard_dim(p)
+        shape = full_shape(p, dims.tp, dim)
+        region = shard_region(shape, dim, dims.tp, dims.tp_rank, dims.dp if dims.zero1 else 1, dims.dp_rank)
+        reader.read_into(f"exp_avg.{name}", optimizer.exp_avg[i], shape, region.start)
+        reader.read_into(f"exp_avg_sq.{name}", optimizer.exp_avg_sq[i], shape, region.start)
+    optimizer.set_steps(int(optimizer_steps))
+    if saved_world == dims.world:
+        set_rng_state(load_tensors(path / rng_file(dims.rank)), sr_generator)
+    why = "checkpoint.allow_changes changed the data order" if data_order_changed else None
+    saved_docs = state.get("num_docs")
+    if saved_docs is not None and saved_docs != num_docs:
+        if not allows(allowed, "data.path"):
+            raise CheckpointError(
+                f"{path}: trained on a corpus of {saved_docs} documents, but data.path now has {num_docs}: its data"
+                " position would index other documents. Restore the corpus, or name data.path in"
+                " checkpoint.allow_changes to go on with this one (its stream then starts afresh)"
+            )
+        why = f"the corpus changed ({saved_docs} -> {num_docs} documents)"
+    if saved_dp != dims.dp:
+        if not allows(allowed, "layout.dp"):
+            raise CheckpointError(
+                f"{path}: saved at data-parallel size {saved_dp}, resumed at {dims.dp}: each DP rank's data position"
+                " cannot carry over (the stream would restart at the next epoch, skipping the rest of this one);"
+                " name layout.dp in checkpoint.allow_changes to accept that"
+            )
+        why = f"data parallel size changed ({saved_dp} -> {dims.dp})"
+    if why is None:
+        file = path / data_file(dims.dp_rank)
+        try:
+            return StreamPosition.from_dict(read_json(file))
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{file}: not a data position ({clipped(err, 80)})") from None
+    epochs = [int(read_json(f).get("epoch", 0)) for f in sorted(path.glob("data-dp*.json"))] or [-1]
+    log(f"[trnrecipes] {why}: positions do not carry over, the data stream restarts at epoch {max(epochs) + 1}")
+    return StreamPosition(epoch=max(epochs) + 1)
