@@ -367,6 +367,29 @@ def test_each_neuron_tp_rank_allocates_and_fills_only_its_shard_of_the_same_mode
     )
 
 
+@pytest.mark.parametrize("recipe", ["neox-tiny", "llama2-tiny"])
+def test_each_neuron_tp_rank_reads_only_its_shard_from_a_checkpoint(monkeypatch, tmp_path, recipe):
+    """Per-rank loading on Neuron: a TP-1 checkpoint (other weights than the seed draws) read into the TP-2 stand-in:
+    each rank's NxD shard, found by partition_dim, is exactly its slice of the saved tensors."""
+    from trnrecipes.checkpoint import write_model_checkpoint
+
+    r = load_recipe(recipe)
+    saved = build_model(r.model)
+    saved.init_weights(seed=r.train.seed + 1)
+    ckpt = write_model_checkpoint(tmp_path / "ckpt", saved.state_dict(), r)
+    dims = types.SimpleNamespace(tp=2, mesh=None)
+    for rank in (0, 1):
+        install_fake_nxd(monkeypatch, tp=2, rank=rank)
+        dims.tp_rank = rank
+        backend = NeuronXlaBackend("neuron", torch.device("cpu"))
+        shard = build_model_shard(r, dims=dims, backend=backend, weights=ckpt)
+        for name, p in shard.named_parameters():
+            full = saved.get_parameter(name).detach()
+            dim = backend.shard_dim(p)
+            expected = full if dim is None else full.chunk(2, dim=dim)[rank]
+            assert torch.equal(p.detach(), expected), (rank, name)
+
+
 def test_param_norm_counts_sharded_and_replicated_parameters(monkeypatch):
     """At TP 1 the TP sum is the identity, so the split into NxD-sharded and replicated parameters must add up to
     the plain norm (a parameter dropped or counted twice would not)."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from recipes.common.loss import logits_loss
 from trnrecipes.parallel import family_plan, require_divisible_sequence
 from trnrecipes.sharding import chunk_range
 
@@ -113,6 +114,7 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
         gather_output=True,
         **layer_args(model.head.weight.dtype),
     )
+    model.head_loss = logits_loss  # each rank's head holds one vocabulary shard; gather_output gives full logits
     if sequence_parallel:
         params = dict(model.named_parameters())
         for name in sequence_parallel_params(model, family):
@@ -139,7 +141,7 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
     return model
 
 
-# ---- what the step loop needs on Neuron besides the layers (trnrecipes.train.loop calls these on backend neuron)
+# ---- what the step needs on Neuron besides the layers (the neuron backend, trnrecipes/backends/neuron_xla.py)
 
 
 def move_to_device(model: nn.Module, device: torch.device) -> None:

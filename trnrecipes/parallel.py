@@ -24,6 +24,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from recipes.common.loss import logits_loss
+
 
 def family_plan(family: str):
     return importlib.import_module(f"recipes.{family}.parallelize")
@@ -70,4 +72,5 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, family: str, seque
     if sequence_parallel:
         require_divisible_sequence(model, tp)
     styles = tensor_parallel_styles(family, len(model.layers), sequence_parallel)
+    model.head_loss = logits_loss  # the head's vocabulary is split: its forward gathers full logits
     return parallelize_module(model, mesh, styles)

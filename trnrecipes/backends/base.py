@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from recipes.common.loss import logits_loss
 from trnrecipes.activation_checkpointing import apply_activation_checkpointing
 from trnrecipes.train.parallel_dims import local_tensor
 
@@ -62,11 +61,10 @@ class Backend:
     # ------------------------------------------------------------------ the model
     def parallelize(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
         """Apply the layout to a model built on the meta device, in place: the tensor-parallel plan (and with it the
-        loss path: a TP head does not hold the whole vocabulary, so the fused head + loss gives way to full
+        loss path: a TP head does not hold the whole vocabulary, so the plan swaps the fused head + loss for full
         logits), then activation checkpointing, which wraps what the plan produced."""
         if dims.tp > 1:
             self.tensor_parallel(model, recipe, dims)
-            model.head_loss = logits_loss
         apply_activation_checkpointing(model, recipe.model.activation_checkpointing)
 
     def tensor_parallel(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 
 
 class NeuronXlaBackend(XlaBackend):
-    collectives_on_device = True  # XLA's process group reduces device tensors
     supports_zero1 = True  # through NxD's zero-1 optimizer (Zero1Optimizer below)
     rounds_stochastically = True  # NEURON_RT_STOCHASTIC_ROUNDING_EN, set by the scripts (trnrecipes.neuron_env)
     pjrt_device = "NEURON"

@@ -86,12 +86,7 @@ class Trainer:
         weights, source = resume, f"the checkpoint resumed from ({resume})"
         if resume is None and recipe.train.init_from:
             weights, source = Path(recipe.train.init_from), f"train.init_from {recipe.train.init_from}"
-            ckpt_model = read_model_checkpoint_recipe(weights).model  # verified
-            if ckpt_model != recipe.model:
-                raise RecipeError(
-                    f"train.init_from {recipe.train.init_from}: its model section differs from this recipe's"
-                    f" ({ckpt_model} vs {recipe.model})"
-                )
+            self._check_init_from(weights)
         self._open_data()
         state = load(
             weights,
@@ -121,6 +116,27 @@ class Trainer:
             self.log,
             newest_valid=self.start_step if resume is not None else None,
         )
+
+    def _check_init_from(self, path: Path) -> None:
+        """Rank 0 verifies the checkpoint to fine-tune from (every file's hash: for a 70B model ~140 GB read, once
+        per job rather than once per rank) and compares its model section with the recipe's; every rank learns
+        the outcome, so an error stops them all instead of leaving them waiting in a collective."""
+        error = None
+        if self.dims.rank == 0:
+            try:
+                ckpt_model = read_model_checkpoint_recipe(path).model
+                if ckpt_model != self.recipe.model:
+                    raise RecipeError(
+                        f"train.init_from {path}: its model section differs from this recipe's"
+                        f" ({ckpt_model} vs {self.recipe.model})"
+                    )
+            except RecipeError as err:
+                error = err
+        (failed,) = self.dims.max_over_ranks([error is not None], self.backend.device)
+        if error is not None:
+            raise error
+        if failed:
+            raise RecipeError(f"rank 0 refused train.init_from {path} (its message says why)")
 
     def _claim_run_dir(self) -> Path | None:
         """Rank 0 locks the run dir for the whole run and settles the checkpoints already in it (run_dir.py): the
@@ -213,7 +229,8 @@ class Trainer:
         return self.backend.reduce_and_clip(self.model, self.dims, self.recipe.optim.clip_grad_norm)
 
     def optimizer_step(self, step: int) -> None:
-        """The optimizer step alone, after reduce_and_clip (tests drive the two halves separately)."""
+        """The optimizer step alone, after reduce_and_clip (tests drive the two halves separately; under NxD's zero-1
+        optimizer, whose step reduces and clips again, use train_step)."""
         self.optimizer.set_lr(lr_at(step, self.recipe.optim))
         self.backend.optimizer_step(self.optimizer, self.dims)
         self.optimizer.zero_grad()

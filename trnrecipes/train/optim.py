@@ -1,8 +1,11 @@
 """AdamW, the learning-rate schedule and stochastic rounding, written for every backend at once.
 
 One AdamW instead of torch.optim's because three backends need things it does not give together:
-- XLA/Neuron: lr and the step count stay device tensors, so a changing lr never bakes a new constant into the
-  graph (torch.optim reads `step` with .item() unless capturable, which recompiles every step).
+- XLA/Neuron: lr and the step count stay device tensors, so the optimizer graph has no host-side scalar at all.
+  (torch.optim keeps `step` on the host and passes lr and the bias corrections as Python scalars; torch-xla 2.9
+  uploads such scalars as device data, so it does not recompile either: torch.optim.AdamW with a changing lr on
+  PJRT CPU compiled 2 graphs in 8 steps, none after the 2nd step. NxD's zero-1 optimizer,
+  used on Neuron under layout.zero1, relies on that.)
 - Tensor parallel: parameters may be DTensors; AdamW is elementwise, so it runs on each rank's local shard.
 - bf16 weights without fp32 masters: the update is computed in fp32 and rounded to bf16 either to nearest or
   stochastically (off Neuron in software here; on Neuron the runtime flag does it in hardware).

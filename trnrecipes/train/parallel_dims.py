@@ -54,8 +54,8 @@ class ParallelDims:
             )
         self.pp, self.dp, self.tp = layout.pp, layout.dp, layout.tp
         self.pp_rank, self.dp_rank, self.tp_rank = rank_coords(self.rank, pp=self.pp, dp=self.dp, tp=self.tp)
-        # ZeRO-1 (optimizer states sharded over the DP group) where the backend can; elsewhere (xla; neuron until
-        # NxD's zero-1 optimizer is wired) the states stay replicated and the trainer says so (zero1_unavailable).
+        # ZeRO-1 (optimizer states sharded over the DP group) where the backend can (cpu, cuda; neuron through NxD's
+        # zero-1 optimizer); elsewhere (xla) the states stay replicated and the trainer says so (zero1_unavailable).
         wanted = recipe.layout.zero1 and self.dp > 1
         self.zero1 = wanted and backend.supports_zero1
         self.zero1_unavailable = wanted and not self.zero1
