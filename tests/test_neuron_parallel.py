@@ -615,20 +615,6 @@ def _shard_of(opt, param: nn.Parameter) -> nn.Parameter:
 # -- ZeRO-1 through the neuron backend and the checkpoint code ------------------------------------------------------
 
 
-def _write_files(path, files: dict) -> None:
-    """A rank's snapshot() on disk as the checkpoint writer lays it out (tensors as safetensors, the rest JSON)."""
-    import json
-
-    from safetensors.torch import save_file
-
-    path.mkdir(exist_ok=True)
-    for name, content in files.items():
-        if name.endswith(".safetensors"):
-            save_file({k: v.contiguous() for k, v in content.items()}, path / name)
-        else:
-            (path / name).write_text(json.dumps(content))
-
-
 def test_neuron_zero1_trains_like_adamw_and_its_checkpoint_resumes_on_torch_at_dp1(monkeypatch, tmp_path):
     """The neuron backend under layout.zero1 at DP 2 (each DP rank simulated in turn by the stand-in): its optimizer
     is NxD's, the step is NxD's (reduce-scatter, norm, clip, update, gather), the weights follow torch AdamW, and
@@ -636,7 +622,7 @@ def test_neuron_zero1_trains_like_adamw_and_its_checkpoint_resumes_on_torch_at_d
     on the cpu backend at DP 1 with every moment in place."""
     from trnrecipes.backends.torch import TorchBackend
     from trnrecipes.checkpoint.load import restore_training_state
-    from trnrecipes.checkpoint.writer import HostBuffers, snapshot
+    from trnrecipes.checkpoint.writer import HostBuffers, snapshot, write_files
     from trnrecipes.train.optim import AdamW, no_decay_params
 
     recipe = load_recipe("neox-tiny", overrides=["optim.clip_grad_norm=0.05", "optim.warmup_steps=0"])
@@ -681,11 +667,10 @@ def test_neuron_zero1_trains_like_adamw_and_its_checkpoint_resumes_on_torch_at_d
         assert opt.steps() == steps
         for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
             assert torch.allclose(p, ref, rtol=1e-6, atol=1e-7), name
-        files = snapshot(
-            model, opt, dims, steps, None, None, recipe, HostBuffers(), num_docs=7, shard_dim=backend.shard_dim
-        )
+        files = snapshot(model, opt, dims, steps, None, recipe, HostBuffers(), num_docs=7, shard_dim=backend.shard_dim)
         assert ("optim-tp00-of-01-dp0001-of-0002.safetensors" in files) == (dims.dp_rank == 1)
-        _write_files(ckpt, files)
+        ckpt.mkdir(exist_ok=True)
+        write_files(ckpt, files)
 
     # Resume on the torch backend at DP 1 (our AdamW, no ZeRO-1): every row of every moment comes from the rank
     # that held it, and the step count carries over.
@@ -694,7 +679,7 @@ def test_neuron_zero1_trains_like_adamw_and_its_checkpoint_resumes_on_torch_at_d
     model1 = build_model_shard(recipe, dims=dims1, backend=cpu)
     opt1 = AdamW(list(model1.parameters()), recipe.optim)
     restore_training_state(
-        ckpt, model1, opt1, dims1, None, lambda *a: None, num_docs=7, allowed=("layout.dp",), shard_dim=cpu.shard_dim
+        ckpt, model1, opt1, dims1, lambda *a: None, num_docs=7, allowed=("layout.dp",), shard_dim=cpu.shard_dim
     )
     assert opt1.steps() == steps
     ref_state = [ref_opt.state[p] for p in reference.parameters()]

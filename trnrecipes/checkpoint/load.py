@@ -63,7 +63,6 @@ def load(
         model,
         optimizer,
         dims,
-        optimizer.generator,
         log,
         num_docs=num_docs,
         allowed=allowed,
@@ -92,7 +91,6 @@ def restore_training_state(
     model,
     optimizer,
     dims,
-    sr_generator,
     log=print,
     *,
     num_docs: int,
@@ -125,7 +123,7 @@ def restore_training_state(
         reader.read_into(f"exp_avg_sq.{name}", optimizer.exp_avg_sq[i], shape, region.start)
     optimizer.set_steps(int(optimizer_steps))
     if saved_world == dims.world:
-        set_rng_state(load_tensors(path / rng_file(dims.rank)), sr_generator)
+        set_rng_state(load_tensors(path / rng_file(dims.rank)), optimizer.generator)
     why = "checkpoint.allow_changes changed the data order" if data_order_changed else None
     saved_docs = state.get("num_docs")
     if saved_docs is not None and saved_docs != num_docs:

@@ -109,13 +109,7 @@ class Checkpointer:
     def _write(self, step: int, files: dict[str, object]) -> None:
         tmp = self.root / f".step_{step}.tmp"
         tmp.mkdir(parents=True, exist_ok=True)
-        digests = {}
-        for name, content in files.items():
-            if name.endswith(".safetensors"):
-                save_file(content, tmp / name)
-            else:
-                (tmp / name).write_text(json.dumps(content, indent=1) + "\n")
-            digests[name] = hash_and_sync(tmp / name)
+        digests = write_files(tmp, files)
         # The marker carries this rank's digests: rank 0 never reads another rank's shards back. Renamed into
         # place, so rank 0 (which polls for it) never reads it half-written.
         marker = tmp / f".rank-{self.rank}.ok"
@@ -145,6 +139,19 @@ class Checkpointer:
             prune(self.root, self.keep_last, self.newest_valid, self.log)
         except (OSError, CheckpointError) as err:
             self.log(f"[trnrecipes] warning: pruning old checkpoints failed: {err}")
+
+
+def write_files(directory: Path, files: dict[str, object]) -> dict[str, str]:
+    """A rank's snapshot() files in `directory` (tensors as safetensors, the rest as JSON), each fsync'd; returns
+    their sha256 digests by name."""
+    digests = {}
+    for name, content in files.items():
+        if name.endswith(".safetensors"):
+            save_file(content, directory / name)
+        else:
+            (directory / name).write_text(json.dumps(content, indent=1) + "\n")
+        digests[name] = hash_and_sync(directory / name)
+    return digests
 
 
 def rng_state(sr_generator: torch.Generator | None) -> dict[str, torch.Tensor]:
@@ -186,7 +193,6 @@ def snapshot(
     dims,
     step: int,
     position,
-    sr_generator,
     recipe: Recipe,
     host: HostBuffers,
     *,
@@ -224,5 +230,5 @@ def snapshot(
         }
     if dims.tp_rank == 0 and position is not None:
         files[data_file(dims.dp_rank)] = position.to_dict()
-    files[rng_file(dims.rank)] = rng_state(sr_generator)
+    files[rng_file(dims.rank)] = rng_state(optimizer.generator)
     return files

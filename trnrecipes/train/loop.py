@@ -274,7 +274,6 @@ class Trainer:
             self.dims,
             step,
             position,
-            self.optimizer.generator,
             self.recipe,
             self.host,
             num_docs=self.documents.num_docs,
