@@ -47,6 +47,26 @@ def test_spec_param_count_equals_the_model_built_on_the_meta_device(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_spec_part_counts_equal_the_models_parts_on_the_meta_device(name):
+    """What `plan` sums per pipeline stage: the embedding, each layer, the final norm and head."""
+    from trnrecipes.models import build_model
+
+    cfg = tiny(name).model
+    model = build_model(cfg, "meta")
+    parts = FAMILIES[name].parts
+
+    def count(*modules) -> int:
+        return sum(p.numel() for m in modules for p in m.parameters())
+
+    assert count(getattr(model, parts.embedding)) == cfg.embedding_params()
+    layers = getattr(model, parts.layers)
+    assert len(layers) == cfg.num_layers and all(count(layer) == cfg.layer_params() for layer in layers)
+    assert count(getattr(model, parts.norm), getattr(model, parts.head)) == cfg.norm_head_params()
+    total = cfg.embedding_params() + cfg.num_layers * cfg.layer_params() + cfg.norm_head_params()
+    assert total == cfg.param_count() == model.num_params()  # the parts are the whole model
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_every_numeric_field_has_a_bound(name):
     spec = FAMILIES[name]
     hints = typing.get_type_hints(spec.config)

@@ -52,7 +52,7 @@ def test_run_sbatch_runs_locally_with_quoted_paths(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert len(re.findall(r"\[health\] .* rank [01]/2: cpu matmul 512\^3 ok", out)) == 2
-    assert "train: neox-tiny on cpu, 2 rank(s) = DP 2 x TP 1" in out
+    assert "train: neox-tiny on cpu, 2 rank(s) = PP 1 x DP 2 x TP 1" in out
     assert re.search(r"step 6/6 \| loss [0-9.]+ \| val [0-9.]+", out)
     assert "training exited with status 0" in out
     assert (run_dir / "checkpoints/step_6/done").exists() and (run_dir / "metrics.jsonl").exists()

@@ -75,12 +75,19 @@ def test_sequence_parallel_tags_exactly_the_norm_parameters(recipe, family):
 # weights land in the right layers, and the hooks keep the model's function; not NxD's collectives.
 
 
-def install_fake_nxd(monkeypatch, tp: int = 1, rank: int = 0, dp: int = 1, dp_rank: int = 0) -> list[dict]:
+def install_fake_nxd(
+    monkeypatch, tp: int = 1, rank: int = 0, dp: int = 1, dp_rank: int = 0, pp: int = 1, pp_rank: int = 0
+) -> list[dict]:
     """At tp > 1 the layers allocate NxD's shard shapes and tag them as NxD does (tensor_model_parallel,
     partition_dim): column-parallel weights and biases split rows, row-parallel weights split columns (their bias is
     whole), the embedding splits the vocabulary. Their forward is then not meaningful (no collectives).
     The process groups are NxD's on trn1 at TP 8 (consecutive TP groups, strided DP groups) for a world of tp x dp,
-    this process being TP rank `rank` of DP rank `dp_rank`; see _fake_zero1_optimizer for the zero-1 optimizer."""
+    this process being TP rank `rank` of DP rank `dp_rank`; see _fake_zero1_optimizer for the zero-1 optimizer.
+    Pipeline stages (pp > 1) only answer this process's PP size, rank and group (the pipeline model itself:
+    tests/test_neuron_pipeline.py). parallel_state.calls records initialize_model_parallel's keyword arguments;
+    grads.calls the gradient lists bucket_allreduce_gradients reduced over DP (identical replicas: the mean is the
+    identity) and clip_grad_norm's (max_norm, norm) (NxD's get_grad_norm on this process's gradients: at TP 1 and
+    without the PP and DP all-reduces)."""
     built: list[dict] = []
     tp_groups = [[d * tp + t for t in range(tp)] for d in range(dp)]
     dp_groups = [[d * tp + t for d in range(dp)] for t in range(tp)]
@@ -136,6 +143,35 @@ def install_fake_nxd(monkeypatch, tp: int = 1, rank: int = 0, dp: int = 1, dp_ra
         assert sequence_dimension == 1 and not to_model_parallel
         return input_
 
+    state_calls: list[dict] = []
+    grad_calls: list[tuple] = []
+
+    def initialize_model_parallel(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+        skip_collective_init=False,
+        lnc_size=1,
+        mesh_only=False,
+    ):
+        sizes = dict(tensor_model_parallel_size=tensor_model_parallel_size, lnc_size=lnc_size)
+        state_calls.append(dict(**sizes, pipeline_model_parallel_size=pipeline_model_parallel_size))
+
+    def bucket_allreduce_gradients(grads_list, reduce_over_ep_group=False):
+        grad_calls.append(("bucket_allreduce_gradients", list(grads_list)))
+
+    def clip_grad_norm(parameters, max_norm, norm_type=2, zero1_optimizer=False, zero1_optimizer_groups=None,
+                       force_spmd=True):  # fmt: skip
+        params = [parameters] if not isinstance(parameters, list) else parameters
+        grads = [p.grad.detach() for p in params if p.grad is not None]
+        norm = torch.stack([torch.norm(g, 2.0) ** 2 for g in grads]).sum().sqrt().reshape(1)
+        coeff = max_norm / (norm + 1.0e-6)
+        for g in grads:
+            g.mul_(torch.where(coeff < 1, coeff, torch.tensor(1.0)))
+        grad_calls.append(("clip_grad_norm", max_norm, norm))
+        return norm
+
     modules = {
         "neuronx_distributed": {},
         "neuronx_distributed.parallel_layers.layers": dict(
@@ -155,7 +191,17 @@ def install_fake_nxd(monkeypatch, tp: int = 1, rank: int = 0, dp: int = 1, dp_ra
             get_data_parallel_rank=lambda: dp_rank,
             get_data_parallel_replica_groups=lambda: [list(g) for g in dp_groups],
             get_tensor_model_parallel_replica_groups=lambda: [list(g) for g in tp_groups],
+            get_pipeline_model_parallel_size=lambda: pp,
+            get_pipeline_model_parallel_rank=lambda: pp_rank,
+            get_pipeline_model_parallel_group=lambda: "nxd-pp-group",
             model_parallel_is_initialized=lambda: True,
+            initialize_model_parallel=initialize_model_parallel,
+            calls=state_calls,
+        ),
+        "neuronx_distributed.parallel_layers.grads": dict(
+            bucket_allreduce_gradients=bucket_allreduce_gradients,
+            clip_grad_norm=clip_grad_norm,
+            calls=grad_calls,
         ),
         "neuronx_distributed.optimizer": dict(
             NeuronZero1Optimizer=_fake_zero1_optimizer(global_rank=dp_rank * tp + rank, tp=tp, dp_groups=dp_groups)
@@ -306,7 +352,7 @@ def _fake_zero1_optimizer(global_rank: int, tp: int, dp_groups: list[list[int]])
 
 
 def _neuron_build(recipe, tp: int, rank: int) -> nn.Module:
-    dims = types.SimpleNamespace(tp=tp, tp_rank=rank, mesh=None)
+    dims = types.SimpleNamespace(tp=tp, tp_rank=rank, pp=1, pp_rank=0, mesh=None)
     return build_model_shard(recipe, dims=dims, backend=NeuronXlaBackend("neuron", torch.device("cpu")))
 
 
@@ -377,7 +423,7 @@ def test_each_neuron_tp_rank_reads_only_its_shard_from_a_checkpoint(monkeypatch,
     saved = build_model(r.model)
     saved.init_weights(seed=r.train.seed + 1)
     ckpt = write_model_checkpoint(tmp_path / "ckpt", saved.state_dict(), r)
-    dims = types.SimpleNamespace(tp=2, mesh=None)
+    dims = types.SimpleNamespace(tp=2, pp=1, pp_rank=0, mesh=None)
     for rank in (0, 1):
         install_fake_nxd(monkeypatch, tp=2, rank=rank)
         dims.tp_rank = rank
@@ -643,7 +689,9 @@ def test_neuron_zero1_trains_like_adamw_and_its_checkpoint_resumes_on_torch_at_d
     ranks = []
     for dp_rank in (0, 1):
         install_fake_nxd(monkeypatch, dp=2, dp_rank=dp_rank)
-        dims = types.SimpleNamespace(tp=1, tp_rank=0, dp=2, dp_rank=dp_rank, pp=1, world=2, rank=dp_rank, zero1=True)
+        dims = types.SimpleNamespace(
+            tp=1, tp_rank=0, dp=2, dp_rank=dp_rank, pp=1, pp_rank=0, world=2, rank=dp_rank, zero1=True
+        )
         backend = NeuronXlaBackend("neuron", torch.device("cpu"))
         model = build_model_shard(recipe, dims=dims, backend=backend)
         opt = backend.make_optimizer(model, recipe, dims)
@@ -674,7 +722,7 @@ def test_neuron_zero1_trains_like_adamw_and_its_checkpoint_resumes_on_torch_at_d
 
     # Resume on the torch backend at DP 1 (our AdamW, no ZeRO-1): every row of every moment comes from the rank
     # that held it, and the step count carries over.
-    dims1 = types.SimpleNamespace(tp=1, tp_rank=0, dp=1, dp_rank=0, pp=1, world=1, rank=0, zero1=False)
+    dims1 = types.SimpleNamespace(tp=1, tp_rank=0, dp=1, dp_rank=0, pp=1, pp_rank=0, world=1, rank=0, zero1=False)
     cpu = TorchBackend("cpu", torch.device("cpu"))
     model1 = build_model_shard(recipe, dims=dims1, backend=cpu)
     opt1 = AdamW(list(model1.parameters()), recipe.optim)

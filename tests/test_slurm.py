@@ -50,8 +50,8 @@ def slurm(env: dict[str, str], *cmd: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
 
 
-def render(job: Path, run_dir: Path, nodes: int = 2, overrides: str = SMALL) -> None:
-    done = run_cli("sbatch", "--recipe", "llama2-tiny", "--nodes", str(nodes), "--out", str(job),
+def render(job: Path, run_dir: Path, nodes: int = 2, overrides: str = SMALL, recipe: str = "llama2-tiny") -> None:
+    done = run_cli("sbatch", "--recipe", recipe, "--nodes", str(nodes), "--out", str(job),
                    "--overrides", f"{overrides} run_dir={run_dir}")  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -117,7 +117,8 @@ def test_compile_then_run_on_two_nodes(reference):
     # Log names carry the job id; each attempt's torchrun logs carry the job id and the restart count.
     compile_log = (job / "logs" / f"{NAME}-compile-{cid}.out").read_text()
     assert f"compile job {cid} restart 0: 2 node(s) x 1 workers, rendezvous 127.0.0.1:" in compile_log
-    assert "compile (tracing every graph; nothing is written): llama2-tiny on cpu, 2 rank(s) = DP 2" in compile_log
+    compiled = "compile (tracing every graph; nothing is written): llama2-tiny on cpu, 2 rank(s) = PP 1 x DP 2"
+    assert compiled in compile_log
     assert f"compile job {cid} done" in compile_log
     out = (job / "logs" / f"{NAME}-{rid}.out").read_text()
     assert f"run job {rid} restart 0: 2 node(s) x 1 workers, rendezvous 127.0.0.1:" in out
@@ -130,7 +131,7 @@ def test_compile_then_run_on_two_nodes(reference):
     # Every node's torchrun advertised its Slurm NodeAddr (127.0.0.1 here), not its host name: the workers'
     # MASTER_ADDR (and Neuron's root comm id) is that address.
     assert len(re.findall(r"\[health\] .*: cpu matmul .* rendezvous host 127\.0\.0\.1$", out, re.M)) == 2, out
-    assert "train: llama2-tiny on cpu, 2 rank(s) = DP 2 x TP 1" in out
+    assert "train: llama2-tiny on cpu, 2 rank(s) = PP 1 x DP 2 x TP 1" in out
     assert f"step {MAX_STEPS}/{MAX_STEPS} | loss" in out and "training exited with status 0" in out
     assert "resuming from" not in out
 
@@ -151,6 +152,30 @@ def test_eval_job_after_the_run_evaluates_its_newest_checkpoint(slurm_env, refer
     assert "| trn_gsm8k_cot | 8 | exact_match,strict-match |" in out and "| humaneval | 0 | pass@1 |" in out
     report = json.loads((run / "eval" / f"step_{MAX_STEPS}" / "results.json").read_text())
     assert [r["task"] for r in report["results"]] == ["trn_gsm8k_cot", "humaneval"] and report["limit"] == 1
+
+
+def test_a_pipeline_over_two_nodes_trains_saves_both_stages_and_is_evaluated(slurm_env, tmp_path):
+    """neox-tiny at layout.pp=2: stage 0 (embedding, layer 0) on node1, stage 1 (layer 1, norm, head) on node2."""
+    job, run, steps = tmp_path / "job", tmp_path / "run", 40
+    render(job, run, recipe="neox-tiny", overrides=f"{SMALL} layout.pp=2 train.max_steps={steps}")
+    compile_id = submit(slurm_env, str(job / "compile.sbatch"))
+    run_id = submit(slurm_env, f"--dependency=afterok:{compile_id}", str(job / "run.sbatch"))
+    eval_id = submit(slurm_env, f"--dependency=afterok:{run_id}", str(job / "eval.sbatch"),
+                     "--tasks", "gsm8k", "--limit", "1", "--max-gen-toks", "8")  # fmt: skip
+    wait_done(slurm_env, compile_id, job / "logs" / f"neox-tiny-2n-compile-{compile_id}.out")
+    wait_done(slurm_env, run_id, job / "logs" / f"neox-tiny-2n-{run_id}.out")
+    out = (job / "logs" / f"neox-tiny-2n-{run_id}.out").read_text()
+    assert "train: neox-tiny on cpu, 2 rank(s) = PP 2 x DP 1 x TP 1" in out
+    losses = metrics(run)
+    assert sorted(losses) == list(range(1, steps + 1))
+    last = [losses[s] for s in range(steps - 9, steps + 1)]
+    assert sum(last) / len(last) < losses[1] - 1.0, (losses[1], last)  # the loss fell
+    saved = {p.name for p in (run / "checkpoints" / f"step_{steps}").iterdir()}
+    assert {"model-pp00-of-02-tp00-of-01.safetensors", "model-pp01-of-02-tp00-of-01.safetensors"} <= saved
+    info = wait_done(slurm_env, eval_id, job / "logs" / f"neox-tiny-2n-eval-{eval_id}.out", timeout=600)
+    assert info["ExitCode"] == "0:0"
+    report = json.loads((run / "eval" / f"step_{steps}" / "results.json").read_text())
+    assert [r["task"] for r in report["results"]] == ["trn_gsm8k_cot"]
 
 
 def test_pre_timeout_signal_saves_requeues_and_resumes_bitwise(slurm_env, reference, tmp_path):

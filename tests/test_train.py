@@ -132,12 +132,18 @@ def test_train_refuses_a_world_size_that_is_not_the_layout(tmp_path: Path, cli):
     assert "launched with 1 rank(s), but recipe pythia-tiny at 1 node(s) needs 2" in done.stderr
 
 
-def test_train_refuses_pipeline_parallelism_it_does_not_build(tmp_path: Path, cli):
-    # The layout and scripts size jobs for PP (neox20b: pp 4); the step loop has no stages, so it must not start.
-    done = cli("train", "--config", "llama2-tiny", "layout.pp=2", "cluster.workers_per_node=2", f"run_dir={tmp_path}")
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "layout.pp 2: pipeline parallelism is planned (layout, scripts) but not built" in done.stderr
-    assert "layout.tp=2" in done.stderr and not any(tmp_path.iterdir())
+def test_xla_refuses_pipeline_parallelism_before_any_collective():
+    # torch's pipelining has no XLA stage coordinator: the xla (PJRT) backend must refuse pp > 1 at start
+    from trnrecipes.backends.xla import XlaBackend
+    from trnrecipes.recipe import RecipeError, load_recipe
+    from trnrecipes.train.parallel_dims import ParallelDims
+
+    over = ["layout.pp=2", "cluster.workers_per_node=2", "cluster.backend=xla"]
+    with pytest.raises(RecipeError) as refused:
+        ParallelDims(load_recipe("llama2-tiny", overrides=over), XlaBackend("xla", torch.device("cpu")))
+    message = str(refused.value)
+    assert message.startswith("layout.pp 2: backend xla has no pipeline parallelism (torch.distributed.pipelining")
+    assert "pipeline parallelism runs on cpu, cuda and neuron" in message and "layout.tp=2" in message
 
 
 def test_the_pipeline_refusal_suggests_a_tensor_parallel_degree_only_when_it_is_valid():
@@ -149,9 +155,9 @@ def test_the_pipeline_refusal_suggests_a_tensor_parallel_degree_only_when_it_is_
         _wider_tp_hint(load_recipe("neox20b", nodes=4), 32)
         == ", e.g. layout.tp=32, which keeps the model's memory per core"
     )
-    # Llama 2 70B, tp 8 x pp 8: tp 64 is wider than a node and does not divide its 8 KV heads.
-    hint = _wider_tp_hint(load_recipe("llama2-70b", nodes=8), 64)
-    assert hint.startswith("; layout.tp=64 would keep the model's memory per core but is not a valid layout here")
+    # Llama 2 70B, tp 8 x pp 16: tp 128 is wider than a node and does not divide its 8 KV heads.
+    hint = _wider_tp_hint(load_recipe("llama2-70b", nodes=8), 128)
+    assert hint.startswith("; layout.tp=128 would keep the model's memory per core but is not a valid layout here")
 
 
 def test_backends_that_are_not_installed_say_how_to_get_them(tmp_path: Path, cli):

@@ -1,7 +1,9 @@
 """Parallel layout, batch math and cost: the one place these numbers are computed (parameters and FLOPs: the
 family's spec, recipes/<family>/spec.py).
 
-world = nodes x workers/node; DP = world / (TP x PP); grad-accum = GBS / (micro-batch x DP).
+world = nodes x workers/node; DP = world / (TP x PP); grad-accum = GBS / (micro-batch x DP). With PP > 1 the
+grad-accum micro-batches are the pipeline's micro-batches: which layers each stage holds, its parameters and the
+bubble come from trnrecipes/stages.py.
 No torch import: `plan` and `sbatch` use this.
 """
 
@@ -12,6 +14,7 @@ from dataclasses import asdict, dataclass
 from trnrecipes.cluster import get_instance
 from trnrecipes.families import ModelSection
 from trnrecipes.recipe import Recipe, RecipeError
+from trnrecipes.stages import BUBBLE_WARNING, Stage, bubble_fraction, schedule_problem, split_stages
 
 
 @dataclass(frozen=True)
@@ -54,15 +57,23 @@ def compute_layout(r: Recipe) -> Layout:
             f" valid node counts for this batch: {_fmt(valid_node_counts(r))};"
             f" valid global batches near {gbs} at {nodes} node(s): {_fmt(_nearby_multiples(gbs, mb * dp))}"
         )
-    return Layout(nodes, wpn, world, tp, pp, dp, mb, gbs // (mb * dp), gbs, r.batch.seq_len, gbs * r.batch.seq_len)
+    accum = gbs // (mb * dp)
+    if problem := schedule_problem(r.layout.pp_schedule, pp, r.layout.pp_virtual_stages, accum):
+        raise RecipeError(f"{problem} (at {nodes} node(s): DP {dp}; valid node counts: {_fmt(valid_node_counts(r))})")
+    return Layout(nodes, wpn, world, tp, pp, dp, mb, accum, gbs, r.batch.seq_len, gbs * r.batch.seq_len)
 
 
 def valid_node_counts(r: Recipe, limit: int = 128) -> list[int]:
+    """Node counts compute_layout accepts: the world divides into TP x PP, the batch into DP, and the pipeline
+    schedule gets the micro-batches it needs."""
     wpn, tp, pp, mb, gbs = r.workers_per_node, r.layout.tp, r.layout.pp, r.batch.micro_batch, r.batch.global_batch
     found = []
     for n in range(1, limit + 1):
         world = n * wpn
-        if world % (tp * pp) == 0 and gbs % (mb * (world // (tp * pp))) == 0:
+        if world % (tp * pp) or gbs % (mb * (world // (tp * pp))):
+            continue
+        accum = gbs // (mb * (world // (tp * pp)))
+        if schedule_problem(r.layout.pp_schedule, pp, r.layout.pp_virtual_stages, accum) is None:
             found.append(n)
     return found
 
@@ -90,6 +101,56 @@ def flops_per_token(m: ModelSection, seq_len: int) -> int:
     return m.flops_per_token(seq_len)
 
 
+def stage_params(m: ModelSection, stage: Stage) -> int:
+    """Parameters a pipeline stage holds, unsharded: its layers, plus the embedding on the first stage and the final
+    norm and head on the last (recipes/<family>/spec.py)."""
+    return (
+        len(stage.layers) * m.layer_params()
+        + (m.embedding_params() if stage.first else 0)
+        + (m.norm_head_params() if stage.last else 0)
+    )
+
+
+def pipeline_plan(r: Recipe, layout: Layout) -> dict[str, object]:
+    """The pipeline part of `plan` (PP > 1): schedule, stages, bubble. The micro-batches per pipeline per step are
+    the grad-accum steps. Per-core parameters divide a stage's by TP: approximate, since norms (and NeoX's
+    row-parallel biases) are replicated over TP, not sharded."""
+    lay = r.layout
+    stages = split_stages(r.model.num_layers, lay.pp, lay.pp_virtual_stages, lay.pp_stage_layers, lay.pp_schedule)
+    bubble = bubble_fraction(lay.pp, lay.pp_virtual_stages, layout.grad_accum)
+    warning = None
+    if bubble > BUBBLE_WARNING:
+        warning = (
+            f"pipeline bubble {bubble:.2%} is over {BUBBLE_WARNING:.0%}: {layout.grad_accum} micro-batches per"
+            f" pipeline for PP {lay.pp}; a larger batch.global_batch or fewer nodes (more micro-batches), a smaller"
+            " layout.pp or more layout.pp_virtual_stages (interleaved_1f1b) shrink it"
+        )
+    rows = []
+    for s in stages:
+        params = stage_params(r.model, s)
+        rows.append(
+            {
+                "index": s.index,
+                "pp_rank": s.rank,
+                "first_layer": s.layers[0] if s.layers else None,
+                "last_layer": s.layers[-1] if s.layers else None,
+                "num_layers": len(s.layers),
+                "embedding": s.first,
+                "norm_head": s.last,
+                "params": params,
+                "params_per_core_approx": params // layout.tp,  # / TP; replicated norms make it a little more
+            }
+        )
+    return {
+        "pp_schedule": lay.pp_schedule,
+        "pp_virtual_stages": lay.pp_virtual_stages,
+        "pp_micro_batches": layout.grad_accum,
+        "pp_stages": rows,
+        "pp_bubble_fraction": bubble,
+        "pp_bubble_warning": warning,
+    }
+
+
 def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None = None) -> dict[str, object]:
     """Everything `trnrecipes plan` reports. price_per_hour is per node; default: the recipe's, else the catalog's."""
     layout = compute_layout(r)
@@ -106,6 +167,8 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
         "peak_tflops": inst.peak_bf16_tflops * layout.nodes,
         "price_per_hour": price * layout.nodes,
     }
+    if layout.pp > 1:
+        out |= pipeline_plan(r, layout)
     if seq_per_s is not None:
         if seq_per_s <= 0:
             raise RecipeError(f"--seq-per-s must be > 0, got {seq_per_s}")

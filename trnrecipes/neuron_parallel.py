@@ -16,7 +16,9 @@ row-parallel biases see only their shard's gradient: they are tagged `sequence_p
 the TP group after backward (reduce_sequence_parallel_gradients).
 
 ZeRO-1 (optimizer states sharded over the data-parallel group) runs through NxD's zero-1 optimizer: see the section
-at the end (make_zero1_optimizer, zero1_moments).
+after the step helpers (make_zero1_optimizer, zero1_moments). Pipeline parallelism runs through NxD's NxDPPModel in
+manual-partition mode (Neuron SDK 2.22+): the last section (NeuronPipeline), tested against a stand-in in
+tests/test_neuron_pipeline.py.
 """
 
 from __future__ import annotations
@@ -153,20 +155,37 @@ def move_to_device(model: nn.Module, device: torch.device) -> None:
     move_model_to_device(model, device)
 
 
-def initialize(tp: int, dp: int) -> tuple[int, int]:
-    """NxD's process groups (after init_process_group("xla")); returns this rank's (TP rank, DP rank) in them.
+def initialize(tp: int, dp: int, pp: int = 1) -> tuple[int, int, int]:
+    """NxD's process groups (after init_process_group("xla")); returns this rank's (PP rank, DP rank, TP rank) in
+    them.
 
-    NxD decides which ranks form a TP group (consecutive on trn1 at TP 8 and 32, strided by 8 at TP 4), so the
-    caller must use these ranks, not rank % tp."""
+    NxD decides which ranks form a TP group (consecutive on trn1 at TP 8 and 32, strided by 8 at TP 4) and, with
+    its ring layouts, which place a rank has in its PP group (parallel_state.get_pipeline_model_parallel_rank
+    searches the replica groups under LOGIC2), so the caller must use these ranks, not rank % tp or rank // (dp * tp):
+    the stages a rank builds must be the ones NxD's pipeline runs on it."""
     from neuronx_distributed.parallel_layers import parallel_state
 
     # Logical NeuronCore size (trn2 runs LNC=2): NxD orders TP groups differently for it. Passed only when set, as
     # NxD releases before trn2 have no such argument.
     lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1"))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, **({"lnc_size": lnc} if lnc != 1 else {}))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **({"lnc_size": lnc} if lnc != 1 else {})
+    )
     if parallel_state.get_data_parallel_size() != dp:
         raise RuntimeError(f"neuronx-distributed made {parallel_state.get_data_parallel_size()} DP groups, not {dp}")
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
+    pp_rank = 0
+    if pp > 1:
+        if (made := parallel_state.get_pipeline_model_parallel_size()) != pp:
+            raise RuntimeError(f"neuronx-distributed made pipeline groups of {made} ranks, not {pp}")
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    return pp_rank, parallel_state.get_data_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+
+
+def pipeline_group():
+    """NxD's process group over this rank's pipeline stages (same DP and TP rank)."""
+    from neuronx_distributed.parallel_layers import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_group()
 
 
 def average_gradients_over_dp(params: list[nn.Parameter]) -> None:
@@ -186,9 +205,11 @@ def reduce_sequence_parallel_gradients(params: list[nn.Parameter]) -> None:
             reduce_from_tensor_model_parallel_region(p.grad.data)
 
 
-def param_norm(params: list[nn.Parameter]) -> torch.Tensor:
+def param_norm(params: list[nn.Parameter], over_pipeline: bool = False) -> torch.Tensor:
     """L2 norm of the whole model's parameters (a logged metric): NxD-sharded ones summed over the TP group,
-    replicated ones counted once. NxD shards are plain tensors, so full_tensor() cannot gather them."""
+    replicated ones counted once; with `over_pipeline`, the squares summed over the pipeline stages too (each holds
+    other parameters; none is shared between stages in our families), as NxD's get_grad_norm sums grad norms over
+    its PP group. NxD shards are plain tensors, so full_tensor() cannot gather them."""
     from neuronx_distributed.parallel_layers.mappings import reduce_from_tensor_model_parallel_region
 
     sharded = replicated = torch.zeros((), dtype=torch.float32, device=params[0].device)
@@ -198,7 +219,10 @@ def param_norm(params: list[nn.Parameter]) -> torch.Tensor:
             sharded = sharded + square
         else:
             replicated = replicated + square
-    return (reduce_from_tensor_model_parallel_region(sharded) + replicated).sqrt()
+    squares = reduce_from_tensor_model_parallel_region(sharded) + replicated
+    if over_pipeline:
+        torch.distributed.all_reduce(squares, group=pipeline_group())
+    return squares.sqrt()
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -31,16 +31,25 @@ def family_plan(family: str):
     return importlib.import_module(f"recipes.{family}.parallelize")
 
 
-def tensor_parallel_styles(family: str, num_layers: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def tensor_parallel_styles(
+    family: str, layer_ids: list[str], sequence_parallel: bool, top: tuple[str, ...] = ("embed", "norm", "head")
+) -> dict[str, ParallelStyle]:
+    """The plan for the layers named `layer_ids` (their keys under `layers`) and the top-level modules in `top`
+    (a pipeline stage holds some of them only)."""
     plan = family_plan(family)
     seq = Shard(1)
-    styles: dict[str, ParallelStyle] = {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sequence_parallel else Replicate()),
-        "head": ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Replicate()),
-    }
-    if sequence_parallel:
+    styles: dict[str, ParallelStyle] = {}
+    if "embed" in top:
+        styles["embed"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq if sequence_parallel else Replicate()
+        )
+    if "head" in top:
+        styles["head"] = ColwiseParallel(
+            input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Replicate()
+        )
+    if sequence_parallel and "norm" in top:
         styles["norm"] = SequenceParallel()
-    for i in range(num_layers):
+    for i in layer_ids:
         prefix = f"layers.{i}."
         for name in plan.COLUMN_PARALLEL:
             styles[prefix + name] = ColwiseParallel()
@@ -71,6 +80,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, family: str, seque
     family_plan(family).check_tensor_parallel(model.args, tp)
     if sequence_parallel:
         require_divisible_sequence(model, tp)
-    styles = tensor_parallel_styles(family, len(model.layers), sequence_parallel)
+    layer_ids = [name for name, _ in model.layers.named_children()]  # a pipeline rank holds some layers only
+    top = tuple(name for name in ("embed", "norm", "head") if hasattr(model, name))
+    styles = tensor_parallel_styles(family, layer_ids, sequence_parallel, top)
     model.head_loss = logits_loss  # the head's vocabulary is split: its forward gathers full logits
     return parallelize_module(model, mesh, styles)

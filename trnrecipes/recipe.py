@@ -30,6 +30,7 @@ from trnrecipes.schema import (
     tagged_union,
     to_dict,
 )
+from trnrecipes.stages import neuron_pipeline_problem, split_problem
 
 RECIPES_DIR = REPO_ROOT / "recipes"
 MAX_RECIPE_BYTES = 1 << 20  # the largest shipped recipe is ~2 KB; a bigger file is a wrong path, not a recipe
@@ -48,7 +49,10 @@ ModelConfig = model_config
 @dataclass(frozen=True)
 class LayoutConfig:
     tp: int = 1  # tensor parallel degree (inside a node)
-    pp: int = 1  # pipeline parallel degree
+    pp: int = 1  # pipeline parallel degree (trnrecipes/stages.py: how the layers are split)
+    pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"  # micro-batches = grad-accum steps
+    pp_virtual_stages: int = 1  # stages per pipeline rank (> 1: interleaved_1f1b)
+    pp_stage_layers: tuple[int, ...] | None = None  # layers of each stage, in order; default: an even split
     sequence_parallel: bool = False  # shard norms/dropout activations along the sequence over the TP group
     zero1: bool = False  # ZeRO-1: optimizer states sharded over the data-parallel group (AWS's zero1 / USE_ZERO_1)
 
@@ -359,7 +363,8 @@ _SDK_VERSION = re.compile(r"2\.[0-9]{1,2}")
 # Every numeric field and its range (a tuple field: each item); None passes (the default applies). The model
 # section's come from its family: model_bounds().
 FIELD_BOUNDS: dict[str, Bound] = {
-    "layout.tp": POSITIVE, "layout.pp": POSITIVE,
+    "layout.tp": POSITIVE, "layout.pp": POSITIVE, "layout.pp_virtual_stages": POSITIVE,
+    "layout.pp_stage_layers": NON_NEGATIVE,
     "batch.global_batch": POSITIVE, "batch.micro_batch": POSITIVE, "batch.seq_len": POSITIVE,
     "optim.lr": POSITIVE, "optim.min_lr": NON_NEGATIVE, "optim.warmup_steps": NON_NEGATIVE,
     "optim.decay_steps": NON_NEGATIVE, "optim.betas": FRACTION, "optim.eps": POSITIVE,
@@ -412,7 +417,12 @@ def check_recipe(r: Recipe) -> list[str]:
         not r.layout.sequence_parallel or b.seq_len % tp == 0,
         f"batch.seq_len {b.seq_len} must be divisible by layout.tp {tp} with sequence parallelism",
     )
-    need(m.num_layers % r.layout.pp == 0, f"layout.pp {r.layout.pp} must divide model.num_layers {m.num_layers}")
+    lay = r.layout
+    split = split_problem(m.num_layers, lay.pp, lay.pp_virtual_stages, lay.pp_stage_layers, lay.pp_schedule)
+    need(split is None, split or "")
+    if r.cluster.backend == "neuron" and lay.pp > 1:  # NxD's manual pipeline: its SDK and its one schedule
+        nxd = neuron_pipeline_problem(r.cluster.neuron_sdk, lay.pp_schedule, lay.pp_virtual_stages)
+        need(nxd is None, nxd or "")
     need(not r.layout.sequence_parallel or r.layout.tp > 1, "layout.sequence_parallel needs layout.tp > 1")
     need(o.min_lr <= o.lr, f"optim.min_lr {o.min_lr} must be <= optim.lr {o.lr}")
     need(

@@ -1,4 +1,5 @@
-"""Human-readable summaries of a plan (the `plan` and `sbatch` verbs)."""
+"""Human-readable summaries of a plan (the `plan` and `sbatch` verbs): the layout, batch and cost, then the
+pipeline's stages and bubble (PP > 1)."""
 
 from __future__ import annotations
 
@@ -34,4 +35,32 @@ def format_plan(p: dict[str, object]) -> str:
              + (f"{tpd:,.0f} tokens/$" if tpd is not None else "tokens/$ n/a (price 0)")),
         ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    return "\n".join([*(f"{k:<{width}}  {v}" for k, v in rows), *format_pipeline(p)])
+
+
+def format_pipeline(p: dict[str, object]) -> list[str]:
+    """The pipeline lines of a plan (trnrecipes.layout.pipeline_plan): none without PP. Keys in the plan summary's
+    column (its widest key, "parallelism", is 11 wide)."""
+    if p["pp"] == 1:
+        return []
+    pp, v, m, tp = p["pp"], p["pp_virtual_stages"], p["pp_micro_batches"], p["tp"]
+    stages = p["pp_stages"]
+    rows = [
+        ("pipeline", f"{p['pp_schedule']}, {len(stages)} stages on PP {pp} ({v} per rank), {m} micro-batches"
+         " per pipeline per step (grad-accum)"),
+        ("bubble", f"{p['pp_bubble_fraction']:.2%} of the ideal step time: (PP - 1) / (v x m) = {pp - 1}/({v} x {m})"),
+    ]  # fmt: skip
+    if p["pp_bubble_warning"]:
+        rows.append(("warning", str(p["pp_bubble_warning"])))
+    lines = [f"{key:<11}  {text}" for key, text in rows]
+    row = "{:<11}  {:>5}  {:>4}  {:<13}  {:<12}  {:>14}  {:>14}"
+    lines.append(row.format("stages", "stage", "rank", "layers", "holds", "params", f"per core ~/TP{tp}"))
+    for s in stages:
+        held = "none" if s["first_layer"] is None else f"{s['first_layer']}-{s['last_layer']} ({s['num_layers']})"
+        holds = " + ".join(name for name, on in (("embedding", s["embedding"]), ("norm, head", s["norm_head"])) if on)
+        lines.append(
+            row.format(
+                "", s["index"], s["pp_rank"], held, holds or "-", f"{s['params']:,}", f"{s['params_per_core_approx']:,}"
+            )
+        )
+    return lines

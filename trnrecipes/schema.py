@@ -130,6 +130,8 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(a) for a in get_args(tp))
     if origin is list:
         return f"a list of {_describe(get_args(tp)[0])}"
+    if origin is tuple and _variadic(tp):
+        return f"a list of {_describe(get_args(tp)[0])}"
     if origin is tuple:
         return f"a list of {len(get_args(tp))} x {_describe(get_args(tp)[0])}"
     if dataclasses.is_dataclass(tp):
@@ -137,6 +139,12 @@ def _describe(tp: Any) -> str:
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string", type(None): "null"}.get(
         tp, str(tp)
     )
+
+
+def _variadic(tp: Any) -> bool:
+    """tuple[X, ...]: any number of X."""
+    args = get_args(tp)
+    return len(args) == 2 and args[1] is Ellipsis
 
 
 def _convert(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
@@ -170,10 +178,11 @@ def _convert(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
         if not isinstance(value, list | tuple):
             problems.append(f"{_name(where)}: expected {_describe(tp)}, got {shown(value)}")
             return None
-        if origin is tuple and len(args) != len(value):
+        fixed = origin is tuple and not _variadic(tp)  # tuple[int, int] vs tuple[int, ...]
+        if fixed and len(args) != len(value):
             problems.append(f"{_name(where)}: expected {_describe(tp)}, got {len(value)} items: {shown(value)}")
             return None
-        item_types = args if origin is tuple else [args[0]] * len(value)
+        item_types = args if fixed else [args[0]] * len(value)
         pairs = enumerate(zip(item_types, value, strict=True))
         items = [_convert(t, v, f"{where}[{i}]", problems) for i, (t, v) in pairs]
         return tuple(items) if origin is tuple else items

@@ -3,10 +3,14 @@ ModelSpec is the model). Torch-free: rendering (`trnrecipes plan`, `sbatch`) rea
 
 A family's config dataclass is both the recipe's `model:` section and its model.py's constructor argument. Its
 first field is `family: Literal["<name>"]` (the schema picks the class by it), and it provides:
-    param_count() -> int                   exact parameters of model.py's model (tests/test_families.py checks it)
+    layer_params() -> int                  exact parameters of one of model.layers
+    norm_head_params() -> int              exact parameters of the final norm and the head
     flops_per_token(seq_len) -> int        training FLOPs per token
     problems() -> list[str]                relations between its fields, once every bound in `bounds` holds
     tp_problems(tp) -> list[str]           the tensor parallel rule: what `tp` must divide
+DecoderConfig adds embedding_params() (the token embedding) and param_count() = embedding + num_layers x layer +
+norm and head, the one parameter count (tests/test_families.py checks each part against model.py's modules;
+`plan` sums the parts each pipeline stage holds).
 """
 
 from __future__ import annotations
@@ -50,6 +54,33 @@ class DecoderConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def embedding_params(self) -> int:
+        """The token embedding (model.embed; untied from the head in every family here)."""
+        return self.vocab_size * self.hidden_size
+
+    def layer_params(self) -> int:
+        """One of model.layers; the family defines it."""
+        raise NotImplementedError(f"{type(self).__name__} must define layer_params()")
+
+    def norm_head_params(self) -> int:
+        """The final norm and the head (model.norm, model.head); the family defines it."""
+        raise NotImplementedError(f"{type(self).__name__} must define norm_head_params()")
+
+    def param_count(self) -> int:
+        """Exact parameters of model.py's model: the parts a pipeline stage may hold, summed (one definition)."""
+        return self.embedding_params() + self.num_layers * self.layer_params() + self.norm_head_params()
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """A family's top-level structure, by attribute name: what pipeline parallelism cuts the model along
+    (trnrecipes/pipeline.py). The forward must be embedding -> each layer in order -> norm -> head (+ loss)."""
+
+    embedding: str = "embed"
+    layers: str = "layers"  # an nn.ModuleList of blocks, each taking and returning the hidden states
+    norm: str = "norm"
+    head: str = "head"
+
 
 def no_compiler_flags(instance: str) -> tuple[str, ...]:
     return ()
@@ -65,6 +96,7 @@ class FamilySpec:
     hf_model_type: str  # config.json "model_type"
     # Extra neuronx-cc flags this family needs on an instance type (trnrecipes.neuron_env adds them).
     compiler_flags: Callable[[str], tuple[str, ...]] = no_compiler_flags
+    parts: ModelParts = ModelParts()  # the top-level structure pipeline stages are cut along
 
     @property
     def package(self) -> str:

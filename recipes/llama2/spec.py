@@ -26,12 +26,15 @@ class Llama2Config(DecoderConfig):
             object.__setattr__(self, "num_kv_heads", self.num_heads)  # frozen: set once, here
         super().__post_init__()
 
-    def param_count(self) -> int:
-        """Exact parameters of recipes/llama2/model.py: untied embedding and head; per layer 2 RMSNorms (weight),
-        fused qkv (GQA) and output without bias, fused gate_up + down without bias."""
+    def layer_params(self) -> int:
+        """One block of recipes/llama2/model.py: 2 RMSNorms (weight), fused qkv (GQA) and output without bias,
+        fused gate_up + down without bias."""
         h, f, heads, kv = self.hidden_size, self.ffn_hidden_size, self.num_heads, self.num_kv_heads
-        per_layer = 2 * h + h * (heads + 2 * kv) * self.head_dim + heads * self.head_dim * h + 3 * h * f
-        return 2 * self.vocab_size * h + self.num_layers * per_layer + h
+        return 2 * h + h * (heads + 2 * kv) * self.head_dim + heads * self.head_dim * h + 3 * h * f
+
+    def norm_head_params(self) -> int:
+        """Final RMSNorm (weight) and the untied head (no bias)."""
+        return self.hidden_size + self.vocab_size * self.hidden_size
 
     def flops_per_token(self, seq_len: int) -> int:
         return training_flops_per_token(self, seq_len)

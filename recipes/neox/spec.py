@@ -26,12 +26,15 @@ class NeoXConfig(DecoderConfig):
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rotary_pct)
 
-    def param_count(self) -> int:
-        """Exact parameters of recipes/neox/model.py: untied embedding and head (no head bias); per layer 2
-        LayerNorms (weight + bias), fused QKV with bias, output dense with bias, 2-layer GELU MLP with biases."""
+    def layer_params(self) -> int:
+        """One layer of recipes/neox/model.py: 2 LayerNorms (weight + bias), fused QKV with bias, output dense
+        with bias, 2-layer GELU MLP with biases."""
         h, f = self.hidden_size, self.ffn_hidden_size
-        per_layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-        return 2 * self.vocab_size * h + self.num_layers * per_layer + 2 * h
+        return 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+
+    def norm_head_params(self) -> int:
+        """Final LayerNorm (weight + bias) and the untied head (no bias)."""
+        return 2 * self.hidden_size + self.vocab_size * self.hidden_size
 
     def flops_per_token(self, seq_len: int) -> int:
         return training_flops_per_token(self, seq_len)

@@ -34,6 +34,8 @@ class Backend:
     # NCCL and XLA's process group reduce device tensors only; gloo takes CPU ones (metrics are reduced there).
     collectives_on_device: ClassVar[bool] = False
     supports_zero1: ClassVar[bool] = False  # can shard optimizer states over the DP group (layout.zero1)
+    supports_pp: ClassVar[bool] = False  # can run pipeline parallelism (layout.pp > 1): `pipeline`
+    no_pp_reason: ClassVar[str] = "not built for it"
     # The hardware rounds bf16 stochastically (Neuron's NEURON_RT_STOCHASTIC_ROUNDING_EN): our AdamW must not too.
     rounds_stochastically: ClassVar[bool] = False
 
@@ -82,6 +84,12 @@ class Backend:
         """The dim of the full tensor this parameter's TP shards split; None if replicated."""
         raise NotImplementedError
 
+    def pipeline(self, model: nn.Module, recipe: Recipe, dims: ParallelDims, micro_batches: int):
+        """The schedule that runs this rank's pipeline stages (a StagedModel, trnrecipes/pipeline.py): an object with
+        train(micro-batches) -> mean loss (None off the last stage), after forward and backward over them, and
+        evaluate(batches) -> mean loss (None off the last stage)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ the step
     def make_optimizer(self, model: nn.Module, recipe: Recipe, dims: ParallelDims):
         """AdamW over the model's trained parameters; under ZeRO-1 (dims.zero1) each DP rank keeps moments for, and
@@ -119,6 +127,6 @@ class Backend:
         counted once; max_norm <= 0: no clipping) and return that norm."""
         raise NotImplementedError
 
-    def param_norm(self, model: nn.Module) -> torch.Tensor:
+    def param_norm(self, model: nn.Module, dims: ParallelDims) -> torch.Tensor:
         """L2 norm of the whole model's parameters, each counted once however it is sharded."""
         raise NotImplementedError

@@ -1,11 +1,13 @@
 """Trainium through torch-xla + neuronx-distributed (`neuron`, the trn1 stack up to Neuron SDK 2.28): NxD owns the
 process groups and the tensor-parallel layers, and its own gradient reduction, clipping and norms count its shards
-(plain tensors tagged `tensor_model_parallel`, not DTensors). The NxD calls themselves live in
+(plain tensors tagged `tensor_model_parallel`, not DTensors). Pipeline parallelism runs through NxD's NxDPPModel in
+manual-partition mode (Neuron SDK 2.22+, 1F1B; trnrecipes.neuron_pipeline). The NxD calls live in
 trnrecipes.neuron_parallel, written against AWS's public source and tested against a stand-in: the Neuron SDK
 installs only on Trainium hosts."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,8 +25,10 @@ if TYPE_CHECKING:
 
 class NeuronXlaBackend(XlaBackend):
     supports_zero1 = True  # through NxD's zero-1 optimizer (Zero1Optimizer below)
+    supports_pp = True  # through NxD's NxDPPModel, manual partition (SDK 2.22+): trnrecipes.neuron_pipeline
     rounds_stochastically = True  # NEURON_RT_STOCHASTIC_ROUNDING_EN, set by the scripts (trnrecipes.neuron_env)
     pjrt_device = "NEURON"
+    host_batches = False  # set by `pipeline`: NxD's pipeline takes host tensors and uploads each micro-batch itself
 
     @classmethod
     def check_installed(cls) -> None:
@@ -40,8 +44,25 @@ class NeuronXlaBackend(XlaBackend):
         if not dist.is_initialized():
             dist.init_process_group("xla", init_method="xla://")
         # NxD owns the groups, and its TP groups are not always consecutive ranks (trn1 at TP 4 strides them by 8):
-        # the data shard, checkpoint files and re-slicing must use NxD's ranks, or a TP group mixes batches.
-        dims.tp_rank, dims.dp_rank = neuron_parallel.initialize(dims.tp, dims.dp)
+        # the data shard, checkpoint files and re-slicing must use NxD's ranks, or a TP group mixes batches. Likewise
+        # the pipeline stage a rank builds must be the one NxD's pipeline runs on it (its PP rank).
+        dims.pp_rank, dims.dp_rank, dims.tp_rank = neuron_parallel.initialize(dims.tp, dims.dp, dims.pp)
+        if dims.pp > 1:
+            dims.pp_group = neuron_parallel.pipeline_group()
+
+    def pipeline(self, model: nn.Module, recipe: Recipe, dims: ParallelDims, micro_batches: int):
+        """NxD's manual-partition pipeline over this rank's stage (1F1B; SDK 2.22+). It takes the micro-batches on the
+        host and uploads them itself, so from now on `loader` leaves the training batches there. What NxD's pipeline
+        cannot run (an SDK before 2.22, another schedule) the recipe check has refused (trnrecipes.stages)."""
+        from trnrecipes.neuron_pipeline import NeuronPipeline
+
+        self.host_batches = True
+        return NeuronPipeline(model, micro_batches, pp=dims.pp, zero1=dims.zero1)
+
+    def loader(self, batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+        if self.host_batches:
+            return iter(batches)
+        return super().loader(batches)
 
     def tensor_parallel(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
         neuron_parallel.apply_neuron_tensor_parallel(model, recipe.model.family, recipe.layout.sequence_parallel)
@@ -93,8 +114,8 @@ class NeuronXlaBackend(XlaBackend):
         neuron_parallel.average_gradients_over_dp(params)
         return neuron_parallel.clip_grad_norm(params, max_norm)
 
-    def param_norm(self, model: nn.Module) -> torch.Tensor:
-        return neuron_parallel.param_norm(list(model.parameters()))
+    def param_norm(self, model: nn.Module, dims: ParallelDims) -> torch.Tensor:
+        return neuron_parallel.param_norm(list(model.parameters()), over_pipeline=dims.pp > 1)
 
 
 class Zero1Optimizer:

@@ -2,11 +2,14 @@
 for whole.
 
     step_N/
-      model.safetensors                 weights, our names (TP > 1: model-tp00-of-08.safetensors ..., one per rank)
-      shards.json                       per parameter: the dim its TP shards split (or null); how many DP slices
-                                        the optimizer state is in (optim_dp)
+      model.safetensors                 weights, our names (TP > 1: model-tp00-of-08.safetensors ..., one per rank;
+                                        PP > 1: model-pp00-of-04-tp00-of-08.safetensors ..., a stage's tensors each)
+      shards.json                       TP and PP sizes, how many DP slices the optimizer state is in (optim_dp),
+                                        and per parameter the dim its TP shards split (or null); under PP the
+                                        per-parameter dims are in each stage's shards-pp00-of-04.json
       optim-tp00-of-01.safetensors      AdamW moments per parameter (training checkpoints); under ZeRO-1 one file per
                                         TP x DP rank, optim-tp00-of-08-dp0000-of-0004.safetensors, each a dim-0 slice
+                                        (under PP, per stage too: optim-pp01-of-04-tp00-of-08...)
       state.json                        step, layout; data-dpNNNN.json / rng-rankNNNN.safetensors per rank
       recipe.yaml, tokenizer/           the resolved recipe and the tokenizer files
       manifest.json                     sha256 of every file above
@@ -23,6 +26,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,14 +55,22 @@ class CheckpointReadError(CheckpointError):
     nothing may be concluded from it (a valid checkpoint must not be set aside over a flaky read)."""
 
 
-def shard_file(prefix: str, tp_rank: int, tp: int, dp_rank: int = 0, dp: int = 1) -> str:
-    """The file of TP rank `tp_rank` (and, for ZeRO-1 optimizer state, DP rank `dp_rank`) of `prefix` ("model" or
-    "optim"); unsharded weights are model.safetensors. Every checkpoint file name is made here."""
-    if prefix == "model" and tp == 1:
+def shard_file(
+    prefix: str, tp_rank: int, tp: int, dp_rank: int = 0, dp: int = 1, *, pp_rank: int = 0, pp: int = 1
+) -> str:
+    """The file of pipeline stage `pp_rank`'s TP rank `tp_rank` (and, for ZeRO-1 optimizer state, DP rank `dp_rank`)
+    of `prefix` ("model" or "optim"); unsharded weights are model.safetensors. Every tensor file name is made here."""
+    if prefix == "model" and tp == 1 and pp == 1:
         return WEIGHTS
+    stage = f"-pp{pp_rank:02d}-of-{pp:02d}" if pp > 1 else ""
     if dp == 1:
-        return f"{prefix}-tp{tp_rank:02d}-of-{tp:02d}.safetensors"
-    return f"{prefix}-tp{tp_rank:02d}-of-{tp:02d}-dp{dp_rank:04d}-of-{dp:04d}.safetensors"
+        return f"{prefix}{stage}-tp{tp_rank:02d}-of-{tp:02d}.safetensors"
+    return f"{prefix}{stage}-tp{tp_rank:02d}-of-{tp:02d}-dp{dp_rank:04d}-of-{dp:04d}.safetensors"
+
+
+def stage_shards_file(pp_rank: int, pp: int) -> str:
+    """Under PP, where a stage's per-parameter shard dims are (shards.json holds them itself at PP 1)."""
+    return f"shards-pp{pp_rank:02d}-of-{pp:02d}.json"
 
 
 def data_file(dp_rank: int) -> str:
@@ -208,9 +220,12 @@ def verify(path: Path) -> dict:
             raise CheckpointError(f"{file}: listed in the manifest but missing")
         if _sha256(file) != digest:
             raise CheckpointError(f"{file}: checksum mismatch (truncated or corrupted)")
-    tp, _ = _read_shards(path)
-    if missing := [f for f in (shard_file("model", r, tp) for r in range(tp)) if f not in files]:
-        raise CheckpointError(f"{path}: {missing[0]} (weights, TP {tp}) is not in the manifest")
+    shards = read_shards(path)
+    tp, pp = shards.tp, shards.pp
+    expected = [shard_file("model", t, tp, pp_rank=p, pp=pp) for p in range(pp) for t in range(tp)]
+    if missing := [f for f in expected if f not in files]:
+        layout = f"PP {pp} x TP {tp}" if pp > 1 else f"TP {tp}"
+        raise CheckpointError(f"{path}: {missing[0]} (weights, {layout}) is not in the manifest")
     return manifest
 
 
@@ -222,9 +237,11 @@ def verify_training(path: Path) -> dict:
     for key in ("step", "optimizer_steps", "dp", "tp", "world"):
         if not isinstance(state.get(key), int) or isinstance(state.get(key), bool):
             raise CheckpointError(f"{path}/state.json: no whole-number {key!r}: not a training checkpoint")
-    tp, _ = _read_shards(path)
-    dp = optim_dp(path)
-    optim_files = [shard_file("optim", t, tp, d, dp) for t in range(tp) for d in range(dp)]
+    shards = read_shards(path)
+    tp, dp, pp = shards.tp, shards.optim_dp, shards.pp
+    optim_files = [
+        shard_file("optim", t, tp, d, dp, pp_rank=p, pp=pp) for p in range(pp) for t in range(tp) for d in range(dp)
+    ]
     if missing := [f for f in optim_files if f not in manifest["files"]]:
         raise CheckpointError(
             f"{path}: {missing[0]} (optimizer state) is not in the manifest: not a training checkpoint"
@@ -232,25 +249,50 @@ def verify_training(path: Path) -> dict:
     return manifest
 
 
-def _read_shards(path: Path) -> tuple[int, dict]:
-    """(TP size, {tensor name: the dim its shards split, or None}) from shards.json, checked."""
-    shards = read_json(path / SHARDS)
-    tp, dims = shards.get("tp"), shards.get("dims")
-    if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= 4096:
-        raise CheckpointError(f"{path / SHARDS}: 'tp' must be a whole number from 1 to 4096, got {shown(tp)}")
-    if not isinstance(dims, dict):
-        raise CheckpointError(f"{path / SHARDS}: 'dims' must map tensor names to a dim or null")
-    return tp, dims
+@dataclass(frozen=True)
+class Shards:
+    """How a checkpoint's tensors are split (shards.json, and each stage's file under PP)."""
+
+    tp: int
+    pp: int
+    optim_dp: int  # DP slices of each TP rank's optimizer state (ZeRO-1), 1 without it
+    dims: dict[str, int | None]  # tensor name -> the dim its TP shards split, or None
+    stage: dict[str, int]  # tensor name -> the pipeline stage whose files hold it (0 without PP)
+
+
+def _whole(path: Path, key: str, value: object, top: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top:
+        raise CheckpointError(f"{path}: {key!r} must be a whole number from 1 to {top}, got {shown(value)}")
+    return value
+
+
+def read_shards(path: Path) -> Shards:
+    """shards.json (and under PP every stage's shards file), checked: a tensor in two stages is an error."""
+    top = read_json(path / SHARDS)
+    tp = _whole(path / SHARDS, "tp", top.get("tp"), 4096)
+    pp = _whole(path / SHARDS, "pp", top.get("pp", 1), 4096)
+    dp = _whole(path / SHARDS, "optim_dp", top.get("optim_dp", 1), 1 << 20)
+    files = [SHARDS] if pp == 1 else [stage_shards_file(p, pp) for p in range(pp)]
+    dims: dict[str, int | None] = {}
+    stage: dict[str, int] = {}
+    for p, name in enumerate(files):
+        part = top if pp == 1 else read_json(path / name)
+        part_dims = part.get("dims")
+        if not isinstance(part_dims, dict):
+            raise CheckpointError(f"{path / name}: 'dims' must map tensor names to a dim or null")
+        for key, dim in part_dims.items():
+            if key in stage:
+                raise CheckpointError(
+                    f"{path}: {key} is in pipeline stage {stage[key]}'s files and in stage {p}'s: stages must not"
+                    " share a tensor"
+                )
+            dims[key], stage[key] = dim, p
+    return Shards(tp, pp, dp, dims, stage)
 
 
 def optim_dp(path: Path) -> int:
     """How many data-parallel slices each TP rank's optimizer state was saved in (ZeRO-1), 1 without it."""
-    dp = read_json(path / SHARDS).get("optim_dp", 1)
-    if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= 1 << 20:
-        raise CheckpointError(
-            f"{path / SHARDS}: 'optim_dp' must be a whole number from 1 to {1 << 20}, got {shown(dp)}"
-        )
-    return dp
+    return read_shards(path).optim_dp
 
 
 class ShardReader:
@@ -262,9 +304,11 @@ class ShardReader:
 
     def __init__(self, path: Path, prefix: str):
         self.path, self.prefix = Path(path), prefix
-        self.tp, self.dims = _read_shards(self.path)
-        self.dp = optim_dp(self.path) if prefix == "optim" else 1
+        self.shards = read_shards(self.path)
+        self.tp, self.pp, self.dims = self.shards.tp, self.shards.pp, self.shards.dims
+        self.dp = self.shards.optim_dp if prefix == "optim" else 1
         self._handles: dict[str, object] = {}
+        self._names: set[str] | None = None
 
     def _handle(self, name: str):
         if name not in self._handles:
@@ -277,9 +321,24 @@ class ShardReader:
                 raise CheckpointError(f"{file}: not a readable safetensors file ({clipped(err)})") from None
         return self._handles[name]
 
+    def _file(self, param: str, tp_rank: int, dp_rank: int) -> str:
+        return shard_file(
+            self.prefix, tp_rank, self.tp, dp_rank, self.dp, pp_rank=self.shards.stage.get(param, 0), pp=self.pp
+        )
+
     def names(self) -> set[str]:
-        """The tensor names in the checkpoint (every file of a prefix holds the same names)."""
-        return set(self._handle(shard_file(self.prefix, 0, self.tp, 0, self.dp)).keys())
+        """The tensor names in the checkpoint: every file of a stage holds the same names; stages hold different
+        ones (a name in two stages' files is an error)."""
+        if self._names is None:
+            names: set[str] = set()
+            for p in range(self.pp):
+                file = shard_file(self.prefix, 0, self.tp, 0, self.dp, pp_rank=p, pp=self.pp)
+                held = set(self._handle(file).keys())
+                if twice := sorted(names & held):
+                    raise CheckpointError(f"{self.path / file}: {twice[0]} is in another pipeline stage's file too")
+                names |= held
+            self._names = names
+        return self._names
 
     def read_into(self, key: str, dest: torch.Tensor, full_shape: tuple[int, ...], start: tuple[int, ...]) -> None:
         """Fill `dest` with the part of tensor `key` (full shape `full_shape`) that begins at `start`."""
@@ -297,7 +356,7 @@ class ShardReader:
                 part = want.intersect(held)
                 if part is None:
                     continue
-                file = shard_file(self.prefix, t, self.tp, d, self.dp)
+                file = self._file(param, t, d)
                 try:
                     piece = self._handle(file).get_slice(key)
                     shape = tuple(piece.get_shape())
@@ -369,20 +428,25 @@ def saved_recipe(path: Path) -> dict:
 
 
 def consolidate(path: Path) -> dict[str, torch.Tensor]:
-    """Full weights from the per-TP-rank files `model-tpNN-of-MM.safetensors` (or the single unsharded file), for
-    one process that needs the whole model (eval, export). Training ranks read their shard with ShardReader."""
-    prefix = "model"
-    tp, dims = _read_shards(path)
-    parts = [load_tensors(path / shard_file(prefix, r, tp)) for r in range(tp)]
-    if tp == 1:
-        return parts[0]
-    full = {}
-    for name, tensor in parts[0].items():
-        dim = dims.get(name)
-        try:
-            full[name] = tensor if dim is None else torch.cat([p[name] for p in parts], dim=dim)
-        except (KeyError, RuntimeError, IndexError, TypeError) as err:
-            raise CheckpointError(f"{path}: the TP shards of {name} ({prefix}) do not fit together ({err})") from None
+    """Full weights from the per-rank files (each pipeline stage's, each TP rank's: model-pp00-of-04-tp00-of-08...)
+    or the single unsharded file, for one process that needs the whole model (eval, export): the union of the
+    stages, each tensor's TP shards concatenated. Training ranks read their shard with ShardReader."""
+    shards = read_shards(path)
+    full: dict[str, torch.Tensor] = {}
+    for p in range(shards.pp):
+        files = [shard_file("model", t, shards.tp, pp_rank=p, pp=shards.pp) for t in range(shards.tp)]
+        parts = [load_tensors(path / file) for file in files]
+        for name, tensor in parts[0].items():
+            if name in full:
+                raise CheckpointError(f"{path}: {name} is in more than one pipeline stage's weights")
+            dim = shards.dims.get(name)
+            try:
+                full[name] = tensor if dim is None or shards.tp == 1 else torch.cat([t[name] for t in parts], dim=dim)
+            except (KeyError, RuntimeError, IndexError, TypeError) as err:
+                raise CheckpointError(f"{path}: the TP shards of {name} do not fit together ({err})") from None
+    if missing := sorted(set(shards.dims) - set(full)):
+        where = f" (pipeline stage {shards.stage[missing[0]]})" if shards.pp > 1 else ""
+        raise CheckpointError(f"{path}: no weights for {missing[0]}{where}, listed in its shards file")
     return full
 
 

@@ -2,7 +2,7 @@
 
 It builds this rank's shard of the model (trnrecipes.train.build: weights drawn from the seed, or read slice by
 slice from the checkpoint), makes the backend's optimizer, and on a resume restores the optimizer moments (this
-rank's slice, whatever TP / ZeRO-1 layout saved them), the RNG state (same world size only) and this DP rank's
+rank's slice, whatever TP / PP / ZeRO-1 layout saved them), the RNG state (same layout only) and this DP rank's
 data position. Fine-tuning from train.init_from reads the weights the same way and starts the rest afresh.
 """
 
@@ -98,13 +98,14 @@ def restore_training_state(
     data_order_changed: bool = False,
     shard_dim: Callable[[torch.Tensor], int | None],
 ):
-    """Optimizer moments (re-sliced for this TP layout), RNG (same world only) and this DP rank's data position.
+    """Optimizer moments (re-sliced for this TP / PP layout), RNG (same layout only) and this DP rank's data position.
     Returns the data position to start from: the saved one only while it means the same documents (same corpus
     size, same DP size, same order); otherwise the stream restarts at the next epoch, and only when
     checkpoint.allow_changes accepted what moved it (data.path, layout.dp)."""
     state = read_json(path / "state.json")
     try:
-        saved_dp, saved_world, optimizer_steps = int(state["dp"]), int(state["world"]), float(state["optimizer_steps"])
+        saved_dp, optimizer_steps = int(state["dp"]), float(state["optimizer_steps"])
+        saved_layout = (int(state.get("pp", 1)), saved_dp, int(state["tp"]), int(state["world"]))
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path / 'state.json'}: missing or bad entry ({err})") from None
     # Moments: this rank's slice only (its TP shard, and under ZeRO-1 its rows), read from whichever saved files
@@ -122,7 +123,7 @@ def restore_training_state(
         reader.read_into(f"exp_avg.{name}", optimizer.exp_avg[i], shape, region.start)
         reader.read_into(f"exp_avg_sq.{name}", optimizer.exp_avg_sq[i], shape, region.start)
     optimizer.set_steps(int(optimizer_steps))
-    if saved_world == dims.world:
+    if saved_layout == (dims.pp, dims.dp, dims.tp, dims.world):  # rank r is the same place in the same layout
         set_rng_state(load_tensors(path / rng_file(dims.rank)), optimizer.generator)
     why = "checkpoint.allow_changes changed the data order" if data_order_changed else None
     saved_docs = state.get("num_docs")

@@ -28,6 +28,7 @@ from trnrecipes.checkpoint.format import (
     hash_and_sync,
     rng_file,
     shard_file,
+    stage_shards_file,
     verify,
     write_common,
 )
@@ -199,14 +200,18 @@ def snapshot(
     num_docs: int,
     shard_dim: Callable[[torch.Tensor], int | None],
 ) -> dict[str, object]:
-    """This rank's files for checkpoint `step`: weights from DP rank 0 of each TP group (one file per TP rank);
-    moments likewise, or under ZeRO-1 from every rank (its rows); the data position from TP rank 0 of each DP group;
-    RNG state from every rank."""
+    """This rank's files for checkpoint `step`: weights from DP rank 0 of each TP group of each pipeline stage (one
+    file per stage x TP rank); moments likewise, or under ZeRO-1 from every rank (its rows); shard dims from the
+    first rank of each stage; the data position from the first stage's TP rank 0 of each DP group (every stage of
+    a replica reads the same stream); RNG state from every rank."""
     _host = host.copy
     files: dict[str, object] = {}
     optim_dp = dims.dp if dims.zero1 else 1
+    stage = {"pp_rank": dims.pp_rank, "pp": dims.pp}
     if dims.dp_rank == 0:
-        files[shard_file("model", dims.tp_rank, dims.tp)] = {k: _host(k, v) for k, v in model.state_dict().items()}
+        files[shard_file("model", dims.tp_rank, dims.tp, **stage)] = {
+            k: _host(k, v) for k, v in model.state_dict().items()
+        }
     if dims.dp_rank == 0 or dims.zero1:
         moments = {}
         names = {id(p): name for name, p in model.named_parameters()}  # the optimizer holds the trained ones only
@@ -214,9 +219,11 @@ def snapshot(
             name = names[id(p)]
             moments[f"exp_avg.{name}"] = _host(f"exp_avg.{name}", m)
             moments[f"exp_avg_sq.{name}"] = _host(f"exp_avg_sq.{name}", v)
-        files[shard_file("optim", dims.tp_rank, dims.tp, dims.dp_rank if dims.zero1 else 0, optim_dp)] = moments
+        dp_rank = dims.dp_rank if dims.zero1 else 0
+        files[shard_file("optim", dims.tp_rank, dims.tp, dp_rank, optim_dp, **stage)] = moments
+    stage_dims = {"dims": shard_dims(model, shard_dim)}
     if dims.rank == 0:
-        files[SHARDS] = {"tp": dims.tp, "dims": shard_dims(model, shard_dim), "optim_dp": optim_dp}
+        files[SHARDS] = {"tp": dims.tp, "pp": dims.pp, "optim_dp": optim_dp, **(stage_dims if dims.pp == 1 else {})}
         files["state.json"] = {
             "step": step,
             "optimizer_steps": optimizer.steps(),
@@ -228,7 +235,9 @@ def snapshot(
             "consumed_samples": step * recipe.batch.global_batch,
             "num_docs": num_docs,  # the corpus the data positions index (resume refuses another)
         }
-    if dims.tp_rank == 0 and position is not None:
+    if dims.pp > 1 and dims.dp_rank == 0 and dims.tp_rank == 0:
+        files[stage_shards_file(dims.pp_rank, dims.pp)] = stage_dims
+    if dims.tp_rank == 0 and dims.pp_rank == 0 and position is not None:
         files[data_file(dims.dp_rank)] = position.to_dict()
     files[rng_file(dims.rank)] = rng_state(optimizer.generator)
     return files

@@ -17,9 +17,12 @@ from torch import nn
 
 from recipes.common.init import fill_region
 from trnrecipes.checkpoint import CheckpointError, ShardReader
+from trnrecipes.families import family_spec
 from trnrecipes.models import build_model
+from trnrecipes.pipeline import StagedModel
 from trnrecipes.recipe import Recipe
 from trnrecipes.sharding import shard_region
+from trnrecipes.stages import pipeline_stages, rank_stages
 from trnrecipes.train.parallel_dims import local_tensor
 
 if TYPE_CHECKING:
@@ -30,11 +33,15 @@ if TYPE_CHECKING:
 def build_model_shard(
     recipe: Recipe, *, dims: ParallelDims, backend: Backend, weights: Path | None = None, source: str = ""
 ) -> nn.Module:
-    """This rank's part of the recipe's model on the backend's device: initialised from train.seed, or, given
-    `weights` (a verified checkpoint dir; `source` names it in errors), its weights for this rank's shard."""
+    """This rank's part of the recipe's model on the backend's device (its pipeline stages, each parameter's TP
+    shard): initialised from train.seed, or, given `weights` (a verified checkpoint dir; `source` names it in
+    errors), its weights for this rank's shard."""
     model = build_model(recipe.model, "meta")
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     rules = model.init_rules()
+    if dims.pp > 1:  # this pipeline rank's stages only, under the full model's parameter names
+        stages = rank_stages(pipeline_stages(recipe), dims.pp_rank)
+        model = StagedModel(model, family_spec(recipe.model.family).parts, stages)
     if recipe.precision.dtype == "bf16":
         model.to(torch.bfloat16)  # weights themselves in bf16 (no fp32 master copy); free on meta
     backend.parallelize(model, recipe, dims)  # on meta: parallel layers describe their shard, allocate nothing

@@ -101,6 +101,8 @@ class Trainer:
             log=self.log,
         )
         self.model, self.optimizer = state.model, state.optimizer
+        # Pipeline parallelism: this rank's stages run under the backend's schedule, one micro-batch per accum step.
+        self.pipeline = self.backend.pipeline(self.model, recipe, dims, self.layout.grad_accum) if dims.pp > 1 else None
         self.start_step, self.start_position = state.step, state.position
         if resume is not None:
             self.log(f"[trnrecipes] resuming from {resume} (step {self.start_step})")
@@ -212,8 +214,14 @@ class Trainer:
         return torch.autocast(self.backend.device.type, dtype=torch.bfloat16)
 
     def accumulate(self, loader, grad_accum: int) -> torch.Tensor:
-        """Forward + backward over grad_accum micro-batches; returns their mean loss (this rank's)."""
+        """Forward + backward over grad_accum micro-batches; returns their mean loss (this rank's; with pipeline
+        stages, the last stage's, and 0 on the others, which mean_over_holders does not count)."""
         self.model.train()
+        if self.pipeline is not None:
+            with self._autocast():
+                loss = self.pipeline.train([next(loader) for _ in range(grad_accum)])
+            self.backend.sync()
+            return loss if loss is not None else torch.zeros((), device=self.backend.device)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.backend.device)
         for _ in range(grad_accum):
             tokens = next(loader)
@@ -248,12 +256,17 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float:
         self.model.eval()
-        total = torch.zeros((), dtype=torch.float32, device=self.backend.device)
-        for tokens in self.val_batches:
+        if self.pipeline is not None:
             with self._autocast():
-                total = total + _loss(self.model, tokens.to(self.backend.device)).float()
-            self.backend.sync()
-        local = total.cpu() / max(1, len(self.val_batches))
+                mean = self.pipeline.evaluate(self.val_batches) if self.val_batches else None
+            local = mean.cpu() if mean is not None else torch.zeros(())
+        else:
+            total = torch.zeros((), dtype=torch.float32, device=self.backend.device)
+            for tokens in self.val_batches:
+                with self._autocast():
+                    total = total + _loss(self.model, tokens.to(self.backend.device)).float()
+                self.backend.sync()
+            local = total.cpu() / max(1, len(self.val_batches))
         held = bool(self.val_batches) and self.dims.holds_loss
         counted = torch.tensor([float(local) if held else 0.0, float(held)])
         # Each DP replica's loss arrives once per TP rank: the TP copies cancel in the ratio.
@@ -261,7 +274,7 @@ class Trainer:
         return float(counted[0] / counted[1])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Consolidated CPU weights (TP shards gathered): what a checkpoint and HF export hold."""
+        """CPU weights with their TP shards gathered (under PP: this rank's stages only)."""
         return {k: full_tensor(v).detach().cpu() for k, v in self.model.state_dict().items()}
 
     def save(self, step: int, position: StreamPosition | None) -> None:
@@ -300,9 +313,9 @@ class Trainer:
         loader, positions = self._train_loader(self.start_position)
         mode = "compile (tracing every graph; nothing is written)" if self.compile_only else "train"
         self.log(
-            f"[trnrecipes] {mode}: {r.name} on {self.backend.name}, {self.dims.world} rank(s) = DP {lay.dp} x TP"
-            f" {lay.tp}; global batch {r.batch.global_batch} = micro {r.batch.micro_batch} x accum {lay.grad_accum}"
-            f" x DP {lay.dp}; steps {self.start_step + 1}-{steps}; run dir {self.run_dir}"
+            f"[trnrecipes] {mode}: {r.name} on {self.backend.name}, {self.dims.world} rank(s) = PP {lay.pp} x DP"
+            f" {lay.dp} x TP {lay.tp}; global batch {r.batch.global_batch} = micro {r.batch.micro_batch} x accum"
+            f" {lay.grad_accum} x DP {lay.dp}; steps {self.start_step + 1}-{steps}; run dir {self.run_dir}"
         )
         tokens_per_step = r.batch.global_batch * r.batch.seq_len
         every_s = r.checkpoint.every_minutes * 60 if r.checkpoint.every_minutes else None
@@ -343,7 +356,7 @@ class Trainer:
                     self.save(step + 1, result.position)
                     last_save = time.monotonic()
                 if (step + 1) % r.train.log_every == 0 or last or "val_loss" in record:
-                    record["param_norm"] = float(self.backend.param_norm(self.model).cpu())
+                    record["param_norm"] = float(self.backend.param_norm(self.model, self.dims).cpu())
                     self.log(progress_line(record, steps), flush=True)
                 metrics.log(record)
                 result.compilations.append(self.backend.compilations())

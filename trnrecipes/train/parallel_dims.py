@@ -39,11 +39,11 @@ class ParallelDims:
 
     def __init__(self, recipe: Recipe, backend: Backend):
         layout = compute_layout(recipe)
-        if layout.pp > 1:
-            # The layout math, rank layout and scripts are written for PP; the step loop does not split the model yet.
+        if layout.pp > 1 and not backend.supports_pp:
             raise RecipeError(
-                f"layout.pp {layout.pp}: pipeline parallelism is planned (layout, scripts) but not built in the step"
-                f" loop; train with layout.pp=1{_wider_tp_hint(recipe, layout.tp * layout.pp)}"
+                f"layout.pp {layout.pp}: backend {backend.name} has no pipeline parallelism ({backend.no_pp_reason});"
+                f" pipeline parallelism runs on cpu, cuda and neuron. Train with layout.pp=1"
+                f"{_wider_tp_hint(recipe, layout.tp * layout.pp)}"
             )
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
@@ -59,7 +59,7 @@ class ParallelDims:
         wanted = recipe.layout.zero1 and self.dp > 1
         self.zero1 = wanted and backend.supports_zero1
         self.zero1_unavailable = wanted and not self.zero1
-        self.mesh = self.dp_group = None
+        self.mesh = self.dp_group = self.pp_group = None
         self.collectives_on_device = backend.collectives_on_device
         backend.init_process_groups(self)
 
@@ -67,6 +67,11 @@ class ParallelDims:
     def holds_loss(self) -> bool:
         """Whether this rank computes the loss: every rank without PP, the last stage's ranks with it."""
         return self.pp_rank == self.pp - 1
+
+    def sum_over_pp(self, t: torch.Tensor) -> None:
+        """In place: the sum over the pipeline stages of this replica (a value each stage holds part of)."""
+        if self.pp > 1:
+            dist.all_reduce(t, group=self.pp_group)
 
     def average_over_dp(self, tensors: list[torch.Tensor]) -> None:
         """In place: the mean over the data-parallel replicas (never over TP ranks, which hold different shards).
