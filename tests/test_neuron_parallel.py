@@ -727,7 +727,15 @@ def test_neuron_zero1_trains_like_adamw_and_its_checkpoint_resumes_on_torch_at_d
     model1 = build_model_shard(recipe, dims=dims1, backend=cpu)
     opt1 = AdamW(list(model1.parameters()), recipe.optim)
     restore_training_state(
-        ckpt, model1, opt1, dims1, lambda *a: None, num_docs=7, allowed=("layout.dp",), shard_dim=cpu.shard_dim
+        ckpt,
+        model1,
+        opt1,
+        dims1,
+        lambda *a: None,
+        num_docs=7,
+        allowed=("layout.dp",),
+        shard_dim=cpu.shard_dim,
+        stage_layers=[recipe.model.num_layers],
     )
     assert opt1.steps() == steps
     ref_state = [ref_opt.state[p] for p in reference.parameters()]

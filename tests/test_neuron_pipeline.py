@@ -435,3 +435,27 @@ def test_training_batches_stay_on_the_host_once_a_pipeline_runs(monkeypatch):
     host = _batches(recipe, 2, seed=0)
     assert [b is h for b, h in zip(backend.loader(iter(host)), host, strict=True)] == [True, True]
     assert not NeuronXlaBackend("neuron", torch.device("cpu")).host_batches
+
+
+@pytest.mark.parametrize("sequence_parallel", ["false", "true"])
+def test_tp2_by_pp2_ranks_hold_their_stages_shards_of_the_same_model(monkeypatch, sequence_parallel):
+    """NxD's TP layers on a pipeline stage: each of the 4 ranks allocates its TP shard of its stage's parameters
+    only (no embedding off the first stage, no norm or head off the last); joined they are the TP-1 model."""
+    over = [*PP2, "layout.tp=2", "cluster.workers_per_node=4", f"layout.sequence_parallel={sequence_parallel}"]
+    recipe = load_recipe("llama2-tiny", overrides=over)
+    reference = build_model(recipe.model)
+    reference.init_weights(seed=recipe.train.seed)
+    held: dict[str, list[torch.Tensor]] = {}
+    for pp_rank in range(2):
+        for tp_rank in range(2):
+            install_fake_pipeline(monkeypatch, PipeWorld(2), pp_rank, tp=2, rank=tp_rank)
+            dims = types.SimpleNamespace(**{**vars(_dims(pp_rank)), "tp": 2, "tp_rank": tp_rank, "world": 4})
+            model = build_model_shard(recipe, dims=dims, backend=NeuronXlaBackend("neuron", torch.device("cpu")))
+            assert hasattr(model, "embed") == (pp_rank == 0) and hasattr(model, "head") == (pp_rank == 1)
+            for name, p in model.named_parameters():
+                held.setdefault(name, []).append(p)
+    assert held.keys() == dict(reference.named_parameters()).keys()
+    for name, full in reference.named_parameters():
+        a, b = held[name]  # the stage's two TP ranks, and no other rank
+        joined = torch.cat([a, b], dim=a.partition_dim) if getattr(a, "tensor_model_parallel", False) else a
+        assert torch.equal(joined.detach(), full.detach()), name

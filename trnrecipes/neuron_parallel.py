@@ -43,10 +43,15 @@ class LinearSpec:
     bias: bool
 
 
+def layer_ids(model: nn.Module) -> list[str]:
+    """The keys of the model's layers: 0..L-1, or the original indices a pipeline rank holds (a StagedModel)."""
+    return [name for name, _ in model.layers.named_children()]
+
+
 def linear_specs(model: nn.Module, family: str) -> list[LinearSpec]:
     plan = family_plan(family)
     specs = []
-    for i in range(len(model.layers)):
+    for i in layer_ids(model):
         for kind, names in (("column", plan.COLUMN_PARALLEL), ("row", plan.ROW_PARALLEL)):
             for name in names:
                 full = f"layers.{i}.{name}"
@@ -57,9 +62,11 @@ def linear_specs(model: nn.Module, family: str) -> list[LinearSpec]:
 
 def sequence_parallel_params(model: nn.Module, family: str) -> list[str]:
     """Names of the parameters that sequence parallelism replicates but feeds only a sequence shard: every norm's
-    (each layer's plan.NORMS and the final `norm`). The row-parallel biases NxD tags itself."""
+    (each layer's plan.NORMS and the final `norm`, on the pipeline stage that holds it). The row-parallel biases
+    NxD tags itself."""
     plan = family_plan(family)
-    norms = [f"layers.{i}.{name}" for i in range(len(model.layers)) for name in plan.NORMS] + ["norm"]
+    norms = [f"layers.{i}.{name}" for i in layer_ids(model) for name in plan.NORMS]
+    norms += ["norm"] if hasattr(model, "norm") else []
     return [f"{norm}.{p}" for norm in norms for p, _ in model.get_submodule(norm).named_parameters()]
 
 
@@ -103,29 +110,34 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
                 spec.in_features, spec.out_features, bias=spec.bias, input_is_parallel=True, **layer_args(dtype), **sp
             )
         model.set_submodule(spec.name, new)
-    model.embed = layers.ParallelEmbedding(
-        model.embed.num_embeddings,
-        model.embed.embedding_dim,
-        dtype=model.embed.weight.dtype,
-        init_method=_keep_uninitialized,
-    )
-    model.head = layers.ColumnParallelLinear(
-        model.head.in_features,
-        model.head.out_features,
-        bias=False,
-        gather_output=True,
-        **layer_args(model.head.weight.dtype),
-    )
+    # A pipeline stage (trnrecipes.pipeline.StagedModel) holds the embedding on the first stage, the head last.
+    has_embed, has_head = hasattr(model, "embed"), hasattr(model, "head")
+    if has_embed:
+        model.embed = layers.ParallelEmbedding(
+            model.embed.num_embeddings,
+            model.embed.embedding_dim,
+            dtype=model.embed.weight.dtype,
+            init_method=_keep_uninitialized,
+        )
+    if has_head:
+        model.head = layers.ColumnParallelLinear(
+            model.head.in_features,
+            model.head.out_features,
+            bias=False,
+            gather_output=True,
+            **layer_args(model.head.weight.dtype),
+        )
     model.head_loss = logits_loss  # each rank's head holds one vocabulary shard; gather_output gives full logits
     if sequence_parallel:
         params = dict(model.named_parameters())
         for name in sequence_parallel_params(model, family):
             params[name].sequence_parallel_enabled = True
-        require_divisible_sequence(model, tp)
-        # the embedding's output (complete on every rank) -> this rank's sequence shard; backward all-gathers
-        model.embed.register_forward_hook(
-            lambda _m, _i, out: mappings.scatter_to_sequence_parallel_region(out, sequence_dimension=1)
-        )
+        require_divisible_sequence(model.embed if has_embed else model, tp)
+        if has_embed:
+            # the embedding's output (complete on every rank) -> this rank's sequence shard; backward all-gathers
+            model.embed.register_forward_hook(
+                lambda _m, _i, out: mappings.scatter_to_sequence_parallel_region(out, sequence_dimension=1)
+            )
 
         def gather_sequence(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
             # Forward all-gather along the sequence; backward keeps this rank's slice (to_model_parallel=False)
@@ -136,10 +148,11 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
         # Each attention/MLP branch (and the head) sees the whole sequence, as the model code assumes (it reads the
         # sequence length from its input): DTensor's PrepareModuleInput does the same off Neuron.
         plan = family_plan(family)
-        for i in range(len(model.layers)):
+        for i in layer_ids(model):
             for name in plan.BRANCHES:
                 model.get_submodule(f"layers.{i}.{name}").register_forward_pre_hook(gather_sequence)
-        model.head.register_forward_pre_hook(gather_sequence)
+        if has_head:
+            model.head.register_forward_pre_hook(gather_sequence)
     return model
 
 

@@ -78,8 +78,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, family: str, seque
     """Shard `model` in place over the 1-D `mesh`. Every rank must hold the same full weights beforehand."""
     tp = mesh.size()
     family_plan(family).check_tensor_parallel(model.args, tp)
-    if sequence_parallel:
-        require_divisible_sequence(model, tp)
+    if sequence_parallel:  # on the embedding: a pipeline stage's forward is its own, not the model's
+        require_divisible_sequence(model.embed if hasattr(model, "embed") else model, tp)
     layer_ids = [name for name, _ in model.layers.named_children()]  # a pipeline rank holds some layers only
     top = tuple(name for name in ("embed", "norm", "head") if hasattr(model, name))
     styles = tensor_parallel_styles(family, layer_ids, sequence_parallel, top)

@@ -161,6 +161,7 @@ class TorchPipeline(Pipeline):
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
+            ScheduleLoopedBFS,
         )
 
         def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -173,10 +174,13 @@ class TorchPipeline(Pipeline):
             PipelineStage(m, m.stage.index, self.num_stages, self.device, group=self.group)
             for m in self.model.stage_modules()
         ]
-        # Evaluation is forward only, so no 1F1B micro-batch rule: GPipe order (the looped one for several stages).
-        name = self.schedule_name if train else ("interleaved_1f1b" if len(stages) > 1 else "gpipe")
+        # Evaluation is forward only, so none of 1F1B's micro-batch rules (interleaving's whole rounds included):
+        # GPipe order, or its looped form for several stages per rank (any number of validation batches).
+        name = self.schedule_name if train else ("looped_bfs" if len(stages) > 1 else "gpipe")
         if name == "interleaved_1f1b":
             return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
+        if name == "looped_bfs":
+            return ScheduleLoopedBFS(stages, n, loss_fn=loss_fn, scale_grads=False)
         kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[name]
         return kind(stages[0], n, loss_fn=loss_fn, scale_grads=False)
 

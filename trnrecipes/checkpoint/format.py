@@ -223,9 +223,11 @@ def verify(path: Path) -> dict:
     shards = read_shards(path)
     tp, pp = shards.tp, shards.pp
     expected = [shard_file("model", t, tp, pp_rank=p, pp=pp) for p in range(pp) for t in range(tp)]
+    expected += [stage_shards_file(p, pp) for p in range(pp)] if pp > 1 else []  # read_shards trusts them
     if missing := [f for f in expected if f not in files]:
         layout = f"PP {pp} x TP {tp}" if pp > 1 else f"TP {tp}"
-        raise CheckpointError(f"{path}: {missing[0]} (weights, {layout}) is not in the manifest")
+        what = "shard dims" if missing[0].endswith(".json") else "weights"
+        raise CheckpointError(f"{path}: {missing[0]} ({what}, {layout}) is not in the manifest")
     return manifest
 
 

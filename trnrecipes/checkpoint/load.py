@@ -21,6 +21,7 @@ from trnrecipes.data.pack import StreamPosition
 from trnrecipes.recipe import Recipe
 from trnrecipes.schema import clipped
 from trnrecipes.sharding import shard_region
+from trnrecipes.stages import pipeline_stages
 from trnrecipes.train.build import build_model_shard
 from trnrecipes.train.resume_compat import allows
 
@@ -68,6 +69,7 @@ def load(
         allowed=allowed,
         data_order_changed=data_order_changed,
         shard_dim=backend.shard_dim,
+        stage_layers=[len(s.layers) for s in pipeline_stages(recipe)],
     )
     return TrainState(model, optimizer, int(path.name.split("_")[1]), position)
 
@@ -97,6 +99,7 @@ def restore_training_state(
     allowed=(),
     data_order_changed: bool = False,
     shard_dim: Callable[[torch.Tensor], int | None],
+    stage_layers: list[int],
 ):
     """Optimizer moments (re-sliced for this TP / PP layout), RNG (same layout only) and this DP rank's data position.
     Returns the data position to start from: the saved one only while it means the same documents (same corpus
@@ -106,6 +109,9 @@ def restore_training_state(
     try:
         saved_dp, optimizer_steps = int(state["dp"]), float(state["optimizer_steps"])
         saved_layout = (int(state.get("pp", 1)), saved_dp, int(state["tp"]), int(state["world"]))
+        # Checkpoints from before pipeline parallelism did not save the split: they were all one stage.
+        saved_split = state.get("stage_layers", stage_layers if saved_layout[0] == 1 else None)
+        saved_place = (saved_split, bool(state.get("zero1", False)))
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path / 'state.json'}: missing or bad entry ({err})") from None
     # Moments: this rank's slice only (its TP shard, and under ZeRO-1 its rows), read from whichever saved files
@@ -123,7 +129,9 @@ def restore_training_state(
         reader.read_into(f"exp_avg.{name}", optimizer.exp_avg[i], shape, region.start)
         reader.read_into(f"exp_avg_sq.{name}", optimizer.exp_avg_sq[i], shape, region.start)
     optimizer.set_steps(int(optimizer_steps))
-    if saved_layout == (dims.pp, dims.dp, dims.tp, dims.world):  # rank r is the same place in the same layout
+    # Rank r restores its RNG only where it is the same place in the same layout (the same stages and ZeRO-1 rows):
+    # its stochastic-rounding stream then meets the same parameters it would have met uninterrupted.
+    if saved_layout == (dims.pp, dims.dp, dims.tp, dims.world) and saved_place == (stage_layers, dims.zero1):
         set_rng_state(load_tensors(path / rng_file(dims.rank)), optimizer.generator)
     why = "checkpoint.allow_changes changed the data order" if data_order_changed else None
     saved_docs = state.get("num_docs")

@@ -33,6 +33,7 @@ from trnrecipes.checkpoint.format import (
     write_common,
 )
 from trnrecipes.recipe import Recipe
+from trnrecipes.stages import pipeline_stages
 from trnrecipes.train.parallel_dims import local_tensor
 from trnrecipes.train.run_dir import prune, step_dirs
 
@@ -232,6 +233,7 @@ def snapshot(
             "pp": dims.pp,
             "world": dims.world,
             "zero1": dims.zero1,
+            "stage_layers": [len(s.layers) for s in pipeline_stages(recipe)],  # the split, in model order
             "consumed_samples": step * recipe.batch.global_batch,
             "num_docs": num_docs,  # the corpus the data positions index (resume refuses another)
         }
