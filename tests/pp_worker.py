@@ -5,15 +5,15 @@ averaging and clipping (TP shards gathered), then the validation loss and the fi
 union over ranks (pipeline stages hold different parameters; DP replicas must agree).
 
     python tests/pp_worker.py OUT RECIPE [k=v ...]      (TRAIN_WORKER_STEPS optimizer steps, default 5)
-Micro-batch i of a step is the same for every layout: a DP rank takes its contiguous share of the step's batches.
+The step batches are train_worker.fixed_steps': the same for every layout.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
+from train_worker import fixed_steps
 
 from trnrecipes.layout import compute_layout
 from trnrecipes.recipe import load_recipe
@@ -23,17 +23,11 @@ from trnrecipes.train.parallel_dims import full_tensor
 
 def main() -> None:
     out, name, *overrides = sys.argv[1:]
-    recipe = load_recipe(name, overrides=overrides)
-    trainer = Trainer(recipe, run_dir=None)
-    layout = compute_layout(recipe)
-    micro, seq = recipe.batch.micro_batch, recipe.batch.seq_len
-    per_step = layout.grad_accum * layout.dp
-    steps = int(os.environ.get("TRAIN_WORKER_STEPS", "5"))
-    all_batches = torch.randint(0, 4000, (steps, per_step, micro, seq + 1), generator=torch.Generator().manual_seed(42))
+    trainer = Trainer(load_recipe(name, overrides=overrides), run_dir=None)
+    grad_accum = compute_layout(trainer.recipe).grad_accum
     record: dict[str, object] = {"losses": [], "norms": [], "grads": []}
-    for step in range(steps):
-        first = trainer.dims.dp_rank * layout.grad_accum
-        loss = trainer.accumulate(iter(all_batches[step, first : first + layout.grad_accum]), layout.grad_accum)
+    for step, mine in enumerate(fixed_steps(trainer, 5)):
+        loss = trainer.accumulate(iter(mine), grad_accum)
         record["losses"].append(trainer._dp_mean(loss))
         record["norms"].append(float(trainer.reduce_and_clip()))
         record["grads"].append({n: full_tensor(p.grad).detach().clone() for n, p in trainer.model.named_parameters()})

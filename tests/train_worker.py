@@ -20,21 +20,25 @@ from trnrecipes.train.loop import Trainer
 from trnrecipes.train.parallel_dims import full_tensor
 
 
+def fixed_steps(trainer: Trainer, default_steps: int) -> list[torch.Tensor]:
+    """This DP rank's micro-batches [grad_accum, micro_batch, seq_len + 1] of each of TRAIN_WORKER_STEPS steps: the
+    same step batches for every layout (seed 42), a DP rank taking its contiguous share."""
+    layout = compute_layout(trainer.recipe)
+    micro, seq = trainer.recipe.batch.micro_batch, trainer.recipe.batch.seq_len
+    steps = int(os.environ.get("TRAIN_WORKER_STEPS", str(default_steps)))
+    per_step = layout.grad_accum * layout.dp
+    all_batches = torch.randint(0, 4000, (steps, per_step, micro, seq + 1), generator=torch.Generator().manual_seed(42))
+    first = trainer.dims.dp_rank * layout.grad_accum
+    return [batches[first : first + layout.grad_accum] for batches in all_batches]
+
+
 def main() -> None:
     out, name, *overrides = sys.argv[1:]
-    recipe = load_recipe(name, overrides=overrides)
-    trainer = Trainer(recipe, run_dir=None)
-    layout = compute_layout(recipe)
-    micro, seq = recipe.batch.micro_batch, recipe.batch.seq_len
-    per_step = layout.grad_accum * layout.dp
-    gen = torch.Generator().manual_seed(42)
-    steps = int(os.environ.get("TRAIN_WORKER_STEPS", "3"))
-    all_batches = torch.randint(0, 4000, (steps, per_step, micro, seq + 1), generator=gen)
+    trainer = Trainer(load_recipe(name, overrides=overrides), run_dir=None)
+    grad_accum = compute_layout(trainer.recipe).grad_accum
     first_grads, norms = {}, []
-    for step in range(steps):
-        first = trainer.dims.dp_rank * layout.grad_accum
-        mine = all_batches[step, first : first + layout.grad_accum]
-        trainer.accumulate(iter(mine), layout.grad_accum)
+    for step, mine in enumerate(fixed_steps(trainer, 3)):
+        trainer.accumulate(iter(mine), grad_accum)
         norms.append(float(trainer.reduce_and_clip()))
         if step == 0:
             first_grads = {n: full_tensor(p.grad).detach().clone() for n, p in trainer.model.named_parameters()}

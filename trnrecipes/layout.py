@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from trnrecipes.cluster import get_instance
 from trnrecipes.families import ModelSection
 from trnrecipes.recipe import Recipe, RecipeError
-from trnrecipes.stages import BUBBLE_WARNING, Stage, bubble_fraction, schedule_problem, split_stages
+from trnrecipes.stages import BUBBLE_WARNING, Stage, bubble_fraction, pipeline_stages, schedule_problem
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def pipeline_plan(r: Recipe, layout: Layout) -> dict[str, object]:
     the grad-accum steps. Per-core parameters divide a stage's by TP: approximate, since norms (and NeoX's
     row-parallel biases) are replicated over TP, not sharded."""
     lay = r.layout
-    stages = split_stages(r.model.num_layers, lay.pp, lay.pp_virtual_stages, lay.pp_stage_layers, lay.pp_schedule)
+    stages = pipeline_stages(r)
     bubble = bubble_fraction(lay.pp, lay.pp_virtual_stages, layout.grad_accum)
     warning = None
     if bubble > BUBBLE_WARNING:

@@ -17,8 +17,7 @@ the TP group after backward (reduce_sequence_parallel_gradients).
 
 ZeRO-1 (optimizer states sharded over the data-parallel group) runs through NxD's zero-1 optimizer: see the section
 after the step helpers (make_zero1_optimizer, zero1_moments). Pipeline parallelism runs through NxD's NxDPPModel in
-manual-partition mode (Neuron SDK 2.22+): the last section (NeuronPipeline), tested against a stand-in in
-tests/test_neuron_pipeline.py.
+manual-partition mode (Neuron SDK 2.22+): trnrecipes/neuron_pipeline.py, which uses the groups initialize() makes.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import torch
 from torch import nn
 
 from recipes.common.loss import logits_loss
-from trnrecipes.parallel import family_plan, require_divisible_sequence
+from trnrecipes.parallel import family_plan, layer_ids, require_divisible_sequence
 from trnrecipes.sharding import chunk_range
 
 
@@ -41,11 +40,6 @@ class LinearSpec:
     in_features: int
     out_features: int
     bias: bool
-
-
-def layer_ids(model: nn.Module) -> list[str]:
-    """The keys of the model's layers: 0..L-1, or the original indices a pipeline rank holds (a StagedModel)."""
-    return [name for name, _ in model.layers.named_children()]
 
 
 def linear_specs(model: nn.Module, family: str) -> list[LinearSpec]:
@@ -132,7 +126,7 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
         params = dict(model.named_parameters())
         for name in sequence_parallel_params(model, family):
             params[name].sequence_parallel_enabled = True
-        require_divisible_sequence(model.embed if has_embed else model, tp)
+        require_divisible_sequence(model, tp)
         if has_embed:
             # the embedding's output (complete on every rank) -> this rank's sequence shard; backward all-gathers
             model.embed.register_forward_hook(

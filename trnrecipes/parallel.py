@@ -31,6 +31,11 @@ def family_plan(family: str):
     return importlib.import_module(f"recipes.{family}.parallelize")
 
 
+def layer_ids(model: nn.Module) -> list[str]:
+    """The keys of the model's layers: 0..L-1, or the original indices a pipeline rank holds (a StagedModel)."""
+    return [name for name, _ in model.layers.named_children()]
+
+
 def tensor_parallel_styles(
     family: str, layer_ids: list[str], sequence_parallel: bool, top: tuple[str, ...] = ("embed", "norm", "head")
 ) -> dict[str, ParallelStyle]:
@@ -65,23 +70,23 @@ def tensor_parallel_styles(
 
 def require_divisible_sequence(model: nn.Module, tp: int) -> None:
     """Refuse, before any collective, a batch whose sequence does not split evenly over the TP ranks: gloo aborts
-    the process (no Python error) on uneven reduce-scatter shards."""
+    the process (no Python error) on uneven reduce-scatter shards. Checked at the embedding where the model holds
+    one: a pipeline stage runs its own forward, not the model's (a later stage gets what the first one checked)."""
 
     def check_sequence(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
         if inputs[0].shape[1] % tp:
             raise ValueError(f"sequence parallel over {tp} ranks needs a sequence length divisible by {tp}")
 
-    model.register_forward_pre_hook(check_sequence)
+    (model.embed if hasattr(model, "embed") else model).register_forward_pre_hook(check_sequence)
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, family: str, sequence_parallel: bool) -> nn.Module:
     """Shard `model` in place over the 1-D `mesh`. Every rank must hold the same full weights beforehand."""
     tp = mesh.size()
     family_plan(family).check_tensor_parallel(model.args, tp)
-    if sequence_parallel:  # on the embedding: a pipeline stage's forward is its own, not the model's
-        require_divisible_sequence(model.embed if hasattr(model, "embed") else model, tp)
-    layer_ids = [name for name, _ in model.layers.named_children()]  # a pipeline rank holds some layers only
-    top = tuple(name for name in ("embed", "norm", "head") if hasattr(model, name))
-    styles = tensor_parallel_styles(family, layer_ids, sequence_parallel, top)
+    if sequence_parallel:
+        require_divisible_sequence(model, tp)
+    top = tuple(name for name in ("embed", "norm", "head") if hasattr(model, name))  # a pipeline stage: some
+    styles = tensor_parallel_styles(family, layer_ids(model), sequence_parallel, top)
     model.head_loss = logits_loss  # the head's vocabulary is split: its forward gathers full logits
     return parallelize_module(model, mesh, styles)

@@ -150,7 +150,7 @@ class TorchPipeline(Pipeline):
     def __init__(self, model: StagedModel, schedule: str, micro_batches: int, dims: ParallelDims, device):
         super().__init__(model, micro_batches)
         self.schedule_name, self.device = schedule, device
-        self.group = dims.mesh["pp"].get_group()
+        self.group = dims.pp_group
         self.num_stages = dims.pp * len(model.stages)
         self.first = any(s.first for s in model.stages)
         self._train = self._make_schedule(micro_batches, train=True)

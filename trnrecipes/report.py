@@ -35,12 +35,12 @@ def format_plan(p: dict[str, object]) -> str:
              + (f"{tpd:,.0f} tokens/$" if tpd is not None else "tokens/$ n/a (price 0)")),
         ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
-    return "\n".join([*(f"{k:<{width}}  {v}" for k, v in rows), *format_pipeline(p)])
+    return "\n".join([*(f"{k:<{width}}  {v}" for k, v in rows), *format_pipeline(p, width)])
 
 
-def format_pipeline(p: dict[str, object]) -> list[str]:
+def format_pipeline(p: dict[str, object], width: int) -> list[str]:
     """The pipeline lines of a plan (trnrecipes.layout.pipeline_plan): none without PP. Keys in the plan summary's
-    column (its widest key, "parallelism", is 11 wide)."""
+    column, `width` wide."""
     if p["pp"] == 1:
         return []
     pp, v, m, tp = p["pp"], p["pp_virtual_stages"], p["pp_micro_batches"], p["tp"]
@@ -52,8 +52,8 @@ def format_pipeline(p: dict[str, object]) -> list[str]:
     ]  # fmt: skip
     if p["pp_bubble_warning"]:
         rows.append(("warning", str(p["pp_bubble_warning"])))
-    lines = [f"{key:<11}  {text}" for key, text in rows]
-    row = "{:<11}  {:>5}  {:>4}  {:<13}  {:<12}  {:>14}  {:>14}"
+    lines = [f"{key:<{width}}  {text}" for key, text in rows]
+    row = f"{{:<{width}}}" + "  {:>5}  {:>4}  {:<13}  {:<12}  {:>14}  {:>14}"
     lines.append(row.format("stages", "stage", "rank", "layers", "holds", "params", f"per core ~/TP{tp}"))
     for s in stages:
         held = "none" if s["first_layer"] is None else f"{s['first_layer']}-{s['last_layer']} ({s['num_layers']})"

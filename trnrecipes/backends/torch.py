@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trnrecipes.backends.base import Backend
-from trnrecipes.pipeline import parameter_order
+from trnrecipes.pipeline import TorchPipeline, parameter_order
 from trnrecipes.recipe import RecipeError
 from trnrecipes.train.parallel_dims import full_tensor, local_tensor
 
@@ -51,8 +51,6 @@ class TorchBackend(Backend):
         return next((pl.dim for pl in placements if pl.is_shard()), None) if placements is not None else None
 
     def pipeline(self, model: nn.Module, recipe: Recipe, dims: ParallelDims, micro_batches: int):
-        from trnrecipes.pipeline import TorchPipeline
-
         return TorchPipeline(model, recipe.layout.pp_schedule, micro_batches, dims, self.device)
 
     def reduce_and_clip(self, model: nn.Module, dims: ParallelDims, max_norm: float) -> torch.Tensor:

@@ -292,11 +292,6 @@ def read_shards(path: Path) -> Shards:
     return Shards(tp, pp, dp, dims, stage)
 
 
-def optim_dp(path: Path) -> int:
-    """How many data-parallel slices each TP rank's optimizer state was saved in (ZeRO-1), 1 without it."""
-    return read_shards(path).optim_dp
-
-
 class ShardReader:
     """Any rectangle of a checkpoint's tensors, read from the files that hold it with safetensors get_slice: a rank
     reads the bytes of its own shard, whatever TP / ZeRO-1 layout saved the checkpoint and whatever layout reads it.
