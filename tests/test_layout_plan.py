@@ -73,6 +73,17 @@ def test_llama2_7b_on_16_nodes_is_40_percent_mfu():
     assert p["flops_per_token"] == 6 * 6_738_415_616 + 12 * 32 * 32 * 128 * 4096
 
 
+def test_mfu_counts_only_the_devices_the_workers_use():
+    # FACTS.md: one worker on a p5.48xlarge (1 of 8 H100s) at 23.6% MFU showed 2.95% against the whole node's peak.
+    over = ["cluster.instance=p5.48xlarge", "cluster.backend=cuda", "layout.tp=1", "batch.global_batch=32"]
+    one = plan(load_recipe("llama2-tiny", nodes=2, overrides=[*over, "cluster.workers_per_node=1"]), seq_per_s=4.0)
+    full = plan(load_recipe("llama2-tiny", nodes=2, overrides=over), seq_per_s=4.0)
+    assert one["peak_tflops"] == pytest.approx(2 * 989.0) and full["peak_tflops"] == pytest.approx(2 * 8 * 989.0)
+    assert one["mfu"] == pytest.approx(8 * full["mfu"])
+    assert one["mfu"] == pytest.approx(one["flops_per_token"] * 4.0 * one["seq_len"] / (2 * 989e12))
+    assert one["price_per_hour"] == full["price_per_hour"]  # the whole node is paid for either way
+
+
 def test_price_per_step_uses_every_node():
     p = plan(load_recipe("neox20b", nodes=4), seq_per_s=2.0)
     assert p["price_per_hour"] == 4 * 21.50

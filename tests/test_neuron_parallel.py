@@ -352,7 +352,7 @@ def _fake_zero1_optimizer(global_rank: int, tp: int, dp_groups: list[list[int]])
 
 
 def _neuron_build(recipe, tp: int, rank: int) -> nn.Module:
-    dims = types.SimpleNamespace(tp=tp, tp_rank=rank, pp=1, pp_rank=0, mesh=None)
+    dims = types.SimpleNamespace(tp=tp, tp_rank=rank, pp=1, pp_rank=0, mesh=None, fsdp=False)
     return build_model_shard(recipe, dims=dims, backend=NeuronXlaBackend("neuron", torch.device("cpu")))
 
 
@@ -423,7 +423,7 @@ def test_each_neuron_tp_rank_reads_only_its_shard_from_a_checkpoint(monkeypatch,
     saved = build_model(r.model)
     saved.init_weights(seed=r.train.seed + 1)
     ckpt = write_model_checkpoint(tmp_path / "ckpt", saved.state_dict(), r)
-    dims = types.SimpleNamespace(tp=2, pp=1, pp_rank=0, mesh=None)
+    dims = types.SimpleNamespace(tp=2, pp=1, pp_rank=0, mesh=None, fsdp=False)
     for rank in (0, 1):
         install_fake_nxd(monkeypatch, tp=2, rank=rank)
         dims.tp_rank = rank
@@ -690,7 +690,17 @@ def test_neuron_zero1_trains_like_adamw_and_its_checkpoint_resumes_on_torch_at_d
     for dp_rank in (0, 1):
         install_fake_nxd(monkeypatch, dp=2, dp_rank=dp_rank)
         dims = types.SimpleNamespace(
-            tp=1, tp_rank=0, dp=2, dp_rank=dp_rank, pp=1, pp_rank=0, world=2, rank=dp_rank, zero1=True
+            tp=1,
+            tp_rank=0,
+            dp=2,
+            dp_rank=dp_rank,
+            pp=1,
+            pp_rank=0,
+            world=2,
+            rank=dp_rank,
+            zero1=True,
+            fsdp=False,
+            shards_moments=True,
         )
         backend = NeuronXlaBackend("neuron", torch.device("cpu"))
         model = build_model_shard(recipe, dims=dims, backend=backend)
@@ -722,7 +732,19 @@ def test_neuron_zero1_trains_like_adamw_and_its_checkpoint_resumes_on_torch_at_d
 
     # Resume on the torch backend at DP 1 (our AdamW, no ZeRO-1): every row of every moment comes from the rank
     # that held it, and the step count carries over.
-    dims1 = types.SimpleNamespace(tp=1, tp_rank=0, dp=1, dp_rank=0, pp=1, pp_rank=0, world=1, rank=0, zero1=False)
+    dims1 = types.SimpleNamespace(
+        tp=1,
+        tp_rank=0,
+        dp=1,
+        dp_rank=0,
+        pp=1,
+        pp_rank=0,
+        world=1,
+        rank=0,
+        zero1=False,
+        fsdp=False,
+        shards_moments=False,
+    )
     cpu = TorchBackend("cpu", torch.device("cpu"))
     model1 = build_model_shard(recipe, dims=dims1, backend=cpu)
     opt1 = AdamW(list(model1.parameters()), recipe.optim)

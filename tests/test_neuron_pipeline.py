@@ -248,7 +248,18 @@ PP2 = ["layout.pp=2", "cluster.workers_per_node=2", "batch.seq_len=16", "model.n
 
 def _dims(pp_rank: int, pp: int = 2, zero1: bool = False) -> types.SimpleNamespace:
     return types.SimpleNamespace(
-        pp=pp, pp_rank=pp_rank, tp=1, tp_rank=0, dp=1, dp_rank=0, world=pp, rank=pp_rank, zero1=zero1, mesh=None
+        pp=pp,
+        pp_rank=pp_rank,
+        tp=1,
+        tp_rank=0,
+        dp=1,
+        dp_rank=0,
+        world=pp,
+        rank=pp_rank,
+        zero1=zero1,
+        mesh=None,
+        fsdp=False,
+        shards_moments=zero1,
     )
 
 
@@ -306,7 +317,7 @@ def test_initialize_asks_nxd_for_the_pipeline_and_takes_its_ranks(monkeypatch):
     state = sys.modules["neuronx_distributed.parallel_layers.parallel_state"]
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    dims = types.SimpleNamespace(tp=2, dp=2, pp=2, pp_rank=0, dp_rank=1, tp_rank=0, pp_group=None)
+    dims = types.SimpleNamespace(tp=2, dp=2, pp=2, pp_rank=0, dp_rank=1, tp_rank=0, pp_group=None, fsdp=False)
     NeuronXlaBackend("neuron", torch.device("cpu")).init_process_groups(dims)
     assert state.calls == [dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, lnc_size=1)]
     assert (dims.pp_rank, dims.dp_rank, dims.tp_rank, dims.pp_group) == (1, 0, 1, "nxd-pp-group")

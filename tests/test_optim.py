@@ -1,4 +1,5 @@
-"""AdamW (ours vs torch.optim), the lr schedule, stochastic rounding, the grad-norm spike detector, plots."""
+"""AdamW (ours vs torch.optim and vs its old per-parameter loop), the lr schedule, stochastic rounding, the grad-norm
+spike detector, plots."""
 
 from __future__ import annotations
 
@@ -9,10 +10,78 @@ import pytest
 import torch
 
 from trnrecipes.recipe import OptimConfig
+from trnrecipes.sharding import chunk_range
+from trnrecipes.train import optim
 from trnrecipes.train.monitor import SpikeDetector
 from trnrecipes.train.optim import AdamW, lr_at, no_decay_params, stochastic_round_bf16
 
 CFG = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, decay_steps=110, weight_decay=0.1, betas=(0.9, 0.95))
+# updates of ~1e-2 move bf16 weights of ~1 (ulp 2^-7 or 2^-8) under round to nearest too, so every weight changes
+LOUD = OptimConfig(lr=2e-2, min_lr=2e-3, warmup_steps=3, decay_steps=20, weight_decay=0.1, betas=(0.9, 0.95))
+
+
+class OldLoopAdamW(AdamW):
+    """AdamW.step as it was before the multi-tensor rewrite: ~15 small ops per parameter. The reference for it."""
+
+    @torch.no_grad()
+    def step(self) -> None:
+        beta1, beta2 = self.betas
+        self.step_count += 1
+        bias1 = 1 - beta1**self.step_count
+        bias2 = 1 - beta2**self.step_count
+        step_size = self.lr / bias1
+        for i, (p, m, v) in enumerate(zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True)):
+            if p.grad is None:
+                continue
+            param, grad = self._mine(p, i), self._mine(p.grad, i).float()
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            update = (v / bias2).sqrt_().add_(self.eps).reciprocal_().mul_(m).mul_(step_size)
+            decay = self.weight_decay and id(p) not in self.no_decay
+            if param.dtype == torch.float32:
+                if decay:
+                    param.mul_(1 - self.lr * self.weight_decay)
+                param.sub_(update)
+                continue
+            master = param.float()
+            if decay:
+                master.mul_(1 - self.lr * self.weight_decay)
+            master.sub_(update)
+            if self.stochastic_rounding:
+                param.copy_(stochastic_round_bf16(master, self.generator))
+            else:
+                param.copy_(master)
+
+
+SHAPES = [(16, 8), (16,), (4, 16), (4,), (1, 5), (7, 3, 2), (33, 9)]
+
+
+def make_params(dtypes: list[torch.dtype]) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(d)) for s, d in zip(SHAPES, dtypes, strict=True)]
+
+
+def clone(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def run(opt: AdamW, steps: range, skip: set[tuple[int, int]] = frozenset()) -> None:
+    """Steps with random gradients, the same for every optimizer at the same step; (step, i) in skip: no grad."""
+    for step in steps:
+        gen = torch.Generator().manual_seed(1000 + step)
+        for i, p in enumerate(opt.params):
+            grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+            p.grad = None if (step, i) in skip else grad
+        opt.set_lr(lr_at(step, LOUD))
+        opt.step()
+        opt.zero_grad()
+
+
+def assert_bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x.detach().view(-1).view(torch.uint8), y.detach().view(-1).view(torch.uint8))
 
 
 def test_adamw_equals_torch_adamw_in_fp32():
@@ -20,9 +89,15 @@ def test_adamw_equals_torch_adamw_in_fp32():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
     reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
     reference.load_state_dict(model.state_dict())
-    ours = AdamW(list(model.parameters()), CFG)
-    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    for step in range(20):
+    ours = AdamW(list(model.parameters()), CFG, no_decay=no_decay_params(model, decay_norms_and_biases=False))
+    exempt = no_decay_params(reference, decay_norms_and_biases=False)
+    groups = [
+        {"params": [p for p in reference.parameters() if id(p) not in exempt]},
+        {"params": [p for p in reference.parameters() if id(p) in exempt], "weight_decay": 0.0},
+    ]
+    theirs = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    start = [p.detach().clone() for p in model.parameters()]
+    for step in range(30):  # warmup, then the cosine decay: a different lr every step
         x = torch.randn(32, 8)
         for m in (model, reference):
             m(x).pow(2).mean().backward()
@@ -34,8 +109,112 @@ def test_adamw_equals_torch_adamw_in_fp32():
         theirs.step()
         ours.zero_grad()
         theirs.zero_grad()
-    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for a, b, s in zip(model.parameters(), reference.parameters(), start, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+        assert not torch.allclose(a, s, rtol=1e-3, atol=0)  # every parameter moved: the comparison means something
+
+
+@pytest.mark.parametrize("chunk_numel", [None, 40])  # one pass per dtype; passes of a few parameters each (CPU)
+def test_adamw_equals_the_old_per_parameter_loop_bitwise(monkeypatch, chunk_numel):
+    """fp32 and bf16 (round to nearest) parameters, mixed decay, gradients sometimes missing, a changing lr."""
+    if chunk_numel is not None:
+        monkeypatch.setattr(optim, "_CPU_CHUNK_NUMEL", chunk_numel)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    params = make_params([bf16, bf16, fp32, fp32, bf16, bf16, fp32])
+    no_decay = {id(p) for p in params if p.dim() < 2}
+    ours = AdamW(params, LOUD, no_decay=no_decay)
+    copies = clone(params)
+    old = OldLoopAdamW(copies, LOUD, no_decay={id(c) for p, c in zip(params, copies, strict=True) if id(p) in no_decay})
+    skip = {(1, 0), (1, 3), (4, 5), (5, 0), (5, 1), (5, 2), (5, 3), (5, 4), (5, 5), (5, 6)}  # step 5: no grads at all
+    before = [p.detach().clone() for p in params]
+    for opt in (ours, old):
+        run(opt, range(12), skip)
+    assert_bitwise_equal(ours.params, old.params)
+    assert_bitwise_equal(ours.exp_avg + ours.exp_avg_sq, old.exp_avg + old.exp_avg_sq)
+    assert ours.steps() == old.steps() == 12
+    assert all(not torch.equal(a, b) for a, b in zip(ours.params, before, strict=True))
+
+
+def test_a_parameter_without_a_gradient_is_left_alone():
+    params = make_params([torch.bfloat16, torch.float32, torch.float32, torch.bfloat16, *[torch.float32] * 3])
+    opt = AdamW(params, LOUD)
+    run(opt, range(3))
+    before = [t.clone() for t in [*params, *opt.exp_avg, *opt.exp_avg_sq]]
+    run(opt, range(3, 5), skip={(s, i) for s in (3, 4) for i in (0, 2)})
+    after = [*params, *opt.exp_avg, *opt.exp_avg_sq]
+    n = len(params)
+    for i in range(n):
+        same = [torch.equal(after[k * n + i], before[k * n + i]) for k in range(3)]  # weight, m, v
+        assert all(same) if i in (0, 2) else not any(same), (i, same)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero1_rows_of_two_ranks_updated_apart_equal_one_full_update(dtype):
+    start_values = make_params([dtype] * len(SHAPES))  # (1, 5): the second rank owns none of its rows
+    copies = [clone(start_values) for _ in range(3)]
+    full = AdamW(copies[0], LOUD, no_decay={id(copies[0][1])})
+    ranks = [
+        AdamW(c, LOUD, no_decay={id(c[1])}, rows=[chunk_range(p.shape[0], 2, rank) for p in c])
+        for rank, c in enumerate(copies[1:])
+    ]
+    for opt in (full, *ranks):
+        run(opt, range(8))
+    for i, p in enumerate(full.params):
+        combined = torch.empty_like(p)
+        for opt in ranks:
+            start, stop = opt.rows[i]
+            mine = opt.params[i].detach()
+            combined[start:stop] = mine[start:stop]
+            assert_bitwise_equal([mine[:start], mine[stop:]], [start_values[i][:start], start_values[i][stop:]])
+            assert_bitwise_equal(
+                [opt.exp_avg[i], opt.exp_avg_sq[i]], [full.exp_avg[i][start:stop], full.exp_avg_sq[i][start:stop]]
+            )
+        assert_bitwise_equal([combined], [p])
+        assert not torch.equal(combined, start_values[i])
+
+
+def test_stochastic_rounding_in_the_step_picks_a_neighbour_of_the_fp32_result():
+    """One step on bf16 weights with stochastic rounding vs the same step on fp32 copies (its exact fp32 master):
+    each weight is the fp32 result truncated or one bf16 ulp further from zero, and both happen."""
+    params = make_params([torch.bfloat16] * len(SHAPES))
+    sr = AdamW(params, LOUD, stochastic_rounding=True)
+    nearest = AdamW(clone(params), LOUD)
+    exact = AdamW([torch.nn.Parameter(p.detach().float()) for p in params], LOUD)
+    for opt in (sr, nearest, exact):
+        run(opt, range(50, 51))
+    got, rtn = (
+        torch.cat([p.float().view(-1) for p in sr.params]),
+        torch.cat([p.float().view(-1) for p in nearest.params]),
+    )
+    master = torch.cat([p.detach().view(-1) for p in exact.params])
+    bits = master.view(torch.int32) & -65536
+    toward_zero, away = bits.view(torch.float32), (bits + 65536).view(torch.float32)
+    assert torch.all((got == toward_zero) | (got == away))
+    assert (got == toward_zero).sum() > 100 and (got == away).sum() > 100
+    assert torch.equal(rtn, master.to(torch.bfloat16).float()) and not torch.equal(got, rtn)
+
+
+def test_stochastic_rounding_is_reproducible_and_resumes_from_the_generator_state():
+    def make(seed: int, params=None) -> AdamW:
+        params = params or make_params([torch.bfloat16, torch.float32] * 3 + [torch.bfloat16])
+        return AdamW(params, LOUD, no_decay={id(params[1])}, stochastic_rounding=True, seed=seed)
+
+    a, b, other = make(0), make(0), make(1)
+    for opt in (a, b, other):
+        run(opt, range(10))
+    assert_bitwise_equal(a.params, b.params)
+    assert any(not torch.equal(x, y) for x, y in zip(a.params, other.params, strict=True))  # the seed matters
+    # a checkpoint after 4 steps (weights, moments, step count, the generator's state), resumed by a new optimizer
+    first = make(0)
+    run(first, range(4))
+    saved = {k: [t.clone() for t in v] if isinstance(v, list) else v.clone() for k, v in first.state_dict().items()}
+    rng = first.generator.get_state()
+    resumed = make(7, params=clone(first.params))
+    resumed.load_state_dict(saved)
+    resumed.generator.set_state(rng)
+    run(resumed, range(4, 10))
+    assert_bitwise_equal(resumed.params, a.params)
+    assert_bitwise_equal(resumed.exp_avg + resumed.exp_avg_sq, a.exp_avg + a.exp_avg_sq)
 
 
 def test_no_decay_option_exempts_norms_and_biases():

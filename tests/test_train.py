@@ -13,6 +13,8 @@ import pytest
 import torch
 from conftest import REPO
 
+from trnrecipes.cluster import get_instance
+from trnrecipes.layout import flops_per_token
 from trnrecipes.recipe import load_recipe
 from trnrecipes.train.loop import Trainer
 
@@ -44,6 +46,16 @@ def test_tiny_recipes_learn_the_demo_corpus(name: str, tmp_path: Path):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     (ckpt,) = result.checkpoints
     assert ckpt.name == "step_40" and (ckpt / "done").exists() and (ckpt / "tokenizer/tokenizer.json").exists()
+
+
+def test_mfu_in_the_metrics_is_against_the_devices_the_run_uses(tmp_path: Path):
+    # local-cpu has 2 workers' worth of peak; FAST runs one worker, measured against one.
+    run("llama2-tiny", tmp_path, steps=2)
+    recipe = load_recipe("llama2-tiny", overrides=FAST)
+    per_worker = get_instance("local-cpu").peak_bf16_tflops / get_instance("local-cpu").workers_per_node
+    for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()):
+        fpt = flops_per_token(recipe.model, recipe.batch.seq_len)
+        assert r["mfu"] == pytest.approx(fpt * r["tokens_per_s"] / (per_worker * 1e12))
 
 
 def _torchrun(tmp_path: Path, name: str, overrides: list[str], nproc: int) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from trnrecipes.cluster import get_instance
+from trnrecipes.cluster import Instance, get_instance
 from trnrecipes.families import ModelSection
 from trnrecipes.recipe import Recipe, RecipeError
 from trnrecipes.stages import BUBBLE_WARNING, Stage, bubble_fraction, pipeline_stages, schedule_problem
@@ -151,12 +151,20 @@ def pipeline_plan(r: Recipe, layout: Layout) -> dict[str, object]:
     }
 
 
+def used_peak_tflops(inst: Instance, workers_per_node: int) -> float:
+    """Dense bf16 peak of the devices one node's workers drive: a run with fewer workers than the instance has
+    devices (cluster.workers_per_node: 1 of 8 GPUs) is measured against those, not the whole node; more workers
+    than devices (oversubscribed CPU workers) add no peak."""
+    return inst.peak_bf16_tflops * min(workers_per_node, inst.workers_per_node) / inst.workers_per_node
+
+
 def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None = None) -> dict[str, object]:
     """Everything `trnrecipes plan` reports. price_per_hour is per node; default: the recipe's, else the catalog's."""
     layout = compute_layout(r)
     inst = get_instance(r.cluster.instance)
     price = r.price_per_hour if price_per_hour is None else price_per_hour
     fpt = flops_per_token(r.model, r.batch.seq_len)
+    peak_tflops = used_peak_tflops(inst, layout.workers_per_node) * layout.nodes
     out: dict[str, object] = {
         "recipe": r.name,
         "instance": inst.name,
@@ -164,7 +172,7 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
         **layout.to_dict(),
         "params": param_count(r.model),
         "flops_per_token": fpt,
-        "peak_tflops": inst.peak_bf16_tflops * layout.nodes,
+        "peak_tflops": peak_tflops,
         "price_per_hour": price * layout.nodes,
     }
     if layout.pp > 1:
@@ -180,7 +188,7 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_node": tokens_per_s / layout.nodes,
             "step_time_s": step_s,
-            "mfu": fpt * tokens_per_s / (inst.peak_bf16_tflops * 1e12 * layout.nodes),
+            "mfu": fpt * tokens_per_s / (peak_tflops * 1e12),
             "dollars_per_step": cluster_price * step_s / 3600,
             "tokens_per_dollar": tokens_per_s * 3600 / cluster_price if cluster_price > 0 else None,
         }

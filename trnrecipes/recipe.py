@@ -55,6 +55,9 @@ class LayoutConfig:
     pp_stage_layers: tuple[int, ...] | None = None  # layers of each stage, in order; default: an even split
     sequence_parallel: bool = False  # shard norms/dropout activations along the sequence over the TP group
     zero1: bool = False  # ZeRO-1: optimizer states sharded over the data-parallel group (AWS's zero1 / USE_ZERO_1)
+    # FSDP2 (torch's fully_shard): parameters, gradients and optimizer states sharded over the data-parallel group;
+    # cpu and cuda. Checkpoints are the same files as without it.
+    fsdp: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,10 @@ class TrainConfig:
     val_every: int = 1000
     val_batches: int = 8
     init_from: str | None = None  # a trnrecipes checkpoint to fine-tune from (HF models: `convert from-hf` first)
+    # torch.compile each transformer block (trnrecipes/torch_compile.py). None: on for cuda without TP; off for cpu,
+    # where compiling outlasts a short run; xla/neuron compile their graphs anyway and refuse true, as TP does.
+    # Not the Neuron ahead-of-time `compile` section below, which is the compile job.
+    compile: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -424,6 +431,24 @@ def check_recipe(r: Recipe) -> list[str]:
         nxd = neuron_pipeline_problem(r.cluster.neuron_sdk, lay.pp_schedule, lay.pp_virtual_stages)
         need(nxd is None, nxd or "")
     need(not r.layout.sequence_parallel or r.layout.tp > 1, "layout.sequence_parallel needs layout.tp > 1")
+    if lay.fsdp:
+        need(not lay.zero1, "layout.fsdp and layout.zero1 are both true: FSDP already shards the optimizer states")
+        need(
+            r.cluster.backend in ("cpu", "cuda"),
+            f"layout.fsdp true: backend {r.cluster.backend} has no FSDP (torch's fully_shard runs on cpu and cuda);"
+            " shard optimizer states with layout.zero1 instead",
+        )
+        need(lay.pp == 1, f"layout.fsdp with layout.pp {lay.pp}: FSDP over pipeline stages is not built; use zero1")
+    need(
+        not (r.train.compile and r.cluster.backend in ("xla", "neuron")),
+        f"train.compile true: backend {r.cluster.backend} compiles whole-step graphs through XLA already;"
+        " torch.compile runs on cpu and cuda. Set train.compile false or leave it out",
+    )
+    need(
+        not (r.train.compile and r.layout.tp > 1),
+        f"train.compile true with layout.tp {r.layout.tp}: compiled blocks with tensor-parallel DTensors fail in"
+        " backward on the torch this was tested with (2.13); set train.compile false or layout.tp 1",
+    )
     need(o.min_lr <= o.lr, f"optim.min_lr {o.min_lr} must be <= optim.lr {o.lr}")
     need(
         not r.precision.stochastic_rounding or r.precision.dtype == "bf16",

@@ -4,7 +4,8 @@ place they run. Adding a backend = one subclass answering these (README: "Adding
 A backend answers for:
 - the device, the torch.distributed backend, and the process groups (`init_process_groups`);
 - graphs and data: where a lazy graph ends (`sync`), a loader that feeds the device, the compile counter;
-- the model: how it is parallelized (`parallelize`: the TP/SP plan, the loss path, activation checkpointing), where
+- the model: how it is parallelized (`parallelize`: the TP/SP plan, the loss path, activation checkpointing,
+  torch.compile per block under train.compile), where
   its shards are materialised and moved (`materialize`, `to_device`), and where a shard lives in its parameter
   (`shard_dim`);
 - the step: the optimizer (`make_optimizer`; ZeRO-1 where `supports_zero1`), gradient reduction, clipping and the
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from trnrecipes.activation_checkpointing import apply_activation_checkpointing
+from trnrecipes.torch_compile import compile_blocks
 from trnrecipes.train.parallel_dims import local_tensor
 
 if TYPE_CHECKING:
@@ -38,6 +40,10 @@ class Backend:
     no_pp_reason: ClassVar[str] = "not built for it"
     # The hardware rounds bf16 stochastically (Neuron's NEURON_RT_STOCHASTIC_ROUNDING_EN): our AdamW must not too.
     rounds_stochastically: ClassVar[bool] = False
+    # torch.compile backend for train.compile (None: the backend compiles graphs its own way, e.g. XLA), and whether
+    # train.compile left unset means on.
+    compile_backend: ClassVar[str | None] = None
+    compiles_by_default: ClassVar[bool] = False
 
     def __init__(self, name: str, device: torch.device):
         self.name, self.device = name, device
@@ -68,6 +74,15 @@ class Backend:
         if dims.tp > 1:
             self.tensor_parallel(model, recipe, dims)
         apply_activation_checkpointing(model, recipe.model.activation_checkpointing)
+        if self.compiles(recipe):
+            compile_blocks(model, self.compile_backend)
+
+    def compiles(self, recipe: Recipe) -> bool:
+        """Whether train.compile applies here: torch.compile per block (trnrecipes/torch_compile.py)."""
+        wanted = recipe.train.compile
+        if wanted is None:  # unset: where it is known to work (not with TP: the recipe check says why)
+            wanted = self.compiles_by_default and recipe.layout.tp == 1
+        return self.compile_backend is not None and wanted
 
     def tensor_parallel(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
         raise NotImplementedError

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trnrecipes.backends.base import Backend
+from trnrecipes.fsdp import apply_fsdp, mesh_dim_placement
 from trnrecipes.pipeline import TorchPipeline, parameter_order
 from trnrecipes.recipe import RecipeError
 from trnrecipes.train.parallel_dims import full_tensor, local_tensor
@@ -24,6 +25,7 @@ class TorchBackend(Backend):
 
     supports_zero1 = True
     supports_pp = True
+    compile_backend = "inductor"
 
     @classmethod
     def create(cls, name: str, local_rank: int) -> TorchBackend:
@@ -45,17 +47,23 @@ class TorchBackend(Backend):
 
         apply_tensor_parallel(model, dims.mesh["tp"], recipe.model.family, recipe.layout.sequence_parallel)
 
+    def parallelize(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
+        super().parallelize(model, recipe, dims)
+        if dims.fsdp:
+            apply_fsdp(model, dims.mesh["dp"])
+
     @staticmethod
     def shard_dim(p: torch.Tensor) -> int | None:
-        placements = getattr(p, "placements", None)  # a DTensor's Shard(d)
-        return next((pl.dim for pl in placements if pl.is_shard()), None) if placements is not None else None
+        placement = mesh_dim_placement(p, "tp")  # a DTensor's Shard(d) over TP (FSDP's dp dim is not TP's split)
+        return placement.dim if placement is not None and placement.is_shard() else None
 
     def pipeline(self, model: nn.Module, recipe: Recipe, dims: ParallelDims, micro_batches: int):
         return TorchPipeline(model, recipe.layout.pp_schedule, micro_batches, dims, self.device)
 
     def reduce_and_clip(self, model: nn.Module, dims: ParallelDims, max_norm: float) -> torch.Tensor:
         local_grads = _local_grads(model)
-        dims.average_over_dp(local_grads)
+        if not dims.fsdp:  # FSDP's reduce-scatter has averaged them already
+            dims.average_over_dp(local_grads)
         grad_norm = self._global_norm(model, dims, grads=True)
         if max_norm > 0:
             scale = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
@@ -70,14 +78,18 @@ class TorchBackend(Backend):
     def _global_norm(self, model: nn.Module, dims: ParallelDims, *, grads: bool) -> torch.Tensor:
         """L2 norm of the whole model's gradients (grads) or parameters, the same for every layout: each parameter's
         squared norm (its TP shards gathered) counted once, by the pipeline stage that holds it, and the squares
-        summed in the full model's parameter order."""
+        summed in the full model's parameter order. Under FSDP each rank squares its own rows and the squares are
+        summed over the ranks: equal to the other layouts up to fp32 rounding, not bitwise."""
         names = parameter_order(model)
         squares = torch.zeros(len(names), dtype=torch.float32, device=self.device)
         index = {name: i for i, name in enumerate(names)}
         for name, p in model.named_parameters():
             t = p.grad if grads else p
             if t is not None:
-                squares[index[name]] = full_tensor(t).float().pow(2).sum()
+                # FSDP: this rank's rows only, summed over DP below (gathering each tensor would move the model).
+                squares[index[name]] = (local_tensor(t) if dims.fsdp else full_tensor(t)).float().pow(2).sum()
+        if dims.fsdp:
+            _sum_fsdp_squares(squares, model, index, dims)
         dims.sum_over_pp(squares)  # each entry is non-zero on one stage only: the sum is exact
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for square in squares:
@@ -90,6 +102,7 @@ class CudaBackend(TorchBackend):
 
     dist_backend = "nccl"
     collectives_on_device = True
+    compiles_by_default = True  # train.compile unset: on (on cpu it stays off: compiling outlasts short runs)
 
     @classmethod
     def create(cls, name: str, local_rank: int) -> CudaBackend:
@@ -97,6 +110,21 @@ class CudaBackend(TorchBackend):
             raise RecipeError("cluster.backend is cuda but this torch has no CUDA device; use cpu, xla or neuron")
         torch.cuda.set_device(local_rank)
         return cls(name, torch.device("cuda", local_rank))
+
+
+def _sum_fsdp_squares(squares: torch.Tensor, model: nn.Module, index: dict[str, int], dims: ParallelDims) -> None:
+    """In place: per-parameter squared norms from each rank's FSDP rows to whole parameters. Summed over DP (each
+    rank holds distinct rows), then over TP for the parameters TP splits (a TP-replicated one is the same on every
+    TP rank and must count once)."""
+    dist.all_reduce(squares, group=dims.dp_group)
+    if dims.tp == 1:
+        return
+    split = torch.zeros_like(squares, dtype=torch.bool)
+    for name, p in model.named_parameters():
+        split[index[name]] = TorchBackend.shard_dim(p) is not None
+    across_tp = torch.where(split, squares, torch.zeros_like(squares))
+    dist.all_reduce(across_tp, group=dims.mesh["tp"].get_group())
+    squares.copy_(torch.where(split, across_tp, squares))
 
 
 def _local_grads(model: nn.Module) -> list[torch.Tensor]:

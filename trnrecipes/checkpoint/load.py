@@ -111,10 +111,10 @@ def restore_training_state(
         saved_layout = (int(state.get("pp", 1)), saved_dp, int(state["tp"]), int(state["world"]))
         # Checkpoints from before pipeline parallelism did not save the split: they were all one stage.
         saved_split = state.get("stage_layers", stage_layers if saved_layout[0] == 1 else None)
-        saved_place = (saved_split, bool(state.get("zero1", False)))
+        saved_place = (saved_split, bool(state.get("zero1", False)), bool(state.get("fsdp", False)))
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path / 'state.json'}: missing or bad entry ({err})") from None
-    # Moments: this rank's slice only (its TP shard, and under ZeRO-1 its rows), read from whichever saved files
+    # Moments: this rank's slice only (its TP shard, and under ZeRO-1 or FSDP its rows), read from whichever saved files
     # hold it: any saved TP / ZeRO-1 layout resumes at any other.
     reader = ShardReader(path, "optim")
     names = {id(p): name for name, p in model.named_parameters()}
@@ -125,13 +125,13 @@ def restore_training_state(
     for i, (name, p) in enumerate(params):
         dim = shard_dim(p)
         shape = full_shape(p, dims.tp, dim)
-        region = shard_region(shape, dim, dims.tp, dims.tp_rank, dims.dp if dims.zero1 else 1, dims.dp_rank)
+        region = shard_region(shape, dim, dims.tp, dims.tp_rank, dims.dp if dims.shards_moments else 1, dims.dp_rank)
         reader.read_into(f"exp_avg.{name}", optimizer.exp_avg[i], shape, region.start)
         reader.read_into(f"exp_avg_sq.{name}", optimizer.exp_avg_sq[i], shape, region.start)
     optimizer.set_steps(int(optimizer_steps))
     # Rank r restores its RNG only where it is the same place in the same layout (the same stages and ZeRO-1 rows):
     # its stochastic-rounding stream then meets the same parameters it would have met uninterrupted.
-    if saved_layout == (dims.pp, dims.dp, dims.tp, dims.world) and saved_place == (stage_layers, dims.zero1):
+    if saved_layout == (dims.pp, dims.dp, dims.tp, dims.world) and saved_place == (stage_layers, dims.zero1, dims.fsdp):
         set_rng_state(load_tensors(path / rng_file(dims.rank)), optimizer.generator)
     why = "checkpoint.allow_changes changed the data order" if data_order_changed else None
     saved_docs = state.get("num_docs")

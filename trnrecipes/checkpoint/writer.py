@@ -32,6 +32,7 @@ from trnrecipes.checkpoint.format import (
     verify,
     write_common,
 )
+from trnrecipes.fsdp import tp_local
 from trnrecipes.recipe import Recipe
 from trnrecipes.stages import pipeline_stages
 from trnrecipes.train.parallel_dims import local_tensor
@@ -202,25 +203,29 @@ def snapshot(
     shard_dim: Callable[[torch.Tensor], int | None],
 ) -> dict[str, object]:
     """This rank's files for checkpoint `step`: weights from DP rank 0 of each TP group of each pipeline stage (one
-    file per stage x TP rank); moments likewise, or under ZeRO-1 from every rank (its rows); shard dims from the
+    file per stage x TP rank; under FSDP gathered over DP first); moments likewise, or under ZeRO-1 and FSDP from
+    every rank (its rows); shard dims from the
     first rank of each stage; the data position from the first stage's TP rank 0 of each DP group (every stage of
     a replica reads the same stream); RNG state from every rank."""
     _host = host.copy
     files: dict[str, object] = {}
-    optim_dp = dims.dp if dims.zero1 else 1
+    optim_dp = dims.dp if dims.shards_moments else 1
     stage = {"pp_rank": dims.pp_rank, "pp": dims.pp}
+    if dims.fsdp:  # every DP rank takes part in each tensor's gather; DP rank 0 keeps them
+        weights = {k: tp_local(v) for k, v in model.state_dict().items()}
+    else:
+        weights = model.state_dict() if dims.dp_rank == 0 else {}
     if dims.dp_rank == 0:
-        files[shard_file("model", dims.tp_rank, dims.tp, **stage)] = {
-            k: _host(k, v) for k, v in model.state_dict().items()
-        }
-    if dims.dp_rank == 0 or dims.zero1:
+        files[shard_file("model", dims.tp_rank, dims.tp, **stage)] = {k: _host(k, v) for k, v in weights.items()}
+    del weights
+    if dims.dp_rank == 0 or dims.shards_moments:
         moments = {}
         names = {id(p): name for name, p in model.named_parameters()}  # the optimizer holds the trained ones only
         for p, m, v in zip(optimizer.params, optimizer.exp_avg, optimizer.exp_avg_sq, strict=True):
             name = names[id(p)]
             moments[f"exp_avg.{name}"] = _host(f"exp_avg.{name}", m)
             moments[f"exp_avg_sq.{name}"] = _host(f"exp_avg_sq.{name}", v)
-        dp_rank = dims.dp_rank if dims.zero1 else 0
+        dp_rank = dims.dp_rank if dims.shards_moments else 0
         files[shard_file("optim", dims.tp_rank, dims.tp, dp_rank, optim_dp, **stage)] = moments
     stage_dims = {"dims": shard_dims(model, shard_dim)}
     if dims.rank == 0:
@@ -233,6 +238,7 @@ def snapshot(
             "pp": dims.pp,
             "world": dims.world,
             "zero1": dims.zero1,
+            "fsdp": dims.fsdp,
             "stage_layers": [len(s.layers) for s in pipeline_stages(recipe)],  # the split, in model order
             "consumed_samples": step * recipe.batch.global_batch,
             "num_docs": num_docs,  # the corpus the data positions index (resume refuses another)

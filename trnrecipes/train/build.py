@@ -81,7 +81,8 @@ def fill_shards(
         )
     for name, p in model.named_parameters():
         local = local_tensor(p).data
-        region = shard_region(full_shapes[name], shard_dim(p), dims.tp, dims.tp_rank)
+        rows = (dims.dp, dims.dp_rank) if dims.fsdp else ()  # FSDP: this DP rank's rows of the TP shard
+        region = shard_region(full_shapes[name], shard_dim(p), dims.tp, dims.tp_rank, *rows)
         if tuple(local.shape) != region.size:  # the sharding rule and the parallel layers disagree: a bug, not input
             raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the expected {region.size}")
         if reader is not None:

@@ -312,10 +312,12 @@ class Trainer:
         stop_file = os.environ.get("TRNRECIPES_STOP_FILE")
         loader, positions = self._train_loader(self.start_position)
         mode = "compile (tracing every graph; nothing is written)" if self.compile_only else "train"
+        dp_mode = " (FSDP)" if self.dims.fsdp else " (ZeRO-1)" if self.dims.zero1 else ""
+        compiled = "; torch.compile per block" if self.backend.compiles(r) else ""
         self.log(
-            f"[trnrecipes] {mode}: {r.name} on {self.backend.name}, {self.dims.world} rank(s) = PP {lay.pp} x DP"
-            f" {lay.dp} x TP {lay.tp}; global batch {r.batch.global_batch} = micro {r.batch.micro_batch} x accum"
-            f" {lay.grad_accum} x DP {lay.dp}; steps {self.start_step + 1}-{steps}; run dir {self.run_dir}"
+            f"[trnrecipes] {mode}: {r.name} on {self.backend.name}{compiled}, {self.dims.world} rank(s) = PP {lay.pp}"
+            f" x DP {lay.dp}{dp_mode} x TP {lay.tp}; global batch {r.batch.global_batch} = micro {r.batch.micro_batch}"
+            f" x accum {lay.grad_accum} x DP {lay.dp}; steps {self.start_step + 1}-{steps}; run dir {self.run_dir}"
         )
         tokens_per_step = r.batch.global_batch * r.batch.seq_len
         every_s = r.checkpoint.every_minutes * 60 if r.checkpoint.every_minutes else None

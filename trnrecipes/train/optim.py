@@ -46,6 +46,48 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = N
     return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # -65536 == 0xFFFF0000
 
 
+# Elements per multi-tensor pass (AdamW.step). On an accelerator, where a step is bound by kernel launches, passes
+# are long: 64M elements keep the fp32 temporaries of a pass under ~1 GB. On CPU, where a step is bound by memory
+# bandwidth, each foreach op reads and writes everything it is given before the next op starts, so long passes
+# stream each tensor from memory once per op; passes of about a cache's worth (64K elements, 256 KB per fp32 list)
+# keep the old loop's locality (with 64M-element passes, 201 parameters of 23.6M elements in all stepped 2x slower
+# than the per-parameter loop on one CPU thread; with 64K ones, as fast).
+_CHUNK_NUMEL = 1 << 26
+_CPU_CHUNK_NUMEL = 1 << 16
+
+
+def _chunks(indices: list[int], numels: list[int], limit: int) -> list[list[int]]:
+    """`indices` cut, in order, into runs of at most `limit` elements in all (a bigger tensor alone)."""
+    out: list[list[int]] = []
+    total = 0
+    for i, n in zip(indices, numels, strict=True):
+        if not out or total + n > limit:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += n
+    return out
+
+
+def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`flat` (1-D) split into consecutive views shaped like `like`."""
+    if len(like) == 1:  # e.g. a CPU pass of one big tensor: a view, without the split
+        return [flat.view(like[0].shape)]
+    return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in like]), like, strict=True)]
+
+
+def _as_fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in fp32: fp32 ones as they are, the others copied (in one foreach pass) into one new buffer."""
+    convert = [t for t in tensors if t.dtype != torch.float32]
+    if not convert:
+        return tensors
+    flat = torch.empty(sum(t.numel() for t in convert), dtype=torch.float32, device=convert[0].device)
+    copies = _views(flat, convert)
+    torch._foreach_copy_(copies, convert)
+    converted = iter(copies)
+    return [t if t.dtype == torch.float32 else next(converted) for t in tensors]
+
+
 class AdamW:
     """Decoupled weight decay Adam (Loshchilov & Hutter) with fp32 states; see the module docstring for why."""
 
@@ -96,6 +138,17 @@ class AdamW:
         # Copied in from a host tensor: on XLA this is new input data for the same graph, never a new constant.
         self.lr.copy_(torch.tensor(lr, dtype=torch.float32))
 
+    # One optimizer step as multi-tensor (torch._foreach_*) passes instead of a loop over parameters. The math is
+    # the old per-parameter loop's, op for op (on CPU the foreach ops run exactly those ops, so results are bitwise
+    # the same), but an accelerator launches ~15 small kernels per parameter for it: with hundreds of parameters the
+    # step was launch-bound (H100, 1.07B bf16 parameters: 59.7 ms, torch's foreach AdamW 17.8 ms). Here each pass
+    # is one foreach call over a whole group (same device, same parameter dtype), i.e. a handful of launches.
+    # What stays per tensor: the Python that builds the lists (views of this rank's rows / DTensor local tensors)
+    # and, for bf16 weights, splitting one flat fp32 buffer into per-parameter views (no kernels). The 0-dim lr and
+    # step-count tensors are passed to the foreach ops as tensors (their `.Tensor` overloads), never as host numbers,
+    # so XLA still traces one graph whatever the lr. Groups are cut into chunks (_CHUNK_NUMEL, _CPU_CHUNK_NUMEL) that
+    # bound the fp32 temporaries (the update; for bf16 also fp32 copies of gradient and weight), which the old loop
+    # held for one parameter at a time.
     @torch.no_grad()
     def step(self) -> None:
         beta1, beta2 = self.betas
@@ -103,28 +156,65 @@ class AdamW:
         bias1 = 1 - beta1**self.step_count
         bias2 = 1 - beta2**self.step_count
         step_size = self.lr / bias1
-        for i, (p, m, v) in enumerate(zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True)):
+        shrink = 1 - self.lr * self.weight_decay if self.weight_decay else None
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, p in enumerate(self.params):
             if p.grad is None:
                 continue
-            param, grad = self._mine(p, i), self._mine(p.grad, i).float()
-            # In place and few passes over memory: on CPU an optimizer step is bandwidth-bound.
-            m.lerp_(grad, 1 - beta1)  # beta1 * m + (1 - beta1) * g
-            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            update = (v / bias2).sqrt_().add_(self.eps).reciprocal_().mul_(m).mul_(step_size)
-            decay = self.weight_decay and id(p) not in self.no_decay
-            if param.dtype == torch.float32:
-                if decay:
-                    param.mul_(1 - self.lr * self.weight_decay)
-                param.sub_(update)
-                continue
-            master = param.float()  # bf16 weights: the update is computed in fp32, then rounded once
-            if decay:
-                master.mul_(1 - self.lr * self.weight_decay)
-            master.sub_(update)
-            if self.stochastic_rounding:
-                param.copy_(stochastic_round_bf16(master, self.generator))
-            else:
-                param.copy_(master)  # to nearest
+            param = self._mine(p, i)
+            if param.numel():  # a ZeRO-1 rank may own no rows of a small parameter
+                groups.setdefault((param.device, param.dtype), []).append(i)
+        for (device, dtype), indices in groups.items():
+            scalars = [None if t is None else t.to(device) for t in (bias2, step_size, shrink)]
+            limit = _CPU_CHUNK_NUMEL if device.type == "cpu" else _CHUNK_NUMEL
+            for chunk in _chunks(indices, [self._mine(self.params[i], i).numel() for i in indices], limit):
+                self._update(chunk, dtype == torch.float32, *scalars)
+
+    def _update(
+        self,
+        indices: list[int],
+        fp32: bool,
+        bias2: torch.Tensor,
+        step_size: torch.Tensor,
+        shrink: torch.Tensor | None,
+    ) -> None:
+        """AdamW on parameters `indices` (one device, one dtype): the old loop's ops, each over the whole list."""
+        beta1, beta2 = self.betas
+        params = [self._mine(self.params[i], i) for i in indices]
+        grads = _as_fp32([self._mine(self.params[i].grad, i) for i in indices])
+        ms, vs = [self.exp_avg[i] for i in indices], [self.exp_avg_sq[i] for i in indices]
+        torch._foreach_lerp_(ms, grads, 1 - beta1)  # beta1 * m + (1 - beta1) * g
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, grads, grads, value=1 - beta2)
+        del grads
+        update = torch._foreach_div(vs, bias2)
+        torch._foreach_sqrt_(update)
+        torch._foreach_add_(update, self.eps)
+        torch._foreach_reciprocal_(update)
+        torch._foreach_mul_(update, ms)
+        torch._foreach_mul_(update, step_size)
+        if fp32:
+            weights, flat = params, None
+        else:  # bf16 weights: the update is computed in fp32, then rounded once
+            flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+            weights = _views(flat, params)
+            torch._foreach_copy_(weights, params)
+        if shrink is not None:
+            decayed = [w for w, i in zip(weights, indices, strict=True) if id(self.params[i]) not in self.no_decay]
+            if decayed:
+                torch._foreach_mul_(decayed, shrink)
+        torch._foreach_sub_(weights, update)
+        if flat is None:
+            return
+        if self.stochastic_rounding:
+            # stochastic_round_bf16 over the whole chunk at once: one noise draw, one add, one mask. The result has
+            # zero low 16 bits, so the copy below (round to nearest) is exact.
+            noise = torch.randint(
+                0, 1 << 16, flat.shape, dtype=torch.int32, device=flat.device, generator=self.generator
+            )
+            flat = noise.add_(flat.view(torch.int32)).bitwise_and_(-65536).view(torch.float32)  # -65536 == 0xFFFF0000
+            weights = _views(flat, params)
+        torch._foreach_copy_(params, weights)  # to nearest (exact after stochastic rounding)
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -59,6 +59,9 @@ class ParallelDims:
         wanted = recipe.layout.zero1 and self.dp > 1
         self.zero1 = wanted and backend.supports_zero1
         self.zero1_unavailable = wanted and not self.zero1
+        # FSDP2: parameters, gradients and moments sharded over the DP group (trnrecipes/fsdp.py), along the same
+        # dim-0 rows of each TP-local tensor as ZeRO-1's moments (trnrecipes.sharding).
+        self.fsdp = recipe.layout.fsdp and self.dp > 1
         self.mesh = self.dp_group = self.pp_group = None
         self.collectives_on_device = backend.collectives_on_device
         backend.init_process_groups(self)
@@ -86,6 +89,11 @@ class ParallelDims:
             for t in bucket:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+    @property
+    def shards_moments(self) -> bool:
+        """Whether each DP rank holds the moments of its rows only (ZeRO-1 or FSDP)."""
+        return self.zero1 or self.fsdp
 
     def zero1_rows(self, local_rows: int) -> tuple[int, int]:
         """ZeRO-1: the dim-0 rows of a TP-local tensor whose optimizer state this DP rank holds and updates."""

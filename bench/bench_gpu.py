@@ -1,0 +1,627 @@
+"""Benchmark: a whole training step of trnrecipes on one GPU vs transformers' LlamaForCausalLM, eager and compiled.
+
+What it measures, per row, each row in a process of its own (so its peak memory is its own), one row at a time:
+  ours           trnrecipes' own train step as a user runs it: the Trainer built from recipes/llama2/llama2-tiny.yaml
+                 with the shape, batch and precision overridden (cluster.backend cuda, one worker), so the model is
+                 built, parallelized (activation checkpointing, torch.compile per block where train.compile asks)
+                 and materialized by the trainer's own code, and each step is Trainer.train_step: micro-batch x
+                 accumulation forward/backward, gradient clipping (global norm 1.0), our AdamW (bf16 weights with no
+                 fp32 master copy, updates rounded to nearest; --stochastic-rounding for the recipe's software
+                 stochastic rounding). train.compile=false.
+  ours-compile   the same with train.compile=true.
+  hf             transformers LlamaForCausalLM with the same config and the same weights (converted by
+                 recipes/llama2/hf.py), SDPA attention, use_cache off, weights in the same dtype, torch.optim.AdamW
+                 (fused=True on cuda, foreach elsewhere), torch.nn.utils.clip_grad_norm_ (1.0, as ours), eager.
+  hf-compile     the same with model = torch.compile(model).
+No row checkpoints activations except ours (`--activation-checkpointing`, selective as shipped). train.compile left
+unset is on for cuda, so a recipe as shipped trains like the ours-compile row there.
+The rows run one after another, not in lockstep as bench/bench_model.py's sides do: a dedicated GPU has no
+neighbouring load to cancel out, and four processes holding a 1B-parameter training state each would compete for
+its memory. The median over the timed steps keeps one slow step from moving a row.
+
+A step = --micro-batch x --accum forward/backward + the optimizer step; --warmup steps (the backward's compilation
+happens in the first; the forward's, in the loss check before them), then --steps timed steps, each timed alone
+between torch.cuda.synchronize() calls; tokens/s = micro-batch x accum x seq / the median step time. MFU = FLOPs/token
+(trnrecipes.layout.flops_per_token, 6N + 12 L H Q T) x tokens/s / the GPU's dense bf16 peak (--peak-tflops; default
+from the device name). Peak memory: torch.cuda.max_memory_allocated on cuda, peak RSS (VmHWM) on cpu, counted from
+the end of setup (weights, optimizer states, gradients, activations; not the reference model of the loss check).
+
+Before anything is timed, each row's model is checked against the other implementation, built in the same process
+from the same weights (ours against transformers eager, transformers' rows against ours eager), on the first
+micro-batch: the mean loss over the same b x (s - 1) targets must agree within a relative 1e-3 in bf16 and 1e-4 in
+fp32, and the logits within a relative L2 error of 0.2 in bf16 and 1e-3 in fp32. The logits are the discriminating
+part: at initialisation, on random tokens, the loss hardly depends on what the layers compute. Measured on CPU at
+the default shape (seq 256): the same model in bf16 instead of fp32 (weights rounded too, so more than two bf16
+implementations of one set of weights differ by) moves the logits by 2.6e-2 and the loss by 1.5e-4, while swapping
+gate and up in every MLP moves the logits by 1.19 and the loss by only 2.9e-3. At hidden 1024, permuting the q heads
+or transposing o_proj moves the logits by 0.44 and 1.24; at a toy width (--tiny) layers add little to the logits at
+init and a swap moves them by 2e-2 only, caught by the fp32 tolerance but not the bf16 one. A row that fails is not
+timed and the run stops. The ratios printed are ours / transformers eager and ours / transformers + torch.compile
+tokens/s (target: a row of ours >= 1.05x transformers + torch.compile, peak memory not above its).
+
+The H100 table (Llama-2-7B width, 4 layers = 1.07B parameters, seq 4096, micro-batch 2 x accumulation 4, bf16):
+
+    .venv/bin/python bench/bench_gpu.py --json runs/bench_gpu.json
+
+which is, spelled out: --device cuda --hidden 4096 --layers 4 --heads 32 --ffn 11008 --vocab 32000 --seq 4096
+--micro-batch 2 --accum 4 --dtype bf16 --warmup 3 --steps 10 --rows ours,ours-compile,hf,hf-compile
+--activation-checkpointing selective (and --peak-tflops 989 on an H100 SXM, read from the device name).
+CPU smoke test, under a minute (tests/test_bench_gpu.py runs it with --rows ours,ours-compile,hf); aot_eager spares
+the compiled rows inductor's C++ build:
+    .venv/bin/python bench/bench_gpu.py --tiny --compile-backend aot_eager
+CI never runs this on a GPU: it has none. The GPU numbers come from running the command above by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from bench_model import rss_mib  # bench/ is on sys.path: this script runs from it
+
+ROWS = {
+    "ours": "trnrecipes Trainer.train_step, train.compile=false",
+    "ours-compile": "trnrecipes Trainer.train_step, train.compile=true",
+    "hf": "transformers LlamaForCausalLM + torch AdamW, eager",
+    "hf-compile": "transformers + torch.compile(model)",
+}
+BASE_RECIPE = "llama2-tiny"  # everything the shape arguments do not set (optimizer, seed) comes from it
+# Dense bf16 tensor-core peak per GPU, TFLOP/s (NVIDIA's data sheets; the sparse figures are twice these). The first
+# name that is a substring of torch.cuda.get_device_name() wins, so the more specific names come first.
+PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
+# The loss check (see the module docstring): relative first-loss and relative L2 logits error allowed.
+LOSS_TOLERANCE = {"bf16": 1e-3, "fp32": 1e-4}
+LOGITS_TOLERANCE = {"bf16": 0.2, "fp32": 1e-3}
+# Llama-2-7B's width and depth 4: 1.07B parameters, the shape of the hand-measured H100 table.
+DEFAULTS = dict(
+    hidden=4096, layers=4, heads=32, kv_heads=None, ffn=11008, vocab=32000, seq=4096,
+    micro_batch=2, accum=4, steps=10, warmup=3, dtype="bf16", device="cuda",
+)  # fmt: skip
+# --tiny: a CPU smoke test in seconds (explicit arguments still win).
+TINY = dict(
+    hidden=64, layers=2, heads=4, kv_heads=None, ffn=172, vocab=512, seq=64,
+    micro_batch=2, accum=2, steps=3, warmup=1, dtype="fp32", device="cpu",
+)  # fmt: skip
+MARK = "BENCH_GPU_JSON "  # a worker's results on stdout, one line each, after this prefix
+
+
+def recipe_overrides(args, row: str | None) -> list[str]:
+    """The overrides turning BASE_RECIPE into this benchmark's single-device recipe for a row (None: validation)."""
+    cuda = args.device == "cuda"
+    # transformers' rows never checkpoint; the weights their process builds ours from do not depend on it.
+    checkpointing = args.activation_checkpointing if row in (None, "ours", "ours-compile") else "none"
+    over = [
+        f"model.vocab_size={args.vocab}",
+        f"model.hidden_size={args.hidden}",
+        f"model.num_layers={args.layers}",
+        f"model.num_heads={args.heads}",
+        f"model.num_kv_heads={args.kv_heads}",
+        f"model.ffn_hidden_size={args.ffn}",
+        f"model.max_seq_len={args.seq}",
+        f"model.activation_checkpointing={checkpointing}",
+        f"batch.micro_batch={args.micro_batch}",
+        f"batch.global_batch={args.micro_batch * args.accum}",
+        f"batch.seq_len={args.seq}",
+        f"precision.dtype={args.dtype}",
+        f"precision.stochastic_rounding={'true' if args.stochastic_rounding else 'false'}",
+        f"train.max_steps={args.warmup + args.steps}",
+        "layout.tp=1",
+        "layout.pp=1",
+        "layout.sequence_parallel=false",
+        "layout.zero1=false",
+        f"cluster.instance={'p5.48xlarge' if cuda else 'local-cpu'}",  # the backend must run on it; else unused
+        f"cluster.backend={args.device}",
+        "cluster.workers_per_node=1",  # one process, one device: grad accumulation = global batch / micro-batch
+        "cluster.nodes=1",
+    ]
+    if row is not None:
+        over.append(f"train.compile={'true' if row == 'ours-compile' else 'false'}")
+    return over
+
+
+def make_recipe(args, row: str | None):
+    from trnrecipes.recipe import load_recipe
+
+    return load_recipe(BASE_RECIPE, overrides=recipe_overrides(args, row))
+
+
+# ---------------------------------------------------------------------------------------------------------- worker
+def emit(kind: str, payload: dict) -> None:
+    print(MARK + json.dumps({"kind": kind, **payload}), flush=True)
+
+
+def strip_compile_prefix(name: str) -> str:
+    """A parameter name without torch.compile's wrapper segment (an OptimizedModule adds `_orig_mod.`)."""
+    return name.replace("_orig_mod.", "")
+
+
+def hf_from_ours(ours, cfg, device, dtype):
+    """transformers' LlamaForCausalLM with our model's weights (recipes/<family>/hf.py converts them)."""
+    import torch
+    import transformers
+
+    from trnrecipes.models import FAMILIES
+
+    hf_mod = FAMILIES[cfg.family].hf
+    config = {**hf_mod.hf_config_from_args(cfg), "dtype": str(dtype).removeprefix("torch."), "use_cache": False}
+    hf_cfg = transformers.AutoConfig.for_model(**config, attn_implementation="sdpa")
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+    sd = {strip_compile_prefix(k): v for k, v in ours.state_dict().items()}
+    hf.load_state_dict(hf_mod.state_dict_to_hf(sd, cfg))
+    del sd
+    return hf
+
+
+def ours_check_loss(model, tokens):
+    """Our mean loss on a [b, s + 1] batch over the b x (s - 1) targets transformers' shift gives (the last input
+    position has no target there)."""
+    labels = tokens[:, 1:].clone()
+    labels[:, -1] = -100
+    return model(tokens[:, :-1], labels=labels)
+
+
+def hf_loss(model, tokens):
+    """transformers' loss as its users compute it: labels = input_ids, shifted inside the model."""
+    inputs = tokens[:, :-1]
+    return model(input_ids=inputs, labels=inputs, use_cache=False).loss
+
+
+def relative_error(x, reference) -> float:
+    """||x - reference|| / ||reference|| over all elements, in fp32."""
+    x, reference = x.float(), reference.float()
+    return float((x - reference).norm() / reference.norm())
+
+
+def loss_check(
+    row: str, loss: float, reference: float, reference_name: str, dtype: str, logits_rel: float = 0.0
+) -> dict:
+    """Whether a row computes the same function as the other implementation on the same weights and batch: its
+    first loss and its logits (relative L2 error) within the dtype's tolerances (LOSS_TOLERANCE, LOGITS_TOLERANCE)."""
+    rel = abs(loss - reference) / abs(reference) if reference else float("inf")
+    tolerance, logits_tolerance = LOSS_TOLERANCE[dtype], LOGITS_TOLERANCE[dtype]
+    ok = all(map(_finite, (loss, reference, logits_rel))) and rel <= tolerance and logits_rel <= logits_tolerance
+    return {"row": row, "loss": loss, "reference": reference, "reference_name": reference_name, "rel": rel,
+            "tolerance": tolerance, "logits_rel": logits_rel, "logits_tolerance": logits_tolerance,
+            "ok": ok}  # fmt: skip
+
+
+def compiled_graphs() -> int:
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
+def worker(args, row: str) -> None:
+    setup_s = time.perf_counter()
+    import torch
+
+    if args.compile_backend != "inductor":  # smoke tests: every torch.compile in this process, ours included
+        compile_ = torch.compile
+
+        def compile_with_backend(*a, **k):
+            k.pop("mode", None), k.pop("options", None)
+            return compile_(*a, **{**k, "backend": args.compile_backend})
+
+        torch.compile = compile_with_backend
+
+    from trnrecipes.backends import make_backend
+    from trnrecipes.train.build import build_model_shard
+    from trnrecipes.train.loop import Trainer
+    from trnrecipes.train.parallel_dims import ParallelDims
+
+    recipe = make_recipe(args, row)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    # The same batches in every process: [micro-batch, seq + 1] tokens, as the trainer's loader yields them.
+    gen = torch.Generator().manual_seed(0)
+    shape = (args.micro_batch, args.seq + 1)
+    pool = [torch.randint(0, args.vocab, shape, generator=gen).to(device) for _ in range(args.accum)]
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    if row.startswith("ours"):
+
+        class BenchTrainer(Trainer):
+            """The real Trainer without a corpus: the bench feeds train_step its own batches, so the recipe's data
+            files need not exist on the GPU machine. compile_only=True: no run-dir lock, nothing written."""
+
+            def _open_data(self) -> None:
+                from types import SimpleNamespace
+
+                self.documents = SimpleNamespace(num_docs=0)
+                self.tokenizer = SimpleNamespace(path=None, vocab_size=self.recipe.model.vocab_size)
+                self.train_docs = self.val_docs = []
+                self.val_batches = []
+
+        def log(*a, **k):
+            k.pop("file", None)
+            print(*a, file=sys.stderr, **k)
+
+        trainer = BenchTrainer(recipe, compile_only=True, log=log)
+        model = trainer.model
+        reference_name = "transformers eager"
+        reference = hf_from_ours(model, recipe.model, device, dtype).eval()
+        with torch.no_grad():
+            ref_loss = float(hf_loss(reference, pool[0]))
+            ref_logits = reference(input_ids=pool[0][:, :-1], use_cache=False).logits
+        del reference
+        # Grad enabled, train mode: the training graph (compiled blocks compile here, and only once).
+        model.train()
+        loss = ours_check_loss(model, pool[0])
+        first_loss = float(loss.detach())
+        del loss
+        logits = model(pool[0][:, :-1]).detach()  # the same blocks' graph; only the head differs, eager
+        loader = _cycle(pool)
+
+        def step(i: int):
+            loss, _grad_norm = trainer.train_step(i, loader, trainer.layout.grad_accum)
+            return loss
+
+    else:
+        backend = make_backend(recipe.cluster.backend, 0)
+        dims = ParallelDims(recipe, backend)
+        ours = build_model_shard(recipe, dims=dims, backend=backend).eval()  # the weights ours trains from
+        hf = hf_from_ours(ours, recipe.model, device, dtype)
+        reference_name = "trnrecipes eager"
+        with torch.no_grad():
+            ref_loss = float(ours_check_loss(ours, pool[0]))
+            ref_logits = ours(pool[0][:, :-1])
+            del ours
+            logits = hf.eval()(input_ids=pool[0][:, :-1], use_cache=False).logits  # the weights, eager
+        hf.train()
+        model = torch.compile(hf) if row == "hf-compile" else hf
+        o = recipe.optim
+        params = [p for p in hf.parameters() if p.requires_grad]
+        fast = {"fused": True} if cuda else {"foreach": True}
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **fast)
+        loss = hf_loss(model, pool[0])  # grad enabled, the training graph (torch.compile compiles here)
+        first_loss = float(loss.detach())
+        del loss
+
+        def step(i: int):
+            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+            for tokens in pool:
+                loss = hf_loss(model, tokens)
+                (loss / args.accum).backward()
+                loss_sum += loss.detach().float()
+            if o.clip_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, o.clip_grad_norm, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss_sum / args.accum
+
+    rel_logits = relative_error(logits, ref_logits)
+    del logits, ref_logits
+    check = loss_check(row, first_loss, ref_loss, reference_name, args.dtype, rel_logits)
+    emit("check", check)
+    if not check["ok"]:
+        raise SystemExit(
+            f"{row}: on the same weights and batch as {reference_name}, first loss {first_loss:.6f} vs"
+            f" {ref_loss:.6f} (rel {check['rel']:.2e}, tolerance {check['tolerance']:.0e}), logits rel"
+            f" {rel_logits:.2e} (tolerance {check['logits_tolerance']:.0e}): not the same model; nothing timed"
+        )
+
+    setup_s = time.perf_counter() - setup_s
+    # Peak memory from here: what training needs, not the reference model built for the check.
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+        except OSError:
+            pass
+    warm_s = time.perf_counter()
+    losses = []
+    for i in range(args.warmup):
+        losses.append(float(step(i)))
+    sync()
+    warm_s = time.perf_counter() - warm_s
+    graphs_after_warmup = compiled_graphs()
+    times = []
+    for i in range(args.warmup, args.warmup + args.steps):
+        sync()
+        start = time.perf_counter()
+        loss = step(i)
+        sync()
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    if not all(map(_finite, losses)):
+        raise SystemExit(f"{row}: non-finite loss during the steps: {losses}")
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else rss_mib("VmHWM") / 1024
+    emit(
+        "result",
+        {
+            "row": row,
+            "step_s": times,
+            "setup_s": setup_s,
+            "warmup_s": warm_s,
+            "losses": losses,
+            "peak_gib": peak_gib,
+            "peak_kind": "max_memory_allocated" if cuda else "peak RSS",
+            "graphs": compiled_graphs(),
+            "graphs_during_timing": compiled_graphs() - graphs_after_warmup,
+        },
+    )
+
+
+def _cycle(items):
+    while True:
+        yield from items
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def probe() -> None:
+    """Print the GPU's name (a process of its own, so the parent never holds a CUDA context)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False)")
+    print(torch.cuda.get_device_name(0))
+
+
+# ---------------------------------------------------------------------------------------------------------- parent
+def peak_for(name: str) -> float | None:
+    for key, tflops in PEAK_TFLOPS:
+        if key.lower() in name.lower():
+            return tflops
+    return None
+
+
+KNOWN_PEAKS = "known: " + ", ".join(f"{k} {v:g}" for k, v in PEAK_TFLOPS)
+
+
+def fmt_tok(x: float) -> str:
+    return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
+
+
+def fmt_params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def worker_argv(args, row: str) -> list[str]:
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", row]
+    for name in (*DEFAULTS, "activation_checkpointing", "compile_backend"):
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    argv.append("--stochastic-rounding" if args.stochastic_rounding else "--no-stochastic-rounding")
+    return argv
+
+
+def run_row(args, row: str) -> dict | None:
+    """One row's results, from a process of its own; None if it failed (its stderr says why, e.g. out of memory).
+    A failed loss check stops the whole run: the rows would not be timing the same model."""
+    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}  # one process: the trainer's dims
+    done = subprocess.run(worker_argv(args, row), stdout=subprocess.PIPE, text=True, env=env)
+    found: dict[str, dict] = {}
+    for line in done.stdout.splitlines():
+        if line.startswith(MARK):
+            payload = json.loads(line[len(MARK) :])
+            found[payload.pop("kind")] = payload
+        else:
+            print(line, file=sys.stderr)  # whatever else the worker printed
+    check = found.get("check")
+    if check is not None:
+        print(
+            f"loss check {row}: {check['loss']:.6f} vs {check['reference_name']} {check['reference']:.6f}"
+            f" (rel {check['rel']:.1e}, tolerance {check['tolerance']:.0e}); logits rel {check['logits_rel']:.1e}"
+            f" (tolerance {check['logits_tolerance']:.0e}): {'ok' if check['ok'] else 'FAILED'}",
+            flush=True,
+        )
+    if check is not None and not check["ok"]:
+        raise SystemExit(f"{row}: the loss check failed; stopping (its message is above)")
+    if done.returncode != 0 or "result" not in found:
+        print(f"error: {row}: the worker failed (exit {done.returncode}); its stderr is above", flush=True)
+        return None
+    return {**found["result"], "check": check}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="default cuda (cpu: smoke tests)")
+    parser.add_argument("--hidden", type=int, help="model.hidden_size (default 4096)")
+    parser.add_argument("--layers", type=int, help="model.num_layers (default 4)")
+    parser.add_argument("--heads", type=int, help="model.num_heads (default 32)")
+    parser.add_argument("--kv-heads", type=int, help="model.num_kv_heads (default: --heads, as Llama-2-7B)")
+    parser.add_argument("--ffn", type=int, help="model.ffn_hidden_size (default 11008)")
+    parser.add_argument("--vocab", type=int, help="model.vocab_size (default 32000)")
+    parser.add_argument("--seq", type=int, help="sequence length (default 4096)")
+    parser.add_argument("--micro-batch", type=int, help="sequences per forward/backward (default 2)")
+    parser.add_argument("--accum", type=int, help="gradient-accumulation micro-batches per step (default 4)")
+    parser.add_argument("--steps", type=int, help="timed optimizer steps per row (default 10)")
+    parser.add_argument("--warmup", type=int, help="untimed optimizer steps first, compilation included (default 3)")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), help="weights of every row (default bf16)")
+    parser.add_argument(
+        "--rows",
+        default=",".join(ROWS),
+        help=f"comma-separated, run in this order (default: all): {', '.join(ROWS)}",
+    )
+    parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the device (default: by GPU name)")
+    parser.add_argument(
+        "--activation-checkpointing",
+        choices=("none", "selective", "full"),
+        default="selective",
+        help="ours' model.activation_checkpointing (default selective, as shipped)",
+    )
+    parser.add_argument(
+        "--stochastic-rounding",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="ours' precision.stochastic_rounding (bf16 only; default off)",
+    )
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend for every compiled row (default inductor; e.g. aot_eager for fast smoke tests)",
+    )
+    parser.add_argument("--tiny", action="store_true", help="a CPU smoke-test preset (explicit arguments win)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results here")
+    parser.add_argument("--worker", choices=list(ROWS), help=argparse.SUPPRESS)
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    preset = TINY if args.tiny else DEFAULTS
+    for name, value in preset.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.kv_heads is None:
+        args.kv_heads = args.heads
+    for name in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "micro_batch", "accum", "steps", "warmup"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, not {getattr(args, name)}")
+    if args.seq < 2:
+        parser.error(f"--seq must be >= 2 (the loss needs a next token), not {args.seq}")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        parser.error(f"--peak-tflops must be > 0, not {args.peak_tflops}")
+    if args.stochastic_rounding and args.dtype != "bf16":
+        parser.error("--stochastic-rounding needs --dtype bf16")
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown or not rows:
+        parser.error(f"--rows: unknown row(s) {unknown or args.rows!r}; valid: {', '.join(ROWS)}")
+    if len(set(rows)) != len(rows):
+        parser.error(f"--rows names a row twice: {args.rows}")
+    args.rows = rows
+    if args.worker is None and not args.probe:
+        from trnrecipes.recipe import RecipeError
+
+        try:  # the recipe's own checks: heads divide hidden, even head_dim, kv heads divide heads, ...
+            make_recipe(args, None)
+        except RecipeError as err:
+            parser.error(f"this shape is not a valid recipe: {err}")
+    args.parser = parser
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.probe:
+        probe()
+        return 0
+    if args.worker:
+        worker(args, args.worker)
+        return 0
+
+    from trnrecipes.layout import flops_per_token, param_count
+
+    if args.device == "cuda":  # asked in a process of its own: this one never holds a CUDA context
+        probe_argv = [sys.executable, os.path.abspath(__file__), "--probe", "--device", args.device]
+        name = subprocess.run(probe_argv, stdout=subprocess.PIPE, text=True)
+        if name.returncode != 0:
+            raise SystemExit(f"cannot use --device {args.device} (its error is above)")
+        device_name = name.stdout.strip()
+    else:
+        import platform
+
+        device_name = platform.processor() or platform.machine() or "cpu"
+    peak = args.peak_tflops
+    if peak is None and args.device == "cuda":
+        peak = peak_for(device_name)
+        if peak is None:
+            args.parser.error(f"no dense bf16 peak known for {device_name!r} ({KNOWN_PEAKS}); give --peak-tflops")
+    recipe = make_recipe(args, None)
+    fpt = flops_per_token(recipe.model, args.seq)
+    params = param_count(recipe.model)
+    tokens_per_step = args.micro_batch * args.accum * args.seq
+    print(
+        f"bench_gpu on {args.device} ({device_name}), peak {f'{peak:g} TFLOP/s' if peak else 'unknown (no MFU)'}:"
+        f" llama2 hidden {args.hidden} x {args.layers} layers (heads {args.heads}, kv {args.kv_heads}, ffn"
+        f" {args.ffn}, vocab {args.vocab}) = {fmt_params(params)} params, seq {args.seq}, micro-batch"
+        f" {args.micro_batch} x accum {args.accum} = {tokens_per_step} tokens/step, {args.dtype} weights,"
+        f" {fpt / 1e9:.3f} GFLOP/token; {args.warmup} warm-up + {args.steps} timed steps per row; ours:"
+        f" activation checkpointing {args.activation_checkpointing}, stochastic rounding"
+        f" {'on' if args.stochastic_rounding else 'off'}",
+        flush=True,
+    )
+    results: dict[str, dict] = {}
+    failed: list[str] = []
+    for row in args.rows:
+        r = run_row(args, row)
+        if r is None:
+            failed.append(row)
+            continue
+        median_s = statistics.median(r["step_s"])
+        r["tokens_per_s"] = tokens_per_step / median_s
+        r["median_step_s"] = median_s
+        r["mfu"] = fpt * r["tokens_per_s"] / (peak * 1e12) if peak else None
+        results[row] = r
+        if row.endswith("compile") and r["graphs"] == 0:
+            print(f"warning: {row} compiled no graph: it ran eagerly", flush=True)
+        if r["graphs_during_timing"]:
+            print(f"warning: {row} compiled {r['graphs_during_timing']} graph(s) during the timed steps", flush=True)
+
+    print()
+    print("| row | what | tokens/s | MFU | step s (median) | setup s | warm-up s | peak memory GiB | first-step loss |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row, r in results.items():
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        print(
+            f"| {row} | {ROWS[row]} | {fmt_tok(r['tokens_per_s'])} | {mfu} | {r['median_step_s']:.4f}"
+            f" | {r['setup_s']:.1f} | {r['warmup_s']:.1f} | {r['peak_gib']:.2f} | {r['losses'][0]:.4f} |"
+        )
+    if results:
+        kind = next(iter(results.values()))["peak_kind"]
+        print(
+            f"(peak memory: {kind} from the end of setup; setup s: imports, building, the loss check and the"
+            f" forward's compilation; warm-up s: all {args.warmup} warm-up steps, the backward's compilation included;"
+            " first-step loss: ours averages over b x s targets, transformers over b x (s - 1))"
+        )
+    ratios = {}
+    for ours in ("ours", "ours-compile"):
+        for hf in ("hf", "hf-compile"):
+            if ours in results and hf in results:
+                o, h = results[ours], results[hf]
+                key = f"{ours}/{hf}"
+                ratios[key] = {
+                    "tokens_per_s": o["tokens_per_s"] / h["tokens_per_s"],
+                    "peak": o["peak_gib"] / h["peak_gib"],
+                }
+                line = f"{key}: {ratios[key]['tokens_per_s']:.2f}x tokens/s, {ratios[key]['peak']:.2f}x peak memory"
+                if hf == "hf-compile":
+                    met = ratios[key]["tokens_per_s"] >= 1.05 and ratios[key]["peak"] <= 1.0
+                    line += f" (target >= 1.05x tokens/s at <= 1.00x memory: {'met' if met else 'not met'})"
+                print(line)
+    if args.json:
+        out = {
+            "device": args.device,
+            "device_name": device_name,
+            "peak_tflops": peak,
+            "shape": {k: getattr(args, k) for k in DEFAULTS},
+            "activation_checkpointing": args.activation_checkpointing,
+            "stochastic_rounding": args.stochastic_rounding,
+            "params": params,
+            "flops_per_token": fpt,
+            "tokens_per_step": tokens_per_step,
+            "rows": results,
+            "failed": failed,
+            "ratios": ratios,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    if failed:
+        print(f"error: row(s) failed: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""layout.fsdp: FSDP2 (torch.distributed.fsdp.fully_shard) as the data-parallel mode on the torch backends.
+
+Applied last in the parallelize step, as torchtitan does (TP, then activation checkpointing and torch.compile, then
+FSDP): each transformer block is its own FSDP unit (its parameters gathered just before its forward and backward,
+freed after), and the root unit holds what is left (embedding, final norm, head). With TP the parameters are already
+DTensors on the mesh's tp dim; fully_shard over the dp dim makes them 2-D DTensors.
+
+How a parameter is split matches ZeRO-1's rows (trnrecipes.sharding): FSDP2 chunks dim 0 of the TP-local tensor
+torch.chunk style over the DP ranks, so a rank's local tensor is exactly `shard_region(..., dp, dp_rank)`. The
+sharded build fills those rows directly, the optimizer keeps moments for them only (as under ZeRO-1), and the
+checkpoint writes the same files as a run without FSDP: weights gathered over DP per tensor (tp_local) and written
+by DP rank 0, moments per DP rank like ZeRO-1's. A checkpoint therefore resumes with FSDP on or off, at any DP size.
+
+Gradients: FSDP reduce-scatters them in each backward, averaged over DP (its default divide factor), so the step
+does not average them again (TorchBackend.reduce_and_clip). Under gradient accumulation every micro-batch's backward
+reduce-scatters (more traffic than one reduction per step, but no unsharded gradient kept between micro-batches: the
+memory is what FSDP is for).
+
+Dynamo does not trace FSDP's hooks (torch._dynamo.config.skip_fsdp_hooks), so compiled blocks keep their
+all-gathers and reduce-scatters eager.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate
+
+
+def apply_fsdp(model: nn.Module, dp_mesh) -> None:
+    """fully_shard every block of model.layers, then the model itself, over the 1-D DP mesh, in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = list(model.layers.children())
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them gathered after forward.
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=dp_mesh)
+
+
+def tp_local(t: torch.Tensor) -> torch.Tensor:
+    """`t` as its TP rank would hold it without FSDP: a DTensor's DP shards gathered (a collective over the DP group:
+    every DP rank must call it), its TP shard kept; a plain tensor as it is."""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return t
+    names = t.device_mesh.mesh_dim_names or ()
+    if "dp" in names and not placements[names.index("dp")].is_replicate():
+        gathered = list(placements)
+        gathered[names.index("dp")] = Replicate()
+        t = t.redistribute(placements=gathered)
+    return t.to_local()
+
+
+def mesh_dim_placement(t: torch.Tensor, name: str):
+    """The placement of a DTensor on the mesh dim called `name`; None for a plain tensor or a mesh without it."""
+    placements = getattr(t, "placements", None)
+    names = t.device_mesh.mesh_dim_names if placements is not None else None
+    if not names or name not in names:
+        return None
+    return placements[names.index(name)]
