@@ -13,6 +13,8 @@ What it measures, per row, each row in a process of its own (so its peak memory 
                  recipes/llama2/hf.py), SDPA attention, use_cache off, weights in the same dtype, torch.optim.AdamW
                  (fused=True on cuda, foreach elsewhere), torch.nn.utils.clip_grad_norm_ (1.0, as ours), eager.
   hf-compile     the same with model = torch.compile(model).
+Not quite like for like, in transformers' favour: torch's AdamW keeps its moments in the parameters' dtype (bf16 here),
+ours in fp32 (8 bytes more per parameter, and more optimizer traffic).
 No row checkpoints activations except ours (`--activation-checkpointing`, selective as shipped). train.compile left
 unset is on for cuda, so a recipe as shipped trains like the ours-compile row there.
 The rows run one after another, not in lockstep as bench/bench_model.py's sides do: a dedicated GPU has no

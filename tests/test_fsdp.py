@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import REPO
 from safetensors import safe_open
-from test_resume import last_losses
+from test_resume import last_losses, logged_steps
 from test_zero1 import launch
 
 from trnrecipes.checkpoint import verify_training
@@ -95,6 +96,35 @@ def test_an_fsdp_checkpoint_is_plain_dps_files_and_resumes_either_way(tmp_path: 
         torch.testing.assert_close(got, [reference[s] for s in range(6, 11)], rtol=1e-5, atol=0, msg=(first, then))
     out = launch(tmp_path, straight, 1, 12)
     assert "resuming from" in out and "(step 10)" in out and "data parallel size changed (2 -> 1)" in out
+
+
+def launch_failing(tmp_path: Path, *overrides: str) -> str:
+    """A 2-rank `trnrecipes train` of llama2-tiny that must fail: its output."""
+    over = ["cluster.workers_per_node=2", f"run_dir={tmp_path / 'run'}", *overrides]
+    recipe = load_recipe("llama2-tiny", overrides=over)
+    cfg = tmp_path / "failing.yaml"
+    cfg.write_text(yaml.safe_dump(recipe.to_dict()))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+           "--rdzv-endpoint=127.0.0.1:0", "-m", "trnrecipes", "train", "--config", str(cfg)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0, done.stdout[-3000:]
+    return done.stdout + done.stderr
+
+
+def test_the_parameter_norm_after_validation_counts_each_row_once(tmp_path: Path):
+    # A validation forward leaves FSDP's root and last block gathered; the norm must not count them dp times.
+    norms = {}
+    for fsdp in ("false", "true"):
+        launch(tmp_path, tmp_path / fsdp, 2, 4, f"layout.fsdp={fsdp}", "train.val_every=2", "checkpoint.every_steps=4")
+        norms[fsdp] = [r["param_norm"] for r in logged_steps(tmp_path / fsdp) if "val_loss" in r]
+    assert len(norms["true"]) == 2
+    torch.testing.assert_close(norms["true"], norms["false"], rtol=1e-5, atol=0)
+
+
+def test_fsdp_refuses_fewer_validation_documents_than_dp_ranks(tmp_path: Path):
+    # Every DP rank's forward gathers over DP: a rank without validation batches would leave the others waiting.
+    out = launch_failing(tmp_path, "layout.fsdp=true", "data.val_fraction=0.000001")  # 1 document
+    assert "under layout.fsdp each rank needs one: raise data.val_fraction" in out
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,9 @@
 
 Applied last in the parallelize step, as torchtitan does (TP, then activation checkpointing and torch.compile, then
 FSDP): each transformer block is its own FSDP unit (its parameters gathered just before its forward and backward,
-freed after), and the root unit holds what is left (embedding, final norm, head). With TP the parameters are already
-DTensors on the mesh's tp dim; fully_shard over the dp dim makes them 2-D DTensors.
+freed after; the last block's kept from its forward to its backward, which comes next), and the root unit holds
+what is left (embedding, final norm, head; FSDP keeps a root's parameters gathered after forward). With TP the
+parameters are already DTensors on the mesh's tp dim; fully_shard over the dp dim makes them 2-D DTensors.
 
 How a parameter is split matches ZeRO-1's rows (trnrecipes.sharding): FSDP2 chunks dim 0 of the TP-local tensor
 torch.chunk style over the DP ranks, so a rank's local tensor is exactly `shard_region(..., dp, dp_rank)`. The
@@ -38,6 +39,17 @@ def apply_fsdp(model: nn.Module, dp_mesh) -> None:
     fully_shard(model, mesh=dp_mesh)
 
 
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP unit back to its DP shards. A forward without backward (validation) leaves the root and the
+    last block gathered (FSDP keeps the root's parameters after forward, and the last block is wrapped so), and
+    anything that reads the parameters as this rank's rows (the parameter norm) must not see whole tensors."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def tp_local(t: torch.Tensor) -> torch.Tensor:
     """`t` as its TP rank would hold it without FSDP: a DTensor's DP shards gathered (a collective over the DP group:
     every DP rank must call it), its TP shard kept; a plain tensor as it is."""
@@ -55,7 +67,9 @@ def tp_local(t: torch.Tensor) -> torch.Tensor:
 def mesh_dim_placement(t: torch.Tensor, name: str):
     """The placement of a DTensor on the mesh dim called `name`; None for a plain tensor or a mesh without it."""
     placements = getattr(t, "placements", None)
-    names = t.device_mesh.mesh_dim_names if placements is not None else None
-    if not names or name not in names:
+    if placements is None:
         return None
-    return placements[names.index(name)]
+    names = t.device_mesh.mesh_dim_names
+    if names is None and len(placements) == 1:  # an unnamed 1-D mesh: the only placement there is
+        return placements[0]
+    return placements[names.index(name)] if names and name in names else None

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trnrecipes.backends.base import Backend
-from trnrecipes.fsdp import apply_fsdp, mesh_dim_placement
+from trnrecipes.fsdp import apply_fsdp, mesh_dim_placement, reshard
 from trnrecipes.pipeline import TorchPipeline, parameter_order
 from trnrecipes.recipe import RecipeError
 from trnrecipes.train.parallel_dims import full_tensor, local_tensor
@@ -80,6 +80,8 @@ class TorchBackend(Backend):
         squared norm (its TP shards gathered) counted once, by the pipeline stage that holds it, and the squares
         summed in the full model's parameter order. Under FSDP each rank squares its own rows and the squares are
         summed over the ranks: equal to the other layouts up to fp32 rounding, not bitwise."""
+        if dims.fsdp:
+            reshard(model)  # after a validation forward the root and last block are still whole tensors
         names = parameter_order(model)
         squares = torch.zeros(len(names), dtype=torch.float32, device=self.device)
         index = {name: i for i, name in enumerate(names)}

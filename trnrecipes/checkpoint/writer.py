@@ -211,13 +211,15 @@ def snapshot(
     files: dict[str, object] = {}
     optim_dp = dims.dp if dims.shards_moments else 1
     stage = {"pp_rank": dims.pp_rank, "pp": dims.pp}
-    if dims.fsdp:  # every DP rank takes part in each tensor's gather; DP rank 0 keeps them
-        weights = {k: tp_local(v) for k, v in model.state_dict().items()}
-    else:
-        weights = model.state_dict() if dims.dp_rank == 0 else {}
-    if dims.dp_rank == 0:
-        files[shard_file("model", dims.tp_rank, dims.tp, **stage)] = {k: _host(k, v) for k, v in weights.items()}
-    del weights
+    if dims.dp_rank == 0 or dims.fsdp:
+        weights = {}
+        for k, v in model.state_dict().items():
+            # FSDP: a gather over DP, one tensor at a time, that every DP rank takes part in; DP rank 0 keeps it.
+            t = tp_local(v) if dims.fsdp else v
+            if dims.dp_rank == 0:
+                weights[k] = _host(k, t)
+        if dims.dp_rank == 0:
+            files[shard_file("model", dims.tp_rank, dims.tp, **stage)] = weights
     if dims.dp_rank == 0 or dims.shards_moments:
         moments = {}
         names = {id(p): name for name, p in model.named_parameters()}  # the optimizer holds the trained ones only

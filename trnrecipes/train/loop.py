@@ -187,6 +187,11 @@ class Trainer:
         self.train_docs, self.val_docs = split_documents(self.documents.num_docs, d.val_fraction, seed, source=d.path)
         # Validation: the same fixed batches every time (a fresh stream from its start), split over DP ranks.
         val_dp = min(self.dims.dp, len(self.val_docs)) if len(self.val_docs) else 0
+        if self.dims.fsdp and 0 < val_dp < self.dims.dp:  # FSDP's forward gathers over DP: every rank must run it
+            raise RecipeError(
+                f"data.val_fraction {d.val_fraction} leaves {len(self.val_docs)} validation document(s) for"
+                f" {self.dims.dp} data-parallel ranks; under layout.fsdp each rank needs one: raise data.val_fraction"
+            )
         self.val_batches: list[torch.Tensor] = []
         if val_dp and self.dims.dp_rank < val_dp:
             stream = PackedStream(self.documents, self.val_docs, b.seq_len, 0, self.dims.dp_rank, val_dp)
