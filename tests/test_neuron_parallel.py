@@ -351,8 +351,16 @@ def _fake_zero1_optimizer(global_rank: int, tp: int, dp_groups: list[list[int]])
     return NeuronZero1Optimizer
 
 
+def stand_in_dims(**fields) -> types.SimpleNamespace:
+    """A ParallelDims stand-in for one rank built in this process: one of everything unless `fields` say otherwise;
+    shards_moments derived as ParallelDims derives it."""
+    dims = dict(tp=1, tp_rank=0, dp=1, dp_rank=0, pp=1, pp_rank=0, world=1, rank=0, zero1=False, fsdp=False, mesh=None)
+    dims |= fields
+    return types.SimpleNamespace(**dims, shards_moments=dims["zero1"] or dims["fsdp"])
+
+
 def _neuron_build(recipe, tp: int, rank: int) -> nn.Module:
-    dims = types.SimpleNamespace(tp=tp, tp_rank=rank, pp=1, pp_rank=0, mesh=None, fsdp=False)
+    dims = stand_in_dims(tp=tp, tp_rank=rank)
     return build_model_shard(recipe, dims=dims, backend=NeuronXlaBackend("neuron", torch.device("cpu")))
 
 
@@ -423,7 +431,7 @@ def test_each_neuron_tp_rank_reads_only_its_shard_from_a_checkpoint(monkeypatch,
     saved = build_model(r.model)
     saved.init_weights(seed=r.train.seed + 1)
     ckpt = write_model_checkpoint(tmp_path / "ckpt", saved.state_dict(), r)
-    dims = types.SimpleNamespace(tp=2, pp=1, pp_rank=0, mesh=None, fsdp=False)
+    dims = stand_in_dims(tp=2)
     for rank in (0, 1):
         install_fake_nxd(monkeypatch, tp=2, rank=rank)
         dims.tp_rank = rank
@@ -689,19 +697,7 @@ def test_neuron_zero1_trains_like_adamw_and_its_checkpoint_resumes_on_torch_at_d
     ranks = []
     for dp_rank in (0, 1):
         install_fake_nxd(monkeypatch, dp=2, dp_rank=dp_rank)
-        dims = types.SimpleNamespace(
-            tp=1,
-            tp_rank=0,
-            dp=2,
-            dp_rank=dp_rank,
-            pp=1,
-            pp_rank=0,
-            world=2,
-            rank=dp_rank,
-            zero1=True,
-            fsdp=False,
-            shards_moments=True,
-        )
+        dims = stand_in_dims(dp=2, dp_rank=dp_rank, world=2, rank=dp_rank, zero1=True)
         backend = NeuronXlaBackend("neuron", torch.device("cpu"))
         model = build_model_shard(recipe, dims=dims, backend=backend)
         opt = backend.make_optimizer(model, recipe, dims)
@@ -732,19 +728,7 @@ def test_neuron_zero1_trains_like_adamw_and_its_checkpoint_resumes_on_torch_at_d
 
     # Resume on the torch backend at DP 1 (our AdamW, no ZeRO-1): every row of every moment comes from the rank
     # that held it, and the step count carries over.
-    dims1 = types.SimpleNamespace(
-        tp=1,
-        tp_rank=0,
-        dp=1,
-        dp_rank=0,
-        pp=1,
-        pp_rank=0,
-        world=1,
-        rank=0,
-        zero1=False,
-        fsdp=False,
-        shards_moments=False,
-    )
+    dims1 = stand_in_dims()
     cpu = TorchBackend("cpu", torch.device("cpu"))
     model1 = build_model_shard(recipe, dims=dims1, backend=cpu)
     opt1 = AdamW(list(model1.parameters()), recipe.optim)

@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from test_neuron_parallel import install_fake_nxd
+from test_neuron_parallel import install_fake_nxd, stand_in_dims
 from torch import nn
 
 from trnrecipes import neuron_parallel
@@ -246,21 +246,8 @@ def install_fake_pipeline(monkeypatch, world: PipeWorld, pp_rank: int, **nxd) ->
 PP2 = ["layout.pp=2", "cluster.workers_per_node=2", "batch.seq_len=16", "model.num_layers=3"]
 
 
-def _dims(pp_rank: int, pp: int = 2, zero1: bool = False) -> types.SimpleNamespace:
-    return types.SimpleNamespace(
-        pp=pp,
-        pp_rank=pp_rank,
-        tp=1,
-        tp_rank=0,
-        dp=1,
-        dp_rank=0,
-        world=pp,
-        rank=pp_rank,
-        zero1=zero1,
-        mesh=None,
-        fsdp=False,
-        shards_moments=zero1,
-    )
+def _dims(pp_rank: int, pp: int = 2, **fields) -> types.SimpleNamespace:
+    return stand_in_dims(**dict(pp=pp, pp_rank=pp_rank, world=pp, rank=pp_rank) | fields)
 
 
 def _ranks(monkeypatch, recipe, micro_batches: int, zero1: bool = False):
@@ -460,7 +447,7 @@ def test_tp2_by_pp2_ranks_hold_their_stages_shards_of_the_same_model(monkeypatch
     for pp_rank in range(2):
         for tp_rank in range(2):
             install_fake_pipeline(monkeypatch, PipeWorld(2), pp_rank, tp=2, rank=tp_rank)
-            dims = types.SimpleNamespace(**{**vars(_dims(pp_rank)), "tp": 2, "tp_rank": tp_rank, "world": 4})
+            dims = _dims(pp_rank, tp=2, tp_rank=tp_rank, world=4)
             model = build_model_shard(recipe, dims=dims, backend=NeuronXlaBackend("neuron", torch.device("cpu")))
             assert hasattr(model, "embed") == (pp_rank == 0) and hasattr(model, "head") == (pp_rank == 1)
             for name, p in model.named_parameters():

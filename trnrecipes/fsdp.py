@@ -57,10 +57,8 @@ def tp_local(t: torch.Tensor) -> torch.Tensor:
     if placements is None:
         return t
     names = t.device_mesh.mesh_dim_names or ()
-    if "dp" in names and not placements[names.index("dp")].is_replicate():
-        gathered = list(placements)
-        gathered[names.index("dp")] = Replicate()
-        t = t.redistribute(placements=gathered)
+    if "dp" in names and not placements[dp := names.index("dp")].is_replicate():
+        t = t.redistribute(placements=[*placements[:dp], Replicate(), *placements[dp + 1 :]])
     return t.to_local()
 
 

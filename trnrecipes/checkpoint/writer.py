@@ -204,9 +204,8 @@ def snapshot(
 ) -> dict[str, object]:
     """This rank's files for checkpoint `step`: weights from DP rank 0 of each TP group of each pipeline stage (one
     file per stage x TP rank; under FSDP gathered over DP first); moments likewise, or under ZeRO-1 and FSDP from
-    every rank (its rows); shard dims from the
-    first rank of each stage; the data position from the first stage's TP rank 0 of each DP group (every stage of
-    a replica reads the same stream); RNG state from every rank."""
+    every rank (its rows); shard dims from the first rank of each stage; the data position from the first stage's
+    TP rank 0 of each DP group (every stage of a replica reads the same stream); RNG state from every rank."""
     _host = host.copy
     files: dict[str, object] = {}
     optim_dp = dims.dp if dims.shards_moments else 1

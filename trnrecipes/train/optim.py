@@ -76,15 +76,20 @@ def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in like]), like, strict=True)]
 
 
+def _fp32_copies(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """fp32 copies of the tensors (one foreach pass) as views of one new flat buffer: (buffer, views)."""
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32, device=tensors[0].device)
+    copies = _views(flat, tensors)
+    torch._foreach_copy_(copies, tensors)
+    return flat, copies
+
+
 def _as_fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors in fp32: fp32 ones as they are, the others copied (in one foreach pass) into one new buffer."""
+    """The tensors in fp32: fp32 ones as they are, the others copied (_fp32_copies)."""
     convert = [t for t in tensors if t.dtype != torch.float32]
     if not convert:
         return tensors
-    flat = torch.empty(sum(t.numel() for t in convert), dtype=torch.float32, device=convert[0].device)
-    copies = _views(flat, convert)
-    torch._foreach_copy_(copies, convert)
-    converted = iter(copies)
+    converted = iter(_fp32_copies(convert)[1])
     return [t if t.dtype == torch.float32 else next(converted) for t in tensors]
 
 
@@ -196,9 +201,7 @@ class AdamW:
         if fp32:
             weights, flat = params, None
         else:  # bf16 weights: the update is computed in fp32, then rounded once
-            flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
-            weights = _views(flat, params)
-            torch._foreach_copy_(weights, params)
+            flat, weights = _fp32_copies(params)
         if shrink is not None:
             decayed = [w for w, i in zip(weights, indices, strict=True) if id(self.params[i]) not in self.no_decay]
             if decayed:
