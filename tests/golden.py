@@ -15,32 +15,38 @@ from trnrecipes.render import render_job, sbatch_command
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 FAKE_REPO = Path("/opt/trnrecipes")  # stands in for the checkout so the files do not depend on where it lives
-CASES: list[tuple[str, int]] = [
-    ("neox20b", 1), ("neox20b", 4), ("neox20b", 16),
-    ("pythia6.9b", 1), ("pythia6.9b", 4),
-    ("llama2-7b", 1), ("llama2-7b", 16),
-    ("llama2-70b", 8),
-    ("neox-tiny", 1), ("neox-tiny", 2),
-    ("pythia-tiny", 1), ("pythia-tiny", 2),
-    ("llama2-tiny", 1), ("llama2-tiny", 2),
+# Variants: a recipe rendered with overrides, in a dir named <recipe>-<nodes>n-<variant>.
+VARIANTS: dict[str, str] = {"trn3": "cluster.instance=trn3.48xlarge"}
+CASES: list[tuple[str, int, str]] = [
+    ("neox20b", 1, ""), ("neox20b", 4, ""), ("neox20b", 16, ""),
+    ("pythia6.9b", 1, ""), ("pythia6.9b", 4, ""),
+    ("llama2-7b", 1, ""), ("llama2-7b", 16, ""),
+    ("llama2-70b", 8, ""),
+    ("llama2-7b-trn2", 1, ""), ("llama2-7b-trn2", 16, ""), ("llama2-7b-trn2", 4, "trn3"),
+    ("llama2-70b-trn2", 8, ""), ("llama2-70b-trn2", 8, "trn3"),
+    ("llama2-smoke-trn2", 1, ""),
+    ("neox-tiny", 1, ""), ("neox-tiny", 2, ""),
+    ("pythia-tiny", 1, ""), ("pythia-tiny", 2, ""),
+    ("llama2-tiny", 1, ""), ("llama2-tiny", 2, ""),
 ]  # fmt: skip
 
 
-def case_dir(name: str, nodes: int) -> str:
-    return f"{name}-{nodes}n"
+def case_dir(name: str, nodes: int, variant: str = "") -> str:
+    return f"{name}-{nodes}n" + (f"-{variant}" if variant else "")
 
 
-def render_case(name: str, nodes: int) -> dict[str, str]:
-    recipe = load_recipe(name, nodes=nodes)
-    job = render_job(recipe, FAKE_REPO / "jobs" / case_dir(name, nodes), sbatch_command(name, nodes), FAKE_REPO)
-    return job.files
+def render_case(name: str, nodes: int, variant: str = "") -> dict[str, str]:
+    overrides = VARIANTS[variant] if variant else ""
+    recipe = load_recipe(name, nodes=nodes, overrides=overrides)
+    job_dir = FAKE_REPO / "jobs" / case_dir(name, nodes, variant)
+    return render_job(recipe, job_dir, sbatch_command(name, nodes, overrides), FAKE_REPO).files
 
 
 def regenerate() -> None:
-    for name, nodes in CASES:
-        out = GOLDEN_DIR / case_dir(name, nodes)
+    for case in CASES:
+        out = GOLDEN_DIR / case_dir(*case)
         out.mkdir(parents=True, exist_ok=True)
-        for file_name, text in render_case(name, nodes).items():
+        for file_name, text in render_case(*case).items():
             (out / file_name).write_text(text)
     stale = {p.name for p in GOLDEN_DIR.iterdir() if p.is_dir()} - {case_dir(*c) for c in CASES}
     for name in sorted(stale):

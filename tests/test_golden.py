@@ -9,11 +9,11 @@ import pytest
 from golden import CASES, GOLDEN_DIR, case_dir, render_case
 
 
-@pytest.mark.parametrize(("name", "nodes"), CASES, ids=[case_dir(*c) for c in CASES])
-def test_rendered_job_equals_golden(name, nodes):
-    rendered = render_case(name, nodes)
+@pytest.mark.parametrize(("name", "nodes", "variant"), CASES, ids=[case_dir(*c) for c in CASES])
+def test_rendered_job_equals_golden(name, nodes, variant):
+    rendered = render_case(name, nodes, variant)
     for file_name, text in rendered.items():
-        golden = GOLDEN_DIR / case_dir(name, nodes) / file_name
+        golden = GOLDEN_DIR / case_dir(name, nodes, variant) / file_name
         assert golden.exists(), f"missing {golden}; run `make golden`"
         assert text == golden.read_text(), f"{golden} differs from the rendered file; review, then `make golden`"
 

@@ -86,9 +86,9 @@ def test_overrides_are_typed_by_yaml_and_validated():
         ("precision.dtype=fp32", "precision.stochastic_rounding needs precision.dtype 'bf16'"),
         ("cluster.instance=trn3", "cluster.instance: expected"),  # caught by check; message lists the catalog
         ("cluster.backend=cuda", "cluster.backend 'cuda' does not run on trn1.32xlarge; valid: neuron"),
-        ("cluster.neuron_sdk=2.9", "cluster.neuron_sdk '2.9': supported 2.21 to 2.28"),
-        ("cluster.neuron_sdk=2.20", "cluster.neuron_sdk '2.20': supported 2.21 to 2.28"),
-        ("cluster.neuron_sdk=2.29", "cluster.neuron_sdk '2.29': supported 2.21 to 2.28"),
+        ("cluster.neuron_sdk=2.9", "cluster.neuron_sdk 2.9: outside the releases this project's env/flag table"),
+        ("cluster.neuron_sdk=2.20", "describes; valid on trn1.32xlarge: cluster.neuron_sdk 2.21 to 2.28 (torch-xla"),
+        ("cluster.neuron_sdk=2.29", "cluster.neuron_sdk 2.29: XLA/NxD training ended after Neuron SDK 2.28"),
         ("compile.cache_dir=cache", "compile.cache_dir 'cache' must be an absolute node-local path"),
         ("slurm.job_name=$(reboot)", "slurm.job_name '$(reboot)': use letters, digits"),
         ("slurm.time_limit=forever", "slurm.time_limit 'forever': expected [D-]HH:MM:SS"),

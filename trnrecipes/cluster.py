@@ -1,25 +1,20 @@
 """Instance catalog: what one node of each target offers. Prices are on-demand US East, per instance-hour.
 
-Sources: AWS instance pages and FACTS.md (trn1 190 BF16 TFLOPS per chip, trn2 667; A100 312, H100 SXM 989 dense).
-A recipe may override the price (reserved/SageMaker rates) and the worker count (a different logical-core layout).
+Sources: AWS instance pages and the Neuron architecture docs (awsdocs-neuron.readthedocs-hosted.com, about-neuron/
+arch/neuron-hardware: trainium, trainium2, trainium3, neuron-core-v3/v4, trn2-arch, trn3-arch); A100 312, H100 SXM
+989 dense BF16 TFLOPS. A recipe may override the price (reserved/SageMaker rates) and the worker count (a different
+logical-core layout). Which Neuron software stack trains on which instance: trnrecipes.stacks.
+
+Peak for MFU on trn2/trn3 is the tensor engines' dense BF16 rate per logical NeuronCore (LNC=2: two physical
+cores), as TorchTitan Neuron counts it: 2 cores x 128 x 128 MACs x 2 FLOPs x 2.4 GHz = 157 TFLOPS (its
+get_peak_flops patch, "Trainium2 LNC2"); the NeuronCore-v3 and -v4 pages give 79 per physical core, the same
+within 1%. AWS's headline 667 (trn2) / 671 (trn3) per chip of 8 cores is 6% higher; MFU against it would read 6%
+lower than TorchTitan Neuron's for the same run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-# Oldest and newest Neuron SDK the env/flag table (trnrecipes.neuron_env) describes. From 2.21 on the SDK ships
-# PyTorch 2.5: torch_xla.device() (torch-xla 2.3+) and torch_xla.sync() (2.4+), which the backend uses, exist;
-# 2.18-2.20 ship torch-xla 2.1 without them. 2.28 is the last release with NxD Core training APIs and PyTorch/XLA
-# training ("Announcing end of support for NxDT and NxD Core Training APIs starting with Neuron SDK release 2.29",
-# AWS, February 2026).
-SUPPORTED_SDK: tuple[tuple[int, int], tuple[int, int]] = ((2, 21), (2, 28))
-
-
-def sdk_version(text: str) -> tuple[int, int]:
-    """'2.26' -> (2, 26)."""
-    major, minor = text.split(".")
-    return int(major), int(minor)
 
 
 @dataclass(frozen=True)
@@ -30,7 +25,7 @@ class Instance:
     peak_bf16_tflops: float  # dense, whole instance
     hbm_gib: float  # accelerator memory, whole instance
     network_gbps: int  # inter-node fabric
-    price_per_hour: float  # USD, on-demand
+    price_per_hour: float | None  # USD, on-demand; None: not published when this catalog was written
     backends: tuple[str, ...]  # training backends that run on it
 
 
@@ -40,8 +35,15 @@ INSTANCES: dict[str, Instance] = {
         # 16 Trainium chips x 2 NeuronCore-v2; one worker per core.
         Instance("trn1.32xlarge", "NeuronCore-v2", 32, 16 * 190.0, 512, 800, 21.50, ("neuron",)),
         Instance("trn1n.32xlarge", "NeuronCore-v2", 32, 16 * 190.0, 512, 1600, 24.78, ("neuron",)),
-        # 16 Trainium2 chips x 8 NeuronCore-v3, grouped in pairs by the default logical core config (LNC=2).
-        Instance("trn2.48xlarge", "NeuronCore-v3 (LNC=2)", 64, 16 * 667.0, 16 * 96, 3200, 44.70, ("neuron",)),
+        # 16 Trainium2 chips x 8 NeuronCore-v3, grouped in pairs by the default logical core config (LNC=2): 64
+        # workers of 24 GiB each. Peak: 64 logical cores x 157 (see above; AWS's headline: 16 x 667 = 10,672).
+        Instance("trn2.48xlarge", "NeuronCore-v3 (LNC=2)", 64, 64 * 157.0, 16 * 96, 3200, 44.70, ("neuron",)),
+        # A Trn3 Gen1 UltraServer's server: 16 Trainium3 chips x 8 NeuronCore-v4 (LNC=2 by default: 64 workers),
+        # 144 GiB per chip, 12,800 Gbps EFA per 4-server UltraServer (3,200 per server). The chip figures are AWS's
+        # (trainium3, trn3-arch pages); UNVERIFIED: the instance name (AWS documents UltraServers, not instance
+        # sizes; "trn3.48xlarge" is the name the Neuron driver reports) and the price (none published: set
+        # cluster.price_per_hour). Peak as trn2's: 2 x 79 TFLOPS per logical core (AWS's headline 16 x 671).
+        Instance("trn3.48xlarge", "NeuronCore-v4 (LNC=2)", 64, 64 * 158.0, 16 * 144, 3200, None, ("neuron",)),
         Instance("p4d.24xlarge", "A100-40GB", 8, 8 * 312.0, 8 * 40, 400, 32.77, ("cuda", "xla")),
         Instance("p5.48xlarge", "H100-80GB", 8, 8 * 989.0, 8 * 80, 3200, 55.04, ("cuda", "xla")),
         # A laptop or CI box: two CPU worker processes, price zero. Peak: fp32, since CPUs without AVX512-BF16 run

@@ -169,11 +169,12 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
         "recipe": r.name,
         "instance": inst.name,
         "backend": r.cluster.backend,
+        "stack": r.stack,  # xla-nxd / torchneuron on neuron (trnrecipes.stacks), else the backend
         **layout.to_dict(),
         "params": param_count(r.model),
         "flops_per_token": fpt,
         "peak_tflops": peak_tflops,
-        "price_per_hour": price * layout.nodes,
+        "price_per_hour": price * layout.nodes if price is not None else None,  # None: no price known
     }
     if layout.pp > 1:
         out |= pipeline_plan(r, layout)
@@ -182,14 +183,14 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
             raise RecipeError(f"--seq-per-s must be > 0, got {seq_per_s}")
         tokens_per_s = seq_per_s * r.batch.seq_len
         step_s = r.batch.global_batch / seq_per_s
-        cluster_price = price * layout.nodes
+        cluster_price = price * layout.nodes if price is not None else None
         out |= {
             "seq_per_s": seq_per_s,
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_node": tokens_per_s / layout.nodes,
             "step_time_s": step_s,
             "mfu": fpt * tokens_per_s / (peak_tflops * 1e12),
-            "dollars_per_step": cluster_price * step_s / 3600,
-            "tokens_per_dollar": tokens_per_s * 3600 / cluster_price if cluster_price > 0 else None,
+            "dollars_per_step": cluster_price * step_s / 3600 if cluster_price is not None else None,
+            "tokens_per_dollar": tokens_per_s * 3600 / cluster_price if cluster_price else None,
         }
     return out

@@ -1,30 +1,51 @@
-"""The one table of Neuron environment variables and compiler flags, keyed by Neuron SDK version.
+"""The one table of Neuron environment variables and compiler flags, per Neuron stack and SDK version.
 
 compile.sbatch and run.sbatch both export exactly `backend_env(recipe)`, so the two can never drift apart (the
-anchors' copy-pasted env blocks did). Precision lives in the recipe; this table only translates it for the SDK.
-Sources: AWS Neuron docs and the public NxD / neuronx-nemo-megatron scripts; see FACTS.md.
+anchors' copy-pasted env blocks did). Precision lives in the recipe; this table only translates it for the stack.
+Sources: AWS Neuron docs, the public NxD / neuronx-nemo-megatron scripts and, for TorchNeuron (Neuron 2.33), its
+docs (awsdocs-neuron torch/index, torch/guides/torch-distributed, torch/reference/env-vars) and torch-neuronx's source
+(where the docs were not readable here: marked); see FACTS.md.
+
+What TorchNeuron does itself, so the table leaves it out there: it sets NEURON_RT_VISIBLE_CORES (to LOCAL_RANK: one
+core per process, which it asserts) and NEURON_RT_ROOT_COMM_ID (from MASTER_ADDR, through the rendezvous store)
+when unset, so exporting either would break it; it reads neither NEURON_COMPILE_CACHE_URL nor NEURON_FUSE_SOFTMAX
+(torch-xla's); it passes neuronx-cc `--model-type transformer --auto-cast=none -O1` itself and appends
+NEURON_CC_FLAGS. It has no documented stochastic-rounding switch: the trainer's AdamW rounds in software there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from trnrecipes.cluster import SUPPORTED_SDK, sdk_version
+from trnrecipes import REPO_ROOT
 from trnrecipes.families import FAMILIES
 from trnrecipes.recipe import Recipe
+from trnrecipes.stacks import TORCHNEURON, XLA_NXD, neuron_stack, sdk_version
+
+BOTH = (XLA_NXD, TORCHNEURON)
 
 
 @dataclass(frozen=True)
 class EnvRule:
     name: str
-    value: Callable[[Recipe], str | None]  # None: not set for this recipe
+    value: Callable[[Recipe, Path], str | None]  # (recipe, job dir) -> value; None: not set for this recipe
     why: str
-    since: tuple[int, int] = SUPPORTED_SDK[0]  # first SDK that reads it
-    until: tuple[int, int] = SUPPORTED_SDK[1]  # last SDK that reads it
+    stacks: tuple[str, ...] = (XLA_NXD,)  # the Neuron stacks that read it
+    since: tuple[int, int] = (2, 0)  # first SDK that reads it
+    until: tuple[int, int] = (2, 99)  # last SDK that reads it
 
 
 def neuron_cc_flags(r: Recipe) -> str:
+    """NEURON_CC_FLAGS for the recipe's stack. TorchNeuron passes `--model-type transformer --auto-cast=none -O1`
+    itself and appends these (torch-neuronx csrc/core/KernelExecution.cpp): there only what it does not set, and no
+    --distribution-strategy, which tells torch-xla's graphs how the optimizer is sharded. compile.optlevel other
+    than 1 is refused there by the recipe check (TorchNeuron documents no way to change its -O1)."""
+    extras = list(FAMILIES[r.model.family].compiler_flags(r.cluster.instance))  # e.g. neox on trn1
+    accumulate = ["--enable-mixed-precision-accumulation"] if r.compile.mixed_precision_accumulation else []
+    if r.stack == TORCHNEURON:
+        return " ".join(accumulate + extras + r.compile.extra_flags)
     flags = [
         "--model-type",
         "transformer",
@@ -32,59 +53,86 @@ def neuron_cc_flags(r: Recipe) -> str:
         "llm-training",
         f"--optlevel={r.compile.optlevel}",
     ]
-    if r.compile.mixed_precision_accumulation:
-        flags.append("--enable-mixed-precision-accumulation")
-    flags += FAMILIES[r.model.family].compiler_flags(r.cluster.instance)  # e.g. neox on trn1
-    return " ".join(flags + r.compile.extra_flags)
+    return " ".join(flags + accumulate + extras + r.compile.extra_flags)
 
 
-def _const(value: str) -> Callable[[Recipe], str]:
-    return lambda _r: value
+def _const(value: str) -> Callable[[Recipe, Path], str]:
+    return lambda _r, _job_dir: value
+
+
+def _of_recipe(value: Callable[[Recipe], str | None]) -> Callable[[Recipe, Path], str | None]:
+    return lambda r, _job_dir: value(r)
 
 
 # No XLA_USE_BF16 / XLA_DOWNCAST_BF16 (AWS's samples for SDK <= 2.24 set them): the trainer casts the model to bf16
 # (precision.dtype bf16) or autocasts (bf16-mixed) itself on every supported SDK, and those variables would also put
 # its fp32 state in bf16: AdamW moments, bf16-mixed master weights, and constants (beta2 0.999 rounds to 1.0).
 RULES: tuple[EnvRule, ...] = (
-    EnvRule("NEURON_CC_FLAGS", neuron_cc_flags, "neuronx-cc flags for transformer training"),
+    EnvRule(
+        "NEURON_CC_FLAGS",
+        _of_recipe(lambda r: neuron_cc_flags(r) or None),
+        "neuronx-cc flags for transformer training",
+        BOTH,
+    ),
     EnvRule(
         "NEURON_COMPILE_CACHE_URL",
-        lambda r: r.compile.cache_dir,
+        _of_recipe(lambda r: r.compile.cache_dir),
         "node-local compile cache: many writers on a shared FS corrupt and slow it",
+    ),
+    # Names and defaults (/tmp/neff_cache, /tmp/local_cache) from torch-neuronx's source (PersistentCacheBackend.cpp,
+    # CompilationCache.cpp): confirm them in the 2.33 env-var reference (torch/reference/env-vars) on a Trainium host.
+    EnvRule(
+        "TORCH_NEURONX_NEFF_CACHE_DIR",
+        lambda r, job_dir: r.compile.shared_cache_dir or str(job_dir / "neff-cache"),
+        "TorchNeuron's compiled graphs on the shared FS (written atomically): compile.sbatch fills it, all nodes read",
+        (TORCHNEURON,),
+    ),
+    EnvRule(
+        "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR",
+        _of_recipe(lambda r: r.compile.cache_dir),
+        "TorchNeuron's node-local cache and lock files",
+        (TORCHNEURON,),
     ),
     EnvRule(
         "NEURON_LOGICAL_NC_CONFIG",
-        lambda r: "2" if r.cluster.instance.startswith("trn2") else None,
-        "trn2: two physical NeuronCores per logical one, the SDK's default, said aloud so the runtime, the compiler"
-        " and NxD's TP groups (trnrecipes/neuron_parallel.py reads it) agree with the catalog's 64 workers per node",
+        _of_recipe(lambda r: "2" if r.cluster.instance.startswith(("trn2", "trn3")) else None),
+        "trn2/trn3: two physical NeuronCores per logical one, the SDK's default, said aloud so the runtime, the"
+        " compiler and NxD's TP groups (trnrecipes/neuron_parallel.py reads it) agree with the catalog's 64 workers"
+        " per node",
+        BOTH,
     ),
     EnvRule("NEURON_FUSE_SOFTMAX", _const("1"), "fused softmax kernel"),
     EnvRule(
         "NEURON_RT_STOCHASTIC_ROUNDING_EN",
-        lambda r: "1" if r.precision.stochastic_rounding else "0",
+        _of_recipe(lambda r: "1" if r.precision.stochastic_rounding else "0"),
         "bf16 stochastic rounding in the runtime (precision.stochastic_rounding)",
     ),
     EnvRule(
         "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS",
         _const("3"),
         "overlap host and device execution (the runtime drops it in SDK 2.31)",
+        until=(2, 30),
     ),
-    EnvRule("MALLOC_ARENA_MAX", _const("64"), "bounds glibc arenas: host memory of 32+ workers per node"),
-    EnvRule("FI_PROVIDER", _const("efa"), "libfabric over EFA between nodes"),
-    EnvRule("FI_EFA_USE_DEVICE_RDMA", _const("1"), "EFA RDMA straight to device memory"),
-    EnvRule("FI_EFA_FORK_SAFE", _const("1"), "the data loader forks; EFA must survive it"),
+    EnvRule("MALLOC_ARENA_MAX", _const("64"), "bounds glibc arenas: host memory of 32+ workers per node", BOTH),
+    # TorchNeuron's multi-node examples export the same three (torch-neuronx examples/multi_node_tests).
+    EnvRule("FI_PROVIDER", _const("efa"), "libfabric over EFA between nodes", BOTH),
+    EnvRule("FI_EFA_USE_DEVICE_RDMA", _const("1"), "EFA RDMA straight to device memory", BOTH),
+    EnvRule("FI_EFA_FORK_SAFE", _const("1"), "the data loader forks; EFA must survive it", BOTH),
 )
 
 
-def backend_env(r: Recipe) -> list[tuple[str, str, str]]:
-    """(name, value, why) exported by both sbatch scripts, in table order. Empty off Neuron."""
+def backend_env(r: Recipe, job_dir: Path | None = None) -> list[tuple[str, str, str]]:
+    """(name, value, why) exported by both sbatch scripts of the job dir (default: jobs/<job name>), in table order.
+    Empty off Neuron."""
     if r.cluster.backend != "neuron":
         return []
+    stack = neuron_stack(r.cluster.instance, r.cluster.neuron_sdk).name
     version = sdk_version(r.cluster.neuron_sdk)
+    job_dir = job_dir or REPO_ROOT / "jobs" / r.job_name
     rows = []
     for rule in RULES:
-        if rule.since <= version <= rule.until:
-            value = rule.value(r)
+        if stack in rule.stacks and rule.since <= version <= rule.until:
+            value = rule.value(r, job_dir)
             if value is not None:
                 rows.append((rule.name, value, rule.why))
     return rows

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from trnrecipes import REPO_ROOT
-from trnrecipes.cluster import INSTANCES, SUPPORTED_SDK, get_instance, sdk_version
+from trnrecipes.cluster import INSTANCES, get_instance
 from trnrecipes.families import FAMILIES, ModelSection, model_config
 from trnrecipes.schema import (
     FRACTION,
@@ -30,6 +30,7 @@ from trnrecipes.schema import (
     tagged_union,
     to_dict,
 )
+from trnrecipes.stacks import STACKS, TORCHNEURON, XLA_NXD, runtime_backend, sdk_span, stack_name, stack_problem
 from trnrecipes.stages import neuron_pipeline_problem, split_problem
 
 RECIPES_DIR = REPO_ROOT / "recipes"
@@ -90,7 +91,8 @@ class TrainConfig:
     val_batches: int = 8
     init_from: str | None = None  # a trnrecipes checkpoint to fine-tune from (HF models: `convert from-hf` first)
     # torch.compile each transformer block (trnrecipes/torch_compile.py). None: on for cuda without TP; off for cpu,
-    # where compiling outlasts a short run; xla/neuron compile their graphs anyway and refuse true, as TP does.
+    # where compiling outlasts a short run, and for TorchNeuron (eager with Adaptive Eager Execution; true compiles
+    # with backend "neuron"); xla and XLA/NxD compile their graphs anyway and refuse true, as TP does.
     # Not the Neuron ahead-of-time `compile` section below, which is the compile job.
     compile: bool | None = None
 
@@ -131,6 +133,9 @@ class CompileConfig:
     optlevel: Literal[1, 2, 3] = 1
     mixed_precision_accumulation: bool = True
     cache_dir: str = "/var/tmp/neuron-compile-cache"  # node-local; never the shared file system
+    # TorchNeuron only: the NEFF cache the compile job fills and every node of the run reads (shared FS; TorchNeuron
+    # writes its entries atomically). None: <job dir>/neff-cache. cache_dir is then its node-local lock directory.
+    shared_cache_dir: str | None = None
     extra_flags: list[str] = field(default_factory=list)
 
 
@@ -139,10 +144,12 @@ class ClusterConfig:
     instance: str
     backend: Literal["neuron", "xla", "cuda", "cpu"]
     nodes: int = 1
-    neuron_sdk: str = "2.26"  # keys the Neuron env/flag table (trnrecipes.neuron_env)
+    # Selects the Neuron stack (trnrecipes.stacks: 2.21-2.28 torch-xla + NxD, 2.33 TorchNeuron) and keys its env/flag
+    # table (trnrecipes.neuron_env).
+    neuron_sdk: str = "2.26"
     workers_per_node: int | None = None  # None = the instance's (32 NeuronCores on trn1.32xlarge)
     price_per_hour: float | None = None  # None = the catalog's on-demand price
-    python: str | None = None  # interpreter on the nodes; None = <repo>/.venv/bin/python
+    python: str | None = None  # interpreter on the nodes; None = the TorchNeuron DLAMI's venv there, else <repo>/.venv
 
 
 @dataclass(frozen=True)
@@ -181,10 +188,24 @@ class Recipe:
         return self.cluster.workers_per_node or get_instance(self.cluster.instance).workers_per_node
 
     @property
-    def price_per_hour(self) -> float:
+    def price_per_hour(self) -> float | None:
+        """Per node; None where the catalog has no price and the recipe sets none."""
         if self.cluster.price_per_hour is not None:
             return self.cluster.price_per_hour
         return get_instance(self.cluster.instance).price_per_hour
+
+    @property
+    def stack(self) -> str:
+        """The software stack that trains it: xla-nxd or torchneuron on backend neuron (trnrecipes.stacks), else the
+        backend's name. Only for a recipe that passed check_recipe."""
+        c = self.cluster
+        return stack_name(c.backend, c.instance, c.neuron_sdk)
+
+    @property
+    def runtime_backend(self) -> str:
+        """The trnrecipes.backends name that trains it: cluster.backend, or neuron-native on TorchNeuron."""
+        c = self.cluster
+        return runtime_backend(c.backend, c.instance, c.neuron_sdk)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
@@ -364,7 +385,6 @@ def _problems(source: str, problems: list[str]) -> str:
 # be plain words.
 _SLURM_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SLURM_TIME = re.compile(r"([0-9]{1,4}-)?[0-9]{1,2}:[0-9]{2}:[0-9]{2}")
-_SDK_VERSION = re.compile(r"2\.[0-9]{1,2}")
 
 
 # Every numeric field and its range (a tuple field: each item); None passes (the default applies). The model
@@ -427,27 +447,40 @@ def check_recipe(r: Recipe) -> list[str]:
     lay = r.layout
     split = split_problem(m.num_layers, lay.pp, lay.pp_virtual_stages, lay.pp_stage_layers, lay.pp_schedule)
     need(split is None, split or "")
-    if r.cluster.backend == "neuron" and lay.pp > 1:  # NxD's manual pipeline: its SDK and its one schedule
-        nxd = neuron_pipeline_problem(r.cluster.neuron_sdk, lay.pp_schedule, lay.pp_virtual_stages)
-        need(nxd is None, nxd or "")
+    stack = None
+    if r.cluster.backend == "neuron":
+        problem = stack_problem(r.cluster.instance, r.cluster.neuron_sdk)
+        need(problem is None, problem or "")
+        if problem is None and r.cluster.instance in INSTANCES:
+            stack = r.stack
+    nxd = stack == XLA_NXD
+    need(
+        stack != TORCHNEURON or r.compile.optlevel == 1,
+        f"compile.optlevel {r.compile.optlevel}: TorchNeuron compiles at -O1 and documents no way to change it;"
+        " use compile.optlevel 1 on cluster.neuron_sdk 2.33",
+    )
+    if nxd and lay.pp > 1:  # NxD's manual pipeline: its SDK and its one schedule
+        pipeline = neuron_pipeline_problem(r.cluster.neuron_sdk, lay.pp_schedule, lay.pp_virtual_stages)
+        need(pipeline is None, pipeline or "")
     need(not r.layout.sequence_parallel or r.layout.tp > 1, "layout.sequence_parallel needs layout.tp > 1")
+    # Plain PyTorch (FSDP2, torch.compile): cpu, cuda, TorchNeuron. A neuron recipe whose stack is refused above is
+    # not refused again here.
+    on_torch = r.cluster.backend in ("cpu", "cuda") or (r.cluster.backend == "neuron" and not nxd)
+    native = STACKS[TORCHNEURON]
+    native_hint = f" (on {', '.join(native.instances)}: cluster.neuron_sdk={sdk_span(native.sdks)})"
     if lay.fsdp:
         need(not lay.zero1, "layout.fsdp and layout.zero1 are both true: FSDP already shards the optimizer states")
         need(
-            r.cluster.backend in ("cpu", "cuda"),
-            f"layout.fsdp true: backend {r.cluster.backend} has no FSDP (torch's fully_shard runs on cpu and cuda);"
-            " shard optimizer states with layout.zero1 instead",
+            on_torch,
+            f"layout.fsdp true: {_backend_words(r, stack)} has no FSDP (torch's fully_shard runs on cpu, cuda and"
+            f" TorchNeuron{native_hint if nxd else ''}); shard optimizer states with layout.zero1 instead",
         )
         need(lay.pp == 1, f"layout.fsdp with layout.pp {lay.pp}: FSDP over pipeline stages is not built; use zero1")
     need(
-        not (r.train.compile and r.cluster.backend in ("xla", "neuron")),
-        f"train.compile true: backend {r.cluster.backend} compiles whole-step graphs through XLA already;"
-        " torch.compile runs on cpu and cuda. Set train.compile false or leave it out",
-    )
-    need(
-        not (r.train.compile and r.layout.tp > 1),
-        f"train.compile true with layout.tp {r.layout.tp}: compiled blocks with tensor-parallel DTensors fail in"
-        " backward on the torch this was tested with (2.13); set train.compile false or layout.tp 1",
+        not (r.train.compile and (r.cluster.backend == "xla" or nxd)),
+        f"train.compile true: {_backend_words(r, stack)} compiles whole-step graphs through XLA already;"
+        f" torch.compile runs on cpu, cuda and TorchNeuron{native_hint if nxd else ''}. Set train.compile false or"
+        " leave it out",
     )
     need(o.min_lr <= o.lr, f"optim.min_lr {o.min_lr} must be <= optim.lr {o.lr}")
     need(
@@ -462,14 +495,16 @@ def check_recipe(r: Recipe) -> list[str]:
             r.cluster.backend in allowed,
             f"cluster.backend {r.cluster.backend!r} does not run on {r.cluster.instance}; valid: {', '.join(allowed)}",
         )
-    if r.cluster.backend == "neuron":
-        lo, hi = SUPPORTED_SDK
-        ok = bool(_SDK_VERSION.fullmatch(r.cluster.neuron_sdk)) and lo <= sdk_version(r.cluster.neuron_sdk) <= hi
-        need(ok, f"cluster.neuron_sdk {shown(r.cluster.neuron_sdk)}: supported 2.{lo[1]} to 2.{hi[1]}")
     need(
         Path(r.compile.cache_dir).is_absolute() and is_plain_path(r.compile.cache_dir),
         f"compile.cache_dir {shown(r.compile.cache_dir)} must be an absolute node-local path (e.g. /var/tmp/...):"
         " a relative one would land on the shared file system the job is submitted from",
+    )
+    shared = r.compile.shared_cache_dir
+    need(
+        shared is None or (Path(shared).is_absolute() and is_plain_path(shared)),
+        f"compile.shared_cache_dir {shown(shared)} must be an absolute path on the shared file system (letters,"
+        " digits and . _ / + - only), or null for <job dir>/neff-cache",
     )
     for flag in r.compile.extra_flags:
         need(re.fullmatch(r"-[-A-Za-z0-9_=.,:/+]+", flag) is not None, f"compile.extra_flags: bad flag {shown(flag)}")
@@ -495,6 +530,13 @@ def check_recipe(r: Recipe) -> list[str]:
 
     problems += check_allow_changes(r.checkpoint.allow_changes)
     return problems
+
+
+def _backend_words(r: Recipe, stack: str | None) -> str:
+    """'backend xla', or 'backend neuron on Neuron SDK 2.26 (torch-xla + neuronx-distributed)' for messages."""
+    if stack != XLA_NXD:
+        return f"backend {r.cluster.backend}"
+    return f"backend neuron on Neuron SDK {r.cluster.neuron_sdk} (torch-xla + neuronx-distributed)"
 
 
 def _seconds(time_limit: str) -> int:

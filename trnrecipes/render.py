@@ -22,9 +22,10 @@ import yaml
 
 from trnrecipes import REPO_ROOT, __version__
 from trnrecipes.layout import Layout, compute_layout
-from trnrecipes.neuron_env import backend_env, neuron_cc_flags
+from trnrecipes.neuron_env import backend_env
 from trnrecipes.recipe import Recipe, RecipeError, is_plain_path
 from trnrecipes.schema import shown
+from trnrecipes.stacks import DLAMI_PYTHON, TORCHNEURON, sdk_version
 
 TEMPLATES_DIR = REPO_ROOT / "templates"
 SCRIPTS = ("compile.sbatch", "run.sbatch", "eval.sbatch")
@@ -76,6 +77,16 @@ def _environment() -> jinja2.Environment:
     return env
 
 
+def default_python(recipe: Recipe, repo_root: Path) -> str | Path:
+    """The interpreter the scripts run (TRNRECIPES_PYTHON overrides it at submit time): cluster.python, else the
+    TorchNeuron DLAMI's virtualenv on that stack (trnrecipes.stacks.DLAMI_PYTHON), else the checkout's .venv."""
+    if recipe.cluster.python:
+        return recipe.cluster.python
+    if recipe.cluster.backend == "neuron" and recipe.stack == TORCHNEURON:
+        return DLAMI_PYTHON[sdk_version(recipe.cluster.neuron_sdk)]
+    return repo_root / ".venv" / "bin" / "python"
+
+
 def render_job(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = REPO_ROOT) -> Job:
     """All files of a job dir as text. Paths are absolute so a script runs from anywhere, also under Slurm."""
     layout = compute_layout(recipe)
@@ -95,9 +106,9 @@ def render_job(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = RE
         "job_dir": job_dir,
         "repo_root": repo_root,
         "run_dir": run_dir if run_dir.is_absolute() else repo_root / run_dir,
-        "python": recipe.cluster.python or repo_root / ".venv" / "bin" / "python",
-        "env_rows": backend_env(recipe),
-        "cc_flags": neuron_cc_flags(recipe) if recipe.cluster.backend == "neuron" else "",
+        "python": default_python(recipe, repo_root),
+        "stack": recipe.stack,
+        "env_rows": backend_env(recipe, job_dir),
     }
     env = _environment()
     files = {name: env.get_template(f"{name}.j2").render(context) for name in SCRIPTS}

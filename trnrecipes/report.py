@@ -12,8 +12,11 @@ def _si(value: float) -> str:
 
 
 def format_plan(p: dict[str, object]) -> str:
+    backend = p["backend"] if p["stack"] == p["backend"] else f"{p['backend']}: {p['stack']}"
+    price = p["price_per_hour"]
+    priced = f"${price:,.2f}/h for the job" if price is not None else "no price known (set cluster.price_per_hour)"
     rows = [
-        ("recipe", f"{p['recipe']} on {p['nodes']} x {p['instance']} ({p['backend']})"),
+        ("recipe", f"{p['recipe']} on {p['nodes']} x {p['instance']} ({backend})"),
         ("workers", f"{p['nodes']} node(s) x {p['workers_per_node']} = {p['world_size']}"),
         ("parallelism", f"TP {p['tp']} x PP {p['pp']} x DP {p['dp']}"),
         (
@@ -23,7 +26,7 @@ def format_plan(p: dict[str, object]) -> str:
         ),
         ("parameters", f"{p['params']:,} ({_si(p['params'])})"),
         ("FLOPs/token", f"{p['flops_per_token']:,} ({_si(p['flops_per_token'])}; 6N + 12*L*H*Q*T)"),
-        ("peak", f"{p['peak_tflops']:,.0f} BF16 TFLOPS; ${p['price_per_hour']:,.2f}/h for the job"),
+        ("peak", f"{p['peak_tflops']:,.0f} BF16 TFLOPS; {priced}"),
     ]
     if "tokens_per_s" in p:
         tpd = p["tokens_per_dollar"]
@@ -31,7 +34,7 @@ def format_plan(p: dict[str, object]) -> str:
             ("throughput", f"{p['seq_per_s']} seq/s = {p['tokens_per_s']:,.0f} tokens/s"
              f" ({p['tokens_per_s_per_node']:,.0f}/node); {p['step_time_s']:.2f} s/step"),
             ("MFU", f"{p['mfu']:.1%}"),
-            ("cost", f"${p['dollars_per_step']:.4f}/step; "
+            ("cost", "n/a (no price known)" if p["dollars_per_step"] is None else f"${p['dollars_per_step']:.4f}/step; "
              + (f"{tpd:,.0f} tokens/$" if tpd is not None else "tokens/$ n/a (price 0)")),
         ]  # fmt: skip
     width = max(len(k) for k, _ in rows)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trnrecipes.cluster import sdk_version
+from trnrecipes.stacks import sdk_version
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 BUBBLE_WARNING = 0.10  # plan warns when the pipeline idles more than this fraction of ideal step time

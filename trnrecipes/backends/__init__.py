@@ -2,8 +2,11 @@
 
 - `cpu`, `cuda`: plain torch (torch.py); tensor parallelism with DTensor, ZeRO-1 by trnrecipes.train.optim.
 - `xla`: torch-xla on PJRT (xla.py): CPU here, GPU elsewhere; the same model code, lazily traced.
-- `neuron`: torch-xla + neuronx-distributed on Trainium (neuron_xla.py); import-guarded, it cannot be installed
-  off Trainium, and its NxD calls live in trnrecipes.neuron_parallel.
+- `neuron`: torch-xla + neuronx-distributed on Trainium (neuron_xla.py; Neuron SDK 2.21-2.28, trn1/trn1n/trn2);
+  import-guarded, it cannot be installed off Trainium, and its NxD calls live in trnrecipes.neuron_parallel.
+- `neuron-native`: TorchNeuron, native PyTorch on device `neuron` (neuron_native.py; Neuron SDK 2.33, trn2/trn3):
+  the torch backend with the device, process-group and mesh types changed. Import-guarded likewise.
+A recipe says cluster.backend neuron; its Neuron SDK picks one of the two (trnrecipes.stacks, Recipe.runtime_backend).
 
 The step loop asks a backend for everything that differs between them and holds no backend-name branch.
 """
@@ -13,11 +16,11 @@ from __future__ import annotations
 from trnrecipes.backends.base import Backend
 from trnrecipes.recipe import RecipeError
 
-BACKENDS = ("cpu", "cuda", "xla", "neuron")
+BACKENDS = ("cpu", "cuda", "xla", "neuron", "neuron-native")
 
 
 def make_backend(name: str, local_rank: int) -> Backend:
-    """The backend a recipe's cluster.backend names, bound to this process's device (LOCAL_RANK)."""
+    """The backend `name` (a recipe's runtime_backend), bound to this process's device (LOCAL_RANK)."""
     if name == "cpu":
         from trnrecipes.backends.torch import TorchBackend
 
@@ -34,6 +37,10 @@ def make_backend(name: str, local_rank: int) -> Backend:
         from trnrecipes.backends.neuron_xla import NeuronXlaBackend
 
         return NeuronXlaBackend.create(name, local_rank)
+    if name == "neuron-native":
+        from trnrecipes.backends.neuron_native import NeuronNativeBackend
+
+        return NeuronNativeBackend.create("neuron", local_rank)
     raise RecipeError(f"unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
 
 

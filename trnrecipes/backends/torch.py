@@ -3,7 +3,7 @@ family's plan), DP gradient averaging and ZeRO-1 through trnrecipes.train.parall
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ class TorchBackend(Backend):
     supports_zero1 = True
     supports_pp = True
     compile_backend = "inductor"
+    mesh_device_type: ClassVar[str | None] = None  # DeviceMesh's device type; None: the device's
 
     @classmethod
     def create(cls, name: str, local_rank: int) -> TorchBackend:
@@ -38,7 +39,8 @@ class TorchBackend(Backend):
             return  # a single process needs no group
         if not dist.is_initialized():
             dist.init_process_group(self.dist_backend, rank=dims.rank, world_size=dims.world)
-        dims.mesh = init_device_mesh(self.device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh_type = self.mesh_device_type or self.device.type
+        dims.mesh = init_device_mesh(mesh_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
         dims.dp_group = dims.mesh["dp"].get_group()
         dims.pp_group = dims.mesh["pp"].get_group()
 

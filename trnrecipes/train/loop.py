@@ -58,7 +58,7 @@ def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 class Trainer:
     def __init__(self, recipe: Recipe, compile_only: bool = False, run_dir: Path | None = None, log=print):
         self.recipe, self.compile_only = recipe, compile_only
-        self.backend = make_backend(recipe.cluster.backend, int(os.environ.get("LOCAL_RANK", "0")))
+        self.backend = make_backend(recipe.runtime_backend, int(os.environ.get("LOCAL_RANK", "0")))
         self.dims = ParallelDims(recipe, self.backend)
         self.layout = compute_layout(recipe)
         self.log = log if self.dims.rank == 0 else (lambda *a, **k: None)
