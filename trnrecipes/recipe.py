@@ -482,6 +482,11 @@ def check_recipe(r: Recipe) -> list[str]:
         f" torch.compile runs on cpu, cuda and TorchNeuron{native_hint if nxd else ''}. Set train.compile false or"
         " leave it out",
     )
+    need(
+        not (r.train.compile and r.layout.tp > 1),
+        f"train.compile true with layout.tp {r.layout.tp}: compiled blocks with tensor-parallel DTensors fail in"
+        " backward on the torch this was tested with (2.13); set train.compile false or layout.tp 1",
+    )
     need(o.min_lr <= o.lr, f"optim.min_lr {o.min_lr} must be <= optim.lr {o.lr}")
     need(
         not r.precision.stochastic_rounding or r.precision.dtype == "bf16",
