@@ -28,6 +28,7 @@ from trnrecipes.layout import compute_layout
 from trnrecipes.recipe import RecipeError, load_recipe
 from trnrecipes.torch_compile import is_compiled
 from trnrecipes.train.loop import Trainer
+from trnrecipes.train.optim import rounding_generator
 
 NATIVE = ["cluster.instance=trn2.48xlarge", "cluster.backend=neuron", "cluster.neuron_sdk=2.33"]
 SMALL = ["batch.seq_len=32", "batch.global_batch=8", "batch.micro_batch=2"]
@@ -62,6 +63,9 @@ def test_native_backend_code_trains_as_backend_cpu_with_the_process_group_before
         assert seen["ops_before_process_group"] == [], seen["ops_before_process_group"][:10]
         assert seen["process_group_backend"] == "cpu:gloo"  # the class attribute, passed on unchanged
         assert seen["mesh_device_type"] == "cpu"
+        # neuron:0 selected once the group exists and before DeviceMesh, which would select LOCAL_RANK (rank 1: a
+        # core that worker cannot see).
+        assert seen["order"] == ["init_process_group", "set_device(0)", "init_device_mesh"]
 
 
 def test_creating_the_backend_touches_no_device_api_of_a_registered_neuron_device():
@@ -84,6 +88,8 @@ assert (backend.dist_backend, backend.mesh_device_type) == ("cpu:gloo,neuron:neu
 assert (backend.compile_backend, backend.compiles_by_default, backend.rounds_stochastically) == ("neuron", False, False)
 with torch.autocast(backend.device.type, dtype=torch.bfloat16):  # the trainer's bf16-mixed autocast
     pass
+from trnrecipes.train.optim import rounding_generator
+assert rounding_generator(backend.device, 1) is None  # no generator registered for it: the default RNG, no crash
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -140,6 +146,12 @@ def test_unset_train_compile_stays_eager_and_bf16_rounds_in_software(native_on_c
     model = torch.nn.Linear(4, 4).to(torch.bfloat16)
     optimizer = backend.make_optimizer(model, recipe, types.SimpleNamespace(zero1=False, tp_rank=0))
     assert optimizer.stochastic_rounding
+
+
+def test_stochastic_rounding_has_its_own_seeded_generator_where_the_device_has_one():
+    draws = [torch.rand(4, generator=rounding_generator(torch.device("cpu"), 7)) for _ in range(2)]
+    assert torch.equal(*draws)  # seeded: a resumed run restores the state and draws on
+    assert rounding_generator(torch.device("xla", 0), 7) is None  # lazy tensors take the device's default RNG
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from conftest import REPO
 
+from trnrecipes.data import open_corpus
+from trnrecipes.data.pack import split_documents
 from trnrecipes.layout import compute_layout, param_count, valid_node_counts
 from trnrecipes.recipe import RecipeError, known_recipes, load_recipe
 
@@ -162,3 +165,14 @@ def test_null_override_clears_an_optional_text_field():
     assert r.slurm.partition == "debug"
     assert load_recipe("neox-tiny", overrides="slurm.partition=null run_dir=~").slurm.partition is None
     assert load_recipe("neox-tiny", overrides="slurm.time_limit=1-00:00:00").slurm.time_limit == "1-00:00:00"
+
+
+def test_the_trn2_smoke_recipe_holds_a_validation_document_per_dp_rank():
+    """FSDP refuses fewer validation documents than DP ranks when training starts (each rank's forward gathers
+    over DP): the smoke recipe's demo corpus must pass that check on 1 and 2 nodes."""
+    for nodes in (1, 2):
+        recipe = load_recipe("llama2-smoke-trn2", nodes=nodes)
+        d = recipe.data
+        documents, _ = open_corpus(d.format, d.path, d.tokenizer, d.text_field, REPO)
+        _, val = split_documents(documents.num_docs, d.val_fraction, recipe.train.seed, source=d.path)
+        assert recipe.layout.fsdp and len(val) >= compute_layout(recipe).dp, (nodes, len(val))

@@ -271,3 +271,21 @@ def test_plan_names_the_stack(name: str, stack: str, shown: str):
     p = plan(load_recipe(name, nodes=1))
     assert p["stack"] == stack
     assert shown in format_plan(p).splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "message"),
+    [
+        ("llama2-7b", "compile.shared_cache_dir=/fsx/neff", "compile.shared_cache_dir is TorchNeuron's NEFF cache"),
+        ("llama2-7b", "cluster.workers_per_node=64", "trn1.32xlarge has 32 (logical) NeuronCores"),
+        ("llama2-7b-trn2", "cluster.workers_per_node=128", "trn2.48xlarge has 64 (logical) NeuronCores"),
+    ],
+)
+def test_settings_a_stack_cannot_use_are_refused(name, overrides, message):
+    assert message in (error_of(name, overrides) or "")
+
+
+def test_neuron_on_a_gpu_instance_gets_the_backend_error_only():
+    text = error_of("llama2-7b", "cluster.instance=p5.48xlarge") or ""
+    assert "cluster.backend 'neuron' does not run on p5.48xlarge; valid: cuda, xla" in text
+    assert "neuron_sdk" not in text  # no SDK advice for an instance without NeuronCores

@@ -95,11 +95,16 @@ RULES: tuple[EnvRule, ...] = (
     ),
     EnvRule(
         "NEURON_LOGICAL_NC_CONFIG",
+        _of_recipe(lambda r: "2" if r.cluster.instance.startswith("trn2") else None),
+        "trn2: two physical NeuronCores per logical one, the SDK's default, said aloud so the runtime, the compiler"
+        " and NxD's TP groups (trnrecipes/neuron_parallel.py reads it) agree with the catalog's 64 workers per node",
+    ),
+    EnvRule(
+        "NEURON_LOGICAL_NC_CONFIG",
         _of_recipe(lambda r: "2" if r.cluster.instance.startswith(("trn2", "trn3")) else None),
-        "trn2/trn3: two physical NeuronCores per logical one, the SDK's default, said aloud so the runtime, the"
-        " compiler and NxD's TP groups (trnrecipes/neuron_parallel.py reads it) agree with the catalog's 64 workers"
-        " per node",
-        BOTH,
+        "two physical NeuronCores per logical one, the default on trn2/trn3, said aloud so the runtime and the"
+        " compiler agree with the 64 workers per node torchrun starts",
+        (TORCHNEURON,),
     ),
     EnvRule("NEURON_FUSE_SOFTMAX", _const("1"), "fused softmax kernel"),
     EnvRule(

@@ -448,7 +448,8 @@ def check_recipe(r: Recipe) -> list[str]:
     split = split_problem(m.num_layers, lay.pp, lay.pp_virtual_stages, lay.pp_stage_layers, lay.pp_schedule)
     need(split is None, split or "")
     stack = None
-    if r.cluster.backend == "neuron":
+    on_neuron_instance = r.cluster.instance in INSTANCES and "neuron" in INSTANCES[r.cluster.instance].backends
+    if r.cluster.backend == "neuron" and on_neuron_instance:  # elsewhere the backend check below speaks
         problem = stack_problem(r.cluster.instance, r.cluster.neuron_sdk)
         need(problem is None, problem or "")
         if problem is None and r.cluster.instance in INSTANCES:
@@ -511,6 +512,20 @@ def check_recipe(r: Recipe) -> list[str]:
         f"compile.shared_cache_dir {shown(shared)} must be an absolute path on the shared file system (letters,"
         " digits and . _ / + - only), or null for <job dir>/neff-cache",
     )
+    need(
+        shared is None or stack == TORCHNEURON,
+        f"compile.shared_cache_dir is TorchNeuron's NEFF cache (cluster.neuron_sdk={sdk_span(native.sdks)} on"
+        f" {', '.join(native.instances)}); {_backend_words(r, stack)} does not read it: leave it null"
+        + (" (torch-xla + NxD's cache is compile.cache_dir)" if nxd else ""),
+    )
+    wpn = r.cluster.workers_per_node
+    if on_neuron_instance and wpn is not None:  # one worker per (logical) NeuronCore; more have no core to run on
+        most = INSTANCES[r.cluster.instance].workers_per_node
+        need(
+            wpn <= most,
+            f"cluster.workers_per_node {wpn}: {r.cluster.instance} has {most} (logical) NeuronCores, one per worker;"
+            f" use at most {most}",
+        )
     for flag in r.compile.extra_flags:
         need(re.fullmatch(r"-[-A-Za-z0-9_=.,:/+]+", flag) is not None, f"compile.extra_flags: bad flag {shown(flag)}")
     for key in ("job_name", "partition", "account"):

@@ -12,9 +12,11 @@ reference-torch-compile; Neuron 2.33) and torch-neuronx's source where the docs 
   initialised. `create` therefore touches no device API, and the trainer builds ParallelDims (which initialises the
   group) before anything else. TorchNeuron then sets NEURON_RT_VISIBLE_CORES to LOCAL_RANK (one core per process,
   which it asserts), so every worker's device is `neuron:0`.
-- The `neuron` process group reduces device tensors; CPU tensors (object collectives, checkpoint bookkeeping) go
-  over gloo through the combined backend string. The combined string is standard torch.distributed; that
-  TorchNeuron accepts it beside its own backend is not shown in its docs (unverified on hardware).
+  Once it exists, `select_device` makes `neuron:0` current before DeviceMesh would pick LOCAL_RANK.
+- The `neuron` process group reduces device tensors; CPU tensors (metrics, object collectives, checkpoint
+  bookkeeping) go over gloo through the combined backend string. The combined string is standard
+  torch.distributed; that TorchNeuron accepts it beside its own backend is not shown in its docs (unverified on
+  hardware).
 - torch.compile(backend="neuron") with static shapes (dynamic=True is rejected; every new shape recompiles), mode
   default only: train.compile compiles each block that way (trnrecipes/torch_compile.py). Unset, train.compile
   stays off here: eager mode with Adaptive Eager Execution is TorchNeuron's default.
@@ -47,7 +49,10 @@ class NeuronNativeBackend(TorchBackend):
     mesh_device_type: ClassVar[str] = "neuron"
     compile_backend = "neuron"
     compiles_by_default = False  # eager with Adaptive Eager Execution unless train.compile is true
-    collectives_on_device = True  # metrics are reduced as device tensors, on the neuron process group
+    # Metric reductions and decisions (int64 MAX among them) as CPU tensors over the gloo half of the process group:
+    # which reductions the neuron backend supports for which dtypes is not documented. Gradients, ZeRO-1 rows and
+    # FSDP's collectives are device tensors on the neuron half.
+    collectives_on_device = False
     package: ClassVar[str] = "torch_neuronx"
 
     @classmethod
@@ -56,6 +61,12 @@ class NeuronNativeBackend(TorchBackend):
         # No device call here (not even set_device): the process group must come first. Index 0: TorchNeuron shows
         # each worker only its own core (NEURON_RT_VISIBLE_CORES = LOCAL_RANK).
         return cls(name, torch.device(cls.device_type, 0))
+
+    def select_device(self) -> None:
+        # DeviceMesh sets the device itself when the device module says none is initialised: to LOCAL_RANK, a core
+        # this worker cannot see (TorchNeuron shows each worker only its own). Select ours first, now that the
+        # process group exists (before it, TorchNeuron's runtime must not start).
+        torch.get_device_module(self.device_type).set_device(self.device.index)
 
     @classmethod
     def check_installed(cls) -> None:

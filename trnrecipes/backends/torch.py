@@ -39,10 +39,15 @@ class TorchBackend(Backend):
             return  # a single process needs no group
         if not dist.is_initialized():
             dist.init_process_group(self.dist_backend, rank=dims.rank, world_size=dims.world)
+        self.select_device()
         mesh_type = self.mesh_device_type or self.device.type
         dims.mesh = init_device_mesh(mesh_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
         dims.dp_group = dims.mesh["dp"].get_group()
         dims.pp_group = dims.mesh["pp"].get_group()
+
+    def select_device(self) -> None:
+        """Make self.device the current device once the process group exists, before DeviceMesh picks one (on cpu
+        nothing to do; CudaBackend.create set it already)."""
 
     def tensor_parallel(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
         from trnrecipes.parallel import apply_tensor_parallel

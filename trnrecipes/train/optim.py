@@ -117,11 +117,7 @@ class AdamW:
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
         self.exp_avg = [torch.zeros_like(self._mine(p, i), dtype=torch.float32) for i, p in enumerate(self.params)]
         self.exp_avg_sq = [torch.zeros_like(self._mine(p, i), dtype=torch.float32) for i, p in enumerate(self.params)]
-        # An own generator where torch has one per device (cpu, cuda): checkpoints save and restore its state, so a
-        # resumed run draws the same rounding noise as an uninterrupted one. XLA: the device's default RNG.
-        self.generator = None
-        if stochastic_rounding and device.type in ("cpu", "cuda"):
-            self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = rounding_generator(device, seed) if stochastic_rounding else None
 
     def steps(self) -> int:
         """Optimizer steps taken (what a checkpoint saves; the count drives bias correction)."""
@@ -238,6 +234,19 @@ def no_decay_params(model: torch.nn.Module, decay_norms_and_biases: bool) -> set
     if decay_norms_and_biases:
         return set()
     return {id(p) for p in model.parameters() if p.dim() < 2}
+
+
+def rounding_generator(device: torch.device, seed: int) -> torch.Generator | None:
+    """An own generator for the rounding noise where the device has one (cpu, cuda, TorchNeuron's neuron if it
+    registers one): checkpoints save and restore its state, so a resumed run draws the same noise as an uninterrupted
+    one, seeded per TP rank (rounding_seed). None on XLA, whose lazy tensors take the device's default RNG, and on a
+    device without generators."""
+    if device.type == "xla":
+        return None
+    try:
+        return torch.Generator(device=device).manual_seed(seed)
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def rounding_seed(seed: int, dims) -> int:
