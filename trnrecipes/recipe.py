@@ -447,18 +447,19 @@ def check_recipe(r: Recipe) -> list[str]:
     lay = r.layout
     split = split_problem(m.num_layers, lay.pp, lay.pp_virtual_stages, lay.pp_stage_layers, lay.pp_schedule)
     need(split is None, split or "")
-    stack = None
+    stack = None  # the Neuron stack, once the instance x SDK is known to have one
     on_neuron_instance = r.cluster.instance in INSTANCES and "neuron" in INSTANCES[r.cluster.instance].backends
     if r.cluster.backend == "neuron" and on_neuron_instance:  # elsewhere the backend check below speaks
         problem = stack_problem(r.cluster.instance, r.cluster.neuron_sdk)
         need(problem is None, problem or "")
-        if problem is None and r.cluster.instance in INSTANCES:
-            stack = r.stack
+        stack = r.stack if problem is None else None
     nxd = stack == XLA_NXD
+    native = STACKS[TORCHNEURON]
+    native_hint = f" (on {', '.join(native.instances)}: cluster.neuron_sdk={sdk_span(native.sdks)})"
     need(
         stack != TORCHNEURON or r.compile.optlevel == 1,
         f"compile.optlevel {r.compile.optlevel}: TorchNeuron compiles at -O1 and documents no way to change it;"
-        " use compile.optlevel 1 on cluster.neuron_sdk 2.33",
+        " use compile.optlevel 1 there",
     )
     if nxd and lay.pp > 1:  # NxD's manual pipeline: its SDK and its one schedule
         pipeline = neuron_pipeline_problem(r.cluster.neuron_sdk, lay.pp_schedule, lay.pp_virtual_stages)
@@ -467,8 +468,6 @@ def check_recipe(r: Recipe) -> list[str]:
     # Plain PyTorch (FSDP2, torch.compile): cpu, cuda, TorchNeuron. A neuron recipe whose stack is refused above is
     # not refused again here.
     on_torch = r.cluster.backend in ("cpu", "cuda") or (r.cluster.backend == "neuron" and not nxd)
-    native = STACKS[TORCHNEURON]
-    native_hint = f" (on {', '.join(native.instances)}: cluster.neuron_sdk={sdk_span(native.sdks)})"
     if lay.fsdp:
         need(not lay.zero1, "layout.fsdp and layout.zero1 are both true: FSDP already shards the optimizer states")
         need(
