@@ -7,5 +7,8 @@ SKIP = ("torch==", "megatron-core==")  # torch comes as 2.9.0 with torch-xla; me
 
 with open(sys.argv[1], "rb") as f:
     project = tomllib.load(f)["project"]
-deps = project["dependencies"] + project["optional-dependencies"]["train"]
+extras = project["optional-dependencies"]
+# .[train] is .[train-deps] + torch: expand the project's references to its own extras.
+train = [d for d in extras["train"] if not d.startswith("trnrecipes[")] + extras["train-deps"]
+deps = project["dependencies"] + train
 print(" ".join(d for d in deps if not d.startswith(SKIP)))
