@@ -42,6 +42,11 @@ def render_case(name: str, nodes: int, variant: str = "") -> dict[str, str]:
     return render_job(recipe, job_dir, sbatch_command(name, nodes, overrides), FAKE_REPO).files
 
 
+def launch_lines(script: str) -> list[str]:
+    """The torchrun command and the training command of a script, as written (compile and run must agree)."""
+    return [line for line in script.splitlines() if line.startswith(("TORCHRUN=(", "  --rdzv", "TRAIN=("))]
+
+
 def regenerate() -> None:
     for case in CASES:
         out = GOLDEN_DIR / case_dir(*case)

@@ -12,8 +12,9 @@ from trnrecipes.recipe import load_recipe
 from trnrecipes.render import render_job
 
 
-def env_of(recipe: str, overrides: str = "") -> dict[str, str]:
-    return {name: value for name, value, _ in backend_env(load_recipe(recipe, nodes=1, overrides=overrides))}
+def env_of(recipe: str, overrides: str = "", job_dir: Path | None = None) -> dict[str, str]:
+    """name -> value of the env block of a 1-node job dir (default: jobs/<job name>)."""
+    return {name: value for name, value, _ in backend_env(load_recipe(recipe, nodes=1, overrides=overrides), job_dir)}
 
 
 def test_compiler_flags_for_llm_training():

@@ -11,17 +11,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from golden import FAKE_REPO, render_case
+from conftest import REPO
+from golden import FAKE_REPO, launch_lines, render_case
+from test_neuron_env import env_of
 
 from trnrecipes.cluster import INSTANCES
 from trnrecipes.layout import compute_layout, plan
-from trnrecipes.neuron_env import backend_env
 from trnrecipes.recipe import RecipeError, load_recipe
 from trnrecipes.render import render_job
 from trnrecipes.report import format_plan
 from trnrecipes.stacks import DLAMI_PYTHON, STACKS, TORCHNEURON
 
-REPO = Path(__file__).resolve().parent.parent
 DLAMI = "/opt/aws_neuronx_venv_torch_neuronx_2_14_0/bin/python"
 
 # The facts, written out: backends per instance, and the SDK ranges and instances of each Neuron stack.
@@ -155,13 +155,9 @@ def test_shared_cache_dir_is_absolute_and_plain(path: str, ok: bool):
     assert ok or "compile.shared_cache_dir" in (message or "")
 
 
-def env_of(name: str, overrides: str = "", job_dir: Path = Path("/fsx/jobs/j")) -> dict[str, str]:
-    return {n: v for n, v, _ in backend_env(load_recipe(name, nodes=1, overrides=overrides), job_dir)}
-
-
 @pytest.mark.parametrize("instance", ["trn2.48xlarge", "trn3.48xlarge"])
 def test_torchneuron_env_table(instance: str):
-    env = env_of("llama2-7b-trn2", f"cluster.instance={instance}")
+    env = env_of("llama2-7b-trn2", f"cluster.instance={instance}", job_dir=Path("/fsx/jobs/j"))
     for name in ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_ROOT_COMM_ID", "NEURON_COMPILE_CACHE_URL", "NEURON_FUSE_SOFTMAX",
                  "NEURON_RT_STOCHASTIC_ROUNDING_EN", "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"):  # fmt: skip
         assert name not in env
@@ -197,13 +193,6 @@ def code(text: str) -> str:
     """The script without its comments (full-line, and trailing `  # ...`)."""
     lines = (line.split("  # ")[0] for line in text.splitlines() if not line.lstrip().startswith("#"))
     return "\n".join(lines)
-
-
-def launch_lines(script: str) -> tuple[str, str]:
-    torchrun = re.search(r"^TORCHRUN=\(.*?\)$", script, re.M | re.S)
-    train = re.search(r"^TRAIN=.*$", script, re.M)
-    assert torchrun and train
-    return torchrun.group(), train.group()
 
 
 @pytest.mark.parametrize(("name", "nodes", "variant"), [("llama2-smoke-trn2", 1, ""), ("llama2-7b-trn2", 16, ""),

@@ -22,7 +22,7 @@ from pathlib import Path
 from trnrecipes import REPO_ROOT
 from trnrecipes.families import FAMILIES
 from trnrecipes.recipe import Recipe
-from trnrecipes.stacks import TORCHNEURON, XLA_NXD, neuron_stack, sdk_version
+from trnrecipes.stacks import TORCHNEURON, XLA_NXD, sdk_version
 
 BOTH = (XLA_NXD, TORCHNEURON)
 
@@ -131,7 +131,7 @@ def backend_env(r: Recipe, job_dir: Path | None = None) -> list[tuple[str, str, 
     Empty off Neuron."""
     if r.cluster.backend != "neuron":
         return []
-    stack = neuron_stack(r.cluster.instance, r.cluster.neuron_sdk).name
+    stack = r.stack
     version = sdk_version(r.cluster.neuron_sdk)
     job_dir = job_dir or REPO_ROOT / "jobs" / r.job_name
     rows = []

@@ -30,7 +30,7 @@ from trnrecipes.schema import (
     tagged_union,
     to_dict,
 )
-from trnrecipes.stacks import STACKS, TORCHNEURON, XLA_NXD, runtime_backend, sdk_span, stack_name, stack_problem
+from trnrecipes.stacks import STACKS, TORCHNEURON, XLA_NXD, neuron_stack, sdk_span, stack_problem
 from trnrecipes.stages import neuron_pipeline_problem, split_problem
 
 RECIPES_DIR = REPO_ROOT / "recipes"
@@ -199,13 +199,14 @@ class Recipe:
         """The software stack that trains it: xla-nxd or torchneuron on backend neuron (trnrecipes.stacks), else the
         backend's name. Only for a recipe that passed check_recipe."""
         c = self.cluster
-        return stack_name(c.backend, c.instance, c.neuron_sdk)
+        return neuron_stack(c.instance, c.neuron_sdk).name if c.backend == "neuron" else c.backend
 
     @property
     def runtime_backend(self) -> str:
-        """The trnrecipes.backends name that trains it: cluster.backend, or neuron-native on TorchNeuron."""
-        c = self.cluster
-        return runtime_backend(c.backend, c.instance, c.neuron_sdk)
+        """The trnrecipes.backends name that trains it: cluster.backend, or its Neuron stack's (neuron-native on
+        TorchNeuron)."""
+        stack = STACKS.get(self.stack)
+        return stack.runtime_backend if stack else self.cluster.backend
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

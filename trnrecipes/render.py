@@ -82,7 +82,7 @@ def default_python(recipe: Recipe, repo_root: Path) -> str | Path:
     TorchNeuron DLAMI's virtualenv on that stack (trnrecipes.stacks.DLAMI_PYTHON), else the checkout's .venv."""
     if recipe.cluster.python:
         return recipe.cluster.python
-    if recipe.cluster.backend == "neuron" and recipe.stack == TORCHNEURON:
+    if recipe.stack == TORCHNEURON:
         return DLAMI_PYTHON[sdk_version(recipe.cluster.neuron_sdk)]
     return repo_root / ".venv" / "bin" / "python"
 

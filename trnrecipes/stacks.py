@@ -122,13 +122,3 @@ def neuron_stack(instance: str, sdk: str) -> NeuronStack:
     if problem is not None or stack is None:
         raise ValueError(problem or f"cluster.neuron_sdk {sdk!r}: no stack")
     return stack
-
-
-def stack_name(backend: str, instance: str, sdk: str) -> str:
-    """'xla-nxd' or 'torchneuron' on backend neuron; the backend's own name (cpu, cuda, xla) elsewhere."""
-    return neuron_stack(instance, sdk).name if backend == "neuron" else backend
-
-
-def runtime_backend(backend: str, instance: str, sdk: str) -> str:
-    """The trnrecipes.backends name that runs a recipe: its cluster.backend, except on TorchNeuron."""
-    return neuron_stack(instance, sdk).runtime_backend if backend == "neuron" else backend
