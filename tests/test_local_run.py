@@ -8,6 +8,7 @@ import shlex
 import socket
 import subprocess
 import uuid
+from pathlib import Path
 
 import pytest
 from conftest import run_cli
@@ -51,7 +52,10 @@ def test_run_sbatch_runs_locally_with_quoted_paths(tmp_path):
     done = _bash(job / "run.sbatch")
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
-    assert len(re.findall(r"\[health\] .* rank [01]/2: cpu matmul 512\^3 ok", out)) == 2
+    # The job log shows local rank 0 only (--local-ranks-filter=0); rank 1's output stays in its node-local file.
+    assert re.findall(r"\[health\] .* rank [01]/2: cpu matmul 512\^3 ok", out) == [
+        re.search(r"\[health\] .* rank 0/2: cpu matmul 512\^3 ok", out).group(0)
+    ]
     assert "train: neox-tiny on cpu, 2 rank(s) = PP 1 x DP 2 x TP 1" in out
     assert re.search(r"step 6/6 \| loss [0-9.]+ \| val [0-9.]+", out)
     assert "training exited with status 0" in out
@@ -60,6 +64,9 @@ def test_run_sbatch_runs_locally_with_quoted_paths(tmp_path):
     # Logs carry the job id (and, per attempt, the restart count).
     assert (job / "logs" / f"neox-tiny-1n-{job_id}.out").read_text() == out
     assert (job / "logs" / f"{job_id}.r0").is_dir()
+    local_logs = Path(os.environ.get("TMPDIR", "/tmp")) / "trnrecipes-logs" / f"{job_id}.r0"
+    rank1 = "".join(p.read_text() for p in local_logs.glob("*/attempt_0/1/stdout.log"))
+    assert re.search(r"\[health\] .* rank 1/2: cpu matmul 512\^3 ok", rank1), sorted(local_logs.rglob("*"))
     assert run_dir.is_dir() and not os.path.exists(canary)
 
 

@@ -1,13 +1,16 @@
-"""The generated scripts under a real Slurm: Debian's slurmctld + two slurmd emulating node1 and node2 on this one
-machine (tests/slurm/cluster.sh, which installs Slurm when it is missing). compile.sbatch, run.sbatch, eval.sbatch
-chained with --dependency=afterok, a 2-node torchrun rendezvous over gloo; the pre-timeout USR1 saves, requeues and
-resumes bitwise; a job asking for more nodes than exist is refused at submit time."""
+"""The generated scripts under a real Slurm: Debian's slurmctld + three slurmd emulating node1 to node3 on this one
+machine (tests/slurm/cluster.sh, which installs Slurm when it is missing), at an address the host name does not
+resolve to. compile.sbatch, run.sbatch, eval.sbatch chained with --dependency=afterok, a 2-node torchrun rendezvous
+over gloo; the pre-timeout USR1 saves, requeues and resumes bitwise; a crash is requeued and resumes bitwise; a
+failure at start is not requeued; a node failing the health check is excluded from the requeued job; a job asking
+for more nodes than exist is refused at submit time."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -37,10 +40,12 @@ def slurm_env(tmp_path_factory) -> dict[str, str]:
     if done.returncode != 0:
         pytest.fail(f"tests/slurm/cluster.sh start failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
     conf = re.search(r"^SLURM_CONF=(.+)$", done.stdout, re.M)
-    assert conf, done.stdout + done.stderr
+    addr = re.search(r"^NODE_ADDR=(.+)$", done.stdout, re.M)
+    assert conf and addr, done.stdout + done.stderr
     # Not the variables of a job this test might itself run in: only the test cluster's config.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TRNRECIPES_"))}
     env["SLURM_CONF"] = conf.group(1)
+    env["NODE_ADDR"] = addr.group(1)
     yield env
     if not was_running:
         subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, text=True, timeout=120)
@@ -68,8 +73,10 @@ def job_info(env: dict[str, str], job_id: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", done.stdout))
 
 
-def wait_done(env: dict[str, str], job_id: str, log: Path, timeout: float = 300) -> dict[str, str]:
-    """Poll scontrol (no slurmdbd here, so no sacct) until the job ends; its log in the message if it failed."""
+def wait_done(
+    env: dict[str, str], job_id: str, log: Path, timeout: float = 300, state: str = "COMPLETED"
+) -> dict[str, str]:
+    """Poll scontrol (no slurmdbd here, so no sacct) until the job ends in `state`; its log in the message if not."""
     deadline = time.monotonic() + timeout
     while True:
         info = job_info(env, job_id)
@@ -78,7 +85,7 @@ def wait_done(env: dict[str, str], job_id: str, log: Path, timeout: float = 300)
         assert time.monotonic() < deadline, f"job {job_id} still {info['JobState']} after {timeout} s"
         time.sleep(0.5)
     text = log.read_text() if log.exists() else f"(no log {log})"
-    assert info["JobState"] == "COMPLETED", f"job {job_id}: {info['JobState']} {info.get('Reason')}\n{text[-4000:]}"
+    assert info["JobState"] == state, f"job {job_id}: {info['JobState']} {info.get('Reason')}\n{text[-4000:]}"
     return info
 
 
@@ -89,6 +96,16 @@ def metrics(run: Path) -> dict[int, float]:
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "checkpoints" / f"step_{MAX_STEPS}" / "model.safetensors")
+
+
+def assert_same_run(run: Path, reference: Path) -> None:
+    """Losses of every step and the final weights bitwise equal to the uninterrupted run's."""
+    ours, ref = metrics(run), metrics(reference)
+    assert [ours[s] for s in range(1, MAX_STEPS + 1)] == [ref[s] for s in range(1, MAX_STEPS + 1)]
+    a, b = weights(run), weights(reference)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +122,7 @@ def reference(slurm_env, tmp_path_factory):
     compile_info = wait_done(slurm_env, compile_id, job / "logs" / f"{NAME}-compile-{compile_id}.out")
     run_info = wait_done(slurm_env, run_id, job / "logs" / f"{NAME}-{run_id}.out")
     return {"job": job, "run": run, "compile_id": compile_id, "run_id": run_id, "eval_id": eval_id,
-            "compile_info": compile_info, "run_info": run_info}  # fmt: skip
+            "compile_info": compile_info, "run_info": run_info, "addr": slurm_env["NODE_ADDR"]}  # fmt: skip
 
 
 def test_compile_then_run_on_two_nodes(reference):
@@ -116,21 +133,28 @@ def test_compile_then_run_on_two_nodes(reference):
 
     # Log names carry the job id; each attempt's torchrun logs carry the job id and the restart count.
     compile_log = (job / "logs" / f"{NAME}-compile-{cid}.out").read_text()
-    assert f"compile job {cid} restart 0: 2 node(s) x 1 workers, rendezvous 127.0.0.1:" in compile_log
+    addr = reference["addr"]
+    assert f"compile job {cid} restart 0: 2 node(s) x 1 workers, rendezvous {addr}:" in compile_log
     compiled = "compile (tracing every graph; nothing is written): llama2-tiny on cpu, 2 rank(s) = PP 1 x DP 2"
     assert compiled in compile_log
     assert f"compile job {cid} done" in compile_log
     out = (job / "logs" / f"{NAME}-{rid}.out").read_text()
-    assert f"run job {rid} restart 0: 2 node(s) x 1 workers, rendezvous 127.0.0.1:" in out
-    # one torchrun agent per node and launch (srun --ntasks-per-node=1), each with its own log dir: compile.sbatch
-    # launches once (train --compile), run.sbatch twice (health check, train)
-    for d, launches in ((job / "logs" / f"{cid}.r0", 1), (job / "logs" / f"{rid}.r0", 2)):
-        assert len([p for p in d.iterdir() if p.is_dir()]) == 2 * launches, sorted(d.iterdir())
+    assert f"run job {rid} restart 0: 2 node(s) x 1 workers, rendezvous {addr}:" in out
+    # One torchrun agent per node and launch (srun --ntasks-per-node=1); by default the workers' own log files stay
+    # node-local: compile.sbatch launches once (train --compile), run.sbatch twice (health check, train).
+    for job_id, launches in ((cid, 1), (rid, 2)):
+        assert not [p for p in (job / "logs" / f"{job_id}.r0").iterdir() if p.is_dir()]
+        local = Path(os.environ.get("TMPDIR", "/tmp")) / "trnrecipes-logs" / f"{job_id}.r0"
+        assert len([p for p in local.iterdir() if p.is_dir()]) == 2 * launches, sorted(local.iterdir())
     assert re.search(r"\[health\] .* rank 0/2: cpu matmul", out) and re.search(r"\[health\] .* rank 1/2: cpu", out)
     assert "[health] collectives over 2 ranks: ok" in out
-    # Every node's torchrun advertised its Slurm NodeAddr (127.0.0.1 here), not its host name: the workers'
-    # MASTER_ADDR (and Neuron's root comm id) is that address.
-    assert len(re.findall(r"\[health\] .*: cpu matmul .* rendezvous host 127\.0\.0\.1$", out, re.M)) == 2, out
+    # The nodes' Slurm address is one the host name does not resolve to (tests/slurm/cluster.sh), so torchrun's
+    # c10d rendezvous would find no node to host its store; the static rendezvous (node 0 hosts) does not ask.
+    assert addr not in {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}, addr
+    assert "--rdzv-backend=static" in out
+    # Every node's torchrun advertised its Slurm NodeAddr, not its host name: the workers' MASTER_ADDR (and
+    # Neuron's root comm id) is that address.
+    assert len(re.findall(rf"\[health\] .*: cpu matmul .* rendezvous host {re.escape(addr)}$", out, re.M)) == 2, out
     assert "train: llama2-tiny on cpu, 2 rank(s) = PP 1 x DP 2 x TP 1" in out
     assert f"step {MAX_STEPS}/{MAX_STEPS} | loss" in out and "training exited with status 0" in out
     assert "resuming from" not in out
@@ -203,24 +227,72 @@ def test_pre_timeout_signal_saves_requeues_and_resumes_bitwise(slurm_env, refere
     assert saved, first[-3000:]
     step = int(saved.group(1))
     assert 5 <= step < MAX_STEPS
-    assert f"checkpoint saved before the time limit: requeueing job {job_id} (restart 1 of 3)" in first
+    assert f"checkpoint saved at step {step} before the time limit: requeueing job {job_id}" in first
     assert f"resuming from {run}/checkpoints/step_{step} (step {step})" in second
     assert f"steps {step + 1}-{MAX_STEPS}" in second and "training exited with status 0" in second
     assert (job / "logs" / f"{job_id}.r0").is_dir() and (job / "logs" / f"{job_id}.r1").is_dir()
+    assert not (job / "logs" / f"{job_id}.failures").exists()  # progress, not a failure
 
     # The interrupted run ends exactly where the uninterrupted one did.
-    ours, ref = metrics(run), metrics(reference["run"])
-    assert [ours[s] for s in range(1, MAX_STEPS + 1)] == [ref[s] for s in range(1, MAX_STEPS + 1)]
-    a, b = weights(run), weights(reference["run"])
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_same_run(run, reference["run"])
+
+
+def test_a_crash_mid_run_is_requeued_and_resumes_bitwise(slurm_env, reference, tmp_path):
+    """Rank 1 (node2) is killed (SIGKILL) after step 25, once: the job requeues itself, resumes from step 20 and ends
+    where the uninterrupted run did."""
+    job, run = tmp_path / "job", tmp_path / "run"
+    render(job, run, overrides=f"{SMALL} checkpoint.every_steps=10")
+    crashed = tmp_path / "crashed"
+    job_id = submit({**slurm_env, "TRNRECIPES_CRASH_ONCE": f"{crashed}:25:1"}, str(job / "run.sbatch"))
+    log = job / "logs" / f"{NAME}-{job_id}.out"
+    info = wait_done(slurm_env, job_id, log, timeout=420)
+    assert info["Restarts"] == "1" and info["ExitCode"] == "0:0" and crashed.read_text().strip() == "25"
+    out = log.read_text()
+    first, second = out.split(f"run job {job_id} restart 1:")
+    assert "training exited with status 0" not in first
+    assert re.search(rf"training failed \(exit status \d+\): requeueing job {job_id} \(failure requeue 1 of 3\)", first)
+    assert "excluded node" not in first  # the health check after the crash found every node healthy
+    assert f"resuming from {run}/checkpoints/step_20 (step 20)" in second
+    assert "training exited with status 0" in second
+    assert len((job / "logs" / f"{job_id}.failures").read_text().splitlines()) == 1
+    assert_same_run(run, reference["run"])
+
+
+def test_a_run_failing_at_start_on_bad_input_is_not_requeued(slurm_env, tmp_path):
+    job, run = tmp_path / "job", tmp_path / "run"
+    render(job, run, overrides=f"{SMALL} data.path={tmp_path}/missing.arrow")
+    job_id = submit(slurm_env, str(job / "run.sbatch"))
+    log = job / "logs" / f"{NAME}-{job_id}.out"
+    info = wait_done(slurm_env, job_id, log, state="FAILED")
+    assert info["Restarts"] == "0" and info["ExitCode"] == "2:0"
+    out = log.read_text()
+    assert "training failed on something a requeue would repeat; not requeueing" in out
+    assert re.search(rf"rank [01]: error: .*{re.escape(str(tmp_path))}/missing\.arrow", out), out[-3000:]
+    assert "requeueing job" not in out and not (job / "logs" / f"{job_id}.failures").exists()
+
+
+def test_a_node_failing_the_health_check_is_excluded_from_the_requeued_job(slurm_env, tmp_path):
+    """node2 reports a wrong matmul and wrong collective data: the job requeues without it and trains on node1 and
+    node3 (the test cluster's third node)."""
+    job, run = tmp_path / "job", tmp_path / "run"
+    render(job, run, overrides=f"{SMALL} train.max_steps=5")
+    job_id = submit({**slurm_env, "TRNRECIPES_HEALTH_FAULT_NODE": "node2"}, str(job / "run.sbatch"))
+    log = job / "logs" / f"{NAME}-{job_id}.out"
+    info = wait_done(slurm_env, job_id, log, timeout=420)
+    assert info["Restarts"] == "1" and info["ExcNodeList"] == "node2" and info["NodeList"] == "node[1,3]"
+    out = log.read_text()
+    first, second = out.split(f"run job {job_id} restart 1:")
+    assert "FAILED on node node2" in first and "train:" not in first
+    assert f"health check failed on node2: requeueing job {job_id} (failure requeue 1 of 3)" in first
+    assert f"excluded node(s) node2 from job {job_id}" in first
+    assert "[health] collectives over 2 ranks: ok" in second and "step 5/5" in second
+    assert (job / "logs" / f"{job_id}.r0" / "bad-nodes").read_text().split() == ["node2"]
 
 
 def test_a_job_larger_than_the_cluster_is_refused_at_submit(slurm_env, tmp_path):
-    render(tmp_path / "job", tmp_path / "run", nodes=3, overrides="cluster.workers_per_node=1 batch.global_batch=6")
+    render(tmp_path / "job", tmp_path / "run", nodes=4, overrides="cluster.workers_per_node=1 batch.global_batch=8")
     for args in (["--test-only"], []):
         done = slurm(slurm_env, "sbatch", *args, str(tmp_path / "job" / "run.sbatch"))
         assert done.returncode == 1
         assert "Node count specification invalid" in done.stderr, done.stderr
-    assert "llama2-tiny-3n" not in slurm(slurm_env, "squeue", "--noheader", "--format=%j").stdout
+    assert "llama2-tiny-4n" not in slurm(slurm_env, "squeue", "--noheader", "--format=%j").stdout

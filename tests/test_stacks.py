@@ -163,7 +163,7 @@ def test_torchneuron_env_table(instance: str):
         assert name not in env
     assert not [n for n in env if n.startswith("XLA_")]
     assert env["TORCH_NEURONX_NEFF_CACHE_DIR"] == "/fsx/jobs/j/neff-cache"
-    assert env["TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR"] == "/var/tmp/neuron-compile-cache"
+    assert env["TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR"] == "/var/tmp/neuron-compile-cache-${JOB_USER}/llama2-7b-trn2-1n"
     assert env["NEURON_LOGICAL_NC_CONFIG"] == "2"
     assert (env["FI_PROVIDER"], env["FI_EFA_USE_DEVICE_RDMA"], env["FI_EFA_FORK_SAFE"]) == ("efa", "1", "1")
     assert env["NEURON_CC_FLAGS"] == "--enable-mixed-precision-accumulation"
@@ -183,9 +183,9 @@ def test_torchneuron_compiler_flags():
 @pytest.mark.parametrize(("name", "overrides"), [("pythia6.9b", ""), ("llama2-7b-trn2", NXD_TRN2)])
 def test_xla_nxd_env_table_unchanged(name: str, overrides: str):
     env = env_of(name, overrides)
-    assert env["NEURON_COMPILE_CACHE_URL"] == "/var/tmp/neuron-compile-cache"
+    assert env["NEURON_COMPILE_CACHE_URL"].startswith("/var/tmp/neuron-compile-cache-${JOB_USER}/")
     assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
-    assert "--distribution-strategy llm-training" in env["NEURON_CC_FLAGS"]
+    assert env["NEURON_CC_FLAGS"].startswith("--model-type transformer")
     assert not [n for n in env if n.startswith("TORCH_NEURONX_")]
 
 

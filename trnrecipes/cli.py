@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import socket
 import sys
 from pathlib import Path
 
@@ -21,7 +23,28 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except RecipeError as err:  # and its kin (DataError, TokenizerError, CheckpointError): bad user input
         print(f"error: {err}", file=sys.stderr)
+        _record_fatal(f"error: {err}")
         return 2
+    except FloatingPointError as err:  # a diverged loss: replaying the same data from a checkpoint diverges again
+        print(f"error: {err}", file=sys.stderr)
+        _record_fatal(f"error: {err}")
+        return 3
+
+
+def _record_fatal(message: str) -> None:
+    """Failures that would fail again on a requeue (bad input, unwritable storage, a diverged loss) are appended to
+    $TRNRECIPES_FATAL_FILE, which run.sbatch sets: torchrun turns every worker failure into exit 1, so the script
+    reads this file to tell them from crashes worth a requeue. Best effort: the exit status still says failure."""
+    path = os.environ.get("TRNRECIPES_FATAL_FILE")
+    if not path:
+        return
+    where = f"{socket.gethostname()} rank {os.environ.get('RANK', '0')}"
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(f"{where}: {message}\n")
+    except OSError as err:
+        print(f"warning: could not record the failure in {path}: {err}", file=sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -154,6 +177,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = verb("health", _health, "device sanity and collective checks (run.sbatch runs it before training)")
     sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
     sub.add_argument("--collectives", action="store_true", help="also check and time all-gather/reduce/scatter")
+
+    sub = verb("nccom", _nccom, "Neuron's nccom-test all-reduce and all-gather across the job's nodes (run.sbatch)")
+    sub.add_argument("--ranks", type=int, required=True, help="NeuronCores in the job (nodes x workers per node)")
+    sub.add_argument("--nodes", type=int, required=True, help="nodes in the job")
     return parser
 
 
@@ -377,6 +404,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _sbatch(args: argparse.Namespace) -> int:
     from trnrecipes.layout import plan
+    from trnrecipes.preemption import render_warnings
     from trnrecipes.recipe import find_recipe
     from trnrecipes.render import default_job_dir, provenance, provenance_json, render_job, sbatch_command, write_job
     from trnrecipes.report import format_plan
@@ -386,6 +414,8 @@ def _sbatch(args: argparse.Namespace) -> int:
     command = sbatch_command(args.recipe, nodes, args.overrides, args.out)
     job_dir = Path(args.out) if args.out else default_job_dir(recipe)
     job = render_job(recipe, job_dir, command)
+    for warning in render_warnings(recipe):
+        print(f"warning: {warning}", file=sys.stderr)
     extra = {"provenance.json": provenance_json(provenance(job, command, find_recipe(args.recipe), args.overrides))}
     write_job(job, extra, force=args.force)
     print(format_plan(plan(recipe)))
@@ -441,3 +471,9 @@ def _health(args: argparse.Namespace) -> int:
     from trnrecipes.health import check_node
 
     return check_node(load_recipe(args.config), collectives=args.collectives)
+
+
+def _nccom(args: argparse.Namespace) -> int:
+    from trnrecipes.nccom import main as nccom_main
+
+    return nccom_main(args.ranks, args.nodes)

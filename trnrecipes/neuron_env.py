@@ -27,6 +27,13 @@ from trnrecipes.stacks import TORCHNEURON, XLA_NXD, sdk_version
 BOTH = (XLA_NXD, TORCHNEURON)
 
 
+# AWS's scripts and docs the rows follow (aws-neuron/* on GitHub; the SDK docs at awsdocs-neuron.readthedocs-hosted.com)
+NNM = "neuronx-nemo-megatron nemo/examples/nlp/language_modeling/train_setup.sh"
+NXDT = "neuronx-distributed-training examples/training_orchestrator.py"
+RUNTIME_DOCS = "Neuron runtime configuration guide (neuron-runtime/guides/configuration-guide)"
+JOB_USER = "${JOB_USER}"  # expanded by the scripts to the submitting user (trnrecipes.render quotes around it)
+
+
 @dataclass(frozen=True)
 class EnvRule:
     name: str
@@ -35,6 +42,30 @@ class EnvRule:
     stacks: tuple[str, ...] = (XLA_NXD,)  # the Neuron stacks that read it
     since: tuple[int, int] = (2, 0)  # first SDK that reads it
     until: tuple[int, int] = (2, 99)  # last SDK that reads it
+    source: str = ""  # the AWS script or doc that sets it so: printed beside it in the scripts
+
+
+def local_cache_dir(r: Recipe) -> str:
+    """compile.cache_dir, else one node-local dir per user and job: the SDK's default (/var/tmp/neuron-compile-cache)
+    is one dir per node for every user, where one user's files block another's and stale graphs pile up."""
+    return r.compile.cache_dir or f"/var/tmp/neuron-compile-cache-{JOB_USER}/{r.job_name}"
+
+
+def auto_cast_none(r: Recipe) -> bool:
+    """neuronx-cc casts fp32 matmuls to bf16 unless told `--auto-cast none` (its default until SDK 2.26; `none` from
+    2.27: compiler release notes, Neuron 2.27.0). Every precision but pure bf16 relies on fp32 matmuls somewhere
+    (fp32 weights, bf16-mixed's fp32 master path and loss), so those say it on every SDK, as NxDT does for fp32 and
+    autocast precision and neuronx-nemo-megatron for fp32."""
+    return r.precision.dtype != "bf16"
+
+
+def distribution_strategy(r: Recipe) -> bool:
+    """`--distribution-strategy llm-training` tells the compiler the optimizer states are sharded over data parallel
+    (neuronx-cc reference). AWS's scripts set it on every run up to SDK 2.21 (neuronx-nemo-megatron) and dropped it
+    in 2.22 (neuronx-distributed's Llama scripts, NxDT 1.2.0 release notes: slower with PyTorch 2.5, incompatible
+    with NKI kernels), keeping it for Llama 2 with ZeRO-1 (NxDT megatron_llama_7B_config.yaml). So: always before
+    2.22, with ZeRO-1 only from 2.22."""
+    return sdk_version(r.cluster.neuron_sdk) < (2, 22) or r.layout.zero1
 
 
 def neuron_cc_flags(r: Recipe) -> str:
@@ -46,13 +77,10 @@ def neuron_cc_flags(r: Recipe) -> str:
     accumulate = ["--enable-mixed-precision-accumulation"] if r.compile.mixed_precision_accumulation else []
     if r.stack == TORCHNEURON:
         return " ".join(accumulate + extras + r.compile.extra_flags)
-    flags = [
-        "--model-type",
-        "transformer",
-        "--distribution-strategy",
-        "llm-training",
-        f"--optlevel={r.compile.optlevel}",
-    ]
+    flags = ["--model-type", "transformer"]
+    flags += ["--distribution-strategy", "llm-training"] if distribution_strategy(r) else []
+    flags += [f"--optlevel={r.compile.optlevel}"]
+    flags += ["--auto-cast", "none"] if auto_cast_none(r) else []
     return " ".join(flags + accumulate + extras + r.compile.extra_flags)
 
 
@@ -73,11 +101,12 @@ RULES: tuple[EnvRule, ...] = (
         _of_recipe(lambda r: neuron_cc_flags(r) or None),
         "neuronx-cc flags for transformer training",
         BOTH,
+        source=f"{NNM}; {NXDT}; neuronx-cc reference and 2.27.0 release notes (--auto-cast default)",
     ),
     EnvRule(
         "NEURON_COMPILE_CACHE_URL",
-        _of_recipe(lambda r: r.compile.cache_dir),
-        "node-local compile cache: many writers on a shared FS corrupt and slow it",
+        _of_recipe(local_cache_dir),
+        "node-local compile cache, per user and job: many writers on a shared FS corrupt and slow it",
     ),
     # Names and defaults (/tmp/neff_cache, /tmp/local_cache) from torch-neuronx's source (PersistentCacheBackend.cpp,
     # CompilationCache.cpp): confirm them in the 2.33 env-var reference (torch/reference/env-vars) on a Trainium host.
@@ -89,7 +118,7 @@ RULES: tuple[EnvRule, ...] = (
     ),
     EnvRule(
         "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR",
-        _of_recipe(lambda r: r.compile.cache_dir),
+        _of_recipe(local_cache_dir),
         "TorchNeuron's node-local cache and lock files",
         (TORCHNEURON,),
     ),
@@ -118,7 +147,29 @@ RULES: tuple[EnvRule, ...] = (
         "overlap host and device execution (the runtime drops it in SDK 2.31)",
         until=(2, 30),
     ),
+    EnvRule(
+        "NEURON_RT_EXEC_TIMEOUT",
+        _const("100"),
+        "seconds a device execution may take before the runtime fails it: a hung collective (a dead peer, an EFA"
+        " fault) ends the run in under 2 minutes, for a requeue, instead of the runtime's default 600 s on trn1",
+        BOTH,
+        source=f"{NNM}; NxDT conf neuron_rt_exec_timeout: 100; {RUNTIME_DOCS}",
+    ),
     EnvRule("MALLOC_ARENA_MAX", _const("64"), "bounds glibc arenas: host memory of 32+ workers per node", BOTH),
+    # torch-xla's thread pools are sized for one process per host; 32 workers per node each with the default pools
+    # oversubscribe the host's cores.
+    EnvRule(
+        "XLA_THREAD_POOL_SIZE",
+        _of_recipe(lambda r: "4" if r.workers_per_node >= 32 else None),
+        "torch-xla's compute thread pool per worker, for 32+ workers per node",
+        source=f"{NNM} (PROCESSES_PER_NODE=32)",
+    ),
+    EnvRule(
+        "XLA_IO_THREAD_POOL_SIZE",
+        _of_recipe(lambda r: "4" if r.workers_per_node >= 32 else None),
+        "torch-xla's I/O thread pool per worker, for 32+ workers per node",
+        source=f"{NNM} (PROCESSES_PER_NODE=32)",
+    ),
     # TorchNeuron's multi-node examples export the same three (torch-neuronx examples/multi_node_tests).
     EnvRule("FI_PROVIDER", _const("efa"), "libfabric over EFA between nodes", BOTH),
     EnvRule("FI_EFA_USE_DEVICE_RDMA", _const("1"), "EFA RDMA straight to device memory", BOTH),
@@ -127,8 +178,8 @@ RULES: tuple[EnvRule, ...] = (
 
 
 def backend_env(r: Recipe, job_dir: Path | None = None) -> list[tuple[str, str, str]]:
-    """(name, value, why) exported by both sbatch scripts of the job dir (default: jobs/<job name>), in table order.
-    Empty off Neuron."""
+    """(name, value, why) exported by both sbatch scripts of the job dir (default: jobs/<job name>), in table order;
+    `why` ends with the AWS source where the row has one. Empty off Neuron."""
     if r.cluster.backend != "neuron":
         return []
     stack = r.stack
@@ -139,5 +190,5 @@ def backend_env(r: Recipe, job_dir: Path | None = None) -> list[tuple[str, str, 
         if stack in rule.stacks and rule.since <= version <= rule.until:
             value = rule.value(r, job_dir)
             if value is not None:
-                rows.append((rule.name, value, rule.why))
+                rows.append((rule.name, value, rule.why + (f" (AWS: {rule.source})" if rule.source else "")))
     return rows

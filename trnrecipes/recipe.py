@@ -132,7 +132,9 @@ class CompileConfig:
     steps: int = 4  # steps compile.sbatch traces (with one validation and one checkpoint pass)
     optlevel: Literal[1, 2, 3] = 1
     mixed_precision_accumulation: bool = True
-    cache_dir: str = "/var/tmp/neuron-compile-cache"  # node-local; never the shared file system
+    # Node-local; never the shared file system. None: /var/tmp/neuron-compile-cache-<user>/<job name>, so users and
+    # jobs never share a cache dir (the SDK's default, /var/tmp/neuron-compile-cache, is one per node for everyone).
+    cache_dir: str | None = None
     # TorchNeuron only: the NEFF cache the compile job fills and every node of the run reads (shared FS; TorchNeuron
     # writes its entries atomically). None: <job dir>/neff-cache. cache_dir is then its node-local lock directory.
     shared_cache_dir: str | None = None
@@ -157,9 +159,15 @@ class SlurmConfig:
     job_name: str | None = None  # None = <recipe>-<nodes>n
     partition: str | None = None
     account: str | None = None
-    time_limit: str | None = None  # [D-]HH:MM:SS
-    signal_seconds: int = 300  # the pre-timeout signal comes this long before the limit (Slurm: up to 60 s early)
-    max_restarts: int = 3  # requeues after a pre-timeout save
+    time_limit: str | None = None  # [D-]HH:MM:SS; unset: the partition's limit, and no pre-timeout save if none
+    # The pre-timeout signal comes this long before the limit (Slurm: up to 60 s early). None: long enough to write
+    # the checkpoint at checkpoint_write_gbps (trnrecipes.preemption).
+    signal_seconds: int | None = None
+    checkpoint_write_gbps: float = 1.0  # GB/s the whole job writes a checkpoint at (the shared file system's rate)
+    # Requeues after a failure (a crash, a failed health check; deterministic failures such as bad input are never
+    # requeued). Requeues after a pre-timeout save are progress and not counted.
+    max_restarts: int = 3
+    log_all_ranks: bool = False  # every worker's output in the job log; default: each node's local rank 0 only
 
 
 @dataclass(frozen=True)
@@ -404,6 +412,7 @@ FIELD_BOUNDS: dict[str, Bound] = {
     "compile.steps": POSITIVE,
     "cluster.nodes": POSITIVE, "cluster.workers_per_node": POSITIVE, "cluster.price_per_hour": NON_NEGATIVE,
     "slurm.signal_seconds": Bound(60, 65535),  # Slurm: at least its 60 s resolution; sbatch --signal takes <= 65535
+    "slurm.checkpoint_write_gbps": POSITIVE,
     "slurm.max_restarts": NON_NEGATIVE,
 }  # fmt: skip
 
@@ -502,9 +511,10 @@ def check_recipe(r: Recipe) -> list[str]:
             f"cluster.backend {r.cluster.backend!r} does not run on {r.cluster.instance}; valid: {', '.join(allowed)}",
         )
     need(
-        Path(r.compile.cache_dir).is_absolute() and is_plain_path(r.compile.cache_dir),
-        f"compile.cache_dir {shown(r.compile.cache_dir)} must be an absolute node-local path (e.g. /var/tmp/...):"
-        " a relative one would land on the shared file system the job is submitted from",
+        r.compile.cache_dir is None or (Path(r.compile.cache_dir).is_absolute() and is_plain_path(r.compile.cache_dir)),
+        f"compile.cache_dir {shown(r.compile.cache_dir)} must be an absolute node-local path (e.g. /var/tmp/...),"
+        " or null for one per user and job: a relative one would land on the shared file system the job is submitted"
+        " from",
     )
     shared = r.compile.shared_cache_dir
     need(
@@ -540,11 +550,15 @@ def check_recipe(r: Recipe) -> list[str]:
     )
     t = r.slurm.time_limit
     need(t is None or bool(_SLURM_TIME.fullmatch(t)), f"slurm.time_limit {shown(t)}: expected [D-]HH:MM:SS")
-    if t is not None and _SLURM_TIME.fullmatch(t):
+    if t is not None and _SLURM_TIME.fullmatch(t) and not problems:
+        from trnrecipes.preemption import signal_seconds  # torch-free; it imports this module
+
+        lead = signal_seconds(r)
         need(
-            _seconds(t) > r.slurm.signal_seconds + 300,
-            f"slurm.time_limit {t} leaves no time to train before the pre-timeout signal"
-            f" ({r.slurm.signal_seconds} s before the end); use more than {r.slurm.signal_seconds + 300} s",
+            _seconds(t) > lead + 300,
+            f"slurm.time_limit {t} leaves no time to train before the pre-timeout signal ({lead} s before the end"
+            f"{'' if r.slurm.signal_seconds is not None else ', derived from the checkpoint size'});"
+            f" use more than {lead + 300} s",
         )
     from trnrecipes.train.resume_compat import check_allow_changes  # torch-free; it imports this module
 

@@ -22,7 +22,8 @@ import yaml
 
 from trnrecipes import REPO_ROOT, __version__
 from trnrecipes.layout import Layout, compute_layout
-from trnrecipes.neuron_env import backend_env
+from trnrecipes.neuron_env import JOB_USER, backend_env
+from trnrecipes.preemption import signal_seconds
 from trnrecipes.recipe import Recipe, RecipeError, is_plain_path
 from trnrecipes.schema import shown
 from trnrecipes.stacks import DLAMI_PYTHON, TORCHNEURON, sdk_version
@@ -58,6 +59,15 @@ def _quote(value: object) -> str:
     return shlex.quote(str(value))
 
 
+def _quote_env(value: object) -> str:
+    """An exported value: quoted, except that JOB_USER expands. Values holding it are built from plain paths only
+    (recipe checks), so double quotes protect the rest."""
+    text = str(value)
+    if JOB_USER in text and is_plain_path(text.replace(JOB_USER, "")):
+        return f'"{text}"'
+    return _quote(text)
+
+
 def _comment(value: object) -> str:
     # A newline inside a comment would turn the rest of the value into code.
     return re.sub(r"[\x00-\x1f\x7f]", "?", str(value))
@@ -73,6 +83,7 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters["q"] = _quote
+    env.filters["qenv"] = _quote_env
     env.filters["comment"] = _comment
     return env
 
@@ -85,6 +96,20 @@ def default_python(recipe: Recipe, repo_root: Path) -> str | Path:
     if recipe.stack == TORCHNEURON:
         return DLAMI_PYTHON[sdk_version(recipe.cluster.neuron_sdk)]
     return repo_root / ".venv" / "bin" / "python"
+
+
+def cache_leader_nodes(layout: Layout) -> list[int]:
+    """One node (SLURM_NODEID) per distinct set of pipeline stages: nodes holding the same stages compile the same
+    graphs, so one of them copies its compile cache to the shared job dir instead of all writing it at once. Ranks
+    are laid out [PP, DP, TP] with node n holding ranks n*W .. n*W + W - 1 (torchrun's static rendezvous, node rank
+    = SLURM_NODEID)."""
+    per_stage = layout.dp * layout.tp
+    seen: dict[frozenset[int], int] = {}
+    for node in range(layout.nodes):
+        first = node * layout.workers_per_node
+        stages = frozenset(rank // per_stage for rank in range(first, first + layout.workers_per_node))
+        seen.setdefault(stages, node)
+    return sorted(seen.values())
 
 
 def render_job(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = REPO_ROOT) -> Job:
@@ -109,6 +134,8 @@ def render_job(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = RE
         "python": default_python(recipe, repo_root),
         "stack": recipe.stack,
         "env_rows": backend_env(recipe, job_dir),
+        "signal_seconds": signal_seconds(recipe),
+        "cache_leaders": " ".join(map(str, cache_leader_nodes(layout))),
     }
     env = _environment()
     files = {name: env.get_template(f"{name}.j2").render(context) for name in SCRIPTS}

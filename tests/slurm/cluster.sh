@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
-# A real Slurm (Debian's 22.05) on this one machine: slurmctld plus two slurmd daemons emulating node1 and node2,
-# both on 127.0.0.1, no munge (auth/none), no accounting database. tests/test_slurm.py submits the generated
-# scripts to it; it is also handy by hand:
+# A real Slurm (Debian's 22.05) on this one machine: slurmctld plus three slurmd daemons emulating node1 to node3,
+# no munge (auth/none), no accounting database. tests/test_slurm.py submits the generated scripts to it (2-node jobs;
+# the third node is where a job goes when the health check excludes one); it is also handy by hand:
 #   tests/slurm/cluster.sh start    install Debian's slurmctld/slurmd/slurm-client if missing (root), write the
-#                                   config, start the daemons, wait until both nodes are idle; prints SLURM_CONF=...
+#                                   config, start the daemons, wait until all nodes are idle; prints SLURM_CONF=...
 #   tests/slurm/cluster.sh status   sinfo, or "not running" (exit 1)
 #   tests/slurm/cluster.sh stop     stop the daemons by their PIDs
 # State (config, PID files, logs, spool) lives in $TRNRECIPES_SLURM_DIR (default /tmp/trnrecipes-slurm).
 # Starting a running cluster does nothing but print SLURM_CONF again.
+# The nodes' address (NodeAddr) is this machine's first non-loopback address (TRNRECIPES_SLURM_ADDR overrides it),
+# which its host name does not resolve to (the name resolves to 127.0.0.1 in /etc/hosts, the emulated node names
+# not at all): like a trn1 node with 8 network interfaces, a rendezvous that guesses the first node from host names
+# finds none. `start` prints NODE_ADDR=... too.
 set -euo pipefail
 
 STATE=${TRNRECIPES_SLURM_DIR:-/tmp/trnrecipes-slurm}
 CONF="$STATE/slurm.conf"
-NODES=(node1 node2)
-CPUS=2           # per emulated node (config_overrides lets both claim the machine's cores)
+NODES=(node1 node2 node3)
+CPUS=2           # per emulated node (config_overrides lets them all claim the machine's cores)
 CTLD_PORT=${TRNRECIPES_SLURM_PORT:-16817}
-SLURMD_PORT0=17001  # node1 17001, node2 17002
+SLURMD_PORT0=17001  # node1 17001, node2 17002, ...
 
 log() { echo "[cluster.sh] $*" >&2; }
 die() {
@@ -51,14 +55,31 @@ install_slurm() {
   have_slurm || die "Slurm packages installed but slurmctld/slurmd/sbatch are not on PATH"
 }
 
+# This machine's first non-loopback IPv4 address, else 127.0.0.1.
+node_addr() {
+  local addr
+  if [[ -n "${TRNRECIPES_SLURM_ADDR:-}" ]]; then
+    echo "$TRNRECIPES_SLURM_ADDR"
+    return
+  fi
+  for addr in $(hostname -I 2>/dev/null); do
+    if [[ "$addr" =~ ^[0-9.]+$ && "$addr" != 127.* ]]; then
+      echo "$addr"
+      return
+    fi
+  done
+  echo 127.0.0.1
+}
+
 write_conf() {
-  local host user
+  local host user addr
   host=$(hostname -s)
+  addr=$(node_addr)
   user=$(id -un)
   mkdir -p "$STATE/ctld" "$STATE/log" "$STATE/run"
   for node in "${NODES[@]}"; do mkdir -p "$STATE/$node"; done
   cat >"$CONF.tmp" <<EOF
-# Written by tests/slurm/cluster.sh: a loopback test cluster, two emulated nodes on one machine.
+# Written by tests/slurm/cluster.sh: a test cluster, ${#NODES[@]} emulated nodes on one machine.
 ClusterName=trnrecipes
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
@@ -94,7 +115,7 @@ KillWait=10
 MinJobAge=600
 SlurmctldTimeout=30
 SlurmdTimeout=30
-NodeName=node[1-${#NODES[@]}] NodeHostname=$host NodeAddr=127.0.0.1 Port=[$SLURMD_PORT0-$((SLURMD_PORT0 + ${#NODES[@]} - 1))] CPUs=$CPUS State=UNKNOWN
+NodeName=node[1-${#NODES[@]}] NodeHostname=$host NodeAddr=$addr Port=[$SLURMD_PORT0-$((SLURMD_PORT0 + ${#NODES[@]} - 1))] CPUs=$CPUS State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
   mv "$CONF.tmp" "$CONF"
@@ -102,7 +123,7 @@ EOF
 
 ctld_up() { SLURM_CONF=$CONF scontrol ping 2>/dev/null | grep -q 'is UP'; }
 
-# Both nodes idle (or busy with a job: a running cluster is fine too).
+# All nodes idle (or busy with a job: a running cluster is fine too).
 nodes_ready() {
   local states
   states=$(SLURM_CONF=$CONF sinfo --noheader --Node --format='%N %t' 2>/dev/null) || return 1
@@ -114,6 +135,7 @@ start() {
   if alive_pid "$STATE/run/slurmctld.pid" >/dev/null && nodes_ready; then
     log "already running"
     echo "SLURM_CONF=$CONF"
+    echo "NODE_ADDR=$(node_addr)"
     return 0
   fi
   stop quiet
@@ -127,8 +149,9 @@ start() {
   local i
   for ((i = 0; i < 120; i++)); do
     if ctld_up && nodes_ready; then
-      log "both nodes idle"
+      log "all ${#NODES[@]} nodes idle"
       echo "SLURM_CONF=$CONF"
+      echo "NODE_ADDR=$(node_addr)"
       return 0
     fi
     sleep 0.5

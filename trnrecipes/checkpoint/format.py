@@ -21,6 +21,7 @@ verifies every checksum and reads tensors with safetensors and the rest as JSON/
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -48,6 +49,24 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(RecipeError):
     """A checkpoint that is missing, incomplete or corrupt; the message names the file."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """This rank cannot write its checkpoint because of the storage (read-only, no permission, full disk or quota, a
+    file size limit; STORAGE_ERRNOS): the run stops and the checkpoints already complete are left as they were. A
+    RecipeError: resubmitting unchanged would fail the same way."""
+
+
+# The OSErrors that say the storage refuses writes, with what would let the next attempt succeed. Others (EIO,
+# ESTALE, ...) may pass with time and stay plain errors.
+STORAGE_ERRNOS = {
+    errno.EROFS: "Remount it writable or train into another run_dir, and resubmit",
+    errno.EACCES: "Fix its permissions or train into another run_dir, and resubmit",
+    errno.EPERM: "Fix its permissions or train into another run_dir, and resubmit",
+    errno.ENOSPC: "Free space and resubmit",
+    errno.EDQUOT: "Free space (or raise the quota) and resubmit",
+    errno.EFBIG: "Raise the file size limit (ulimit -f) and resubmit",
+}
 
 
 class CheckpointReadError(CheckpointError):

@@ -5,12 +5,20 @@ Every rank writes its own files into checkpoints/.step_N.tmp/ and then a `.rank-
 markers, adds recipe, tokenizer, manifest and `done`, and renames the directory to step_N (checkpoint/format.py).
 Writing happens in a background thread: the step loop only pays for copying tensors to host memory. No collective
 is used by the writer, so it never races the training step's collectives.
+
+When the storage refuses a write (read-only, permissions, full disk or quota, a file size limit), the rank raises
+CheckpointWriteError naming the file, the OS error and the newest complete checkpoint, which a failed save never
+touches. A rank other than 0 also leaves a `.rank-R.failed` marker holding its message, so that rank 0 stops
+waiting for it; an async writer's error is held until the loop asks (failed(), checked every step and agreed over
+ranks, then give_up()). The half-written .step_N.tmp is deleted when the next run starts (run_dir.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -18,11 +26,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from trnrecipes.checkpoint.format import (
+    DONE,
     SHARDS,
+    STORAGE_ERRNOS,
     CheckpointError,
+    CheckpointWriteError,
     data_file,
     finalize,
     hash_and_sync,
@@ -74,11 +86,18 @@ class Checkpointer:
         self.rank, self.world, self.keep_last, self.async_save, self.log = rank, world, keep_last, async_save, log
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._given_up_on: int | None = None  # a rank whose write failed: rank 0 stops waiting for its files
+        self._give_up = threading.Event()
         self.saved: list[Path] = []
 
     def save(self, step: int, files: dict[str, object]) -> None:
-        """Hand this rank's files (name -> {tensor name: CPU tensor} or a JSON-able dict) to the writer."""
-        self.wait()  # one save in flight at a time: the next waits for the previous
+        """Hand this rank's files (name -> {tensor name: CPU tensor} or a JSON-able dict) to the writer. Written in
+        the background (async_save) or here, raising on failure. A background save that failed is not raised here
+        (one rank raising alone would leave the others in a collective): failed() reports it, and no new save
+        starts after it."""
+        self.join()  # one save in flight at a time: the next waits for the previous
+        if self._error is not None:
+            return
         if self.async_save:
             self._thread = threading.Thread(target=self._write_guarded, args=(step, files), name=f"ckpt-{step}")
             self._thread.start()
@@ -89,13 +108,37 @@ class Checkpointer:
         """Whether a background save is still being written."""
         return self._thread is not None and self._thread.is_alive()
 
-    def wait(self) -> None:
+    def failed(self) -> bool:
+        """Whether a background save failed (cheap: the training loop asks every step)."""
+        return self._error is not None
+
+    def join(self) -> None:
+        """Wait for the background save; its error, if any, stays for failed() / raise_if_failed()."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"writing a checkpoint failed: {error}") from error
+
+    def raise_if_failed(self) -> None:
+        if self._error is None:
+            return
+        error, self._error = self._error, None
+        if isinstance(error, CheckpointWriteError):
+            raise error
+        raise RuntimeError(f"writing a checkpoint failed: {error}") from error
+
+    def wait(self) -> None:
+        self.join()
+        self.raise_if_failed()
+
+    def give_up(self, rank: int) -> None:
+        """Rank `rank`'s write failed (the ranks agreed on it): rank 0 stops waiting for its files. Raises this
+        rank's own error if it has one, else one naming `rank`."""
+        self._given_up_on = rank
+        self._give_up.set()
+        self.wait()
+        raise CheckpointWriteError(
+            f"rank {rank} cannot write its checkpoint files (its own error says why); stopping with it"
+        )
 
     def _write_guarded(self, step: int, files: dict[str, object]) -> None:
         try:
@@ -111,24 +154,28 @@ class Checkpointer:
 
     def _write(self, step: int, files: dict[str, object]) -> None:
         tmp = self.root / f".step_{step}.tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
-        digests = write_files(tmp, files)
-        # The marker carries this rank's digests: rank 0 never reads another rank's shards back. Renamed into
-        # place, so rank 0 (which polls for it) never reads it half-written.
-        marker = tmp / f".rank-{self.rank}.ok"
-        marker.with_suffix(".tmp").write_text(json.dumps(digests))
-        os.replace(marker.with_suffix(".tmp"), marker)
-        if self.rank != 0:
-            return
-        deadline = time.monotonic() + RANK_WAIT_S
-        markers = [tmp / f".rank-{r}.ok" for r in range(self.world)]
-        while not all(m.exists() for m in markers):
-            if time.monotonic() > deadline:
-                raise CheckpointError(f"{tmp}: not every rank wrote its files within {RANK_WAIT_S:.0f} s")
-            time.sleep(0.02)
-        for m in markers:
-            digests.update(json.loads(m.read_text()))
-            m.unlink()
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            digests = write_files(tmp, files)
+            # The marker carries this rank's digests: rank 0 never reads another rank's shards back. Renamed into
+            # place, so rank 0 (which polls for it) never reads it half-written.
+            marker = tmp / f".rank-{self.rank}.ok"
+            marker.with_suffix(".tmp").write_text(json.dumps(digests))
+            os.replace(marker.with_suffix(".tmp"), marker)
+            if self.rank == 0:
+                self._finish(step, tmp, digests)
+        except BaseException as err:
+            code = storage_errno(err)
+            if code is None:
+                self._report_failure(tmp, False, f"{type(err).__name__}: {err}")
+                raise
+            error = self._write_error(step, err.filename or tmp, f"[Errno {code}] {os.strerror(code)}", code)
+            self._report_failure(tmp, True, str(error))
+            raise error from err
+
+    def _finish(self, step: int, tmp: Path, digests: dict[str, str]) -> None:
+        """Rank 0: every rank's digests, then the common files, the manifest and the rename to step_N; pruning."""
+        digests.update(self._gather_markers(step, tmp))
         out = self.root / f"step_{step}"
         if out.exists():  # the same step saved twice (a stop request on a checkpoint step): keep the first
             shutil.rmtree(tmp)
@@ -143,6 +190,86 @@ class Checkpointer:
         except (OSError, CheckpointError) as err:
             self.log(f"[trnrecipes] warning: pruning old checkpoints failed: {err}")
 
+    def _gather_markers(self, step: int, tmp: Path) -> dict[str, str]:
+        """Rank 0: the digests in every rank's .rank-R.ok marker. A rank's .rank-R.failed marker, or give_up(),
+        ends the wait at once with that rank's error; RANK_WAIT_S is for ranks that vanish without either."""
+        deadline = time.monotonic() + RANK_WAIT_S
+        digests: dict[str, str] = {}
+        for r in range(self.world):
+            ok, failed = tmp / f".rank-{r}.ok", tmp / f".rank-{r}.failed"
+            while not ok.exists():
+                if failed.exists():
+                    raise self._failed_rank_error(r, failed, step)
+                if self._give_up.is_set():
+                    why = "its write failed (its own error says why)"
+                    raise self._write_error(step, tmp, why, rank=self._given_up_on)
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"{tmp}: not every rank wrote its files within {RANK_WAIT_S:.0f} s")
+                self._give_up.wait(0.02)
+            digests.update(json.loads(ok.read_text()))
+            ok.unlink()
+        return digests
+
+    def _write_error(
+        self, step: int, where: object, why: str, code: int | None = None, rank: int | None = None
+    ) -> CheckpointWriteError:
+        rank = self.rank if rank is None else rank
+        who = f"rank {rank} " if self.world > 1 else ""
+        hint = STORAGE_ERRNOS.get(code, "Fix the storage and resubmit")
+        return CheckpointWriteError(
+            f"{who}cannot write checkpoint step_{step} to {where}: {why}; {self._intact(step)}. {hint}"
+        )
+
+    def _intact(self, step: int) -> str:
+        """The newest complete checkpoint before `step`: a failed save writes only in its .step_N.tmp and prunes
+        nothing, so that one is as it was."""
+        try:
+            done = [s for s, path in step_dirs(self.root) if s < step and (path / DONE).exists()]
+        except (OSError, CheckpointError):
+            done = []
+        newest = done[0] if done else self.newest_valid
+        if newest is None:
+            return f"there is no earlier complete checkpoint in {self.root}"
+        return f"the newest complete checkpoint, step_{newest}, is intact"
+
+    def _report_failure(self, tmp: Path, storage: bool, message: str) -> None:
+        """Best effort, ranks other than 0: a .rank-R.failed marker with this rank's message, so that rank 0 stops
+        waiting for its files. Where even that cannot be written, this rank's exit ends the job (torchrun)."""
+        if self.rank == 0:
+            return
+        marker = tmp / f".rank-{self.rank}.failed"
+        part = marker.with_name(marker.name + ".part")
+        try:
+            part.write_text(json.dumps({"storage": storage, "message": message}))
+            os.replace(part, marker)
+        except OSError:
+            with contextlib.suppress(OSError):
+                marker.touch()  # no room for the message: rank 0 still learns which rank failed
+
+    def _failed_rank_error(self, rank: int, marker: Path, step: int) -> Exception:
+        try:
+            note = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            note = None
+        note = note if isinstance(note, dict) else {}
+        message = note.get("message")
+        if not isinstance(message, str) or not message:
+            return self._write_error(step, marker.parent, f"its write failed (its {marker.name} is empty)", rank=rank)
+        if note.get("storage") is False:
+            return RuntimeError(f"{marker.parent}: rank {rank} failed writing checkpoint step_{step}: {message}")
+        return CheckpointWriteError(message)
+
+
+def storage_errno(err: BaseException) -> int | None:
+    """The errno of an OSError saying the storage refuses writes (STORAGE_ERRNOS), else None. shutil.copytree's
+    Error (an OSError) carries its errors only in its text."""
+    if not isinstance(err, OSError):
+        return None
+    code = err.errno
+    if code is None and (found := re.search(r"\[Errno (\d+)\]", str(err))):
+        code = int(found.group(1))
+    return code if code in STORAGE_ERRNOS else None
+
 
 def write_files(directory: Path, files: dict[str, object]) -> dict[str, str]:
     """A rank's snapshot() files in `directory` (tensors as safetensors, the rest as JSON), each fsync'd; returns
@@ -150,11 +277,21 @@ def write_files(directory: Path, files: dict[str, object]) -> dict[str, str]:
     digests = {}
     for name, content in files.items():
         if name.endswith(".safetensors"):
-            save_file(content, directory / name)
+            _save_tensors(content, directory / name)
         else:
             (directory / name).write_text(json.dumps(content, indent=1) + "\n")
         digests[name] = hash_and_sync(directory / name)
     return digests
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    try:
+        save_file(tensors, path)
+    except SafetensorError as err:  # its Rust writer's OSError, only as text: "... (os error 28)"
+        if not (found := re.search(r"\(os error (\d+)\)", str(err))):
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from err
 
 
 def rng_state(sr_generator: torch.Generator | None) -> dict[str, torch.Tensor]:

@@ -5,6 +5,13 @@ graph cut after each), gradients averaged over the DATA-parallel group only (div
 is seed 002's divergence bug), the global grad norm across TP shards, clipping, AdamW, and a graph cut after the
 optimizer step. Validation and checkpoint passes use the same fixed shapes, so XLA compiles nothing new after the
 first of each.
+
+A checkpoint write that fails on any rank stops every rank at the next step (the writer's health rides on the
+all-reduce each step already makes), with the writer's error: CheckpointWriteError for a read-only or full disk.
+
+TRNRECIPES_CRASH_ONCE=<path>:<step>:<rank> (test-only: the Slurm requeue test) kills global rank <rank> with SIGKILL
+right after optimizer step <step> (its metrics and save included) if <path> does not exist, creating it first; the
+requeued run finds the file and trains on.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 from trnrecipes import REPO_ROOT
 from trnrecipes.backends import make_backend
 from trnrecipes.checkpoint import read_model_checkpoint_recipe
+from trnrecipes.checkpoint.format import CheckpointWriteError
 from trnrecipes.checkpoint.load import load
 from trnrecipes.checkpoint.writer import Checkpointer, HostBuffers, snapshot
 from trnrecipes.data import open_corpus
@@ -35,7 +43,7 @@ from trnrecipes.train.monitor import Metrics, SpikeDetector, progress_line
 from trnrecipes.train.optim import lr_at
 from trnrecipes.train.parallel_dims import ParallelDims, full_tensor
 from trnrecipes.train.resume_compat import changes_data_order, check_resume
-from trnrecipes.train.run_dir import RunDirLock, settle_checkpoints
+from trnrecipes.train.run_dir import RunDirLock, require_writable, settle_checkpoints
 
 
 @dataclass
@@ -151,6 +159,7 @@ class Trainer:
         error, step, reorder = None, -1, False
         if self.dims.rank == 0:
             try:
+                require_writable(self.run_dir)
                 self.lock = RunDirLock(self.run_dir, self.log).acquire()
                 restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0  # a requeue resumes, never archives
                 found = settle_checkpoints(root, c.resume, c.force_fresh, self.log, restarted=restarted)
@@ -285,7 +294,7 @@ class Trainer:
     def save(self, step: int, position: StreamPosition | None) -> None:
         """Copy this rank's state to host memory (the only part the step waits for) and hand it to the writer.
         Compile mode traces the same copies (and TP gathers) and writes nothing."""
-        self.checkpointer.wait()  # the previous writer may still read the host buffers this copy reuses
+        self.checkpointer.join()  # the previous writer may still read the host buffers this copy reuses
         files = snapshot(
             self.model,
             self.optimizer,
@@ -308,6 +317,7 @@ class Trainer:
         r, lay = self.recipe, self.layout
         steps = r.compile.steps if self.compile_only else (max_steps or r.train.max_steps)
         result = RunResult(position=self.start_position)
+        crash = _crash_once(os.environ.get("TRNRECIPES_CRASH_ONCE"))
         if self.start_step >= steps:
             self.log(f"[trnrecipes] {r.name}: already trained to step {self.start_step} of {steps}; nothing to do")
             result.already_done = True  # a success: a requeue after the last save must not fail the job
@@ -356,7 +366,7 @@ class Trainer:
                 # Decisions only some ranks can see (a stop file, a signal, the clock) are agreed on by all ranks.
                 stop_seen = bool(stop_file and os.path.exists(stop_file)) or signals.caught is not None
                 time_due = every_s is not None and time.monotonic() - last_save >= every_s
-                stop, time_due = map(bool, self.dims.max_over_ranks([stop_seen, time_due], self.backend.device))
+                stop, time_due = self._agree(stop_seen, time_due)
                 if (step + 1) % r.train.val_every == 0 or last or first:
                     record["val_loss"] = result.val_losses[step + 1] = self.validate()
                 if (step + 1) % r.checkpoint.every_steps == 0 or last or first or time_due or stop:
@@ -367,15 +377,18 @@ class Trainer:
                     self.log(progress_line(record, steps), flush=True)
                 metrics.log(record)
                 result.compilations.append(self.backend.compilations())
+                if crash is not None and (step + 1, self.dims.rank) == crash[1:] and not crash[0].exists():
+                    crash[0].write_text(f"{step + 1}\n")
+                    os.kill(os.getpid(), signal.SIGKILL)
                 if stop and not last:
-                    self.checkpointer.wait()
+                    self._finish_saves()
                     if self.dims.rank == 0 and stop_file:
                         Path(stop_file + ".saved").write_text(f"{step + 1}\n")
                     why = signals.caught or "stop file"
                     self.log(f"[trnrecipes] stop requested ({why}): saved at step {step + 1}, exiting")
                     result.stopped_early = True
                     break
-            self.checkpointer.wait()  # exit waits for every save
+            self._finish_saves()  # exit waits for every save
             if spikes.spikes:
                 self.log(f"[trnrecipes] grad-norm spikes: {spikes.summary()}")
         finally:
@@ -385,13 +398,30 @@ class Trainer:
         result.checkpoints = list(self.checkpointer.saved)
         return result
 
+    def _agree(self, stop_seen: bool, due: bool) -> tuple[bool, bool]:
+        """Element-wise max over ranks of two flags, with the checkpoint writer's health: a rank whose write failed
+        stops every rank here, together (one all-reduce of the same shape at every call: no new XLA graph)."""
+        failed = self.dims.rank + 1 if self.checkpointer.failed() else 0
+        stop, due, failed_rank = self.dims.max_over_ranks([stop_seen, due, failed], self.backend.device)
+        if failed_rank:
+            self.checkpointer.give_up(failed_rank - 1)
+        return bool(stop), bool(due)
+
+    def _finish_saves(self) -> None:
+        """Wait for the save in flight on every rank, the ranks agreeing as they wait: rank 0, which waits for the
+        others' files, learns of a rank whose write failed even if that rank could not say so on disk."""
+        while self._agree(False, self.checkpointer.busy())[1]:
+            time.sleep(0.05)
+        self.checkpointer.wait()
+
     def _release(self) -> None:
-        """The lock goes last: a background save still finalizing or pruning must finish under it."""
+        """The lock goes last: a background save still finalizing or pruning must finish under it. A failed save
+        is logged here (the run already stops on another error, or reported this one)."""
         checkpointer = getattr(self, "checkpointer", None)
         if checkpointer is not None:
             try:
                 checkpointer.wait()
-            except RuntimeError as err:
+            except (RuntimeError, CheckpointWriteError) as err:
                 self.log(f"[trnrecipes] {err}")
         if self.lock is not None:
             self.lock.release()
@@ -422,9 +452,31 @@ class _catch_stop_signals:
             signal.signal(sig, handler)
 
 
+def _crash_once(value: str | None) -> tuple[Path, int, int] | None:
+    """TRNRECIPES_CRASH_ONCE=<path>:<step>:<rank> (test-only; the module docstring says what it does)."""
+    if not value:
+        return None
+    try:
+        path, step, rank = value.rsplit(":", 2)
+        crash = Path(path), int(step), int(rank)
+    except ValueError:
+        crash = None
+    if crash is None or not path or crash[1] < 1 or crash[2] < 0:
+        raise RecipeError(
+            f"TRNRECIPES_CRASH_ONCE={shown(value)}: expected <path>:<step>:<rank>, a file, an optimizer step >= 1 and"
+            " a global rank >= 0 (e.g. /tmp/crashed:5:0)"
+        )
+    return crash
+
+
 def train(recipe: Recipe, compile_only: bool = False) -> RunResult:
     trainer = Trainer(recipe, compile_only)
     try:
-        return trainer.run()
-    finally:
-        trainer.close()
+        result = trainer.run()
+    except BaseException:
+        # No closing barrier: the other ranks may not stop with this one, and this rank's exit ends the job
+        # (torchrun) where a barrier would wait for them.
+        trainer._release()
+        raise
+    trainer.close()
+    return result

@@ -1,5 +1,6 @@
-"""What a trainer may do to its run dir: hold it alone (a lock), settle the checkpoints already there before it
-writes any (resume, refuse, or archive), and prune. Whether a checkpoint's recipe allows resuming: resume_compat.
+"""What a trainer may do to its run dir: check that it can write there, hold it alone (a lock), settle the
+checkpoints already there before it writes any (resume, refuse, or archive), and prune. Whether a checkpoint's recipe
+allows resuming: resume_compat.
 
 Everything here runs on rank 0 only (one per job, whatever the node count) and imports no torch.
 """
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trnrecipes.checkpoint import DONE, CheckpointError, CheckpointReadError, verify_training
+from trnrecipes.checkpoint.format import STORAGE_ERRNOS
 from trnrecipes.recipe import RecipeError
 from trnrecipes.schema import shown
 
@@ -33,6 +35,28 @@ RECORD_BYTES = 512  # the lock file's holder record, space-padded JSON
 
 class RunDirBusy(RecipeError):
     """Another trainer holds the run dir."""
+
+
+def require_writable(run_dir: Path) -> None:
+    """Before anything else is done to it: the run dir, and its checkpoints/ if there is one, take a new file.
+    Tried with a probe file rather than os.access: root passes every mode bit, and a read-only mount fails only
+    when written to."""
+    for directory in (run_dir, run_dir / "checkpoints"):
+        probe = directory / f".trnrecipes-probe-{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            if directory == run_dir:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            elif not directory.is_dir():
+                continue
+            os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
+            probe.unlink()
+        except OSError as err:
+            if err.errno not in STORAGE_ERRNOS:
+                raise
+            raise RecipeError(
+                f"run dir {run_dir} is not writable: {err}; nothing was changed. Make it writable for this user (uid"
+                f" {os.geteuid()}), or train into another run_dir, and resubmit"
+            ) from None
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:

@@ -1,0 +1,66 @@
+"""`trnrecipes nccom`: Neuron's collective benchmark (nccom-test, from aws-neuronx-tools) across all nodes of the job,
+run by run.sbatch after the health check on Neuron instances where the tool is installed.
+
+It checks what the health check's collectives cannot see on their own: the EFA fabric at the sizes training uses,
+with the runtime's own collectives. All-reduce and all-gather over every NeuronCore of the job, data checked
+(`--check all_ones`), bus bandwidth reported. CLI as documented in the Neuron SDK (tools/neuron-sys-tools/
+nccom-test): `nccom-test <op> -r RANKS -N NODES -b MIN -e MAX -f STEP -n ITERS -w WARMUP -d TYPE`, with
+`--slurm-mode --slurm-job-id ID` inside a Slurm job. Its exit status on a failure is not documented, so the output
+is read too: "errors found" or "test failed" fail the check even when it exits 0.
+No torch import.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from trnrecipes.recipe import RecipeError
+
+OPERATIONS = ("all_reduce", "all_gather")
+SIZES = ("-b", "8", "-e", "256MB", "-f", "4")  # 8 B .. 256 MB: latency-bound to bandwidth-bound
+ITERS = ("-n", "5", "-w", "2")
+AVG_BUS_BW = re.compile(r"Avg bus bandwidth:\s*([0-9.]+)\s*GB/s")
+FAILED = re.compile(r"errors? found|test failed|Failure running", re.I)
+
+
+def nccom_argv(op: str, ranks: int, nodes: int, job_id: str | None) -> list[str]:
+    argv = ["nccom-test", op, "-r", str(ranks), "-N", str(nodes), *SIZES, *ITERS, "-d", "fp32", "-c", "all_ones"]
+    if job_id:
+        argv += ["--slurm-mode", "--slurm-job-id", job_id]
+    return argv
+
+
+def run_nccom(ranks: int, nodes: int, job_id: str | None = None, timeout_s: float = 600.0) -> bool:
+    """Run each operation; print its output and a summary line; True when all passed."""
+    if ranks < 1 or nodes < 1 or ranks % nodes:
+        raise RecipeError(f"nccom: --ranks {ranks} must be a positive multiple of --nodes {nodes}")
+    if shutil.which("nccom-test") is None:
+        raise RecipeError("nccom-test is not on PATH: it comes with the Neuron SDK's aws-neuronx-tools package")
+    ok = True
+    for op in OPERATIONS:
+        argv = nccom_argv(op, ranks, nodes, job_id)
+        print(f"[nccom] {' '.join(argv)}", flush=True)
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"[nccom] {op} over {ranks} ranks on {nodes} node(s): FAILED (no result in {timeout_s:.0f} s)")
+            ok = False
+            continue
+        sys.stdout.write(done.stdout)
+        sys.stderr.write(done.stderr)
+        output = done.stdout + done.stderr
+        bandwidth = AVG_BUS_BW.search(output)
+        passed = done.returncode == 0 and not FAILED.search(output) and bandwidth is not None
+        why = "" if passed else f" (exit {done.returncode}{'' if bandwidth else ', no bandwidth reported'})"
+        result = f"ok, avg bus bandwidth {bandwidth.group(1)} GB/s" if passed else f"FAILED{why}"
+        print(f"[nccom] {op} over {ranks} ranks on {nodes} node(s): {result}", flush=True)
+        ok = ok and passed
+    return ok
+
+
+def main(ranks: int, nodes: int) -> int:
+    return 0 if run_nccom(ranks, nodes, os.environ.get("SLURM_JOB_ID")) else 1
