@@ -5,6 +5,7 @@ failure record the scripts read, and the nccom-test step against a stand-in with
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shlex
@@ -118,10 +119,21 @@ def test_each_aws_variable_names_its_source_in_the_script(name, source):
     assert "(AWS: " in line and source in line.split("(AWS: ")[1], line
 
 
-def test_both_scripts_raise_the_open_files_limit_on_every_node():
+def test_both_scripts_raise_the_open_files_soft_limit_on_every_node_and_never_lower_it():
     for script in ("compile.sbatch", "run.sbatch"):
-        text = render_case("neox20b", 4)[script]
-        assert "ulimit -n 65535 2>/dev/null" in text and "raise_open_files_limit\n" in text
+        assert "        raise_open_files_limit\n" in render_case("neox20b", 4)[script]  # in each node's srun task
+    text = render_case("neox20b", 4)["run.sbatch"]
+    function = re.search(r"^raise_open_files_limit\(\) \{.*?^\}$", text, re.S | re.M).group(0)
+    hard = int(subprocess.run(["bash", "-c", "ulimit -Hn"], capture_output=True, text=True).stdout)
+
+    def limits_after(soft: int) -> list[int]:
+        script = f'ulimit -Sn {soft}\n{function}\nraise_open_files_limit\necho "$(ulimit -Sn) $(ulimit -Hn)"'
+        done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+        return [int(x) for x in done.stdout.split()]
+
+    assert limits_after(1024) == [min(65535, hard), hard]  # raised, within the hard limit, which stays
+    if hard > 65535:
+        assert limits_after(hard) == [hard, hard]  # a higher soft limit is kept
 
 
 # ---- the compile cache: per user and job, handed off by one node per distinct graph set
@@ -191,6 +203,9 @@ import json, os, sys
 with open(os.environ["NCCOM_ARGS_LOG"], "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\n")
 mode = os.environ.get("NCCOM_MODE", "ok")
+if mode == "usage":  # a version of the tool that does not take these flags: no result at all
+    print("usage: nccom-test [-h] ...", file=sys.stderr)
+    sys.exit(2)
 print("       size(B)    count(elems)    type    time(us)    algbw(GB/s)    busbw(GB/s)")
 print("     268435456        67108864    fp32      4242.1          63.28         123.94")
 if mode == "errors":
@@ -233,6 +248,15 @@ def test_nccom_failures_are_caught_from_the_output_or_the_exit_status(nccom_stan
     assert "[nccom] all_gather over 64 ranks on 2 node(s): FAILED" in capsys.readouterr().out
 
 
+def test_an_nccom_test_that_gives_no_result_is_a_warning_not_a_failure(nccom_stand_in, monkeypatch, capsys):
+    """Flags from the docs that an installed version rejects must not requeue a job until its restarts are spent."""
+    monkeypatch.setenv("NCCOM_MODE", "usage")
+    assert run_nccom(64, 2) is True
+    assert "[nccom] all_reduce over 64 ranks on 2 node(s): WARNING, nccom-test gave no result (exit 2)" in (
+        capsys.readouterr().out
+    )
+
+
 def test_nccom_refuses_a_missing_tool_and_bad_counts(monkeypatch):
     with pytest.raises(RecipeError, match="--ranks 63 must be a positive multiple of --nodes 2"):
         run_nccom(63, 2)
@@ -247,3 +271,44 @@ def test_the_run_script_calls_nccom_on_neuron_only_and_only_where_installed(reci
     run = render_case(recipe, nodes)["run.sbatch"]
     assert ("if command -v nccom-test >/dev/null; then" in run) is present
     assert ('-m trnrecipes nccom --ranks $((NNODES * WORKERS_PER_NODE)) --nodes "$NNODES"' in run) is present
+
+
+# ---- which errors a requeue may pass
+
+
+def test_errors_a_requeue_may_pass_are_told_from_bad_input():
+    from trnrecipes.checkpoint.format import CheckpointReadError
+    from trnrecipes.cli import requeue_may_pass
+    from trnrecipes.data import DataError
+    from trnrecipes.recipe import NodeError
+
+    def wrapped(errno_: int) -> DataError:
+        try:
+            try:
+                raise OSError(errno_, "simulated")
+            except OSError as err:
+                raise DataError("data/x.arrow: not a readable Arrow IPC stream or file") from err
+        except DataError as err:
+            return err
+
+    assert requeue_may_pass(wrapped(errno.EIO)) and requeue_may_pass(wrapped(errno.ESTALE))
+    assert not requeue_may_pass(wrapped(errno.ENOENT))
+    assert not requeue_may_pass(DataError("Arrow file x does not exist"))
+    assert requeue_may_pass(CheckpointReadError("EIO while reading step_10"))
+    assert requeue_may_pass(NodeError("no CUDA device"))
+
+
+def test_a_node_without_its_device_names_itself_and_is_not_recorded_as_bad_input(tmp_path):
+    """cluster.backend cuda on this CPU-only machine: the health check stops with a NodeError, names this node for
+    run.sbatch to exclude, and records nothing in the fatal file (a requeue onto other nodes may pass)."""
+    cuda = "cluster.instance=p5.48xlarge cluster.backend=cuda cluster.workers_per_node=2"
+    shown = run_cli("show", "--recipe", "llama2-tiny", "--nodes", "1", "--overrides", cuda)
+    assert shown.returncode == 0, shown.stderr
+    (tmp_path / "recipe.yaml").write_text(shown.stdout)
+    env = {**os.environ, "SLURMD_NODENAME": "node7", "TRNRECIPES_BAD_NODES_FILE": str(tmp_path / "bad-nodes"),
+           "TRNRECIPES_FATAL_FILE": str(tmp_path / "fatal")}  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "trnrecipes", "health", "--config", str(tmp_path / "recipe.yaml")],
+                          cwd=REPO, capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "has no CUDA device" in done.stderr
+    assert (tmp_path / "bad-nodes").read_text() == "node7\n"
+    assert not (tmp_path / "fatal").exists()

@@ -239,8 +239,24 @@ def test_rank_0_stops_waiting_once_the_ranks_agree_that_one_failed_even_without_
     time.sleep(0.2)
     assert rank0.busy()  # waiting for rank 1's files
     with pytest.raises(CheckpointWriteError, match=r"^rank 1 cannot write checkpoint step_10 to .*its write failed"):
-        rank0.give_up(1)  # what the training loop does when the ranks' all-reduce says rank 1's writer failed
+        rank0.give_up(1, storage=True)  # what the loop does when the ranks' all-reduce says rank 1's storage failed
     assert not rank0.busy() and not step_dirs(root)
+
+
+def test_a_rank_failing_for_another_reason_than_the_storage_is_not_reported_as_bad_input(tmp_path: Path):
+    """An I/O hiccup on one rank (EIO, a timeout) may pass on a requeue: no CheckpointWriteError (a RecipeError,
+    which run.sbatch never requeues) on rank 0 nor on the ranks that only learn of it."""
+    root = tmp_path / "checkpoints"
+    rank0 = Checkpointer(root, load_recipe("llama2-tiny"), None, 0, 2, 2, async_save=True, log=print)
+    rank0.save(10, {"model-tp00-of-02.safetensors": {"w": torch.zeros(16)}, "shards.json": {"tp": 2, "dims": {}}})
+    time.sleep(0.2)
+    with pytest.raises(RuntimeError, match=r"rank 1 could not write checkpoint step_10") as raised:
+        rank0.give_up(1, storage=False)
+    assert not isinstance(raised.value, CheckpointWriteError)
+    bystander = Checkpointer(root, load_recipe("llama2-tiny"), None, 2, 3, 2, async_save=True, log=print)
+    with pytest.raises(RuntimeError, match="rank 1 cannot write its checkpoint files") as raised:
+        bystander.give_up(1, storage=False)
+    assert not isinstance(raised.value, CheckpointWriteError)
 
 
 RANK_1_SMALL_FILES = """

@@ -7,6 +7,7 @@ inside their handler.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -23,12 +24,31 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except RecipeError as err:  # and its kin (DataError, TokenizerError, CheckpointError): bad user input
         print(f"error: {err}", file=sys.stderr)
-        _record_fatal(f"error: {err}")
+        if not requeue_may_pass(err):
+            _record_fatal(f"error: {err}")
         return 2
     except FloatingPointError as err:  # a diverged loss: replaying the same data from a checkpoint diverges again
         print(f"error: {err}", file=sys.stderr)
         _record_fatal(f"error: {err}")
         return 3
+
+
+# OSErrors that say nothing about the input: a flaky or unreachable file system, a network hiccup.
+TRANSIENT_ERRNOS = {errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.ENOTCONN, errno.ECONNRESET, errno.EHOSTUNREACH,
+                    errno.ENETUNREACH, errno.EAGAIN}  # fmt: skip
+
+
+def requeue_may_pass(err: BaseException) -> bool:
+    """Whether a requeue may pass this bad-input-looking error: one marked so (a node without its device, a flaky
+    checkpoint read), or one raised over a transient OSError (a DataError wrapping EIO from the shared FS)."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if getattr(cause, "may_pass", False) or (isinstance(cause, OSError) and cause.errno in TRANSIENT_ERRNOS):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def _record_fatal(message: str) -> None:
@@ -38,7 +58,7 @@ def _record_fatal(message: str) -> None:
     path = os.environ.get("TRNRECIPES_FATAL_FILE")
     if not path:
         return
-    where = f"{socket.gethostname()} rank {os.environ.get('RANK', '0')}"
+    where = f"{os.environ.get('SLURMD_NODENAME') or socket.gethostname()} rank {os.environ.get('RANK', '0')}"
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:

@@ -15,7 +15,8 @@ nccl on cuda, TorchNeuron's neuron + gloo, XLA's), then:
 Then all ranks agree on what every rank found (`Findings`, summed over a host-side gloo group, so the verdict does
 not depend on the device network under test), and rank 0 names the node of each rank at fault (`blame`):
 "[health] FAILED on node <name> (rank r): <what>" on stderr, and, when TRNRECIPES_BAD_NODES_FILE is set, appends
-each such node's name to that file, one per line. A node is its Slurm name (SLURMD_NODENAME, which srun gives
+each such node's name to that file, one per line (a rank whose node has no device for the backend, a NodeError,
+appends its own before it stops). A node is its Slurm name (SLURMD_NODENAME, which srun gives
 every task and torchrun's workers inherit), else the host name. Every rank exits non-zero if anything failed.
 
 Test-only fault injection (to test this checker itself; never set in a real job):
@@ -33,7 +34,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from trnrecipes.recipe import Recipe
+from trnrecipes.recipe import NodeError, Recipe
 
 SIZES_MIB = (1, 16)  # bytes per collective in total, not per rank
 ITERS = 5
@@ -59,7 +60,11 @@ def check_node(recipe: Recipe, collectives: bool = False, size: int = 512) -> in
     from trnrecipes.backends import make_backend
     from trnrecipes.train.parallel_dims import ParallelDims
 
-    backend = make_backend(recipe.runtime_backend, int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        backend = make_backend(recipe.runtime_backend, int(os.environ.get("LOCAL_RANK", "0")))
+    except NodeError:  # no device here: this node is at fault (its launcher's exit stops the others)
+        record_bad_nodes([node_name()])
+        raise
     dims = ParallelDims(recipe, backend)  # the job's process group, joined as the trainer joins it
     rank, world, node = dims.rank, dims.world, node_name()
     group = _host_group(backend, world)

@@ -98,10 +98,16 @@ def _of_recipe(value: Callable[[Recipe], str | None]) -> Callable[[Recipe, Path]
 RULES: tuple[EnvRule, ...] = (
     EnvRule(
         "NEURON_CC_FLAGS",
-        _of_recipe(lambda r: neuron_cc_flags(r) or None),
+        _of_recipe(neuron_cc_flags),
         "neuronx-cc flags for transformer training",
-        BOTH,
-        source=f"{NNM}; {NXDT}; neuronx-cc reference and 2.27.0 release notes (--auto-cast default)",
+        source=f"{NNM} (--auto-cast none for fp32); {NXDT} (--auto-cast none for fp32 and autocast); neuronx-cc"
+        " reference; compiler release notes, Neuron 2.27.0 (--auto-cast default none)",
+    ),
+    EnvRule(
+        "NEURON_CC_FLAGS",
+        _of_recipe(lambda r: neuron_cc_flags(r) or None),
+        "neuronx-cc flags TorchNeuron appends to its own --model-type transformer --auto-cast=none -O1",
+        (TORCHNEURON,),
     ),
     EnvRule(
         "NEURON_COMPILE_CACHE_URL",

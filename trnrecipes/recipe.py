@@ -39,7 +39,17 @@ MAX_PROBLEMS_SHOWN = 20
 
 
 class RecipeError(ValueError):
-    """A recipe, an override or a node count that cannot make a valid job; the message says what would."""
+    """A recipe, an override or a node count that cannot make a valid job; the message says what would.
+    run.sbatch never requeues a job that stops on one (the same input fails the same way), except where
+    `may_pass` says a requeue may pass it (a node's fault, a flaky read)."""
+
+    may_pass = False
+
+
+class NodeError(RecipeError):
+    """This node cannot run the job (no device where the recipe needs one): a requeue on other nodes may pass."""
+
+    may_pass = True
 
 
 # The model section is its family's own config dataclass (recipes/<family>/spec.py), picked by model.family.

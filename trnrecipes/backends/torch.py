@@ -12,7 +12,7 @@ from torch import nn
 from trnrecipes.backends.base import Backend
 from trnrecipes.fsdp import apply_fsdp, mesh_dim_placement, reshard
 from trnrecipes.pipeline import TorchPipeline, parameter_order
-from trnrecipes.recipe import RecipeError
+from trnrecipes.recipe import NodeError
 from trnrecipes.train.parallel_dims import full_tensor, local_tensor
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ class CudaBackend(TorchBackend):
     @classmethod
     def create(cls, name: str, local_rank: int) -> CudaBackend:
         if not torch.cuda.is_available():
-            raise RecipeError("cluster.backend is cuda but this torch has no CUDA device; use cpu, xla or neuron")
+            raise NodeError("cluster.backend is cuda but this torch has no CUDA device; use cpu, xla or neuron")
         torch.cuda.set_device(local_rank)
         return cls(name, torch.device("cuda", local_rank))
 

@@ -71,7 +71,10 @@ STORAGE_ERRNOS = {
 
 class CheckpointReadError(CheckpointError):
     """An I/O error while reading a checkpoint (EIO, ESTALE, ...): it says nothing about the checkpoint itself, so
-    nothing may be concluded from it (a valid checkpoint must not be set aside over a flaky read)."""
+    nothing may be concluded from it (a valid checkpoint must not be set aside over a flaky read), and a requeue
+    may read it fine."""
+
+    may_pass = True
 
 
 def shard_file(

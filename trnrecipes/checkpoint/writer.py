@@ -87,6 +87,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._given_up_on: int | None = None  # a rank whose write failed: rank 0 stops waiting for its files
+        self._given_up_storage = True  # ... because of the storage (else an error a requeue may pass)
         self._give_up = threading.Event()
         self.saved: list[Path] = []
 
@@ -112,6 +113,10 @@ class Checkpointer:
         """Whether a background save failed (cheap: the training loop asks every step)."""
         return self._error is not None
 
+    def failed_on_storage(self) -> bool:
+        """Whether that failure is the storage's (read-only, full, quota): a requeue would fail the same way."""
+        return isinstance(self._error, CheckpointWriteError)
+
     def join(self) -> None:
         """Wait for the background save; its error, if any, stays for failed() / raise_if_failed()."""
         if self._thread is not None:
@@ -130,15 +135,15 @@ class Checkpointer:
         self.join()
         self.raise_if_failed()
 
-    def give_up(self, rank: int) -> None:
+    def give_up(self, rank: int, storage: bool) -> None:
         """Rank `rank`'s write failed (the ranks agreed on it): rank 0 stops waiting for its files. Raises this
-        rank's own error if it has one, else one naming `rank`."""
-        self._given_up_on = rank
+        rank's own error if it has one, else one naming `rank`: a CheckpointWriteError (bad input: not requeued)
+        only when that rank's failure was the storage's, else a RuntimeError (an I/O hiccup a requeue may pass)."""
+        self._given_up_on, self._given_up_storage = rank, storage
         self._give_up.set()
         self.wait()
-        raise CheckpointWriteError(
-            f"rank {rank} cannot write its checkpoint files (its own error says why); stopping with it"
-        )
+        message = f"rank {rank} cannot write its checkpoint files (its own error says why); stopping with it"
+        raise CheckpointWriteError(message) if storage else RuntimeError(message)
 
     def _write_guarded(self, step: int, files: dict[str, object]) -> None:
         try:
@@ -202,6 +207,8 @@ class Checkpointer:
                     raise self._failed_rank_error(r, failed, step)
                 if self._give_up.is_set():
                     why = "its write failed (its own error says why)"
+                    if not self._given_up_storage:
+                        raise RuntimeError(f"rank {self._given_up_on} could not write checkpoint step_{step}: {why}")
                     raise self._write_error(step, tmp, why, rank=self._given_up_on)
                 if time.monotonic() > deadline:
                     raise CheckpointError(f"{tmp}: not every rank wrote its files within {RANK_WAIT_S:.0f} s")

@@ -400,16 +400,21 @@ class Trainer:
 
     def _agree(self, stop_seen: bool, due: bool) -> tuple[bool, bool]:
         """Element-wise max over ranks of two flags, with the checkpoint writer's health: a rank whose write failed
-        stops every rank here, together (one all-reduce of the same shape at every call: no new XLA graph)."""
-        failed = self.dims.rank + 1 if self.checkpointer.failed() else 0
-        stop, due, failed_rank = self.dims.max_over_ranks([stop_seen, due, failed], self.backend.device)
-        if failed_rank:
-            self.checkpointer.give_up(failed_rank - 1)
+        stops every rank here, together (one all-reduce of the same shape at every call: no new XLA graph). The
+        failure travels as 2 x (rank + 1) + (1 if the storage's): the other ranks stop with the same kind of error.
+        Compile mode writes nothing and its collectives may return placeholders (graph extraction): flags only."""
+        ckpt = self.checkpointer
+        failed = 2 * (self.dims.rank + 1) + ckpt.failed_on_storage() if ckpt.failed() else 0
+        stop, due, failure = self.dims.max_over_ranks([stop_seen, due, failed], self.backend.device)
+        if failure and not self.compile_only:
+            ckpt.give_up(failure // 2 - 1, storage=bool(failure % 2))
         return bool(stop), bool(due)
 
     def _finish_saves(self) -> None:
         """Wait for the save in flight on every rank, the ranks agreeing as they wait: rank 0, which waits for the
         others' files, learns of a rank whose write failed even if that rank could not say so on disk."""
+        if self.compile_only:  # nothing is written; no loop on values graph extraction may not compute
+            return
         while self._agree(False, self.checkpointer.busy())[1]:
             time.sleep(0.05)
         self.checkpointer.wait()
