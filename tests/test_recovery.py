@@ -16,18 +16,13 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_cli
 from golden import render_case
+from test_neuron_env import env_of
 
 from trnrecipes.layout import compute_layout
 from trnrecipes.nccom import nccom_argv, run_nccom
-from trnrecipes.neuron_env import backend_env
 from trnrecipes.preemption import checkpoint_bytes, render_warnings, signal_seconds
 from trnrecipes.recipe import RecipeError, load_recipe
 from trnrecipes.render import cache_leader_nodes, render_job
-
-
-def env_of(recipe: str, overrides: str = "", nodes: int = 1) -> dict[str, str]:
-    return {n: v for n, v, _ in backend_env(load_recipe(recipe, nodes=nodes, overrides=overrides))}
-
 
 # ---- the pre-timeout window
 

@@ -63,6 +63,18 @@ def compute_layout(r: Recipe) -> Layout:
     return Layout(nodes, wpn, world, tp, pp, dp, mb, accum, gbs, r.batch.seq_len, gbs * r.batch.seq_len)
 
 
+def rank_coords(rank: int, *, pp: int, dp: int, tp: int) -> tuple[int, int, int]:
+    """(pp_rank, dp_rank, tp_rank) of a global rank in the [pp, dp, tp] layout (TP fastest, as NxD and torchtitan
+    lay ranks out: a TP group is consecutive ranks inside a node)."""
+    if not 0 <= rank < pp * dp * tp:
+        raise ValueError(f"rank {rank} is outside a world of {pp * dp * tp} (pp {pp} x dp {dp} x tp {tp})")
+    return rank // (dp * tp), rank // tp % dp, rank % tp
+
+
+def global_rank(*, pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
+    return (pp_rank * dp + dp_rank) * tp + tp_rank
+
+
 def valid_node_counts(r: Recipe, limit: int = 128) -> list[int]:
     """Node counts compute_layout accepts: the world divides into TP x PP, the batch into DP, and the pipeline
     schedule gets the micro-batches it needs."""

@@ -92,6 +92,9 @@ def _of_recipe(value: Callable[[Recipe], str | None]) -> Callable[[Recipe, Path]
     return lambda r, _job_dir: value(r)
 
 
+# AWS's value for torch-xla's two thread pools at 32 workers per node; the defaults suit one process per host.
+_xla_pool_size = _of_recipe(lambda r: "4" if r.workers_per_node >= 32 else None)
+
 # No XLA_USE_BF16 / XLA_DOWNCAST_BF16 (AWS's samples for SDK <= 2.24 set them): the trainer casts the model to bf16
 # (precision.dtype bf16) or autocasts (bf16-mixed) itself on every supported SDK, and those variables would also put
 # its fp32 state in bf16: AdamW moments, bf16-mixed master weights, and constants (beta2 0.999 rounds to 1.0).
@@ -166,13 +169,13 @@ RULES: tuple[EnvRule, ...] = (
     # oversubscribe the host's cores.
     EnvRule(
         "XLA_THREAD_POOL_SIZE",
-        _of_recipe(lambda r: "4" if r.workers_per_node >= 32 else None),
+        _xla_pool_size,
         "torch-xla's compute thread pool per worker, for 32+ workers per node",
         source=f"{NNM} (PROCESSES_PER_NODE=32)",
     ),
     EnvRule(
         "XLA_IO_THREAD_POOL_SIZE",
-        _of_recipe(lambda r: "4" if r.workers_per_node >= 32 else None),
+        _xla_pool_size,
         "torch-xla's I/O thread pool per worker, for 32+ workers per node",
         source=f"{NNM} (PROCESSES_PER_NODE=32)",
     ),

@@ -45,8 +45,8 @@ def render_warnings(r: Recipe) -> list[str]:
             " signal (save, then requeue) only if that limit is finite. Set slurm.time_limit to the partition's"
             " MaxTime (sinfo -o '%P %l') or less, so the last minutes of training are saved"
         )
-    if r.slurm.signal_seconds is not None and r.slurm.signal_seconds < derived_signal_seconds(r):
-        need = derived_signal_seconds(r)
+    need = derived_signal_seconds(r)
+    if r.slurm.signal_seconds is not None and r.slurm.signal_seconds < need:
         gb = checkpoint_bytes(r) / 1e9
         warnings.append(
             f"slurm.signal_seconds {r.slurm.signal_seconds} may not leave time to write a {gb:,.0f} GB checkpoint at"

@@ -21,7 +21,7 @@ import jinja2
 import yaml
 
 from trnrecipes import REPO_ROOT, __version__
-from trnrecipes.layout import Layout, compute_layout
+from trnrecipes.layout import Layout, compute_layout, rank_coords
 from trnrecipes.neuron_env import JOB_USER, backend_env
 from trnrecipes.preemption import signal_seconds
 from trnrecipes.recipe import Recipe, RecipeError, is_plain_path
@@ -100,14 +100,13 @@ def default_python(recipe: Recipe, repo_root: Path) -> str | Path:
 
 def cache_leader_nodes(layout: Layout) -> list[int]:
     """One node (SLURM_NODEID) per distinct set of pipeline stages: nodes holding the same stages compile the same
-    graphs, so one of them copies its compile cache to the shared job dir instead of all writing it at once. Ranks
-    are laid out [PP, DP, TP] with node n holding ranks n*W .. n*W + W - 1 (torchrun's static rendezvous, node rank
-    = SLURM_NODEID)."""
-    per_stage = layout.dp * layout.tp
+    graphs, so one of them copies its compile cache to the shared job dir instead of all writing it at once. Node n
+    holds ranks n*W .. n*W + W - 1 (torchrun's static rendezvous, node rank = SLURM_NODEID), placed by rank_coords."""
+    dims = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
     seen: dict[frozenset[int], int] = {}
     for node in range(layout.nodes):
         first = node * layout.workers_per_node
-        stages = frozenset(rank // per_stage for rank in range(first, first + layout.workers_per_node))
+        stages = frozenset(rank_coords(r, **dims)[0] for r in range(first, first + layout.workers_per_node))
         seen.setdefault(stages, node)
     return sorted(seen.values())
 

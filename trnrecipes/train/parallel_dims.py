@@ -12,23 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from trnrecipes.layout import compute_layout
+from trnrecipes.layout import compute_layout, rank_coords
 from trnrecipes.recipe import Recipe, RecipeError, check_recipe
 from trnrecipes.sharding import chunk_range
 
 if TYPE_CHECKING:
     from trnrecipes.backends import Backend
-
-
-def rank_coords(rank: int, *, pp: int, dp: int, tp: int) -> tuple[int, int, int]:
-    """(pp_rank, dp_rank, tp_rank) of a global rank in the [pp, dp, tp] layout (TP fastest)."""
-    if not 0 <= rank < pp * dp * tp:
-        raise ValueError(f"rank {rank} is outside a world of {pp * dp * tp} (pp {pp} x dp {dp} x tp {tp})")
-    return rank // (dp * tp), rank // tp % dp, rank % tp
-
-
-def global_rank(*, pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
-    return (pp_rank * dp + dp_rank) * tp + tp_rank
 
 
 class ParallelDims:
