@@ -129,8 +129,10 @@ def test_a_full_disk_stops_the_run_at_the_next_step_and_the_previous_checkpoint_
         r" large; the newest complete checkpoint, step_10, is intact\. Raise the file size limit",
         out,
     ), out[-3000:]
-    # The async writer's error stops the run at the next step, not at the next save (step 30).
-    assert 20 <= max(logged_steps(run)) < 30, logged_steps(run)
+    # The writer's error stops the run at the next step; the writer runs at the lowest CPU priority, so on a busy
+    # machine the next save (step 30), which waits for it, may be where it surfaces: never a save after it.
+    assert 20 <= max(logged_steps(run)) <= 30, logged_steps(run)
+    assert not list((run / "checkpoints").glob("*step_30*"))
     assert hashes(run / "checkpoints/step_10") == before
     verify_training(run / "checkpoints/step_10")
     assert latest_checkpoint(run / "checkpoints", print)[0] == 10  # the half-written one is not a checkpoint
@@ -145,19 +147,26 @@ def test_checkpoints_made_read_only_mid_run_stop_it_with_a_clear_error(home: Pat
     proc = start(config(home, "run", "train.max_steps=5000", "checkpoint.every_steps=50"))
     try:
         wait_for(lambda: (run / "checkpoints/step_50/done").exists(), proc, "step_50")
-        (run / "checkpoints").chmod(0o555)  # 50 steps before the next save
+        (run / "checkpoints").chmod(0o555)  # normally 50 steps before the next save
         out = finish(proc, returncode=2)
     finally:
         proc.kill()
         (run / "checkpoints").chmod(0o755)
-    failed = run / "checkpoints/.step_100.tmp"
-    expected = (
-        f"error: cannot write checkpoint step_100 to {failed}: [Errno 13] Permission denied; the newest complete"
-        " checkpoint, step_50, is intact. Fix its permissions"
+    # The first save to meet the read-only dir fails: step_100 unless this machine is so loaded that the run got
+    # past it before the chmod. Which one is timing; what must hold is not.
+    found = re.search(
+        rf"error: cannot write checkpoint step_(\d+) to {re.escape(str(run))}/checkpoints/\.step_\1\.tmp: \[Errno 13\]"
+        r" Permission denied; the newest complete checkpoint, step_(\d+), is intact\. Fix its permissions",
+        out,
     )
-    assert expected in out, out[-3000:]
-    assert max(logged_steps(run)) < 150
-    verify_training(run / "checkpoints/step_50")
+    assert found, out[-3000:]
+    failed, intact = int(found[1]), int(found[2])
+    assert failed >= 100 and intact == failed - 50, found[0]
+    # A background save's failure stops the run at the next step; the next save, which waits for the previous
+    # one, is the latest it can surface however slow the write: never a save after the failed one.
+    assert max(logged_steps(run)) <= failed + 50, logged_steps(run)[-3:]
+    assert not list((run / "checkpoints").glob(f"*step_{failed + 50}*"))
+    verify_training(run / f"checkpoints/step_{intact}")
 
 
 def test_a_read_only_run_dir_is_refused_before_any_work_and_nothing_changes(home: Path):
