@@ -5,8 +5,9 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# Each eval task's data file, from the task registry (eval/registry.py imports only the standard library).
-EVAL_DATA := $(shell python3 -m eval.registry data-files data/eval)
+# Each eval task's data file, from the task registry (eval/registry.py imports only the standard library; run from
+# this Makefile's directory, as every target is).
+EVAL_DATA := $(shell cd '$(dir $(abspath $(lastword $(MAKEFILE_LIST))))' && python3 -m eval.registry data-files data/eval)
 ifeq ($(EVAL_DATA),)
 $(error python3 -m eval.registry data-files printed nothing: the eval task registry could not be read)
 endif

@@ -98,7 +98,7 @@ _TASKS = [
          "trn_nq_open", notes=(_FEWSHOT_NOTE,)),
     Task("triviaqa", "world_knowledge", 5, EM, "triviaqa/validation.jsonl", _shipped("triviaqa"), tasks.triviaqa,
          "trn_triviaqa", notes=(_FEWSHOT_NOTE, _TRIVIAQA_NOTE)),
-    Task("boolq", "reading_comprehension", 0, ACC, "boolq/validation.jsonl", _shipped("boolq"), tasks.boolq,
+    Task("boolq", "reading_comprehension", 0, ACC, "boolq/validation.jsonl", data.prepare_boolq, tasks.boolq,
          "trn_boolq"),
     Task("gsm8k", "math", 8, ("exact_match,strict-match",), "gsm8k/test.jsonl", data.prepare_gsm8k, tasks.gsm8k,
          "trn_gsm8k_cot"),

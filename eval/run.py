@@ -71,6 +71,7 @@ def lm_eval_tasks(
         limit=limit,
         device=device,
         batch_size=1,
+        log_samples=True,  # written to samples/: what the model was asked and answered, item by item
         # a cap on every generated answer (BBH's own is 1024 tokens): for quick checks of tiny models
         gen_kwargs=f"max_gen_toks={max_gen_toks}" if max_gen_toks else None,
     )
@@ -175,7 +176,50 @@ def load_baseline(path: Path) -> dict:
             f'baseline file {path}: expected {{"model": NAME, "source": TEXT, "results": {{"task/metric": number}}}}'
             " (see eval/baselines/openllama2-7b.json)"
         ) from None
+    valid = baseline_keys()
+    unknown = [k for k in results if k not in valid]
+    if unknown:
+        raise ValueError(f"baseline file {path}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
     return spec
+
+
+def baseline_keys() -> list[str]:
+    """What a baseline file may hold: "<group>/<metric>" for each group's rows, "<task>/<metric>" for each task's."""
+    from eval.registry import GROUPS, TASKS
+
+    keys = [f"{g.name}/{m}" for g in GROUPS.values() for m in g.metrics]
+    return keys + [f"{t.name}/{m}" for t in TASKS.values() for m in t.metric_names if f"{t.name}/{m}" not in keys]
+
+
+def write_samples(out: Path, samples: dict[str, list[dict]]) -> None:
+    """samples/<lm-eval task>.jsonl: per item its doc_id, the requests' arguments (prompts), the model's responses
+    and the target, in the layout lm-eval's own --log_samples writes (arguments as gen_args_i/arg_j, responses as
+    strings), so its tools read them and they compare with its CLI's files directly."""
+    from lm_eval.utils import handle_non_serializable, sanitize_list
+
+    (out / "samples").mkdir(exist_ok=True)
+    for task, items in samples.items():
+        lines = []
+        for item in items:
+            arguments = {
+                f"gen_args_{i}": {f"arg_{j}": x for j, x in enumerate(arg)} for i, arg in enumerate(item["arguments"])
+            }
+            record = {
+                "doc_id": item["doc_id"],
+                "arguments": arguments,
+                "resps": sanitize_list(item["resps"]),
+                "filtered_resps": sanitize_list(item["filtered_resps"]),
+                "filter": item.get("filter"),
+                "target": str(item["target"]),
+            }
+            lines.append(json.dumps(record, default=handle_non_serializable, ensure_ascii=False) + "\n")
+        write_text_atomic(out / "samples" / f"{task}.jsonl", "".join(lines))
+
+
+def write_text_atomic(target: Path, text: str) -> None:
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(target)
 
 
 def _combined_stderr(errors: list[float | None]) -> float | None:
@@ -275,7 +319,9 @@ def run(
         names = write_task_dir(out / "tasks", data, harness)
         window = max_length or default_max_length(hf)
         print(f"[eval] lm-eval: {', '.join(harness)}{f' (first {limit} items each)' if limit else ''}", flush=True)
-        results = lm_eval_tasks(hf, out / "tasks", names, limit, window, max_gen_toks)["results"]
+        evaluated = lm_eval_tasks(hf, out / "tasks", names, limit, window, max_gen_toks)
+        results = evaluated["results"]
+        write_samples(out, evaluated.get("samples") or {})
         for name in harness:
             task = TASKS[name]
             r = results[task.lm_eval_name]
@@ -292,7 +338,10 @@ def run(
                         "lm_eval": [task.lm_eval_name, key],
                     }
                 )
+    meta = {"checkpoint": checkpoint, "model": str(hf), "limit": limit, "max_gen_toks": max_gen_toks}
     if "humaneval" in tasks:
+        if rows:  # kept if the sampling or the sandbox fails: lm-eval's part can take hours
+            write_results(out, meta, rows + group_rows(rows), baseline, limit)
         problems = data / "humaneval/HumanEval.jsonl.gz"
         new_tokens = min(256, max_gen_toks or 256)
         report = humaneval(hf, problems, limit, humaneval_n, allow_code_execution, new_tokens, humaneval_temperature)
@@ -301,7 +350,10 @@ def run(
                 rows.append({"task": "humaneval", "kind": "task", "shots": 0, "metric": key, "value": report[key],
                              "stderr": None})  # fmt: skip
     rows += group_rows(rows)
-    meta = {"checkpoint": checkpoint, "model": str(hf), "limit": limit, "max_gen_toks": max_gen_toks}
-    (out / "results.json").write_text(json.dumps(meta | {"results": rows}, indent=1))
-    (out / "results.md").write_text(table(rows, baseline, limit))
+    write_results(out, meta, rows, baseline, limit)
     return rows
+
+
+def write_results(out: Path, meta: dict, rows: list[dict], baseline: dict | None, limit: int | None) -> None:
+    write_text_atomic(out / "results.json", json.dumps(meta | {"results": rows}, indent=1))
+    write_text_atomic(out / "results.md", table(rows, baseline, limit))

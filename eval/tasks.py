@@ -39,6 +39,21 @@ def _need(data: Path, *parts: str) -> Path:
     return path
 
 
+def _need_current(data: Path, task: str, file: str) -> Path:
+    """A task file eval/data.py wrote, of the format this trnrecipes reads (its directory's `format` file)."""
+    from eval.data import DATA_FORMAT, current
+
+    path = _need(data, task, file)
+    if not current(path):
+        stamp = path.parent / "format"
+        found = stamp.read_text().strip() if stamp.exists() else "unknown"
+        raise TaskDataError(
+            f"eval data {path.parent} is data format {found}, this trnrecipes reads format {DATA_FORMAT}:"
+            f" `trnrecipes eval prepare-data --out {data}` rebuilds it"
+        )
+    return path
+
+
 def _local_task(out: Path, name: str, include: Path, data_files: dict[str, Path], **extra) -> None:
     """One task: a shipped lm-eval config (`include:`) with its data pointed at local JSON files."""
     spec = {
@@ -64,7 +79,7 @@ def _group(out: Path, name: str, tag: str, aggregate: dict, version: int) -> Non
 
 
 def mmlu(out: Path, data: Path, shipped: Path) -> None:
-    subjects = sorted(p.name for p in _need(data, "mmlu").iterdir() if p.is_dir())
+    subjects = sorted(p.name for p in _need(data, "mmlu", "done").parent.iterdir() if p.is_dir())
     for subject in subjects:
         _local_task(
             out,
@@ -100,7 +115,8 @@ def bbh(out: Path, data: Path, shipped: Path) -> None:
 
 
 def gsm8k(out: Path, data: Path, shipped: Path) -> None:
-    _local_task(out, "trn_gsm8k_cot", shipped / "gsm8k/gsm8k-cot.yaml", {"test": _need(data, "gsm8k", "test.jsonl")})
+    test = {"test": _need(data, "gsm8k", "test.jsonl")}
+    _local_task(out, "trn_gsm8k_cot", shipped / "gsm8k/gsm8k-cot.yaml", test, tag="trn_eval")
 
 
 def _zero_shot(task: str, include: str, split: str, **extra):
@@ -109,7 +125,7 @@ def _zero_shot(task: str, include: str, split: str, **extra):
 
     def config(out: Path, data: Path, shipped: Path) -> None:
         splits = {"training_split": None, "validation_split": None, "test_split": None} | {f"{split}_split": split}
-        path = _need(data, task, f"{split}.jsonl")
+        path = _need_current(data, task, f"{split}.jsonl")
         _local_task(out, f"trn_{task}", shipped / include, {split: path}, tag="trn_eval", **splits, **extra)
 
     return config
@@ -119,7 +135,7 @@ def _few_shot_from_itself(task: str, include: str, shots: int, **extra):
     """Few-shot examples from the evaluated (validation) split, the question being asked never among them."""
 
     def config(out: Path, data: Path, shipped: Path) -> None:
-        path = _need(data, task, "validation.jsonl")
+        path = _need_current(data, task, "validation.jsonl")
         splits = {"training_split": None, "validation_split": None, "test_split": "validation"}
         _local_task(
             out, f"trn_{task}", shipped / include, {"validation": path}, tag="trn_eval", num_fewshot=shots,

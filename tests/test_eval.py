@@ -60,21 +60,30 @@ def test_all_tasks_are_reported(evaluated):
 
 
 def test_numbers_equal_lm_eval_cli_on_the_exported_model(evaluated, tmp_path):
-    out, report = evaluated
+    """Every task's metrics, and item by item what the model was asked and answered (lm-eval's --log_samples: the
+    prompts and the loglikelihoods or generations), equal lm-eval's own CLI on the exported model."""
     from eval.registry import TASKS
 
+    out, report = evaluated
     ours = [r for r in report["results"] if "lm_eval" in r]
     assert len(ours) == sum(len(t.metrics) for t in TASKS.values() if t.lm_eval_name) == 19  # acc_norm: 5 tasks
     args = f"pretrained={out / 'hf'},dtype=float32,max_length=2048"
     names = sorted({r["lm_eval"][0] for r in ours})
     cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args", args, "--tasks", *names,
-           "--include_path", str(out / "tasks"), "--limit", "1", "--device", "cpu",
+           "--include_path", str(out / "tasks"), "--limit", "1", "--device", "cpu", "--log_samples",
            "--batch_size", "1", "--gen_kwargs", f"max_gen_toks={GEN_TOKS}",
            "--output_path", str(tmp_path / "lm")]  # fmt: skip
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, **OFFLINE})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (result_file,) = list((tmp_path / "lm").rglob("results_*.json"))
-    theirs = json.loads(result_file.read_text())["results"]
+    theirs = json.loads(result_file.read_text())
     for row in ours:
         task, metric = row["lm_eval"]
-        assert theirs[task][metric] == row["value"], row
+        assert theirs["results"][task][metric] == row["value"], row
+        assert theirs["n-shot"].get(task, row["shots"]) == row["shots"], row  # groups have their subtasks' only
+    their_samples = {p.name.split("samples_")[1].rsplit("_", 1)[0]: p for p in (tmp_path / "lm").rglob("samples_*")}
+    assert len(their_samples) == 57 + 27 + 12 == len(list((out / "samples").iterdir()))  # MMLU, BBH subtasks, 12
+    for task, path in their_samples.items():
+        mine = [json.loads(x) for x in (out / "samples" / f"{task}.jsonl").read_text().splitlines()]
+        for a, b in zip(mine, [json.loads(x) for x in path.read_text().splitlines()], strict=True):
+            assert {k: b[k] for k in a} == a, task  # the same prompts, responses and target

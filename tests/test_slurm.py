@@ -173,9 +173,9 @@ def test_eval_job_after_the_run_evaluates_its_newest_checkpoint(slurm_env, refer
     assert info["NumNodes"] == "1" and info["ExitCode"] == "0:0"
     out = (job / "logs" / f"{NAME}-eval-{eval_id}.out").read_text()
     assert f"evaluating {run / 'checkpoints' / f'step_{MAX_STEPS}'}, the newest complete checkpoint" in out
-    assert "| trn_gsm8k_cot | 8 | exact_match,strict-match |" in out and "| humaneval | 0 | pass@1 |" in out
+    assert "| Math: gsm8k | 8 | exact_match |" in out and "| Code: humaneval | 0 | pass@1 |" in out
     report = json.loads((run / "eval" / f"step_{MAX_STEPS}" / "results.json").read_text())
-    assert [r["task"] for r in report["results"]] == ["trn_gsm8k_cot", "humaneval"] and report["limit"] == 1
+    assert [r["task"] for r in report["results"]] == ["gsm8k", "humaneval"] and report["limit"] == 1
 
 
 def test_a_pipeline_over_two_nodes_trains_saves_both_stages_and_is_evaluated(slurm_env, tmp_path):
@@ -199,7 +199,7 @@ def test_a_pipeline_over_two_nodes_trains_saves_both_stages_and_is_evaluated(slu
     info = wait_done(slurm_env, eval_id, job / "logs" / f"neox-tiny-2n-eval-{eval_id}.out", timeout=600)
     assert info["ExitCode"] == "0:0"
     report = json.loads((run / "eval" / f"step_{steps}" / "results.json").read_text())
-    assert [r["task"] for r in report["results"]] == ["trn_gsm8k_cot"]
+    assert [r["task"] for r in report["results"]] == ["gsm8k"]
 
 
 def test_pre_timeout_signal_saves_requeues_and_resumes_bitwise(slurm_env, reference, tmp_path):

@@ -323,6 +323,12 @@ def _eval_run(args: argparse.Namespace) -> int:
         raise RecipeError(
             f"--ckpt {ckpt} is not a directory (a trnrecipes checkpoint, a run dir, or an HF model directory)"
         )
+    missing = [str(Path(args.data_dir) / TASKS[t].data_file) for t in tasks]
+    missing = [m for m in missing if not Path(m).exists()]
+    if missing:  # before the export and hours of lm-eval, not after
+        raise RecipeError(
+            f"eval data missing: {', '.join(missing)}; `trnrecipes eval prepare-data --out {args.data_dir}` builds it"
+        )
     running_code = [t for t in tasks if TASKS[t].executes_code]
     if running_code and not args.allow_code_execution:
         raise RecipeError(
