@@ -116,7 +116,7 @@ _GROUPS = [
     Group("world_knowledge", "World Knowledge", 5, ("exact_match",)),
     Group("reading_comprehension", "Reading Comprehension", 0, ("acc",)),
     Group("math", "Math", 8, ("exact_match",)),
-    Group("code", "Code", 0, ("pass@1", "pass@10", "pass@100")),
+    Group("code", "Code", 0, PASS_AT),
     Group("commonsense_qa", "CommonsenseQA", 7, ("acc",)),
 ]
 GROUPS: dict[str, Group] = {

@@ -198,6 +198,8 @@ def write_samples(out: Path, samples: dict[str, list[dict]]) -> None:
     from lm_eval.utils import handle_non_serializable, sanitize_list
 
     (out / "samples").mkdir(exist_ok=True)
+    for old in (out / "samples").glob("*.jsonl"):  # an earlier run's into the same --out: not this one's
+        old.unlink()
     for task, items in samples.items():
         lines = []
         for item in items:
@@ -341,14 +343,15 @@ def run(
     meta = {"checkpoint": checkpoint, "model": str(hf), "limit": limit, "max_gen_toks": max_gen_toks}
     if "humaneval" in tasks:
         if rows:  # kept if the sampling or the sandbox fails: lm-eval's part can take hours
-            write_results(out, meta, rows + group_rows(rows), baseline, limit)
+            incomplete = {"incomplete": "HumanEval was running or failed: its rows are missing"}
+            write_results(out, meta | incomplete, rows + group_rows(rows), baseline, limit)
         problems = data / "humaneval/HumanEval.jsonl.gz"
         new_tokens = min(256, max_gen_toks or 256)
         report = humaneval(hf, problems, limit, humaneval_n, allow_code_execution, new_tokens, humaneval_temperature)
         for key in TASKS["humaneval"].metrics:
             if key in report:
-                rows.append({"task": "humaneval", "kind": "task", "shots": 0, "metric": key, "value": report[key],
-                             "stderr": None})  # fmt: skip
+                rows.append({"task": "humaneval", "kind": "task", "shots": TASKS["humaneval"].shots, "metric": key,
+                             "value": report[key], "stderr": None})  # fmt: skip
     rows += group_rows(rows)
     write_results(out, meta, rows, baseline, limit)
     return rows
@@ -356,4 +359,5 @@ def run(
 
 def write_results(out: Path, meta: dict, rows: list[dict], baseline: dict | None, limit: int | None) -> None:
     write_text_atomic(out / "results.json", json.dumps(meta | {"results": rows}, indent=1))
-    write_text_atomic(out / "results.md", table(rows, baseline, limit))
+    note = f"\n**incomplete:** {meta['incomplete']}\n" if "incomplete" in meta else ""
+    write_text_atomic(out / "results.md", table(rows, baseline, limit) + note)

@@ -162,3 +162,20 @@ def test_zero_shot_tasks_read_only_the_split_they_score(lm_eval_tasks):
         scored = cfg.test_split or cfg.validation_split
         assert list(task.dataset) == [scored], (name, list(task.dataset))
         assert len(task.eval_docs) == sum(1 for _ in (DATA / TASKS[name].data_file).open()), name
+
+
+def test_results_written_before_humaneval_say_they_are_incomplete(tmp_path):
+    import json
+
+    from eval.run import write_results
+
+    rows = [row("boolq", "acc", 0.7)]
+    write_results(tmp_path, {"incomplete": "HumanEval was running or failed: its rows are missing"}, rows, None, None)
+    assert json.loads((tmp_path / "results.json").read_text())["incomplete"].startswith("HumanEval was running")
+    assert (
+        (tmp_path / "results.md")
+        .read_text()
+        .endswith("**incomplete:** HumanEval was running or failed: its rows are missing\n")
+    )
+    write_results(tmp_path, {}, rows, None, None)  # the finished run's write replaces it
+    assert "incomplete" not in (tmp_path / "results.md").read_text() + (tmp_path / "results.json").read_text()
