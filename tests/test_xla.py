@@ -101,3 +101,30 @@ def test_metric_reductions_on_neuron_go_through_xlas_process_group_with_device_t
                           timeout=300, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-2:] == ["[1.5, 2.0] [3, 1]", "a CPU tensor is refused: RuntimeError"]
+
+
+BERT = ["cluster.workers_per_node=1", "batch.global_batch=8", "batch.micro_batch=4", "train.max_steps=20",
+        "train.val_every=5", "train.val_batches=2", "checkpoint.every_steps=5", "train.log_every=5"]  # fmt: skip
+
+
+def test_classification_on_xla_compiles_nothing_after_warmup_and_continues_on_cpu_from_its_checkpoint(tmp_path):
+    """bert-tiny (padded samples, masks, labels: static shapes) on xla, then incremental training from the
+    xla-saved checkpoint on the cpu backend with another data file: it starts from those weights bitwise."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "XLA_WORKER_RECIPE": "bert-tiny"}
+    reports = {}
+    for name, backend, extra in (
+        ("xla", "xla", []),
+        ("cpu", "cpu", [f"train.init_from={tmp_path / 'xla/checkpoints/step_20'}", "data.path=data/cls/imdb.arrow",
+                        "train.max_steps=5"]),
+    ):  # fmt: skip
+        cmd = [str(XLA_PYTHON), str(REPO / "tests/xla_worker.py"), str(tmp_path / f"{name}.json"), backend]
+        cmd += [str(tmp_path / name), *BERT, *extra]
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        reports[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    compiles = reports["xla"]["compilations"]
+    assert compiles[4] > 0 and compiles[4:] == [compiles[4]] * 16, compiles  # steps 6-20 reuse every graph
+    assert reports["xla"]["dynamic_shape_compiles"] >= 1
+    assert reports["cpu"]["init_equal"] is True and len(reports["cpu"]["losses"]) == 5
+    phases = [json.loads(line)["phase"] for line in (tmp_path / "cpu/metrics.jsonl").read_text().splitlines()]
+    assert phases == [1] * 20 + [2] * 5

@@ -93,7 +93,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--json", action="store_true", help="machine-readable output")
 
     sub = verb(
-        "sbatch", _sbatch, "write a job dir: compile.sbatch, run.sbatch, eval.sbatch, recipe.yaml, provenance.json"
+        "sbatch",
+        _sbatch,
+        "write a job dir: compile.sbatch, run.sbatch, eval.sbatch (and infer.sbatch for classification recipes),"
+        " recipe.yaml, provenance.json",
     )
     recipe_args(sub)
     sub.add_argument("--out", default="", help="job directory (default: jobs/<recipe>-<nodes>n)")
@@ -122,12 +125,17 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--ckpt", required=True, help="checkpoint directory")
     sub.add_argument("--out", required=True, help="new HF model directory")
 
-    data = verb("data", None, "corpora: raw text -> Arrow, text -> Megatron .bin/.idx, the demo corpus")
+    data = verb("data", None, "corpora: raw or labelled text -> Arrow, text -> Megatron .bin/.idx, the prepared data")
     actions = data.add_subparsers(required=True, metavar="ACTION")
     sub = actions.add_parser("to-arrow", help="jsonl / txt / text dir / datasets.save_to_disk dir -> one Arrow file")
     sub.set_defaults(handler=_to_arrow)
     sub.add_argument("--in", dest="inputs", required=True, nargs="+", help="input file(s) or directories")
     sub.add_argument("--out", required=True, help="output .arrow file")
+    sub.add_argument(
+        "--label-field",
+        help="classification data: the JSON field / column holding each record's integer class id, written as an"
+        " int64 column of that name (every record must have one)",
+    )
     _text_args(sub)
     sub = actions.add_parser("preprocess", help="tokenize into Megatron/NeMo PREFIX.bin + PREFIX.idx (EOS appended)")
     sub.set_defaults(handler=_preprocess)
@@ -138,6 +146,11 @@ def _parser() -> argparse.ArgumentParser:
     _text_args(sub)
     sub = actions.add_parser("prepare-demo", help="the demo corpus and tokenizers under data/ (make setup runs it)")
     sub.set_defaults(handler=_prepare_demo)
+    sub = actions.add_parser(
+        "prepare-classification",
+        help="labelled text under data/cls/, the BERT tokenizer and all-MiniLM-L6-v2 (make setup runs it)",
+    )
+    sub.set_defaults(handler=_prepare_classification)
 
     tokenizer = verb("tokenizer", None, "make tokenizer directories (HF tokenizer.json) for recipes")
     actions = tokenizer.add_subparsers(required=True, metavar="ACTION")
@@ -200,6 +213,15 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--timeout", type=float, default=5.0, help="seconds per program (default 5)")
     sub.add_argument("--out", help="write the report (with every sample's outcome) as JSON here")
 
+    sub = verb("predict", _predict, "class probabilities (and accuracy) of a classification checkpoint, on CPU")
+    _infer_args(sub, batch_size=32)
+    sub.add_argument("--out", help="predictions JSONL (default: <stem>.predictions.jsonl beside --in)")
+    sub.add_argument("--label-field", help="class-id column / field for accuracy (default: the recipe's, label)")
+    sub = verb("embed", _embed, "pooled embeddings of a classification checkpoint as Arrow, on CPU; resumable")
+    _infer_args(sub, batch_size=64)
+    sub.add_argument("--out", required=True, help="output .arrow file (work in progress: OUT.parts/)")
+    sub.add_argument("--chunk-rows", type=int, default=4096, metavar="N", help="rows a resumable chunk (default: 4096)")
+
     sub = verb("health", _health, "device sanity and collective checks (run.sbatch runs it before training)")
     sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
     sub.add_argument("--collectives", action="store_true", help="also check and time all-gather/reduce/scatter")
@@ -217,6 +239,18 @@ def _text_args(sub: argparse.ArgumentParser) -> None:
     )
 
 
+def _infer_args(sub: argparse.ArgumentParser, batch_size: int) -> None:
+    sub.add_argument("--ckpt", required=True, help="checkpoint, or run dir (its newest complete checkpoint)")
+    sub.add_argument(
+        "--in", dest="input", required=True, metavar="FILE", help="the rows: .arrow, .jsonl[.gz] or .txt (one a line)"
+    )
+    sub.add_argument(
+        "--batch-size", type=int, default=batch_size, metavar="N", help=f"rows per batch (default: {batch_size})"
+    )
+    sub.add_argument("--text-field", help="text column / JSON field (default: the recipe's data.text_field, text)")
+    sub.add_argument("--threads", type=int, metavar="N", help="CPU threads for torch (default: torch's choice)")
+
+
 def _report_conversion(stats, out: str) -> None:
     print(f"wrote {out}: {stats.documents} documents", end="")
     skipped = [(stats.skipped_empty, "empty"), (stats.skipped_bad_utf8, "undecodable UTF-8")]
@@ -228,8 +262,11 @@ def _report_conversion(stats, out: str) -> None:
 def _to_arrow(args: argparse.Namespace) -> int:
     from trnrecipes.data.arrow import to_arrow
 
-    stats = to_arrow([Path(p) for p in args.inputs], Path(args.out), args.text_field, args.on_bad_utf8)
+    inputs = [Path(p) for p in args.inputs]
+    stats = to_arrow(inputs, Path(args.out), args.text_field, args.on_bad_utf8, label_field=args.label_field)
     _report_conversion(stats, args.out)
+    if args.label_field:
+        print(f"  {args.label_field}: " + ", ".join(f"{c}: {n:,}" for c, n in sorted(stats.labels.items())))
     return 0
 
 
@@ -250,6 +287,14 @@ def _prepare_demo(args: argparse.Namespace) -> int:
     from trnrecipes.data.demo import prepare_demo
 
     prepare_demo(REPO_ROOT)
+    return 0
+
+
+def _prepare_classification(args: argparse.Namespace) -> int:
+    from trnrecipes import REPO_ROOT
+    from trnrecipes.data.corpora import prepare_classification
+
+    prepare_classification(REPO_ROOT)
     return 0
 
 
@@ -443,9 +488,16 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _sbatch(args: argparse.Namespace) -> int:
     from trnrecipes.layout import plan
-    from trnrecipes.preemption import render_warnings
     from trnrecipes.recipe import find_recipe
-    from trnrecipes.render import default_job_dir, provenance, provenance_json, render_job, sbatch_command, write_job
+    from trnrecipes.render import (
+        default_job_dir,
+        provenance,
+        provenance_json,
+        render_job,
+        render_warnings,
+        sbatch_command,
+        write_job,
+    )
     from trnrecipes.report import format_plan
 
     nodes = parse_nodes(args.nodes)
@@ -462,7 +514,11 @@ def _sbatch(args: argparse.Namespace) -> int:
     print("next:")
     print(f"  id=$(sbatch --parsable {job.job_dir}/compile.sbatch)")
     print(f"  id=$(sbatch --parsable --dependency=afterok:$id {job.job_dir}/run.sbatch)")
-    print(f"  sbatch --dependency=afterok:$id {job.job_dir}/eval.sbatch   # seed 002's evaluation table")
+    if "infer.sbatch" in job.files:  # a classification recipe (trnrecipes.render.scripts)
+        print(f"  sbatch --dependency=afterok:$id {job.job_dir}/eval.sbatch   # accuracy on data.eval_path (predict)")
+        print(f"  INFER_IN=<file> sbatch {job.job_dir}/infer.sbatch   # embeddings from the newest checkpoint (embed)")
+    else:
+        print(f"  sbatch --dependency=afterok:$id {job.job_dir}/eval.sbatch   # seed 002's evaluation table")
     if nodes == 1:
         print(f"  or, without Slurm: bash {job.job_dir}/run.sbatch")
     return 0
@@ -503,6 +559,33 @@ def _to_hf(args: argparse.Namespace) -> int:
 
     out = to_hf(Path(args.ckpt), Path(args.out))
     print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from trnrecipes.infer import predict
+
+    out = Path(args.out) if args.out else None
+    s = predict(
+        Path(args.ckpt), Path(args.input), out, batch_size=args.batch_size, text_field=args.text_field,
+        label_field=args.label_field, threads=args.threads,
+    )  # fmt: skip
+    if "accuracy" in s:
+        print(f"accuracy {s['accuracy']:.3f} on {s['rows']} rows (majority class {s['majority_class_accuracy']:.3f})")
+    else:
+        print(f"predicted {s['rows']} rows (no labels in the input: no accuracy)")
+    print(f"wrote {s['predictions']} and {s['summary']}")
+    return 0
+
+
+def _embed(args: argparse.Namespace) -> int:
+    from trnrecipes.infer import embed
+
+    job = embed(
+        Path(args.ckpt), Path(args.input), Path(args.out), batch_size=args.batch_size, chunk_rows=args.chunk_rows,
+        text_field=args.text_field, threads=args.threads,
+    )  # fmt: skip
+    print(f"wrote {args.out}: {job['input']['rows']} rows x {job['hidden_size']} float32")
     return 0
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Union
 
+from recipes.bert.spec import SPEC as BERT
 from recipes.common.spec import FamilySpec
 from recipes.llama2.spec import SPEC as LLAMA2
 from recipes.neox.spec import SPEC as NEOX
 
-FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (NEOX, LLAMA2)}
+FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (NEOX, LLAMA2, BERT)}
 
 ModelSection = Union[tuple(spec.config for spec in FAMILIES.values())]  # type: ignore[valid-type]  # noqa: UP007
 

@@ -86,7 +86,11 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, family: str, seque
     family_plan(family).check_tensor_parallel(model.args, tp)
     if sequence_parallel:
         require_divisible_sequence(model, tp)
-    top = tuple(name for name in ("embed", "norm", "head") if hasattr(model, name))  # a pipeline stage: some
+    # The vocab-parallel embedding and head: a decoder's (a pipeline stage holds some of them); a family whose plan
+    # names no TOP_LEVEL modules (bert: small tables and a pooled head) keeps them replicated.
+    sharded_top = getattr(family_plan(family), "TOP_LEVEL", ("embed", "norm", "head"))
+    top = tuple(name for name in sharded_top if hasattr(model, name))
     styles = tensor_parallel_styles(family, layer_ids(model), sequence_parallel, top)
-    model.head_loss = logits_loss  # the head's vocabulary is split: its forward gathers full logits
+    if "head" in top:
+        model.head_loss = logits_loss  # the head's vocabulary is split: its forward gathers full logits
     return parallelize_module(model, mesh, styles)

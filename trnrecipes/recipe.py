@@ -100,6 +100,10 @@ class TrainConfig:
     val_every: int = 1000
     val_batches: int = 8
     init_from: str | None = None  # a trnrecipes checkpoint to fine-tune from (HF models: `convert from-hf` first)
+    # With init_from: "reset" starts fresh Adam moments (the default: fine-tuning or continuing on new data, whose
+    # gradients the old moments do not describe, and the LR schedule restarts with them); "keep" carries the
+    # checkpoint's moments and step count over (incremental training on more of the same data, M5-style).
+    init_optimizer: Literal["reset", "keep"] = "reset"
     # torch.compile each transformer block (trnrecipes/torch_compile.py). None: on for cuda without TP; off for cpu,
     # where compiling outlasts a short run, and for TorchNeuron (eager with Adaptive Eager Execution; true compiles
     # with backend "neuron"); xla and XLA/NxD compile their graphs anyway and refuse true, as TP does.
@@ -119,6 +123,8 @@ class DataConfig:
     path: str  # Arrow file, or Megatron .bin/.idx prefix; relative to the repository root
     tokenizer: str  # tokenizer directory; relative to the repository root
     text_field: str = "text"
+    label_field: str = "label"  # classification families (model.family bert): the integer class-id column
+    eval_path: str | None = None  # classification: a labelled holdout file eval.sbatch scores (`trnrecipes predict`)
     val_fraction: float = 0.01
 
 
@@ -439,6 +445,31 @@ def _field(r: Recipe, key: str) -> Any:
     return value
 
 
+def _classification_problems(r: Recipe, nxd: bool) -> list[str]:
+    """What a classification family (one label per padded sequence: trnrecipes/data/classify.py) cannot do yet."""
+    fam, lay, problems = r.model.family, r.layout, []
+    if lay.pp > 1:
+        problems.append(f"layout.pp {lay.pp}: the {fam} family is not cut into pipeline stages; use layout.pp 1")
+    if lay.sequence_parallel:
+        problems.append(
+            f"layout.sequence_parallel true: the {fam} family's blocks take a padding mask that the sequence-parallel"
+            " re-layout does not carry; use layout.sequence_parallel false"
+        )
+    if lay.tp > 1 and (nxd or r.cluster.backend == "xla"):
+        problems.append(
+            f"layout.tp {lay.tp}: tensor parallelism for the {fam} family runs on DTensor (cpu, cuda, TorchNeuron),"
+            " not through XLA/NxD; use data parallelism (layout.tp 1)"
+        )
+    if r.data.format != "arrow":
+        problems.append(
+            f"data.format {r.data.format!r}: classification reads text and labels from an Arrow file (data.format"
+            " 'arrow'; `trnrecipes data to-arrow --label-field` writes one)"
+        )
+    if r.model.pad_token_id is None:
+        problems.append("model.pad_token_id is null: classification pads every sequence and masks the padding")
+    return problems
+
+
 def check_recipe(r: Recipe) -> list[str]:
     """Semantic checks the types cannot express. Layout divisibility needs the node count: trnrecipes.layout."""
     problems: list[str] = []
@@ -506,6 +537,12 @@ def check_recipe(r: Recipe) -> list[str]:
         not (r.train.compile and r.layout.tp > 1),
         f"train.compile true with layout.tp {r.layout.tp}: compiled blocks with tensor-parallel DTensors fail in"
         " backward on the torch this was tested with (2.13); set train.compile false or layout.tp 1",
+    )
+    if FAMILIES[m.family].objective == "classification":
+        problems += _classification_problems(r, nxd)
+    need(
+        r.train.init_optimizer == "reset" or r.train.init_from is not None,
+        "train.init_optimizer 'keep' carries the optimizer state of train.init_from over; set train.init_from",
     )
     need(o.min_lr <= o.lr, f"optim.min_lr {o.min_lr} must be <= optim.lr {o.lr}")
     need(

@@ -1,4 +1,5 @@
-"""Render a recipe into a job directory: compile/run/eval.sbatch, the resolved recipe.yaml and provenance.json.
+"""Render a recipe into a job directory: compile/run/eval.sbatch (and infer.sbatch for classification families), the
+resolved recipe.yaml and provenance.json.
 
 Everything is rendered in memory first, so a bad value writes nothing; files are then replaced atomically.
 No torch import: `make ... sbatch` must stay instant.
@@ -21,8 +22,10 @@ import jinja2
 import yaml
 
 from trnrecipes import REPO_ROOT, __version__
+from trnrecipes.families import family_spec
 from trnrecipes.layout import Layout, compute_layout, rank_coords
 from trnrecipes.neuron_env import JOB_USER, backend_env
+from trnrecipes.preemption import render_warnings as preemption_warnings
 from trnrecipes.preemption import signal_seconds
 from trnrecipes.recipe import Recipe, RecipeError, is_plain_path
 from trnrecipes.schema import shown
@@ -30,6 +33,12 @@ from trnrecipes.stacks import DLAMI_PYTHON, TORCHNEURON, sdk_version
 
 TEMPLATES_DIR = REPO_ROOT / "templates"
 SCRIPTS = ("compile.sbatch", "run.sbatch", "eval.sbatch")
+# Classification families (FamilySpec.objective) also get a batch-embedding job (`trnrecipes embed`), and their
+# eval.sbatch scores a labelled holdout with `trnrecipes predict` instead of running lm-eval.
+CLASSIFICATION_SCRIPTS = (*SCRIPTS, "infer.sbatch")
+# infer.sbatch's pre-timeout signal lead: it only has to stop embed and requeue (finished chunks are on disk
+# already), but Slurm may send the signal up to 60 s early.
+INFER_SIGNAL_SECONDS = 120
 RECIPE_HEADER = "# Resolved recipe: "  # the first line of every recipe.yaml we write: it marks our job dirs
 
 
@@ -43,6 +52,31 @@ class Job:
 
 def default_job_dir(recipe: Recipe) -> Path:
     return REPO_ROOT / "jobs" / recipe.job_name
+
+
+def objective(recipe: Recipe) -> str:
+    """What the recipe's family trains: "causal_lm" or "classification" (recipes/common/spec.py FamilySpec)."""
+    return family_spec(recipe.model.family).objective
+
+
+def scripts(recipe: Recipe) -> tuple[str, ...]:
+    """The scripts of the recipe's job dir."""
+    return CLASSIFICATION_SCRIPTS if objective(recipe) == "classification" else SCRIPTS
+
+
+def render_warnings(recipe: Recipe) -> list[str]:
+    """What `trnrecipes sbatch` prints to stderr (the job dir is still written): the time-limit and signal checks
+    (trnrecipes.preemption), and a classification recipe without a holdout for eval.sbatch. That one is a warning, not
+    an error: training does not need it (its validation split comes from data.val_fraction), and eval.sbatch can still
+    be given a file when it is submitted."""
+    warnings = preemption_warnings(recipe)
+    if objective(recipe) == "classification" and recipe.data.eval_path is None:
+        warnings.append(
+            "data.eval_path is not set: eval.sbatch has no labelled holdout to score and stops saying so, unless it is"
+            " submitted as EVAL_IN=<labelled Arrow file> sbatch .../eval.sbatch. Set data.eval_path to score one"
+            " after every run"
+        )
+    return warnings
 
 
 def sbatch_command(recipe_arg: str, nodes: int, overrides: str = "", out: str = "") -> str:
@@ -122,6 +156,7 @@ def render_job(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = RE
             " #SBATCH lines, which no quoting protects); pass --out with a plain path"
         )
     run_dir = Path(recipe.run_dir) if recipe.run_dir else Path("runs") / recipe.job_name
+    eval_in = Path(recipe.data.eval_path) if recipe.data.eval_path else None
     context = {
         "r": recipe,
         "layout": layout,
@@ -135,9 +170,12 @@ def render_job(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = RE
         "env_rows": backend_env(recipe, job_dir),
         "signal_seconds": signal_seconds(recipe),
         "cache_leaders": " ".join(map(str, cache_leader_nodes(layout))),
+        "objective": objective(recipe),
+        "eval_in": eval_in and repo_root / eval_in,  # data paths are relative to the repository root
+        "infer_signal_seconds": INFER_SIGNAL_SECONDS,
     }
     env = _environment()
-    files = {name: env.get_template(f"{name}.j2").render(context) for name in SCRIPTS}
+    files = {name: env.get_template(f"{name}.j2").render(context) for name in scripts(recipe)}
     header = f"{RECIPE_HEADER}{_comment(recipe.name)}, {recipe.cluster.nodes} node(s). Made by: {_comment(command)}\n"
     files["recipe.yaml"] = header + yaml.safe_dump(recipe.to_dict(), sort_keys=False)
     return Job(recipe, layout, job_dir, files)

@@ -1,9 +1,10 @@
 """How the BERT encoder shards under tensor parallelism (Megatron style), as data: the same split as GPT-NeoX's.
 
 Only the blocks are in the plan. The embedding (three tables and a LayerNorm) and the head (pooler + classifier or
-MLP) are not a vocab-sized Embedding and Linear, which trnrecipes/parallel.py shards at the top level for decoders;
-for this family they stay replicated, which that module does not do yet (nor hand the padding mask to a branch
-whose input it re-lays out): training this family at layout.tp > 1 needs that first.
+MLP) are not a vocab-sized Embedding and Linear, which trnrecipes/parallel.py shards at the top level for decoders:
+TOP_LEVEL is empty, so they stay replicated (each TP rank computes the same embedding and head). The padding mask
+reaches the core attention unchanged: each rank's heads read the whole mask. Sequence parallelism is refused
+(trnrecipes/recipe.py): its re-layout of a branch's input would not carry the mask.
 """
 
 from recipes.common.spec import check_tensor_parallel  # the TP rule: recipes/bert/spec.py
@@ -15,5 +16,6 @@ ROW_PARALLEL = ("attn.out", "mlp.fc_out")
 # Post-LN: each norm reads the residual sum after its branch; under sequence parallelism both sit on sequence shards.
 NORMS = ("attn_norm", "mlp_norm")
 BRANCHES = ("attn", "mlp")
+TOP_LEVEL: tuple[str, ...] = ()  # embed and head replicated (see above)
 
-__all__ = ["BRANCHES", "COLUMN_PARALLEL", "NORMS", "ROW_PARALLEL", "check_tensor_parallel"]
+__all__ = ["BRANCHES", "COLUMN_PARALLEL", "NORMS", "ROW_PARALLEL", "TOP_LEVEL", "check_tensor_parallel"]

@@ -21,7 +21,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Literal
 
-from recipes.common.spec import DECODER_BOUNDS, DecoderConfig, FamilySpec, divides, training_flops_per_token
+from recipes.common.spec import DECODER_BOUNDS, DecoderConfig, FamilySpec, divides
 from trnrecipes.schema import FRACTION, NON_NEGATIVE, POSITIVE, Bound
 
 HEADS = ("classification", "mlp")
@@ -68,10 +68,11 @@ class BertConfig(DecoderConfig):
         return sum(a * b + b for a, b in itertools.pairwise(widths))
 
     def flops_per_token(self, seq_len: int) -> int:
-        """The decoders' convention (PaLM: 6N + 12 L H Q T), so MFU compares across families: attention here is
-        bidirectional, which that formula already assumes; like the decoders' it counts embedding lookups (and
-        here the once-per-sequence head) as if they were matmuls per token."""
-        return training_flops_per_token(self, seq_len)
+        """PaLM's 6N + 12 L H Q T over the encoder blocks only. The decoders count their embedding as a matmul,
+        which their tied-size head nearly is; here the tables are lookups with no head of vocabulary size (for a
+        small BERT the word table is most of N: 1.95M of bert-tiny's 2.07M), and the head runs once per sequence."""
+        n = self.num_layers * self.layer_params()
+        return 6 * n + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
 
     def problems(self) -> list[str]:
         if self.hidden_size % self.num_heads:
@@ -117,4 +118,5 @@ SPEC = FamilySpec(
     # MLP transformers has no class for); import reads those and BERT's pre-training checkpoints.
     hf_architectures=("BertForSequenceClassification", "BertModel", "BertForMaskedLM", "BertForPreTraining"),
     hf_model_type="bert",
+    objective="classification",
 )

@@ -19,7 +19,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 from trnrecipes.schema import POSITIVE, Bound
 
@@ -97,6 +97,9 @@ class FamilySpec:
     # Extra neuronx-cc flags this family needs on an instance type (trnrecipes.neuron_env adds them).
     compiler_flags: Callable[[str], tuple[str, ...]] = no_compiler_flags
     parts: ModelParts = ModelParts()  # the top-level structure pipeline stages are cut along
+    # What the trainer feeds the model and scores: next-token prediction over packed text, or one class per
+    # sequence (trnrecipes/data/classify.py: padded samples, labels, accuracy).
+    objective: Literal["causal_lm", "classification"] = "causal_lm"
 
     @property
     def package(self) -> str:

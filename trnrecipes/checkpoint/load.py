@@ -46,17 +46,21 @@ def load(
     backend: Backend,
     num_docs: int,
     weights_only: bool = False,
+    keep_optimizer: bool = False,
     source: str = "",
     allowed=(),
     data_order_changed: bool = False,
     log=print,
 ) -> TrainState:
     """This rank's training state from checkpoint `path` (a verified step_N dir): weights, optimizer, RNG and data
-    position; with weights_only (train.init_from), the weights only. path None: a fresh start from train.seed.
+    position; with weights_only (train.init_from), the weights only, plus the optimizer moments and step count with
+    keep_optimizer (train.init_optimizer keep). path None: a fresh start from train.seed.
     `source` names the checkpoint in errors; `allowed` (checkpoint.allow_changes) and `data_order_changed` decide
     whether a saved data position still applies."""
     model = build_model_shard(recipe, dims=dims, backend=backend, weights=path, source=source)
     optimizer = backend.make_optimizer(model, recipe, dims)
+    if path is not None and weights_only and keep_optimizer:
+        restore_moments(path, model, optimizer, dims, backend.shard_dim)
     if path is None or weights_only:
         return TrainState(model, optimizer, 0, None)
     position = restore_training_state(
@@ -88,6 +92,31 @@ def full_shape(p: torch.Tensor, tp: int, dim: int | None) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def restore_moments(path: Path, model, optimizer, dims, shard_dim: Callable[[torch.Tensor], int | None]) -> dict:
+    """The Adam moments and step count (this rank's slice only: its TP shard, and under ZeRO-1 or FSDP its rows),
+    read from whichever saved files hold it: any saved TP / ZeRO-1 / DP layout and backend resumes at any other.
+    Returns the checkpoint's state.json."""
+    state = read_json(path / "state.json")
+    try:
+        optimizer_steps = float(state["optimizer_steps"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path / 'state.json'}: missing or bad entry ({err})") from None
+    reader = ShardReader(path, "optim")
+    names = {id(p): name for name, p in model.named_parameters()}
+    params = [(names[id(p)], p) for p in optimizer.params]  # the trained parameters, in the optimizer's order
+    expected = {f"{key}.{name}" for name, _ in params for key in ("exp_avg", "exp_avg_sq")}
+    if missing := sorted(expected - reader.names()):
+        raise CheckpointError(f"{path}: no optimizer state for {missing[0]} ({len(missing)} missing)")
+    for i, (name, p) in enumerate(params):
+        dim = shard_dim(p)
+        shape = full_shape(p, dims.tp, dim)
+        region = shard_region(shape, dim, dims.tp, dims.tp_rank, dims.dp if dims.shards_moments else 1, dims.dp_rank)
+        reader.read_into(f"exp_avg.{name}", optimizer.exp_avg[i], shape, region.start)
+        reader.read_into(f"exp_avg_sq.{name}", optimizer.exp_avg_sq[i], shape, region.start)
+    optimizer.set_steps(int(optimizer_steps))
+    return state
+
+
 def restore_training_state(
     path: Path,
     model,
@@ -105,30 +134,15 @@ def restore_training_state(
     Returns the data position to start from: the saved one only while it means the same documents (same corpus
     size, same DP size, same order); otherwise the stream restarts at the next epoch, and only when
     checkpoint.allow_changes accepted what moved it (data.path, layout.dp)."""
-    state = read_json(path / "state.json")
+    state = restore_moments(path, model, optimizer, dims, shard_dim)
     try:
-        saved_dp, optimizer_steps = int(state["dp"]), float(state["optimizer_steps"])
+        saved_dp = int(state["dp"])
         saved_layout = (int(state.get("pp", 1)), saved_dp, int(state["tp"]), int(state["world"]))
         # Checkpoints from before pipeline parallelism did not save the split: they were all one stage.
         saved_split = state.get("stage_layers", stage_layers if saved_layout[0] == 1 else None)
         saved_place = (saved_split, bool(state.get("zero1", False)), bool(state.get("fsdp", False)))
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path / 'state.json'}: missing or bad entry ({err})") from None
-    # Moments: this rank's slice only (its TP shard, and under ZeRO-1 or FSDP its rows), read from whichever saved files
-    # hold it: any saved TP / ZeRO-1 layout resumes at any other.
-    reader = ShardReader(path, "optim")
-    names = {id(p): name for name, p in model.named_parameters()}
-    params = [(names[id(p)], p) for p in optimizer.params]  # the trained parameters, in the optimizer's order
-    expected = {f"{key}.{name}" for name, _ in params for key in ("exp_avg", "exp_avg_sq")}
-    if missing := sorted(expected - reader.names()):
-        raise CheckpointError(f"{path}: no optimizer state for {missing[0]} ({len(missing)} missing)")
-    for i, (name, p) in enumerate(params):
-        dim = shard_dim(p)
-        shape = full_shape(p, dims.tp, dim)
-        region = shard_region(shape, dim, dims.tp, dims.tp_rank, dims.dp if dims.shards_moments else 1, dims.dp_rank)
-        reader.read_into(f"exp_avg.{name}", optimizer.exp_avg[i], shape, region.start)
-        reader.read_into(f"exp_avg_sq.{name}", optimizer.exp_avg_sq[i], shape, region.start)
-    optimizer.set_steps(int(optimizer_steps))
     # Rank r restores its RNG only where it is the same place in the same layout (the same stages and ZeRO-1 rows):
     # its stochastic-rounding stream then meets the same parameters it would have met uninterrupted.
     if saved_layout == (dims.pp, dims.dp, dims.tp, dims.world) and saved_place == (stage_layers, dims.zero1, dims.fsdp):

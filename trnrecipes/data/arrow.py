@@ -2,6 +2,9 @@
 
 Inputs: .jsonl / .jsonl.gz (one JSON object per line), .txt (one document per line), a directory saved by
 `datasets.save_to_disk` (data-*.arrow streams), or a directory of .txt / .rst.txt / .md files (one document each).
+
+Labelled text for classification (`label_field`): every record of a jsonl or Arrow input must carry an integer (or
+bool) class id, written as an int64 column beside the text (what trnrecipes/data/classify.py reads).
 """
 
 from __future__ import annotations
@@ -11,16 +14,19 @@ import json
 import os
 import tempfile
 import zlib
+from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 
 from trnrecipes.data import DataError, listed
-from trnrecipes.schema import clipped
+from trnrecipes.schema import clipped, shown
 
 TEXT_FILE_SUFFIXES = (".txt", ".md", ".rst")
+RECORD_FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".arrow")  # files whose records can carry labels
 BATCH_DOCS = 1024  # documents per record batch: small enough to stream, big enough to be cheap
 
 
@@ -30,6 +36,7 @@ class ConversionStats:
     skipped_empty: int = 0
     skipped_bad_utf8: int = 0
     bad_examples: list[str] = field(default_factory=list)
+    labels: Counter = field(default_factory=Counter)  # class id -> documents written (with a label_field)
 
 
 def to_arrow(
@@ -38,41 +45,65 @@ def to_arrow(
     text_field: str = "text",
     on_bad_utf8: str = "skip",
     progress: bool = True,
+    label_field: str | None = None,
 ) -> ConversionStats:
-    """Write every document of `inputs` to `out` (atomically: a temp file renamed at the end)."""
+    """Write every document of `inputs` to `out` (atomically: a temp file renamed at the end); with `label_field`,
+    each document's class id too, as an int64 column of that name."""
     stats = ConversionStats()
-    documents = read_documents(inputs, text_field, on_bad_utf8, stats, progress)
-    schema = pa.schema([pa.field(text_field, pa.large_string())])
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-            batch: list[str] = []
-            for text in documents:
-                if not text.strip():
-                    stats.skipped_empty += 1
-                    continue
-                batch.append(text)
-                if len(batch) == BATCH_DOCS:
-                    writer.write_batch(pa.record_batch([pa.array(batch, pa.large_string())], schema=schema))
-                    stats.documents += len(batch)
-                    batch = []
-            if batch:
-                writer.write_batch(pa.record_batch([pa.array(batch, pa.large_string())], schema=schema))
-                stats.documents += len(batch)
+    records = read_records(inputs, text_field, on_bad_utf8, stats, progress, label_field)
+    fields = [pa.field(text_field, pa.large_string())] + ([pa.field(label_field, pa.int64())] if label_field else [])
+    schema = pa.schema(fields)
+    with atomic_output(out) as tmp, pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        batch: list[tuple[str, int | None]] = []
+        for text, label in records:
+            if not text.strip():
+                stats.skipped_empty += 1
+                continue
+            batch.append((text, label))
+            if len(batch) == BATCH_DOCS:
+                _write_batch(writer, schema, batch, stats)
+                batch = []
+        if batch:
+            _write_batch(writer, schema, batch, stats)
         if stats.documents == 0:
             raise DataError(
                 f"no documents in {', '.join(map(str, inputs))}: every input was empty"
                 f" ({stats.skipped_empty} empty, {stats.skipped_bad_utf8} with undecodable bytes)"
             )
+    return stats
+
+
+def _write_batch(writer, schema: pa.Schema, batch: list[tuple[str, int | None]], stats: ConversionStats) -> None:
+    columns = [pa.array([text for text, _ in batch], pa.large_string())]
+    if len(schema) == 2:
+        labels = [label for _, label in batch]
+        columns.append(pa.array(labels, pa.int64()))
+        stats.labels.update(labels)
+    writer.write_batch(pa.record_batch(columns, schema=schema))
+    stats.documents += len(batch)
+
+
+def write_table(table: pa.Table, out: Path) -> None:
+    """`table` as an Arrow IPC stream at `out`, atomically (what read_arrow and read_table read)."""
+    with atomic_output(out) as tmp, pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
+@contextmanager
+def atomic_output(out: Path) -> Iterator[str]:
+    """A temp file beside `out`, renamed onto it when the block ends without an error (and removed if it fails):
+    a reader never sees a half-written file."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield tmp
         _make_readable(tmp)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return stats
 
 
 def _make_readable(path: str) -> None:
@@ -84,6 +115,18 @@ def _make_readable(path: str) -> None:
 
 def read_arrow(path: Path, text_field: str | None = None) -> pa.Array:
     """The text column of an Arrow IPC stream (or file), memory-mapped: nothing is read until it is used."""
+    table = read_table(path)
+    field_name = text_field or (table.schema.names or [""])[0]
+    if field_name not in table.schema.names:
+        raise DataError(f"{path} has no column {field_name!r}; its columns: {listed(table.schema.names)}")
+    column = table.column(field_name)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise DataError(f"{path}: column {field_name!r} holds {column.type}, not text (string)")
+    return column.combine_chunks()
+
+
+def read_table(path: Path) -> pa.Table:
+    """An Arrow IPC stream (or file), memory-mapped, with a clear error for a missing or unreadable one."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"Arrow file {path} does not exist")
@@ -101,13 +144,7 @@ def read_arrow(path: Path, text_field: str | None = None) -> pa.Array:
             f"{path}: not a readable Arrow IPC stream or file ({clipped(err)}); corrupt or truncated?"
             " `trnrecipes data to-arrow` writes one"
         ) from None
-    field_name = text_field or (table.schema.names or [""])[0]
-    if field_name not in table.schema.names:
-        raise DataError(f"{path} has no column {field_name!r}; its columns: {listed(table.schema.names)}")
-    column = table.column(field_name)
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        raise DataError(f"{path}: column {field_name!r} holds {column.type}, not text (string)")
-    return column.combine_chunks()
+    return table
 
 
 def read_documents(
@@ -116,10 +153,32 @@ def read_documents(
     """Every document of `inputs` (jsonl[.gz], json, txt, arrow files; directories of text files; datasets
     save_to_disk directories), decoded, counted in `stats`. The inputs are checked before any document is read, so
     a bad one fails before the caller writes anything."""
+    return (text for text, _ in read_records(inputs, text_field, on_bad_utf8, stats, progress))
+
+
+def read_records(
+    inputs: list[Path],
+    text_field: str,
+    on_bad_utf8: str,
+    stats: ConversionStats,
+    progress: bool = True,
+    label_field: str | None = None,
+) -> Iterator[tuple[str, int | None]]:
+    """(text, class id) for every document of `inputs`, as read_documents; the class id is None without
+    `label_field`, and with it every record must carry one (plain text files, which cannot, are refused)."""
     if on_bad_utf8 not in ("skip", "fail"):
         raise DataError(f"on_bad_utf8 must be 'skip' or 'fail', got {on_bad_utf8!r}")
+    if label_field is not None and label_field == text_field:
+        raise DataError(f"the label field and the text field are both {label_field!r}; they must be two columns")
     files = [item for path in inputs for item in _expand(Path(path))]
-    return _progress(_documents(files, text_field, on_bad_utf8, stats), progress, "documents")
+    if label_field is not None:
+        unlabelled = [str(f) for f, whole in files if whole or not f.name.endswith(RECORD_FILE_SUFFIXES)]
+        if unlabelled:
+            raise DataError(
+                f"{listed(unlabelled, 3)}: plain text carries no labels; --label-field {label_field} reads"
+                " .jsonl[.gz], .json and .arrow files and datasets.save_to_disk directories"
+            )
+    return _progress(_documents(files, text_field, on_bad_utf8, stats, label_field), progress, "documents")
 
 
 def _expand(path: Path) -> list[tuple[Path, bool]]:
@@ -128,7 +187,7 @@ def _expand(path: Path) -> list[tuple[Path, bool]]:
     if not path.exists():
         raise DataError(f"input {path} does not exist")
     if path.is_file():
-        if not path.name.endswith((".jsonl", ".jsonl.gz", ".json", ".arrow", *TEXT_FILE_SUFFIXES)):
+        if not path.name.endswith((*RECORD_FILE_SUFFIXES, *TEXT_FILE_SUFFIXES)):
             raise DataError(
                 f"{path}: unknown input type; expected .jsonl[.gz], .json, .arrow, {', '.join(TEXT_FILE_SUFFIXES)}"
                 " or a directory"
@@ -144,19 +203,31 @@ def _expand(path: Path) -> list[tuple[Path, bool]]:
 
 
 def _documents(
-    files: list[tuple[Path, bool]], text_field: str, on_bad_utf8: str, stats: ConversionStats
-) -> Iterator[str]:
+    files: list[tuple[Path, bool]], text_field: str, on_bad_utf8: str, stats: ConversionStats, label_field: str | None
+) -> Iterator[tuple[str, int | None]]:
     for f, whole in files:
         if whole:
             text = _decode(f.read_bytes(), f, on_bad_utf8, stats)
             if text is not None:
-                yield text
+                yield text, None
         elif f.name.endswith((".jsonl", ".jsonl.gz", ".json")):
-            yield from _jsonl(f, text_field, on_bad_utf8, stats)
+            yield from _jsonl(f, text_field, on_bad_utf8, stats, label_field)
         elif f.name.endswith(".arrow"):
-            yield from _saved_arrow(f, text_field)
-        else:
-            yield from _lines(f, on_bad_utf8, stats)  # one document per line, like datasets' "text" loader
+            yield from _saved_arrow(f, text_field, label_field)
+        else:  # one document per line, like datasets' "text" loader
+            yield from ((text, None) for text in _lines(f, on_bad_utf8, stats))
+
+
+def _class_id(value: object, where: str, label_field: str) -> int:
+    """A record's label as a class id: an integer >= 0, or a bool (False 0, True 1)."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int) and value >= 0:
+        return value
+    raise DataError(
+        f"{where}: {label_field} {shown(value)} is not a class id (an integer 0, 1, ... or a bool);"
+        " map class names to ids before converting"
+    )
 
 
 def _decode(raw: bytes, where: object, on_bad_utf8: str, stats: ConversionStats) -> str | None:
@@ -179,7 +250,9 @@ def _lines(f: Path, on_bad_utf8: str, stats: ConversionStats) -> Iterator[str]:
                 yield text
 
 
-def _jsonl(f: Path, text_field: str, on_bad_utf8: str, stats: ConversionStats) -> Iterator[str]:
+def _jsonl(
+    f: Path, text_field: str, on_bad_utf8: str, stats: ConversionStats, label_field: str | None
+) -> Iterator[tuple[str, int | None]]:
     opener = gzip.open if f.name.endswith(".gz") else open
     with opener(f, "rb") as fh:
         for i, raw in enumerate(_read_lines(fh, f), 1):
@@ -195,7 +268,15 @@ def _jsonl(f: Path, text_field: str, on_bad_utf8: str, stats: ConversionStats) -
                 raise DataError(f"{f}:{i}: no field {text_field!r} (has: {keys}); choose one with --text-field")
             if not isinstance(record[text_field], str):
                 raise DataError(f"{f}:{i}: field {text_field!r} is {type(record[text_field]).__name__}, not text")
-            yield record[text_field]
+            if label_field is None:
+                yield record[text_field], None
+                continue
+            if label_field not in record:
+                raise DataError(
+                    f"{f}:{i}: no label field {label_field!r} (has: {listed(record)}); with --label-field every"
+                    " record needs one"
+                )
+            yield record[text_field], _class_id(record[label_field], f"{f}:{i}", label_field)
 
 
 def _read_lines(fh, f: Path) -> Iterator[bytes]:
@@ -207,15 +288,25 @@ def _read_lines(fh, f: Path) -> Iterator[bytes]:
         raise DataError(f"{f}: {what} ({clipped(err)}); corrupt or truncated?") from None
 
 
-def _saved_arrow(f: Path, text_field: str) -> Iterator[str]:
+def _saved_arrow(f: Path, text_field: str, label_field: str | None) -> Iterator[tuple[str, int | None]]:
     try:
         reader = pa.ipc.open_stream(pa.memory_map(str(f)))
-        if text_field not in reader.schema.names:
-            raise DataError(f"{f} has no column {text_field!r}; its columns: {listed(reader.schema.names)}")
+        for name in [text_field] + ([label_field] if label_field is not None else []):
+            if name not in reader.schema.names:
+                raise DataError(f"{f} has no column {name!r}; its columns: {listed(reader.schema.names)}")
+        row = 0
         for batch in reader:
-            for text in batch.column(text_field).to_pylist():
+            texts = batch.column(text_field).to_pylist()
+            labels = batch.column(label_field).to_pylist() if label_field is not None else [None] * len(texts)
+            for text, label in zip(texts, labels, strict=True):
                 if text is not None:
-                    yield text
+                    if label_field is None:
+                        yield text, None
+                    elif label is None:
+                        raise DataError(f"{f}: row {row} has no {label_field!r} (null); every row needs a class id")
+                    else:
+                        yield text, _class_id(label, f"{f}: row {row}", label_field)
+                row += 1
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{f}: not a readable Arrow IPC stream ({clipped(err)}); corrupt or truncated?") from None
 

@@ -35,6 +35,10 @@ class TextTokenizer:
     eos_id: int
     vocab_size: int  # every id the tokenizer can emit is < vocab_size
     fast: object | None = None  # tiktoken.Encoding giving the same ids (GPT-2-style byte-level BPE only)
+    # BERT-style specials (None where the tokenizer has none): a classification sample is [CLS] text [SEP] [PAD]...
+    cls_id: int | None = None
+    sep_id: int | None = None
+    pad_id: int | None = None
 
     @property
     def engine(self) -> str:
@@ -70,16 +74,38 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
         raise TokenizerError(
             f"{tok_file}: not a valid Hugging Face tokenizer.json ({clipped(err)}); corrupt or truncated?"
         ) from None
+    # A tokenizer.json may carry padding and truncation (sentence-transformers' ship both at 128): they would apply
+    # to every encode. Ours pad and cut where the caller says (packing, trnrecipes/data/classify.py).
+    backend.no_padding()
+    backend.no_truncation()
     config = _read_json(path / "tokenizer_config.json")
-    eos = config.get("eos_token")
-    if isinstance(eos, dict):
-        eos = eos.get("content")
-    eos_id = backend.token_to_id(eos) if isinstance(eos, str) else None
+    specials = {
+        key: _special_id(backend, config.get(key)) for key in ("eos_token", "sep_token", "cls_token", "pad_token")
+    }
+    # BERT's tokenizers name no eos_token: [SEP], which ends every sequence, stands in for it.
+    eos_id = specials["eos_token"] if specials["eos_token"] is not None else specials["sep_token"]
     if eos_id is None:
-        raise TokenizerError(f"{path}/tokenizer_config.json names no eos_token in the vocabulary (got {shown(eos)})")
+        raise TokenizerError(
+            f"{path}/tokenizer_config.json names no eos_token (or sep_token) in the vocabulary"
+            f" (got {shown(config.get('eos_token'))})"
+        )
     return TextTokenizer(
-        path, backend, eos_id, backend.get_vocab_size(with_added_tokens=True), _tiktoken_equivalent(tok_file)
+        path,
+        backend,
+        eos_id,
+        backend.get_vocab_size(with_added_tokens=True),
+        _tiktoken_equivalent(tok_file),
+        cls_id=specials["cls_token"],
+        sep_id=specials["sep_token"],
+        pad_id=specials["pad_token"],
     )
+
+
+def _special_id(backend, token) -> int | None:
+    """The id of a special token as tokenizer_config.json names it (a string or an AddedToken dict), or None."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return backend.token_to_id(token) if isinstance(token, str) else None
 
 
 def _tiktoken_equivalent(tok_file: Path):
@@ -89,7 +115,7 @@ def _tiktoken_equivalent(tok_file: Path):
     the model is byte-level BPE with GPT-2's regex and no normalizer, and each merge's result has id 256 + its
     merge rank (GPT-2's own files; tiktoken merges by that rank). Anything else stays on tokenizers.
     """
-    spec = json.loads(tok_file.read_text())
+    spec = json.loads(tok_file.read_text(encoding="utf-8"))
     model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
     if (
         model.get("type") != "BPE"

@@ -34,8 +34,10 @@ from trnrecipes.checkpoint import read_model_checkpoint_recipe
 from trnrecipes.checkpoint.format import CheckpointWriteError
 from trnrecipes.checkpoint.load import load
 from trnrecipes.checkpoint.writer import Checkpointer, HostBuffers, snapshot
-from trnrecipes.data import open_corpus
+from trnrecipes.data import open_corpus, open_labelled
+from trnrecipes.data.classify import ClassificationStream
 from trnrecipes.data.pack import PackedStream, Prefetcher, StreamPosition, batches, split_documents
+from trnrecipes.families import family_spec
 from trnrecipes.layout import compute_layout, plan
 from trnrecipes.recipe import Recipe, RecipeError
 from trnrecipes.schema import shown
@@ -63,6 +65,15 @@ def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens[:, :-1], labels=tokens[:, 1:])
 
 
+def _classify(model: torch.nn.Module, batch: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean cross-entropy in fp32, number of correct predictions) of a [b, s + 1] classification batch: s padded
+    tokens then the label (trnrecipes/data/classify.py); padding is masked out of attention and pooling."""
+    tokens, labels = batch[:, :-1], batch[:, -1]
+    logits = model(tokens, attention_mask=tokens != pad_id)
+    loss = torch.nn.functional.cross_entropy(logits.float(), labels)
+    return loss, (logits.detach().argmax(-1) == labels).sum().float()
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, compile_only: bool = False, run_dir: Path | None = None, log=print):
         self.recipe, self.compile_only = recipe, compile_only
@@ -82,6 +93,9 @@ class Trainer:
             self.run_dir = REPO_ROOT / self.run_dir
         self.lock: RunDirLock | None = None
         self.data_order_changed = False
+        self.classify = family_spec(recipe.model.family).objective == "classification"
+        self.train_correct: torch.Tensor | None = None  # classification: correct predictions in the last step
+        self.val_accuracy: float | None = None  # classification: set by validate()
         resume = self._claim_run_dir()
         try:
             self._build(resume)
@@ -93,7 +107,7 @@ class Trainer:
         recipe, dims = self.recipe, self.dims
         weights, source = resume, f"the checkpoint resumed from ({resume})"
         if resume is None and recipe.train.init_from:
-            weights, source = Path(recipe.train.init_from), f"train.init_from {recipe.train.init_from}"
+            weights, source = self._init_from(), f"train.init_from {recipe.train.init_from}"
             self._check_init_from(weights)
         self._open_data()
         state = load(
@@ -103,6 +117,7 @@ class Trainer:
             backend=self.backend,
             num_docs=self.documents.num_docs,
             weights_only=resume is None,
+            keep_optimizer=resume is None and recipe.train.init_optimizer == "keep",
             source=source,
             allowed=recipe.checkpoint.allow_changes,
             data_order_changed=self.data_order_changed,
@@ -186,7 +201,10 @@ class Trainer:
     # ------------------------------------------------------------------ data
     def _open_data(self) -> None:
         d, b = self.recipe.data, self.recipe.batch
-        self.documents, self.tokenizer = open_corpus(d.format, d.path, d.tokenizer, d.text_field, REPO_ROOT)
+        if self.classify:
+            self.documents, self.tokenizer = open_labelled(self.recipe, REPO_ROOT)
+        else:
+            self.documents, self.tokenizer = open_corpus(d.format, d.path, d.tokenizer, d.text_field, REPO_ROOT)
         if self.tokenizer.vocab_size > self.recipe.model.vocab_size:
             raise RecipeError(
                 f"tokenizer {d.tokenizer} has {self.tokenizer.vocab_size} ids but model.vocab_size is"
@@ -203,14 +221,21 @@ class Trainer:
             )
         self.val_batches: list[torch.Tensor] = []
         if val_dp and self.dims.dp_rank < val_dp:
-            stream = PackedStream(self.documents, self.val_docs, b.seq_len, 0, self.dims.dp_rank, val_dp)
+            # Classification: a seeded shuffle, so a label-sorted file does not validate on one class only.
+            stream = self._stream(self.val_docs, seed, self.dims.dp_rank, val_dp, self.classify, None)
             it = batches(stream, b.micro_batch)
             self.val_batches = [torch.from_numpy(next(it)[0]) for _ in range(self.recipe.train.val_batches)]
+
+    def _stream(self, docs, seed: int, dp_rank: int, dp: int, shuffle: bool, start: StreamPosition | None):
+        """Packed text (one token stream cut into samples) or one padded, labelled sample per document."""
+        if self.classify:
+            return ClassificationStream(self.documents, docs, seed, dp_rank, dp, shuffle, start)
+        return PackedStream(self.documents, docs, self.recipe.batch.seq_len, seed, dp_rank, dp, shuffle, start)
 
     def _train_loader(self, start: StreamPosition | None):
         b, dims = self.recipe.batch, self.dims
         seed = self.recipe.train.seed
-        stream = PackedStream(self.documents, self.train_docs, b.seq_len, seed, dims.dp_rank, dims.dp, True, start)
+        stream = self._stream(self.train_docs, seed, dims.dp_rank, dims.dp, True, start)
         self._prefetch = Prefetcher(batches(stream, b.micro_batch))
         positions: collections.deque[StreamPosition] = collections.deque()
 
@@ -237,13 +262,19 @@ class Trainer:
             self.backend.sync()
             return loss if loss is not None else torch.zeros((), device=self.backend.device)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.backend.device)
+        correct = torch.zeros((), dtype=torch.float32, device=self.backend.device)
         for _ in range(grad_accum):
             tokens = next(loader)
             with self._autocast():
-                loss = _loss(self.model, tokens)
+                if self.classify:
+                    loss, right = _classify(self.model, tokens, self.recipe.model.pad_token_id)
+                    correct = correct + right
+                else:
+                    loss = _loss(self.model, tokens)
             (loss / grad_accum).backward()
             loss_sum = loss_sum + loss.detach().float()
             self.backend.sync()  # cut: one forward+backward graph, reused by every micro-batch
+        self.train_correct = correct if self.classify else None
         return loss_sum / grad_accum
 
     def reduce_and_clip(self) -> torch.Tensor:
@@ -276,14 +307,34 @@ class Trainer:
             local = mean.cpu() if mean is not None else torch.zeros(())
         else:
             total = torch.zeros((), dtype=torch.float32, device=self.backend.device)
+            correct = torch.zeros((), dtype=torch.float32, device=self.backend.device)
             for tokens in self.val_batches:
                 with self._autocast():
-                    total = total + _loss(self.model, tokens.to(self.backend.device)).float()
+                    if self.classify:
+                        loss, right = _classify(
+                            self.model, tokens.to(self.backend.device), self.recipe.model.pad_token_id
+                        )
+                        correct = correct + right
+                    else:
+                        loss = _loss(self.model, tokens.to(self.backend.device))
+                    total = total + loss.float()
                 self.backend.sync()
             local = total.cpu() / max(1, len(self.val_batches))
         held = bool(self.val_batches) and self.dims.holds_loss
         counted = torch.tensor([float(local) if held else 0.0, float(held)])
+        if self.classify:  # correct predictions and examples seen, summed like the loss
+            seen = len(self.val_batches) * self.recipe.batch.micro_batch if held else 0
+            counted = torch.cat([counted, torch.tensor([float(correct) if held else 0.0, float(seen)])])
         # Each DP replica's loss arrives once per TP rank: the TP copies cancel in the ratio.
+        counted = self.dims.sum_over_ranks(counted, self.backend.device)
+        if self.classify:
+            self.val_accuracy = float(counted[2] / counted[3])
+        return float(counted[0] / counted[1])
+
+    def _train_accuracy(self) -> float:
+        """The last step's accuracy over the whole global batch (every DP rank's micro-batches)."""
+        seen = self.layout.grad_accum * self.recipe.batch.micro_batch
+        counted = torch.stack([self.train_correct.detach().float().cpu(), torch.tensor(float(seen))])
         counted = self.dims.sum_over_ranks(counted, self.backend.device)
         return float(counted[0] / counted[1])
 
@@ -322,7 +373,9 @@ class Trainer:
             self.log(f"[trnrecipes] {r.name}: already trained to step {self.start_step} of {steps}; nothing to do")
             result.already_done = True  # a success: a requeue after the last save must not fail the job
             return result
-        metrics = Metrics(self.run_dir, enabled=self.dims.rank == 0 and not self.compile_only)
+        metrics = Metrics(
+            self.run_dir, enabled=self.dims.rank == 0 and not self.compile_only, previous=self._previous_phase()
+        )
         spikes = SpikeDetector()
         stop_file = os.environ.get("TRNRECIPES_STOP_FILE")
         loader, positions = self._train_loader(self.start_position)
@@ -361,6 +414,8 @@ class Trainer:
                 cost = plan(r, seq_per_s=record["seq_per_s"])
                 record["mfu"], record["tokens_per_dollar"] = cost["mfu"], cost["tokens_per_dollar"]
                 record["spike"] = spikes.update(record["grad_norm"])
+                if self.classify:
+                    record["accuracy"] = self._train_accuracy()
                 last = step + 1 == steps
                 first = self.compile_only and step == self.start_step  # compile: trace validation and saving once
                 # Decisions only some ranks can see (a stop file, a signal, the clock) are agreed on by all ranks.
@@ -369,6 +424,8 @@ class Trainer:
                 stop, time_due = self._agree(stop_seen, time_due)
                 if (step + 1) % r.train.val_every == 0 or last or first:
                     record["val_loss"] = result.val_losses[step + 1] = self.validate()
+                    if self.val_accuracy is not None:
+                        record["val_accuracy"] = self.val_accuracy
                 if (step + 1) % r.checkpoint.every_steps == 0 or last or first or time_due or stop:
                     self.save(step + 1, result.position)
                     last_save = time.monotonic()
@@ -397,6 +454,20 @@ class Trainer:
             metrics.close()
         result.checkpoints = list(self.checkpointer.saved)
         return result
+
+    def _init_from(self) -> Path:
+        """train.init_from; a relative path is taken from the repository root, like the data paths."""
+        path = Path(self.recipe.train.init_from)
+        return path if path.is_absolute() else REPO_ROOT / path
+
+    def _previous_phase(self) -> tuple[Path, int] | None:
+        """(the metrics.jsonl of the run train.init_from's checkpoint came from, that checkpoint's step): this run
+        continues that one as its next phase (monitor.Metrics). None without init_from."""
+        if not self.recipe.train.init_from:
+            return None
+        ckpt = self._init_from()
+        step = int(ckpt.name.split("_")[1]) if ckpt.name.startswith("step_") and ckpt.name[5:].isdigit() else 0
+        return ckpt.parent.parent / "metrics.jsonl", step
 
     def _agree(self, stop_seen: bool, due: bool) -> tuple[bool, bool]:
         """Element-wise max over ranks of two flags, with the checkpoint writer's health: a rank whose write failed

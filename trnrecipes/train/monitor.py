@@ -46,16 +46,31 @@ class SpikeDetector:
 
 
 class Metrics:
-    """Rank 0 writes; other ranks hold a Metrics that writes nothing."""
+    """Rank 0 writes; other ranks hold a Metrics that writes nothing.
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True):
+    A run continuing from another run's checkpoint (train.init_from: fine-tuning, incremental training) is a new
+    phase of it: its metrics.jsonl starts with the earlier run's records up to that checkpoint (`previous`), and its
+    own records follow with steps counted on from the checkpoint's, each tagged with its phase (1, 2, ...), so one
+    file and one plot show the whole history. The console keeps this run's own step count."""
+
+    def __init__(
+        self, run_dir: Path, enabled: bool, tensorboard: bool = True, previous: tuple[Path, int] | None = None
+    ):
         self.enabled = enabled
         self.file = None
         self.tb = None
+        self.step_offset, self.phase = 0, None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: tail -f works
+        path = run_dir / "metrics.jsonl"
+        fresh = not path.exists() or path.stat().st_size == 0
+        if previous is not None:
+            self.step_offset, earlier = previous[1], _records_until(previous[0], previous[1])
+            self.phase = max((r.get("phase", 1) for r in earlier), default=1) + 1 if earlier else 2
+            if fresh and earlier:
+                path.write_text("".join(json.dumps({"phase": 1} | r) + "\n" for r in earlier))
+        self.file = open(path, "a", buffering=1)  # line-buffered: tail -f works
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -64,6 +79,8 @@ class Metrics:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
+        if self.phase is not None:
+            record = record | {"step": record["step"] + self.step_offset, "phase": self.phase}
         self.file.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for key, value in record.items():
@@ -77,10 +94,31 @@ class Metrics:
             self.tb.close()
 
 
+def _records_until(path: Path, step: int) -> list[dict]:
+    """The step records of an earlier run's metrics.jsonl up to `step` (none if it has no readable file)."""
+    records = []
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return records
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a half-written last line of a killed run
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            records.append(record)
+    return records
+
+
 def progress_line(r: dict, max_steps: int) -> str:
     parts = [f"step {r['step']:>{len(str(max_steps))}}/{max_steps}", f"loss {r['loss']:.4f}"]
+    if "accuracy" in r:
+        parts.append(f"acc {r['accuracy']:.3f}")
     if "val_loss" in r:
         parts.append(f"val {r['val_loss']:.4f}")
+    if "val_accuracy" in r:
+        parts.append(f"val acc {r['val_accuracy']:.3f}")
     parts += [f"lr {r['lr']:.2e}", f"grad {r['grad_norm']:.3f}", f"{r['tokens_per_s']:,.0f} tok/s"]
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.2f}%")

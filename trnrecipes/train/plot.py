@@ -10,6 +10,9 @@ from pathlib import Path
 from trnrecipes.recipe import RecipeError
 
 PANELS = (("loss", "training loss"), ("grad_norm", "gradient L2 norm"), ("param_norm", "parameter L2 norm"))
+# Classification runs also log accuracy (training, per step) and val_accuracy: drawn when a run has them.
+OPTIONAL_PANELS = (("accuracy", "accuracy"),)
+VALIDATION = {"loss": "val_loss", "accuracy": "val_accuracy"}  # the panel's held-out curve
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
@@ -21,15 +24,16 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
     runs = [(Path(d), read_records(Path(d) / "metrics.jsonl")) for d in run_dirs]
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for key, title in PANELS:
+    present = [p for p in OPTIONAL_PANELS if any(_is_number(r.get(p[0])) for _, rs in runs for r in rs)]
+    for key, title in (*PANELS, *present):
         fig, ax = plt.subplots(figsize=(7, 4))
         for run_dir, records in runs:
             points = [(r["step"], r[key]) for r in records if _is_number(r.get(key))]
             if points:
                 steps, values = zip(*points, strict=True)
                 ax.plot(steps, values, label=run_dir.name, marker="." if len(points) < 50 else None)
-            if key == "loss":
-                val = [(r["step"], r["val_loss"]) for r in records if _is_number(r.get("val_loss"))]
+            if key in VALIDATION:
+                val = [(r["step"], r[VALIDATION[key]]) for r in records if _is_number(r.get(VALIDATION[key]))]
                 if val:
                     steps, values = zip(*val, strict=True)
                     ax.plot(steps, values, "o--", label=f"{run_dir.name} (validation)")

@@ -1,0 +1,469 @@
+"""`trnrecipes predict` and `trnrecipes embed`: a classification-family checkpoint (BERT) run over a file on CPU, fp32.
+
+predict: class probabilities for every row, and accuracy where the file has labels.
+embed: the pooled embedding (`model.encode`) of every row into one Arrow file. Rows go in fixed chunks, each
+written whole to OUT.parts/ (temp file, then rename) beside a record of what made them (input, checkpoint,
+settings): a run killed halfway through millions of rows resumes at the first missing chunk, and one started with
+another input, checkpoint or settings is refused rather than mixing results. The last chunk done, they are joined
+into OUT and OUT.parts/ is removed.
+
+Every batch has one shape, [batch_size, seq_len]: the last is filled up with copies of its last row, whose outputs
+are dropped, so a compiler (XLA, Neuron) would build one graph. Nothing here imports the training stack (backends,
+Neuron, torch_xla, train/): inference needs only torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gzip
+import hashlib
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from trnrecipes import REPO_ROOT
+from trnrecipes.checkpoint import MANIFEST, CheckpointError, consolidate, read_model_checkpoint_recipe
+from trnrecipes.convert import checkpoint_source
+from trnrecipes.data import DataError, listed
+from trnrecipes.data.arrow import ConversionStats, read_arrow, read_documents, read_table
+from trnrecipes.data.classify import attention_mask, encode_texts, read_labels
+from trnrecipes.data.tokenizer import TextTokenizer, load_tokenizer
+from trnrecipes.families import FAMILIES, family_spec
+from trnrecipes.recipe import Recipe, RecipeError
+
+STEP_DIR = re.compile(r"^step_(\d+)$")  # as trnrecipes.train.run_dir names them (not imported: no training stack)
+TOKENIZE_ROWS = 4096  # rows tokenized at once by predict (the Rust tokenizer batches them over threads)
+EMBED_FORMAT = 1  # OUT.parts/embed.json's format
+EMBED_JOB = "embed.json"
+SAMPLED_ROWS = 256  # rows spread over the input whose text fingerprints it (with its first and last rows)
+
+
+@dataclass
+class Classifier:
+    model: torch.nn.Module
+    tokenizer: TextTokenizer
+    recipe: Recipe
+    checkpoint: dict  # checkpoint_source(): path, step, manifest_sha256
+    seq_len: int
+    pad_id: int
+
+    def batches(self, texts: pa.Array, batch_size: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(real rows, tokens, attention mask) per batch of `texts`, each batch exactly [batch_size, seq_len]."""
+        tokens = encode_texts(self.tokenizer, texts.to_pylist(), self.seq_len, self.pad_id)
+        for start in range(0, len(tokens), batch_size):
+            batch = tokens[start : start + batch_size]
+            rows = len(batch)
+            if rows < batch_size:
+                batch = np.concatenate([batch, np.repeat(batch[-1:], batch_size - rows, axis=0)])
+            batch = torch.from_numpy(batch)
+            yield rows, batch, attention_mask(batch, self.pad_id)
+
+
+def open_checkpoint(ckpt: Path, log=print) -> tuple[Path, Recipe, TextTokenizer]:
+    """(checkpoint, recipe, tokenizer) of a checkpoint dir, or of a run dir's newest complete checkpoint, verified;
+    RecipeError for anything but a classification-family checkpoint. Its weights are read by load_classifier."""
+    path, recipe = _verified_checkpoint(Path(ckpt), log)
+    family = recipe.model.family
+    if family_spec(family).objective != "classification":
+        usable = [name for name, spec in FAMILIES.items() if spec.objective == "classification"]
+        raise RecipeError(
+            f"{path} holds a {family} model (objective {family_spec(family).objective!r}); predict and embed need a"
+            f" classification family ({', '.join(usable)}); evaluate language models with `trnrecipes eval run`"
+        )
+    pad_id = recipe.model.pad_token_id
+    if pad_id is None:
+        raise RecipeError(f"{path}: model.pad_token_id is null; batches are padded to batch.seq_len with it")
+    tokenizer_dir = path / "tokenizer"
+    if not tokenizer_dir.is_dir():  # checkpoints without one: the recipe's, relative to the checkout (as to_hf)
+        tokenizer_dir = REPO_ROOT / recipe.data.tokenizer
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if tokenizer.vocab_size > recipe.model.vocab_size:
+        raise RecipeError(
+            f"tokenizer {tokenizer_dir} has {tokenizer.vocab_size} ids but the model of {path} only"
+            f" {recipe.model.vocab_size} (model.vocab_size): not the tokenizer it was trained with"
+        )
+    return path, recipe, tokenizer
+
+
+def load_classifier(path: Path, recipe: Recipe, tokenizer: TextTokenizer) -> Classifier:
+    """The model of an opened checkpoint in fp32, in eval mode."""
+    from trnrecipes.models import build_model
+
+    model = build_model(recipe.model, "cpu")
+    model.load_state_dict(consolidate(path), strict=True)
+    model = model.float().eval()
+    pad_id = recipe.model.pad_token_id
+    return Classifier(model, tokenizer, recipe, checkpoint_source(path), recipe.batch.seq_len, pad_id)
+
+
+def _verified_checkpoint(path: Path, log) -> tuple[Path, Recipe]:
+    """(checkpoint, its recipe): `path` itself, or for a run dir its newest step_N that verifies (as eval picks)."""
+    if not path.is_dir():
+        raise RecipeError(f"--ckpt {path} is not a directory (a trnrecipes checkpoint, or a run dir)")
+    root = path / "checkpoints"
+    if not root.is_dir():
+        if not (path / MANIFEST).is_file():
+            raise RecipeError(
+                f"--ckpt {path} is neither a checkpoint (no {MANIFEST}) nor a run dir with checkpoints (no"
+                " checkpoints/); an HF model directory needs `trnrecipes convert from-hf` first"
+            )
+        return path, read_model_checkpoint_recipe(path)
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    for _, step_dir in sorted(found, reverse=True):
+        if step_dir.is_symlink():
+            continue  # a run dir holds its own checkpoints (trnrecipes.train.run_dir refuses links too)
+        try:
+            recipe = read_model_checkpoint_recipe(step_dir)
+        except CheckpointError as err:
+            log(f"[trnrecipes] checkpoint {step_dir.name} is unusable, trying the one before: {err}")
+            continue
+        log(f"[trnrecipes] using {step_dir}, the newest complete checkpoint")
+        return step_dir, recipe
+    raise RecipeError(f"run dir {path} has no complete checkpoint in {root}")
+
+
+def read_rows(path: Path, text_field: str) -> pa.Array:
+    """The text of every row of an Arrow (memory-mapped), jsonl[.gz] or txt file, in file order. Rows are never
+    skipped (undecodable UTF-8 fails), so row i of the output is row i of the input; blank jsonl lines are no row."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"input {path} does not exist" if not path.exists() else f"input {path} is not a file")
+    if path.name.endswith(".arrow"):
+        texts = read_arrow(path, text_field)
+    else:
+        texts = pa.array(read_documents([path], text_field, "fail", ConversionStats(), False), pa.large_string())
+    if len(texts) == 0:
+        raise DataError(f"input {path} has no rows")
+    if texts.null_count:
+        first = texts.is_null().to_numpy(zero_copy_only=False).argmax()
+        raise DataError(f"{path}: {texts.null_count} row(s) have no {text_field!r} text (the first: row {first})")
+    return texts
+
+
+def read_row_labels(path: Path, label_field: str, num_labels: int, required: bool) -> np.ndarray | None:
+    """The class id of every row (Arrow column or jsonl field), or None where the file has none and none was
+    asked for by name."""
+    path = Path(path)
+    if path.name.endswith(".arrow"):
+        names = read_table(path).schema.names
+        if label_field in names:
+            return read_labels(path, label_field, num_labels)
+        found = f"its columns: {listed(names)}"
+    elif path.name.endswith((".jsonl", ".jsonl.gz", ".json")):
+        labels = _jsonl_labels(path, label_field, num_labels)
+        if labels is not None:
+            return labels
+        found = "no row has it"
+    else:
+        found = "a text file has one column"
+    if required:
+        raise DataError(f"{path} has no label {label_field!r} ({found})")
+    return None
+
+
+def _jsonl_labels(path: Path, field: str, num_labels: int) -> np.ndarray | None:
+    """The rows read_documents reads (non-blank lines), each record's `field` checked to be a class id."""
+    labels: list[int | None] = []
+    with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            value = json.loads(line).get(field)
+            if value is not None and (type(value) is not int or not 0 <= value < num_labels):
+                raise DataError(
+                    f"{path}:{i}: {field} {value!r} is not a class id in [0, {num_labels}) (model.num_labels)"
+                )
+            labels.append(value)
+    if all(v is None for v in labels):
+        return None
+    if None in labels:
+        raise DataError(f"{path}: row {labels.index(None)} has no {field!r} (other rows do)")
+    return np.array(labels, dtype=np.int64)
+
+
+def _progress(total: int, initial: int = 0):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit=" rows", mininterval=1.0, disable=None)
+
+
+def _check_positive(**values: int | None) -> None:
+    for name, value in values.items():
+        if value is not None and value < 1:
+            raise RecipeError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+
+
+def predictions_path(inputs: Path) -> Path:
+    """Default predict output: `<stem>.predictions.jsonl` beside the input."""
+    stem = Path(inputs.name.removesuffix(".gz")).stem
+    return inputs.with_name(f"{stem}.predictions.jsonl")
+
+
+def predict(
+    ckpt: Path,
+    inputs: Path,
+    out: Path | None = None,
+    *,
+    batch_size: int = 32,
+    text_field: str | None = None,
+    label_field: str | None = None,
+    threads: int | None = None,
+    log=print,
+) -> dict:
+    """Writes `out` (one JSON line per row: row, label, probs) and `<out stem>.summary.json`; returns the summary.
+    text_field / label_field default to the checkpoint recipe's data section."""
+    _check_positive(batch_size=batch_size, threads=threads)
+    if threads:
+        torch.set_num_threads(threads)
+    opened = open_checkpoint(ckpt, log)
+    data, num_labels = opened[1].data, opened[1].model.num_labels
+    texts = read_rows(inputs, text_field or data.text_field)
+    labels = read_row_labels(inputs, label_field or data.label_field, num_labels, required=label_field is not None)
+    clf = load_classifier(*opened)
+    out = Path(out) if out else predictions_path(Path(inputs))
+    summary_path = out.with_name(f"{out.stem}.summary.json")
+    predicted = np.empty(len(texts), dtype=np.int64)
+    block = batch_size * math.ceil(TOKENIZE_ROWS / batch_size)
+    with _atomic(out, "w") as f, torch.inference_mode(), _progress(len(texts)) as bar:
+        for block_start in range(0, len(texts), block):
+            row = block_start
+            for rows, tokens, mask in clf.batches(texts.slice(block_start, block), batch_size):
+                probs = torch.softmax(clf.model(tokens, mask).float(), dim=-1)[:rows]
+                predicted[row : row + rows] = probs.argmax(dim=-1).numpy()
+                for i, p in enumerate(probs.tolist()):
+                    f.write(json.dumps({"row": row + i, "label": int(predicted[row + i]), "probs": p}) + "\n")
+                row += rows
+                bar.update(rows)
+    summary = {
+        "rows": len(texts),
+        "input": str(inputs),
+        "predictions": str(out),
+        "checkpoint": clf.checkpoint,
+        "label_field": None if labels is None else label_field or data.label_field,
+    } | _scores(predicted, labels, num_labels)
+    with _atomic(summary_path, "w") as f:
+        f.write(json.dumps(summary, indent=2) + "\n")
+    return summary | {"summary": str(summary_path)}
+
+
+def _scores(predicted: np.ndarray, labels: np.ndarray | None, num_labels: int) -> dict:
+    """Per-class counts; with labels, accuracy and the majority-class baseline (the most frequent true label's
+    share: what always answering it would score)."""
+    counts = np.bincount(predicted, minlength=num_labels)
+    if labels is None:
+        return {"classes": {str(c): {"predicted": int(counts[c])} for c in range(num_labels)}}
+    truth = np.bincount(labels, minlength=num_labels)
+    correct = np.bincount(labels[predicted == labels], minlength=num_labels)
+    return {
+        "accuracy": float((predicted == labels).mean()),
+        "majority_class": int(truth.argmax()),
+        "majority_class_accuracy": float(truth.max() / len(labels)),
+        "classes": {
+            str(c): {"true": int(truth[c]), "predicted": int(counts[c]), "correct": int(correct[c])}
+            for c in range(num_labels)
+        },
+    }
+
+
+def embed(
+    ckpt: Path,
+    inputs: Path,
+    out: Path,
+    *,
+    batch_size: int = 64,
+    chunk_rows: int = 4096,
+    text_field: str | None = None,
+    threads: int | None = None,
+    log=print,
+) -> dict:
+    """Writes `out`: columns row (int64) and embedding (fixed_size_list<float32>[hidden]), one row per input row,
+    by way of OUT.parts/ (resumable, see the module docstring). Returns the job record (also in out's metadata)."""
+    _check_positive(batch_size=batch_size, chunk_rows=chunk_rows, threads=threads)
+    if chunk_rows % batch_size:
+        raise RecipeError(
+            f"--chunk-rows {chunk_rows} must be a multiple of --batch-size {batch_size} (every batch one shape),"
+            f" e.g. {batch_size * max(1, round(chunk_rows / batch_size))}"
+        )
+    if threads:
+        torch.set_num_threads(threads)
+    out = Path(out)
+    parts = out.with_name(out.name + ".parts")
+    if out.exists() and not parts.exists():
+        raise RecipeError(f"{out} already exists; choose another --out, or remove it")
+    opened = open_checkpoint(ckpt, log)
+    text_field = text_field or opened[1].data.text_field
+    texts = read_rows(inputs, text_field)
+    clf = load_classifier(*opened)
+    hidden = clf.recipe.model.hidden_size
+    job = {
+        "format": EMBED_FORMAT,
+        "input": _fingerprint(Path(inputs), texts) | {"text_field": text_field},
+        "checkpoint": clf.checkpoint,
+        "settings": {"batch_size": batch_size, "chunk_rows": chunk_rows, "seq_len": clf.seq_len},
+        "hidden_size": hidden,
+    }
+    rows = len(texts)
+    spans = [(start, min(start + chunk_rows, rows)) for start in range(0, rows, chunk_rows)]
+    parts.mkdir(parents=True, exist_ok=True)
+    with _locked(parts):
+        _start_or_resume(parts, job)
+        todo = [k for k, (start, stop) in enumerate(spans) if not _chunk_done(parts / _chunk_name(k), start, stop, log)]
+        if len(todo) < len(spans):
+            log(f"[trnrecipes] resuming {parts}: {len(spans) - len(todo)} of {len(spans)} chunks already done")
+        done_rows = rows - sum(spans[k][1] - spans[k][0] for k in todo)
+        with torch.inference_mode(), _progress(rows, done_rows) as bar:
+            for k in todo:
+                start, stop = spans[k]
+                pieces = []
+                for real, tokens, mask in clf.batches(texts.slice(start, stop - start), batch_size):
+                    pieces.append(clf.model.encode(tokens, mask)[:real].float().numpy())
+                _write_chunk(parts / _chunk_name(k), start, np.concatenate(pieces), hidden)
+                bar.update(stop - start)
+        _join(parts, len(spans), out, job)
+    shutil.rmtree(parts)
+    return job
+
+
+def _fingerprint(path: Path, texts: pa.Array) -> dict:
+    """What tells this input from another: size, rows and a hash of the first, last and SAMPLED_ROWS spread rows.
+    Not the path or mtime: a copy of the same file resumes."""
+    n = len(texts)
+    picked = sorted(
+        {*range(min(16, n)), *range(max(0, n - 16), n), *np.linspace(0, n - 1, SAMPLED_ROWS).astype(int).tolist()}
+    )
+    digest = hashlib.sha256(json.dumps([picked, texts.take(pa.array(picked)).to_pylist()]).encode()).hexdigest()
+    return {"path": str(path.resolve()), "size": path.stat().st_size, "rows": n, "sampled_sha256": digest}
+
+
+def _differences(saved: dict, job: dict) -> list[str]:
+    """What differs between the job that wrote OUT.parts and this one, in words."""
+    diffs = []
+    was, now = saved.get("input", {}), job["input"]
+    keys = ("rows", "size", "text_field")
+    changed = [f"{key} {was.get(key)} -> {now[key]}" for key in keys if was.get(key) != now[key]]
+    if was.get("sampled_sha256") != now["sampled_sha256"]:
+        changed.append("the text of sampled rows differs")
+    if changed:
+        path = now["path"] if was.get("path") == now["path"] else f"{was.get('path')} -> {now['path']}"
+        diffs.append(f"input {path}: {', '.join(changed)}")
+    was, now = saved.get("checkpoint", {}), job["checkpoint"]
+    if was.get("manifest_sha256") != now["manifest_sha256"]:
+        diffs.append(
+            f"checkpoint {was.get('path')} (step {was.get('step')}) -> {now['path']} (step {now['step']}):"
+            f" other weights (manifest sha256 differs; --ckpt {was.get('path')} resumes)"
+        )
+    for key, value in job["settings"].items():
+        if saved.get("settings", {}).get(key) != value:
+            diffs.append(f"{key} {saved.get('settings', {}).get(key)} -> {value}")
+    for key in ("format", "hidden_size"):
+        if saved.get(key) != job[key]:
+            diffs.append(f"{key} {saved.get(key)} -> {job[key]}")
+    return diffs
+
+
+def _start_or_resume(parts: Path, job: dict) -> None:
+    """Record the job in a new OUT.parts, or check that the recorded one is this job; drop stale temp files."""
+    for stale in parts.glob(".*.tmp"):  # a killed run's half-written chunk: under the lock, nobody is writing it
+        stale.unlink()
+    record = parts / EMBED_JOB
+    if not record.exists():
+        if any(parts.glob("chunk_*.arrow")):
+            raise RecipeError(f"{parts} holds chunks but no {EMBED_JOB} saying what made them; remove {parts}")
+        with _atomic(record, "w") as f:
+            f.write(json.dumps(job, indent=2) + "\n")
+        return
+    try:
+        saved = json.loads(record.read_text())
+    except (OSError, ValueError) as err:
+        raise RecipeError(f"{record}: unreadable ({err}); remove {parts} to start over") from None
+    if diffs := _differences(saved if isinstance(saved, dict) else {}, job):
+        raise RecipeError(
+            f"{parts} holds a partial embedding made with another input, checkpoint or settings: {'; '.join(diffs)}."
+            f" Rerun with the same ones to resume, or remove {parts} (or choose another --out) to start over"
+        )
+
+
+def _chunk_name(k: int) -> str:
+    return f"chunk_{k:06d}.arrow"
+
+
+def _chunk_done(path: Path, start: int, stop: int, log) -> bool:
+    """Whether chunk file `path` exists and holds exactly rows [start, stop); a damaged one is removed."""
+    if not path.exists():
+        return False
+    try:
+        rows = _read_stream(path).column("row").to_numpy()
+        if np.array_equal(rows, np.arange(start, stop)):
+            return True
+        problem = f"holds rows {rows[:1]}..{rows[-1:]} ({len(rows)}), not [{start}, {stop})"
+    except (pa.ArrowException, OSError, KeyError) as err:
+        problem = f"unreadable ({err})"
+    log(f"[trnrecipes] {path} {problem}: computing it again")
+    path.unlink()
+    return False
+
+
+def _read_stream(path: Path) -> pa.Table:
+    return pa.ipc.open_stream(pa.memory_map(str(path))).read_all()
+
+
+def _schema(hidden: int, metadata: dict | None = None) -> pa.Schema:
+    return pa.schema([("row", pa.int64()), ("embedding", pa.list_(pa.float32(), hidden))], metadata=metadata)
+
+
+def _write_chunk(path: Path, start: int, embeddings: np.ndarray, hidden: int) -> None:
+    flat = pa.array(np.ascontiguousarray(embeddings, dtype=np.float32).reshape(-1))
+    row = pa.array(np.arange(start, start + len(embeddings), dtype=np.int64))
+    table = pa.table([row, pa.FixedSizeListArray.from_arrays(flat, hidden)], schema=_schema(hidden))
+    with _atomic(path, "wb") as f, pa.ipc.new_stream(f, table.schema) as writer:
+        writer.write_table(table)
+
+
+def _join(parts: Path, chunks: int, out: Path, job: dict) -> None:
+    """Every chunk, in row order, into `out` (atomically), the job recorded in the schema's metadata."""
+    schema = _schema(job["hidden_size"], {"trnrecipes.embed": json.dumps(job)})
+    with _atomic(out, "wb") as f, pa.ipc.new_stream(f, schema) as writer:
+        for k in range(chunks):
+            writer.write_table(_read_stream(parts / _chunk_name(k)).replace_schema_metadata(schema.metadata))
+
+
+@contextlib.contextmanager
+def _locked(parts: Path):
+    """One embed at a time per OUT: a second would race the first over the same chunks."""
+    with open(parts / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RecipeError(f"another `trnrecipes embed` is writing {parts}; wait for it or stop it") from None
+        yield
+
+
+@contextlib.contextmanager
+def _atomic(path: Path, mode: str):
+    """An open temp file beside `path` that becomes `path` (synced, renamed) only if the block completes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        _publish(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _publish(tmp: Path, path: Path) -> None:  # a function of its own: tests slow it to kill a run between chunks
+    os.replace(tmp, path)
