@@ -32,13 +32,14 @@ override baseline := $(value baseline)
 override n := $(value n)
 export recipe nodes out overrides force ckpt tasks limit baseline n
 
-.PHONY: help setup debian-tools data xla-venv sbatch eval plan demo test lint format golden bench clean
+.PHONY: help setup debian-tools data xla-venv sbatch eval plan demo demo-cls test lint format golden bench clean
 
 help:
 	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1]   write jobs/NAME-Nn/{compile,run,eval}.sbatch (+ infer.sbatch for bert recipes)"
 	@echo "make recipe=NAME nodes=N plan [overrides='k=v ...']              layout, params, FLOPs, cost"
 	@echo "make eval ckpt=PATH [tasks=...] [limit=N]   seed 002's table (MMLU, BBH, reasoning, knowledge, reading, math, code) -> results.md"
 	@echo "make demo        render a tiny recipe and run its run.sbatch locally (no Slurm, CPU)"
+	@echo "make demo-cls    the same for bert-tiny (classification), then its eval.sbatch: accuracy on Amazon snippets"
 	@echo "make test        lint + the whole test suite (unit, golden scripts, shellcheck, local launch)"
 	@echo "make golden      regenerate tests/golden/ after an intended template or recipe change"
 	@echo "make bench       benchmarks in bench/ (render, model vs transformers, data pipeline, checkpoint stall, host memory)"
@@ -111,6 +112,14 @@ demo: setup
 	bash jobs/demo/run.sbatch
 	$(PY) -m trnrecipes eval run --ckpt runs/demo --out runs/demo/eval --limit 2 --max-gen-toks 64 --allow-code-execution \
 	  --baseline eval/baselines/openllama2-7b.json
+
+# The classification demo (issue 22): bert-tiny from scratch on Rotten Tomatoes with its run.sbatch (2 CPU workers,
+# about a minute), then its eval.sbatch: `trnrecipes predict` on the out-of-domain Amazon snippets.
+demo-cls: setup
+	rm -rf runs/demo-cls
+	$(PY) -m trnrecipes sbatch --recipe bert-tiny --nodes 1 --out jobs/demo-cls --overrides "run_dir=runs/demo-cls $$overrides" --force
+	bash jobs/demo-cls/run.sbatch
+	bash jobs/demo-cls/eval.sbatch
 
 lint: setup
 	$(PY) -m ruff check .

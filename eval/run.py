@@ -17,6 +17,8 @@ import secrets
 import shutil
 from pathlib import Path
 
+from eval.data import write_atomic
+
 HUMANEVAL_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
 
 
@@ -215,13 +217,7 @@ def write_samples(out: Path, samples: dict[str, list[dict]]) -> None:
                 "target": str(item["target"]),
             }
             lines.append(json.dumps(record, default=handle_non_serializable, ensure_ascii=False) + "\n")
-        write_text_atomic(out / "samples" / f"{task}.jsonl", "".join(lines))
-
-
-def write_text_atomic(target: Path, text: str) -> None:
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(target)
+        write_atomic(out / "samples" / f"{task}.jsonl", "".join(lines).encode())
 
 
 def _combined_stderr(errors: list[float | None]) -> float | None:
@@ -358,6 +354,6 @@ def run(
 
 
 def write_results(out: Path, meta: dict, rows: list[dict], baseline: dict | None, limit: int | None) -> None:
-    write_text_atomic(out / "results.json", json.dumps(meta | {"results": rows}, indent=1))
+    write_atomic(out / "results.json", json.dumps(meta | {"results": rows}, indent=1).encode())
     note = f"\n**incomplete:** {meta['incomplete']}\n" if "incomplete" in meta else ""
-    write_text_atomic(out / "results.md", table(rows, baseline, limit) + note)
+    write_atomic(out / "results.md", (table(rows, baseline, limit) + note).encode())

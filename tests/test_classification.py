@@ -204,6 +204,18 @@ def test_incremental_training_from_a_dp2_checkpoint_continues_at_dp1_on_new_data
     phase1_records = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in records[:20]] == [r["loss"] for r in phase1_records]
 
+    # A third round from the second's checkpoint: the history carries on (the second run counts its own steps 1-20).
+    third = overrides(corpus, "a", **{"train.max_steps": 3, "train.init_from": tmp_path / "phase2/checkpoints/step_20"})
+    trainer = Trainer(load_recipe("bert-tiny", overrides=[*third, f"run_dir={tmp_path / 'phase3'}"]))
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    records = [json.loads(line) for line in (tmp_path / "phase3/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 44))
+    assert [r["phase"] for r in records] == [1] * 20 + [2] * 20 + [3] * 3
+    assert [r["phase_step"] for r in records[20:]] == [*range(1, 21), 1, 2, 3]
+
     # The default resets the optimizer: fresh moments, the same starting weights.
     reset = overrides(corpus, "b", **{"train.max_steps": 1, "train.init_from": ckpt})
     trainer = Trainer(load_recipe("bert-tiny", overrides=[*reset, f"run_dir={tmp_path / 'reset'}"]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
@@ -64,3 +65,16 @@ def test_plan_example_in_readme_reproduces_table_1():
         "trnrecipes plan --recipe pythia6.9b --nodes 1 --seq-per-s 10.4 --price 7.59"
         in (REPO / "README.md").read_text()
     )
+
+
+def test_make_demo_cls_trains_the_tiny_classifier_and_scores_it_with_its_eval_sbatch():
+    done = subprocess.run(
+        ["make", "--no-print-directory", "demo-cls"], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "train: bert-tiny on cpu, 2 rank(s)" in done.stdout and "training exited with status 0" in done.stdout
+    assert re.search(r"step 300/300 \| loss [0-9.]+ \| acc [0-9.]+ \| val [0-9.]+ \| val acc [0-9.]+", done.stdout)
+    found = re.search(r"^accuracy ([0-9.]+) on 3708 rows \(majority class 0\.574\)$", done.stdout, re.M)
+    assert found, done.stdout[-2000:]
+    summary = json.loads((REPO / "runs/demo-cls/eval/predictions.summary.json").read_text())
+    assert summary["rows"] == 3708 and summary["accuracy"] == pytest.approx(float(found[1]), abs=5e-4)

@@ -26,7 +26,7 @@ from torch import nn
 
 from recipes.bert.spec import BertConfig
 from recipes.common.attention import CoreAttention
-from recipes.common.init import Init, init_full
+from recipes.common.init import Init, init_full, standard_init_rules
 
 BertArgs = BertConfig  # the recipe's model section is the model's arguments: one definition of the fields
 
@@ -224,15 +224,7 @@ class Bert(nn.Module):
     def init_rules(self) -> dict[str, Init]:
         """HF's BERT init: every weight (embedding tables included) normal(0, init_std), biases zero, norms one.
         The padding row of the word table is drawn like the others: it gets no gradient and is masked out."""
-        rules = {}
-        for name, _ in self.named_parameters():
-            if name.endswith("bias"):
-                rules[name] = Init("zeros")
-            elif "norm" in name:
-                rules[name] = Init("ones")
-            else:
-                rules[name] = Init("normal", self.args.init_std)
-        return rules
+        return standard_init_rules(self, self.args.init_std)
 
     def init_weights(self, seed: int = 0) -> None:
         """Initialise the whole (unsharded) model: bitwise what every sharded layout builds for the same seed."""

@@ -34,6 +34,25 @@ class Init:
             raise ValueError(f"init kind must be normal, ones or zeros, not {self.kind!r}")
 
 
+def standard_init_rules(
+    model: torch.nn.Module, std: float, scaled_outputs: tuple[str, ...] = (), num_layers: int = 1
+) -> dict[str, Init]:
+    """The rules every family here uses: biases zero, norm weights one, every other weight normal(0, std), except
+    the weights whose names end with one of `scaled_outputs` (the output projections, which write into the residual
+    stream 2 * num_layers times), drawn with std / sqrt(2 * num_layers) so the residual's variance does not grow
+    with depth (GPT-2 / Megatron scaled init, seed 002)."""
+    out_std = std / math.sqrt(2 * num_layers)
+    rules = {}
+    for name, _ in model.named_parameters():
+        if name.endswith("bias"):
+            rules[name] = Init("zeros")
+        elif "norm" in name:
+            rules[name] = Init("ones")
+        else:
+            rules[name] = Init("normal", out_std if scaled_outputs and name.endswith(scaled_outputs) else std)
+    return rules
+
+
 def block_seed(seed: int, name: str, block: int) -> int:
     """A generator seed per (run seed, parameter, block): stable across processes and Python versions (no hash())."""
     digest = hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest()

@@ -12,14 +12,12 @@ sets `head_loss` for a tensor-parallel head. `args.activation_checkpointing` is 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from recipes.common.attention import CoreAttention
-from recipes.common.init import Init, init_full
+from recipes.common.init import Init, init_full, standard_init_rules
 from recipes.common.loss import fused_head_loss
 from recipes.llama2.spec import Llama2Config
 
@@ -142,18 +140,9 @@ class Llama2(nn.Module):
     def init_rules(self) -> dict[str, Init]:
         """What each parameter starts as (recipes/common/init.py draws it, whole or one shard at a time).
         Output projections write into the residual stream 2 * num_layers times; scaling their std by 1/sqrt(2L)
-        keeps the residual's variance from growing with depth (GPT-2 / Megatron scaled init)."""
-        std = self.args.init_std
-        out_std = std / math.sqrt(2 * self.args.num_layers)
-        rules = {}
-        for name, _ in self.named_parameters():
-            if "norm" in name:
-                rules[name] = Init("ones")
-            elif name.endswith(("attn.out.weight", "mlp.down.weight")):
-                rules[name] = Init("normal", out_std)
-            else:
-                rules[name] = Init("normal", std)
-        return rules
+        keeps the residual's variance from growing with depth (GPT-2 / Megatron scaled init). Norms one."""
+        outputs = ("attn.out.weight", "mlp.down.weight")
+        return standard_init_rules(self, self.args.init_std, outputs, self.args.num_layers)
 
     def init_weights(self, seed: int = 0) -> None:
         """Initialise the whole (unsharded) model: bitwise what every sharded layout builds for the same seed."""

@@ -17,14 +17,12 @@ q.k is unchanged by a permutation applied to both, so attention scores equal HF'
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from recipes.common.attention import CoreAttention
-from recipes.common.init import Init, init_full
+from recipes.common.init import Init, init_full, standard_init_rules
 from recipes.common.loss import fused_head_loss
 from recipes.neox.spec import NeoXConfig
 
@@ -126,18 +124,8 @@ class NeoX(nn.Module):
         """Normal(0, init_std); the output projections of attention and MLP get init_std / sqrt(2 * num_layers) so
         the residual stream's variance does not grow with depth (seed 002). Biases zero, norms one. Drawn by
         recipes/common/init.py, whole or one shard at a time."""
-        std = self.args.init_std
-        out_std = std / math.sqrt(2 * self.args.num_layers)
-        rules = {}
-        for name, _ in self.named_parameters():
-            if name.endswith("bias"):
-                rules[name] = Init("zeros")
-            elif "norm" in name:
-                rules[name] = Init("ones")
-            else:
-                out = name.endswith(("attn.out.weight", "mlp.fc_out.weight"))
-                rules[name] = Init("normal", out_std if out else std)
-        return rules
+        outputs = ("attn.out.weight", "mlp.fc_out.weight")
+        return standard_init_rules(self, self.args.init_std, outputs, self.args.num_layers)
 
     def init_weights(self, seed: int = 0) -> None:
         """Initialise the whole (unsharded) model: bitwise what every sharded layout builds for the same seed."""

@@ -65,10 +65,12 @@ class Metrics:
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / "metrics.jsonl"
         fresh = not path.exists() or path.stat().st_size == 0
-        if previous is not None:
-            self.step_offset, earlier = previous[1], _records_until(previous[0], previous[1])
-            self.phase = max((r.get("phase", 1) for r in earlier), default=1) + 1 if earlier else 2
-            if fresh and earlier:
+        earlier = _records_until(*previous) if previous is not None else []
+        if earlier:  # a checkpoint with no run history (`convert from-hf`'s) starts the file afresh
+            # The earlier run's last step as its file counts them (itself a later phase: counted on from its own)
+            self.step_offset = max(r["step"] for r in earlier)
+            self.phase = max(r.get("phase", 1) for r in earlier) + 1
+            if fresh:
                 path.write_text("".join(json.dumps({"phase": 1} | r) + "\n" for r in earlier))
         self.file = open(path, "a", buffering=1)  # line-buffered: tail -f works
         if tensorboard:
@@ -80,7 +82,8 @@ class Metrics:
         if not self.enabled:
             return
         if self.phase is not None:
-            record = record | {"step": record["step"] + self.step_offset, "phase": self.phase}
+            local = record["step"]
+            record = record | {"step": local + self.step_offset, "phase": self.phase, "phase_step": local}
         self.file.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for key, value in record.items():
@@ -95,7 +98,8 @@ class Metrics:
 
 
 def _records_until(path: Path, step: int) -> list[dict]:
-    """The step records of an earlier run's metrics.jsonl up to `step` (none if it has no readable file)."""
+    """The step records of an earlier run's metrics.jsonl up to its own step `step` (phase_step where the run was
+    itself a later phase), none if it has no readable file."""
     records = []
     try:
         lines = path.read_text().splitlines()
@@ -106,7 +110,8 @@ def _records_until(path: Path, step: int) -> list[dict]:
             record = json.loads(line)
         except ValueError:
             continue  # a half-written last line of a killed run
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+        own = record.get("phase_step", record.get("step")) if isinstance(record, dict) else None
+        if isinstance(own, int) and isinstance(record.get("step"), int) and own <= step:
             records.append(record)
     return records
 
