@@ -90,6 +90,7 @@ def overrides(corpus, data: str = "a", **extra) -> list[str]:
         "train.log_every": 5,
         "train.val_every": 10,
         "train.val_batches": 4,
+        "data.val_fraction": 0.1,
         "checkpoint.every_steps": 10,
     } | extra
     return [f"{k}={v}" for k, v in fields.items()]
@@ -193,28 +194,35 @@ def test_incremental_training_from_a_dp2_checkpoint_continues_at_dp1_on_new_data
                 want = torch.empty_like(held)
                 moments.read_into(f"{key}.{names[id(p)]}", want, tuple(held.shape), (0,) * held.dim())
                 assert torch.equal(held, want) and held.any(), key
+        assert trainer.optimizer.steps() == 20  # Adam's bias correction goes on from phase 1's count
         assert trainer.start_step == 0 and trainer.start_position is None  # the new file is read from its start
         result = trainer.run()
     finally:
         trainer.close()
     assert len(result.losses) == 20
     records = [json.loads(line) for line in (tmp_path / "phase2/metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 41))
+    assert [r["history_step"] for r in records] == list(range(1, 41))
     assert [r["phase"] for r in records] == [1] * 20 + [2] * 20
+    assert [r["step"] for r in records] == [*range(1, 21), *range(1, 21)]  # each run's own steps (its checkpoints)
     phase1_records = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in records[:20]] == [r["loss"] for r in phase1_records]
 
-    # A third round from the second's checkpoint: the history carries on (the second run counts its own steps 1-20).
-    third = overrides(corpus, "a", **{"train.max_steps": 3, "train.init_from": tmp_path / "phase2/checkpoints/step_20"})
-    trainer = Trainer(load_recipe("bert-tiny", overrides=[*third, f"run_dir={tmp_path / 'phase3'}"]))
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
+    # A third round from the second's step_10: phase 1 whole, phase 2 up to its step 10, then phase 3. Requeued
+    # (a resume from its own step_2 checkpoint), the third run keeps its phase and counting.
+    ckpt2 = tmp_path / "phase2/checkpoints/step_10"  # checkpoint.keep_last 2 keeps step_10 and step_20
+    third = overrides(corpus, "a", **{"train.init_from": ckpt2, "checkpoint.every_steps": 2})
+    upto = 10
+    for steps in (2, 3):  # the second call resumes the run dir's step_2
+        trainer = Trainer(
+            load_recipe("bert-tiny", overrides=[*third, f"train.max_steps={steps}", f"run_dir={tmp_path / 'phase3'}"])
+        )
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
     records = [json.loads(line) for line in (tmp_path / "phase3/metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 44))
-    assert [r["phase"] for r in records] == [1] * 20 + [2] * 20 + [3] * 3
-    assert [r["phase_step"] for r in records[20:]] == [*range(1, 21), 1, 2, 3]
+    assert [r["phase"] for r in records] == [1] * 20 + [2] * upto + [3] * 3
+    assert [r["history_step"] for r in records] == list(range(1, 24 + upto))
 
     # The default resets the optimizer: fresh moments, the same starting weights.
     reset = overrides(corpus, "b", **{"train.max_steps": 1, "train.init_from": ckpt})
@@ -245,3 +253,39 @@ def test_tensor_parallel_bert_equals_one_rank(corpus, tmp_path):
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         losses[tp] = [r["loss"] for r in records]
     assert losses[2] == pytest.approx(losses[1], rel=1e-5) and len(losses[1]) == 6
+
+
+def test_a_checkpoint_saved_before_the_classification_keys_resumes(tmp_path):
+    """Checkpoints whose recipe.yaml predates train.init_optimizer, data.label_field and data.eval_path still
+    resume: a saved recipe lacking them reads them at the values a recipe that does not set them has."""
+    import yaml
+
+    from trnrecipes.train.resume_compat import resume_differences
+
+    current = load_recipe("llama2-tiny").to_dict()
+    old = {k: dict(v) if isinstance(v, dict) else v for k, v in current.items()}
+    for section, key in (("train", "init_optimizer"), ("data", "label_field"), ("data", "eval_path")):
+        del old[section][key]
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(old))
+    assert resume_differences(tmp_path, current, None, ()) == ([], [])
+    old["data"]["label_field"] = "stars"  # a real difference is still one
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(old))
+    assert resume_differences(tmp_path, current, None, ())[0] == ["data.label_field: 'stars' -> 'label'"]
+
+
+def test_keep_on_a_weights_only_checkpoint_and_too_few_validation_documents_are_refused(corpus, tmp_path):
+    ckpt = tmp_path / "weights-only"
+    done = run_cli("convert", "from-hf", "--hf", str(REPO / "data/models/minilm-hf"), "--out", str(ckpt),
+                   "--recipe", "minilm-cls")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    keep = [
+        "cluster.workers_per_node=1",
+        f"train.init_from={ckpt}",
+        "train.init_optimizer=keep",
+        f"run_dir={tmp_path / 'r'}",
+    ]
+    with pytest.raises(RecipeError, match=r"holds weights only .* use 'reset'"):
+        Trainer(load_recipe("minilm-cls", overrides=keep))
+    few = overrides(corpus, **{"data.val_fraction": 0.01, "train.val_batches": 4})  # 12 documents, 32 wanted
+    with pytest.raises(RecipeError, match=r"32 validation examples per data-parallel rank, but data.val_fraction 0.01"):
+        Trainer(load_recipe("bert-tiny", overrides=[*few, f"run_dir={tmp_path / 'v'}"]))

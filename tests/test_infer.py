@@ -31,7 +31,9 @@ from trnrecipes.infer import load_classifier, open_checkpoint
 WORDS = "the a cat dog sat ran on under mat log red blue big small quickly slowly and then it was not".split()
 SEQ_LEN, NUM_LABELS, HIDDEN = 32, 3, 32
 ROWS = 10_000
-FORBIDDEN = ("trnrecipes.backends", "trnrecipes.neuron", "trnrecipes.train", "torch_xla")
+# The training stack and the Neuron SDK's modules (absent here: listed so the check would catch them on Trainium).
+FORBIDDEN = ("trnrecipes.backends", "trnrecipes.neuron", "trnrecipes.train", "torch_xla", "torch_neuronx",
+             "neuronx_distributed", "libneuronxla", "torch_neuron")  # fmt: skip
 # Torch-free, and imported by every recipe load (trnrecipes/recipe.py's check_recipe): not the training stack.
 RECIPE_CHECKS = {"trnrecipes.train", "trnrecipes.train.resume_compat"}
 

@@ -331,7 +331,7 @@ def embed(
                 _write_chunk(parts / _chunk_name(k), start, np.concatenate(pieces), hidden)
                 bar.update(stop - start)
         _join(parts, len(spans), out, job)
-    shutil.rmtree(parts)
+        shutil.rmtree(parts)  # under the lock: an embed started now finds OUT whole and no parts
     return job
 
 

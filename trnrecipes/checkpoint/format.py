@@ -424,6 +424,9 @@ def read_json(path: Path) -> dict:
 # Before each family had its own model section, recipes held every family's fields; a checkpoint from then lists
 # the other family's at these defaults. Dropped on reading, so those checkpoints still resume and evaluate.
 LEGACY_MODEL_DEFAULTS = {"num_kv_heads": None, "rotary_pct": 1.0, "parallel_residual": True}
+# Recipe keys added since checkpoints were first written (classification, incremental training), at the value a
+# recipe that does not set them resolves to: filled in where a saved recipe lacks them, so those checkpoints resume.
+LEGACY_SECTION_DEFAULTS = {"train": {"init_optimizer": "reset"}, "data": {"label_field": "label", "eval_path": None}}
 
 
 def saved_recipe(path: Path) -> dict:
@@ -432,6 +435,9 @@ def saved_recipe(path: Path) -> dict:
         data = read_recipe_file(Path(path) / "recipe.yaml")  # size-capped, no YAML aliases
     except RecipeError as err:
         raise CheckpointError(str(err)) from None
+    for section, defaults in LEGACY_SECTION_DEFAULTS.items():
+        if isinstance(data.get(section), dict):
+            data[section] = defaults | data[section]
     model = data.get("model")
     if isinstance(model, dict) and model.get("family") in FAMILIES:
         config = FAMILIES[model["family"]].config

@@ -103,10 +103,11 @@ class ClassificationStream(PackedStream):
         """(sample [seq_len + 1] int64, position after it)."""
         epoch, doc, samples = self.start.epoch, self.start.doc, self.start.samples
         while True:
-            order = self.order(epoch)
+            order = self.order(epoch)  # once per epoch: a shuffle of the whole split (3.6M rows: 0.15 s)
             for block in range(doc, len(order), TOKENIZE_BLOCK):
                 ids = order[block : block + TOKENIZE_BLOCK]
                 for i, sample in enumerate(self.source.samples(ids.tolist())):
                     samples += 1
-                    yield sample, self._after(epoch, block + i, samples)
+                    after = (epoch, block + i + 1) if block + i + 1 < len(order) else (epoch + 1, 0)
+                    yield sample, StreamPosition(*after, 0, samples)
             epoch, doc = epoch + 1, 0

@@ -149,6 +149,11 @@ class Trainer:
         error = None
         if self.dims.rank == 0:
             try:
+                if self.recipe.train.init_optimizer == "keep" and not (path / "state.json").is_file():
+                    raise RecipeError(
+                        f"train.init_from {path} holds weights only (no optimizer state: a `convert from-hf` output"
+                        " or a model-only copy), so train.init_optimizer 'keep' has nothing to keep; use 'reset'"
+                    )
                 ckpt_model = read_model_checkpoint_recipe(path).model
                 if ckpt_model != self.recipe.model:
                     raise RecipeError(
@@ -214,6 +219,15 @@ class Trainer:
         self.train_docs, self.val_docs = split_documents(self.documents.num_docs, d.val_fraction, seed, source=d.path)
         # Validation: the same fixed batches every time (a fresh stream from its start), split over DP ranks.
         val_dp = min(self.dims.dp, len(self.val_docs)) if len(self.val_docs) else 0
+        if self.classify and val_dp:  # one sample per document: more batches than documents would count some twice
+            per_rank, wanted = len(self.val_docs) // val_dp, self.recipe.train.val_batches * b.micro_batch
+            if wanted > per_rank:
+                raise RecipeError(
+                    f"train.val_batches {self.recipe.train.val_batches} x batch.micro_batch {b.micro_batch} = {wanted}"
+                    f" validation examples per data-parallel rank, but data.val_fraction {d.val_fraction} holds out"
+                    f" {len(self.val_docs)} of {self.documents.num_docs} documents ({per_rank} per rank over"
+                    f" {val_dp}): raise data.val_fraction or lower train.val_batches"
+                )
         if self.dims.fsdp and 0 < val_dp < self.dims.dp:  # FSDP's forward gathers over DP: every rank must run it
             raise RecipeError(
                 f"data.val_fraction {d.val_fraction} leaves {len(self.val_docs)} validation document(s) for"
@@ -221,8 +235,7 @@ class Trainer:
             )
         self.val_batches: list[torch.Tensor] = []
         if val_dp and self.dims.dp_rank < val_dp:
-            # Classification: a seeded shuffle, so a label-sorted file does not validate on one class only.
-            stream = self._stream(self.val_docs, seed, self.dims.dp_rank, val_dp, self.classify, None)
+            stream = self._stream(self.val_docs, 0, self.dims.dp_rank, val_dp, True, None)
             it = batches(stream, b.micro_batch)
             self.val_batches = [torch.from_numpy(next(it)[0]) for _ in range(self.recipe.train.val_batches)]
 
@@ -466,8 +479,9 @@ class Trainer:
         if not self.recipe.train.init_from:
             return None
         ckpt = self._init_from()
-        step = int(ckpt.name.split("_")[1]) if ckpt.name.startswith("step_") and ckpt.name[5:].isdigit() else 0
-        return ckpt.parent.parent / "metrics.jsonl", step
+        if ckpt.parent.name != "checkpoints" or not (ckpt.name.startswith("step_") and ckpt.name[5:].isdigit()):
+            return None  # not a run dir's checkpoint: no history to continue
+        return ckpt.parent.parent / "metrics.jsonl", int(ckpt.name[5:])
 
     def _agree(self, stop_seen: bool, due: bool) -> tuple[bool, bool]:
         """Element-wise max over ranks of two flags, with the checkpoint writer's health: a rank whose write failed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter, deque
 from pathlib import Path
 
@@ -48,10 +49,12 @@ class SpikeDetector:
 class Metrics:
     """Rank 0 writes; other ranks hold a Metrics that writes nothing.
 
-    A run continuing from another run's checkpoint (train.init_from: fine-tuning, incremental training) is a new
-    phase of it: its metrics.jsonl starts with the earlier run's records up to that checkpoint (`previous`), and its
-    own records follow with steps counted on from the checkpoint's, each tagged with its phase (1, 2, ...), so one
-    file and one plot show the whole history. The console keeps this run's own step count."""
+    A run continuing from another run's checkpoint (train.init_from: fine-tuning, incremental training) is the next
+    phase of that run's history: its metrics.jsonl starts with the earlier run's records (its earlier phases whole,
+    its own up to the checkpoint's step), and every record carries "phase" (1, 2, ...) and "history_step", the step
+    counted over all phases, which plots and TensorBoard use. "step" stays this run's own (its checkpoints' names,
+    the console, the LR schedule). A checkpoint outside a run dir (`convert from-hf`'s, a copied step dir) brings no
+    history: the file starts plain. A resumed run takes its phase from its own file."""
 
     def __init__(
         self, run_dir: Path, enabled: bool, tensorboard: bool = True, previous: tuple[Path, int] | None = None
@@ -59,19 +62,22 @@ class Metrics:
         self.enabled = enabled
         self.file = None
         self.tb = None
-        self.step_offset, self.phase = 0, None
+        self.history_offset, self.phase = 0, None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / "metrics.jsonl"
-        fresh = not path.exists() or path.stat().st_size == 0
-        earlier = _records_until(*previous) if previous is not None else []
-        if earlier:  # a checkpoint with no run history (`convert from-hf`'s) starts the file afresh
-            # The earlier run's last step as its file counts them (itself a later phase: counted on from its own)
-            self.step_offset = max(r["step"] for r in earlier)
-            self.phase = max(r.get("phase", 1) for r in earlier) + 1
-            if fresh:
-                path.write_text("".join(json.dumps({"phase": 1} | r) + "\n" for r in earlier))
+        mine = read_step_records(path)
+        if mine:  # a resumed run: its own phase, if it has one
+            phased = [r for r in mine if isinstance(r.get("phase"), int) and isinstance(r.get("history_step"), int)]
+            if phased:
+                self.phase = max(r["phase"] for r in phased)
+                anchor = next(r for r in phased if r["phase"] == self.phase)
+                self.history_offset = anchor["history_step"] - anchor["step"]
+        elif previous is not None and (earlier := history_until(*previous)):
+            self.phase = earlier[-1]["phase"] + 1
+            self.history_offset = earlier[-1]["history_step"]
+            write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in earlier))
         self.file = open(path, "a", buffering=1)  # line-buffered: tail -f works
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -82,13 +88,13 @@ class Metrics:
         if not self.enabled:
             return
         if self.phase is not None:
-            local = record["step"]
-            record = record | {"step": local + self.step_offset, "phase": self.phase, "phase_step": local}
+            record = record | {"phase": self.phase, "history_step": record["step"] + self.history_offset}
         self.file.write(json.dumps(record) + "\n")
         if self.tb is not None:
+            x = record.get("history_step", record["step"])
             for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.tb.add_scalar(key, value, record["step"])
+                if isinstance(value, (int, float)) and key not in ("step", "history_step", "phase"):
+                    self.tb.add_scalar(key, value, x)
 
     def close(self) -> None:
         if self.file:
@@ -97,23 +103,38 @@ class Metrics:
             self.tb.close()
 
 
-def _records_until(path: Path, step: int) -> list[dict]:
-    """The step records of an earlier run's metrics.jsonl up to its own step `step` (phase_step where the run was
-    itself a later phase), none if it has no readable file."""
-    records = []
+def read_step_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl with an integer step, in order; a half-written line (a killed run) is
+    skipped, a missing file has none."""
     try:
         lines = path.read_text().splitlines()
     except (OSError, UnicodeDecodeError):
-        return records
+        return []
+    records = []
     for line in lines:
         try:
             record = json.loads(line)
         except ValueError:
-            continue  # a half-written last line of a killed run
-        own = record.get("phase_step", record.get("step")) if isinstance(record, dict) else None
-        if isinstance(own, int) and isinstance(record.get("step"), int) and own <= step:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and not isinstance(record["step"], bool):
             records.append(record)
     return records
+
+
+def history_until(path: Path, step: int) -> list[dict]:
+    """An earlier run's history up to its checkpoint at its own step `step`: its earlier phases whole, its last
+    phase up to `step`, every record with "phase" and "history_step" (a run without phases is phase 1)."""
+    records = [{"phase": 1, "history_step": r["step"]} | r for r in read_step_records(path)]
+    if not records:
+        return []
+    last = max(r["phase"] for r in records)
+    return [r for r in records if r["phase"] < last or r["step"] <= step]
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # a kill mid-copy leaves no partial history
 
 
 def progress_line(r: dict, max_steps: int) -> str:

@@ -28,12 +28,12 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
     for key, title in (*PANELS, *present):
         fig, ax = plt.subplots(figsize=(7, 4))
         for run_dir, records in runs:
-            points = [(r["step"], r[key]) for r in records if _is_number(r.get(key))]
+            points = [(_x(r), r[key]) for r in records if _is_number(r.get(key))]
             if points:
                 steps, values = zip(*points, strict=True)
                 ax.plot(steps, values, label=run_dir.name, marker="." if len(points) < 50 else None)
             if key in VALIDATION:
-                val = [(r["step"], r[VALIDATION[key]]) for r in records if _is_number(r.get(VALIDATION[key]))]
+                val = [(_x(r), r[VALIDATION[key]]) for r in records if _is_number(r.get(VALIDATION[key]))]
                 if val:
                     steps, values = zip(*val, strict=True)
                     ax.plot(steps, values, "o--", label=f"{run_dir.name} (validation)")
@@ -71,6 +71,11 @@ def read_records(path: Path) -> list[dict]:
     if not records:
         raise RecipeError(f"{path}: no step records to plot (JSON lines with a numeric 'step')")
     return records
+
+
+def _x(record: dict) -> float:
+    """Where a record goes on the step axis: its step over all phases of an incremental run, else its step."""
+    return record["history_step"] if _is_number(record.get("history_step")) else record["step"]
 
 
 def _is_number(value: object) -> bool:
