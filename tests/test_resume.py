@@ -20,7 +20,7 @@ from conftest import REPO
 from safetensors.torch import load_file
 
 from trnrecipes.checkpoint import verify
-from trnrecipes.checkpoint.writer import latest_checkpoint, step_dirs
+from trnrecipes.checkpoint.format import latest_checkpoint, step_dirs
 from trnrecipes.recipe import load_recipe
 
 pytestmark = pytest.mark.slow

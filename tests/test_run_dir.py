@@ -19,10 +19,11 @@ import yaml
 from conftest import REPO, run_cli
 
 from trnrecipes.checkpoint import CheckpointError, read_model_checkpoint, verify, write_model_checkpoint
-from trnrecipes.checkpoint.writer import Checkpointer, latest_checkpoint
+from trnrecipes.checkpoint.format import latest_checkpoint, step_dirs
+from trnrecipes.checkpoint.writer import Checkpointer
 from trnrecipes.recipe import RecipeError, load_recipe
 from trnrecipes.train.resume_compat import check_allow_changes, resume_differences
-from trnrecipes.train.run_dir import LOCK_FILE, RunDirBusy, RunDirLock, settle_checkpoints, step_dirs
+from trnrecipes.train.run_dir import LOCK_FILE, RunDirBusy, RunDirLock, settle_checkpoints
 
 RECIPE = load_recipe("llama2-tiny")
 

@@ -27,11 +27,11 @@ import yaml
 from conftest import REPO
 
 from trnrecipes.checkpoint import verify_training
-from trnrecipes.checkpoint.format import CheckpointWriteError
-from trnrecipes.checkpoint.writer import RANK_WAIT_S, Checkpointer, latest_checkpoint
+from trnrecipes.checkpoint.format import CheckpointWriteError, latest_checkpoint, step_dirs
+from trnrecipes.checkpoint.writer import RANK_WAIT_S, Checkpointer
 from trnrecipes.recipe import RecipeError, load_recipe
 from trnrecipes.train.loop import _crash_once
-from trnrecipes.train.run_dir import LOCK_FILE, step_dirs
+from trnrecipes.train.run_dir import LOCK_FILE
 
 pytestmark = pytest.mark.slow
 

@@ -385,7 +385,7 @@ def _eval_run(args: argparse.Namespace) -> int:
         raise RecipeError(str(err)) from None
     default_out = ckpt.with_name(ckpt.name + "-eval")
     if (ckpt / "checkpoints").is_dir():  # a run dir: its newest complete checkpoint, results in RUN_DIR/eval/step_N
-        from trnrecipes.checkpoint.writer import latest_checkpoint
+        from trnrecipes.checkpoint.format import latest_checkpoint
 
         found = latest_checkpoint(ckpt / "checkpoints")
         if found is None:

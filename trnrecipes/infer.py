@@ -21,7 +21,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -33,7 +32,8 @@ import pyarrow as pa
 import torch
 
 from trnrecipes import REPO_ROOT
-from trnrecipes.checkpoint import MANIFEST, CheckpointError, consolidate, read_model_checkpoint_recipe
+from trnrecipes.checkpoint import MANIFEST, consolidate, read_model_checkpoint_recipe
+from trnrecipes.checkpoint.format import latest_checkpoint
 from trnrecipes.convert import checkpoint_source
 from trnrecipes.data import DataError, listed
 from trnrecipes.data.arrow import ConversionStats, read_arrow, read_documents, read_table
@@ -42,7 +42,6 @@ from trnrecipes.data.tokenizer import TextTokenizer, load_tokenizer
 from trnrecipes.families import FAMILIES, family_spec
 from trnrecipes.recipe import Recipe, RecipeError
 
-STEP_DIR = re.compile(r"^step_(\d+)$")  # as trnrecipes.train.run_dir names them (not imported: no training stack)
 TOKENIZE_ROWS = 4096  # rows tokenized at once by predict (the Rust tokenizer batches them over threads)
 EMBED_FORMAT = 1  # OUT.parts/embed.json's format
 EMBED_JOB = "embed.json"
@@ -119,17 +118,10 @@ def _verified_checkpoint(path: Path, log) -> tuple[Path, Recipe]:
                 " checkpoints/); an HF model directory needs `trnrecipes convert from-hf` first"
             )
         return path, read_model_checkpoint_recipe(path)
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    for _, step_dir in sorted(found, reverse=True):
-        if step_dir.is_symlink():
-            continue  # a run dir holds its own checkpoints (trnrecipes.train.run_dir refuses links too)
-        try:
-            recipe = read_model_checkpoint_recipe(step_dir)
-        except CheckpointError as err:
-            log(f"[trnrecipes] checkpoint {step_dir.name} is unusable, trying the one before: {err}")
-            continue
-        log(f"[trnrecipes] using {step_dir}, the newest complete checkpoint")
-        return step_dir, recipe
+    found = latest_checkpoint(root, log)  # the newest that verifies, as eval picks
+    if found is not None:
+        log(f"[trnrecipes] using {found[1]}, the newest complete checkpoint")
+        return found[1], read_model_checkpoint_recipe(found[1])
     raise RecipeError(f"run dir {path} has no complete checkpoint in {root}")
 
 

@@ -25,6 +25,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -488,3 +489,38 @@ def read_model_checkpoint(path: Path) -> tuple[Recipe, dict[str, torch.Tensor], 
     recipe = read_model_checkpoint_recipe(path)
     tokenizer = path / "tokenizer"
     return recipe, consolidate(path), tokenizer if tokenizer.is_dir() else None
+
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every step_N directory of this run dir, newest first. A symlinked step dir is refused: it
+    would make pruning and cleanup act on another run's checkpoint."""
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        if not (m := STEP_DIR.match(p.name)):
+            continue
+        if p.is_symlink():
+            raise CheckpointError(
+                f"{p} is a symlink (to {shown(os.readlink(p))}): a run dir holds its own checkpoints. Remove the"
+                " link; to start from another run's checkpoint copy it in, or use train.init_from"
+            )
+        if p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found, reverse=True)
+
+
+def latest_checkpoint(root: Path, log=print) -> tuple[int, Path] | None:
+    """The newest step_N that verifies, for readers (eval, convert): unusable ones are reported and left alone.
+    The trainer settles its run dir with trnrecipes.train.run_dir.settle_checkpoints instead."""
+    for step, path in step_dirs(root):
+        try:
+            verify(path)
+        except CheckpointError as err:
+            log(f"[trnrecipes] checkpoint {path.name} is unusable, trying the one before: {err}")
+            continue
+        return step, path
+    return None

@@ -41,29 +41,16 @@ from trnrecipes.checkpoint.format import (
     rng_file,
     shard_file,
     stage_shards_file,
-    verify,
+    step_dirs,
     write_common,
 )
 from trnrecipes.fsdp import tp_local
 from trnrecipes.recipe import Recipe
 from trnrecipes.stages import pipeline_stages
 from trnrecipes.train.parallel_dims import local_tensor
-from trnrecipes.train.run_dir import prune, step_dirs
+from trnrecipes.train.run_dir import prune
 
 RANK_WAIT_S = 3600.0  # rank 0 waits this long for the other ranks' files before giving up on a checkpoint
-
-
-def latest_checkpoint(root: Path, log=print) -> tuple[int, Path] | None:
-    """The newest step_N that verifies, for readers (eval, convert): unusable ones are reported and left alone.
-    The trainer settles its run dir with run_dir.settle_checkpoints instead."""
-    for step, path in step_dirs(root):
-        try:
-            verify(path)
-        except CheckpointError as err:
-            log(f"[trnrecipes] checkpoint {path.name} is unusable, trying the one before: {err}")
-            continue
-        return step, path
-    return None
 
 
 class Checkpointer:

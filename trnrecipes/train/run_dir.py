@@ -21,11 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trnrecipes.checkpoint import DONE, CheckpointError, CheckpointReadError, verify_training
-from trnrecipes.checkpoint.format import STORAGE_ERRNOS
+from trnrecipes.checkpoint.format import STORAGE_ERRNOS, step_dirs
 from trnrecipes.recipe import RecipeError
 from trnrecipes.schema import shown
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
 TEMP_DIR = re.compile(r"^\.step_\d+\.tmp$")  # a save in progress (trnrecipes.checkpoint.writer)
 PRUNING = re.compile(r"^\.prune-step_\d+$")  # a step dir renamed for deletion: gone from view in one rename
 UNUSABLE = "unusable"  # checkpoints/unusable/step_N: complete-looking checkpoints that failed verification
@@ -57,25 +56,6 @@ def require_writable(run_dir: Path) -> None:
                 f"run dir {run_dir} is not writable: {err}; nothing was changed. Make it writable for this user (uid"
                 f" {os.geteuid()}), or train into another run_dir, and resubmit"
             ) from None
-
-
-def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of every step_N directory of this run dir, newest first. A symlinked step dir is refused: it
-    would make pruning and cleanup act on another run's checkpoint."""
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        if not (m := STEP_DIR.match(p.name)):
-            continue
-        if p.is_symlink():
-            raise CheckpointError(
-                f"{p} is a symlink (to {shown(os.readlink(p))}): a run dir holds its own checkpoints. Remove the"
-                " link; to start from another run's checkpoint copy it in, or use train.init_from"
-            )
-        if p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found, reverse=True)
 
 
 def _move_aside(path: Path, root: Path) -> Path:
