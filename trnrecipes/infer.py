@@ -33,7 +33,7 @@ import torch
 
 from trnrecipes import REPO_ROOT
 from trnrecipes.checkpoint import MANIFEST, consolidate, read_model_checkpoint_recipe
-from trnrecipes.checkpoint.format import latest_checkpoint
+from trnrecipes.checkpoint.format import checkpoint_recipe, latest_checkpoint
 from trnrecipes.convert import checkpoint_source
 from trnrecipes.data import DataError, listed
 from trnrecipes.data.arrow import ConversionStats, read_arrow, read_documents, read_table
@@ -121,7 +121,7 @@ def _verified_checkpoint(path: Path, log) -> tuple[Path, Recipe]:
     found = latest_checkpoint(root, log)  # the newest that verifies, as eval picks
     if found is not None:
         log(f"[trnrecipes] using {found[1]}, the newest complete checkpoint")
-        return found[1], read_model_checkpoint_recipe(found[1])
+        return found[1], checkpoint_recipe(found[1])  # verified by latest_checkpoint
     raise RecipeError(f"run dir {path} has no complete checkpoint in {root}")
 
 

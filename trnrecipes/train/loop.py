@@ -31,7 +31,7 @@ import torch
 from trnrecipes import REPO_ROOT
 from trnrecipes.backends import make_backend
 from trnrecipes.checkpoint import read_model_checkpoint_recipe
-from trnrecipes.checkpoint.format import CheckpointWriteError
+from trnrecipes.checkpoint.format import STEP_DIR, CheckpointWriteError
 from trnrecipes.checkpoint.load import load
 from trnrecipes.checkpoint.writer import Checkpointer, HostBuffers, snapshot
 from trnrecipes.data import open_corpus, open_labelled
@@ -277,18 +277,21 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.backend.device)
         correct = torch.zeros((), dtype=torch.float32, device=self.backend.device)
         for _ in range(grad_accum):
-            tokens = next(loader)
             with self._autocast():
-                if self.classify:
-                    loss, right = _classify(self.model, tokens, self.recipe.model.pad_token_id)
-                    correct = correct + right
-                else:
-                    loss = _loss(self.model, tokens)
+                loss, right = self._forward(next(loader))
+            if right is not None:
+                correct = correct + right
             (loss / grad_accum).backward()
             loss_sum = loss_sum + loss.detach().float()
             self.backend.sync()  # cut: one forward+backward graph, reused by every micro-batch
         self.train_correct = correct if self.classify else None
         return loss_sum / grad_accum
+
+    def _forward(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(mean loss, correct predictions or None for a language model) of one micro-batch."""
+        if self.classify:
+            return _classify(self.model, batch, self.recipe.model.pad_token_id)
+        return _loss(self.model, batch), None
 
     def reduce_and_clip(self) -> torch.Tensor:
         """Average gradients over the DP group, then clip by the global norm (all TP shards); returns the norm."""
@@ -323,14 +326,10 @@ class Trainer:
             correct = torch.zeros((), dtype=torch.float32, device=self.backend.device)
             for tokens in self.val_batches:
                 with self._autocast():
-                    if self.classify:
-                        loss, right = _classify(
-                            self.model, tokens.to(self.backend.device), self.recipe.model.pad_token_id
-                        )
-                        correct = correct + right
-                    else:
-                        loss = _loss(self.model, tokens.to(self.backend.device))
+                    loss, right = self._forward(tokens.to(self.backend.device))
                     total = total + loss.float()
+                if right is not None:
+                    correct = correct + right
                 self.backend.sync()
             local = total.cpu() / max(1, len(self.val_batches))
         held = bool(self.val_batches) and self.dims.holds_loss
@@ -479,9 +478,10 @@ class Trainer:
         if not self.recipe.train.init_from:
             return None
         ckpt = self._init_from()
-        if ckpt.parent.name != "checkpoints" or not (ckpt.name.startswith("step_") and ckpt.name[5:].isdigit()):
+        step = STEP_DIR.match(ckpt.name)
+        if ckpt.parent.name != "checkpoints" or step is None:
             return None  # not a run dir's checkpoint: no history to continue
-        return ckpt.parent.parent / "metrics.jsonl", int(ckpt.name[5:])
+        return ckpt.parent.parent / "metrics.jsonl", int(step.group(1))
 
     def _agree(self, stop_seen: bool, due: bool) -> tuple[bool, bool]:
         """Element-wise max over ranks of two flags, with the checkpoint writer's health: a rank whose write failed

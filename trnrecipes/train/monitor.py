@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter, deque
 from pathlib import Path
+
+from trnrecipes.data.arrow import atomic_output
 
 
 class SpikeDetector:
@@ -77,7 +78,8 @@ class Metrics:
         elif previous is not None and (earlier := history_until(*previous)):
             self.phase = earlier[-1]["phase"] + 1
             self.history_offset = earlier[-1]["history_step"]
-            write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in earlier))
+            with atomic_output(path) as tmp:  # a kill mid-copy leaves no partial history
+                Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in earlier))
         self.file = open(path, "a", buffering=1)  # line-buffered: tail -f works
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -103,22 +105,32 @@ class Metrics:
             self.tb.close()
 
 
+def step_records(path: Path) -> tuple[list[dict], list[int]]:
+    """The step records of a metrics.jsonl (JSON objects with a numeric step), in order, and the numbers of the
+    lines that are not one (a run killed mid-write leaves half a line). OSError if the file cannot be read."""
+    records, bad = [], []
+    with open(path, "rb") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError
+                record = None
+            step = record.get("step") if isinstance(record, dict) else None
+            if isinstance(step, int | float) and not isinstance(step, bool):
+                records.append(record)
+            else:
+                bad.append(i)
+    return records, bad
+
+
 def read_step_records(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl with an integer step, in order; a half-written line (a killed run) is
-    skipped, a missing file has none."""
+    """step_records' records; none for a file that is missing or unreadable (no history to carry on)."""
     try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError):
+        return step_records(path)[0]
+    except OSError:
         return []
-    records = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and not isinstance(record["step"], bool):
-            records.append(record)
-    return records
 
 
 def history_until(path: Path, step: int) -> list[dict]:
@@ -129,12 +141,6 @@ def history_until(path: Path, step: int) -> list[dict]:
         return []
     last = max(r["phase"] for r in records)
     return [r for r in records if r["phase"] < last or r["step"] <= step]
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # a kill mid-copy leaves no partial history
 
 
 def progress_line(r: dict, max_steps: int) -> str:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -52,19 +51,9 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
 def read_records(path: Path) -> list[dict]:
     """The step records of a metrics.jsonl. A line that is not one (a run killed mid-write leaves half a line) is
     skipped with a warning: the rest of the run still plots."""
-    records, bad = [], []
-    with open(path, "rb") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:  # JSONDecodeError, UnicodeDecodeError
-                record = None
-            if isinstance(record, dict) and _is_number(record.get("step")):
-                records.append(record)
-            else:
-                bad.append(i)
+    from trnrecipes.train.monitor import step_records
+
+    records, bad = step_records(path)
     if bad:
         lines = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
         print(f"warning: {path}: skipped {len(bad)} line(s) that are not step records (line {lines})", file=sys.stderr)
