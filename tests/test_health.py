@@ -100,12 +100,12 @@ def test_a_faulty_node_goes_to_the_bad_nodes_file(tmp_path):
         tmp_path, SLURMD_NODENAME="nodeX", TRNRECIPES_HEALTH_FAULT_NODE="nodeX", TRNRECIPES_BAD_NODES_FILE=str(bad)
     )
     assert done.returncode != 0
-    # Not anchored at a line start: both ranks and torchrun share one stderr, where another process's unbuffered
-    # output can land just before a rank's line. A CI run once matched only one rank's line at a line start (its
-    # stderr was cut from the report: the assertions now print it whole).
-    assert len(re.findall(r"\[health\] nodeX rank [01]/2: cpu matmul 512\^3 FAILED", done.stderr)) == 2, done.stderr
+    # Each rank's line whole, at a line start: ranks share the stream (health.say writes a line in one write).
+    assert len(re.findall(r"^\[health\] nodeX rank [01]/2: cpu matmul 512\^3 FAILED", done.stderr, re.M)) == 2, (
+        done.stderr
+    )
     for rank in (0, 1):  # the collectives ran all the same, and both ranks' data came back wrong
-        assert re.search(rf"\[health\] FAILED on node nodeX \(rank {rank}\): matmul result wrong; its all_gather",
-                         done.stderr), done.stderr  # fmt: skip
+        assert re.search(rf"^\[health\] FAILED on node nodeX \(rank {rank}\): matmul result wrong; its all_gather",
+                         done.stderr, re.M), done.stderr  # fmt: skip
     assert "collectives over 2 ranks: FAILED" in done.stdout
     assert bad.read_text() == "node7\nnodeX\n"

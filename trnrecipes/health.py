@@ -142,14 +142,23 @@ def blame(counts: Mapping[str, list[int]], world: int) -> tuple[dict[int, list[s
     return named, loose
 
 
+def say(line: str, stream=None) -> None:
+    """Print one line in ONE write. Every rank of a node writes these lines to the same stream, and print() on an
+    unbuffered stream (PYTHONUNBUFFERED=1, common on clusters and set here) writes the text and its newline
+    separately: two ranks' lines then run together ("...localhost[health] nodeY rank 1/2: ...")."""
+    stream = stream or sys.stdout
+    stream.write(line + "\n")
+    stream.flush()
+
+
 def report(counts: Mapping[str, list[int]], nodes: list[str], collectives: bool | None) -> None:
     """Rank 0: a FAILED line per rank at fault, the bad-nodes file, and the collectives' verdict (None: not asked)."""
     world = len(nodes)
     named, loose = blame(counts, world)
     for r, what in sorted(named.items()):
-        print(f"[health] FAILED on node {nodes[r]} (rank {r}): {'; '.join(what)}", file=sys.stderr, flush=True)
+        say(f"[health] FAILED on node {nodes[r]} (rank {r}): {'; '.join(what)}", sys.stderr)
     for what in loose:
-        print(f"[health] FAILED (no node named): {what}", file=sys.stderr, flush=True)
+        say(f"[health] FAILED (no node named): {what}", sys.stderr)
     record_bad_nodes(list(dict.fromkeys(nodes[r] for r in sorted(named))))
     if collectives is None:
         return
@@ -159,7 +168,7 @@ def report(counts: Mapping[str, list[int]], nodes: list[str], collectives: bool 
         verdict = "FAILED (see the FAILED lines)"
     else:
         verdict = "ok"
-    print(f"[health] collectives over {world} ranks: {verdict}", flush=True)
+    say(f"[health] collectives over {world} ranks: {verdict}")
 
 
 def record_bad_nodes(names: list[str], env: Mapping[str, str] = os.environ) -> Path | None:
@@ -209,7 +218,7 @@ def check_matmul(backend, findings: Findings, node: str, size: int) -> None:
         seconds = time.perf_counter() - start  # up to the result on the host
     except Exception as err:  # a broken device: reported and agreed on, not a crash the other ranks would wait on
         findings.note("device error", rank)
-        print(f"{head} FAILED ({type(err).__name__}: {err})", file=sys.stderr, flush=True)
+        say(f"{head} FAILED ({type(err).__name__}: {err})", sys.stderr)
         return
     want = a.double() @ b.double()
     if _fault_node(node):
@@ -220,11 +229,10 @@ def check_matmul(backend, findings: Findings, node: str, size: int) -> None:
     ok = err <= limit  # False for NaN
     if not ok:
         findings.note("matmul", rank)
-    print(
+    say(
         f"{head} {'ok' if ok else 'FAILED'} (max rel err {err:.1e}, limit {limit:.0e} for {precision},"
         f" {2 * size**3 / seconds / 1e9:.1f} GFLOP/s); rendezvous host {os.environ.get('MASTER_ADDR', 'none')}",
-        file=sys.stdout if ok else sys.stderr,
-        flush=True,
+        sys.stdout if ok else sys.stderr,
     )
 
 
@@ -243,13 +251,12 @@ def check_collectives(backend, findings: Findings, node: str) -> None:
     if rank == 0:
         for op, mib, nbytes, secs, factor in rows:
             algbw = nbytes / secs / 1e9
-            print(
+            say(
                 f"[health] {op:<14} {mib:>3} MiB x {world} ranks: {secs * 1e3:8.2f} ms  algbw {algbw:6.2f} GB/s"
-                f"  busbw {algbw * factor:6.2f} GB/s",
-                flush=True,
+                f"  busbw {algbw * factor:6.2f} GB/s"
             )
         peak = max(nbytes for _op, _mib, nbytes, _secs, _factor in rows)
-        print(f"[health] buffers: {peak} bytes per rank (largest collective buffer, any world size)", flush=True)
+        say(f"[health] buffers: {peak} bytes per rank (largest collective buffer, any world size)")
 
 
 def _check_size(backend, findings: Findings, mib: int, fault: float) -> list[tuple[str, int, int, float, float]]:
