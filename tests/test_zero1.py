@@ -136,3 +136,61 @@ def test_the_shard_reader_joins_and_splits_zero1_slices_for_any_layout(tmp_path:
                         out = torch.empty(r.size)
                         reader.read_into(f"exp_avg.{name}", out, tuple(value.shape), r.start)
                         assert torch.equal(out, value[r.slices_within(shard_region(value.shape, None, 1, 0))])
+
+
+# Over 3 DP ranks: rows that split unevenly (7, 5, 11; 1 row: two ranks own none) and evenly (3, 6), two dtypes.
+GATHER_SHAPES = [((7, 3), torch.float32), ((5,), torch.bfloat16), ((1, 4), torch.float32), ((3, 2, 2), torch.bfloat16),
+                 ((11,), torch.float32), ((6, 4), torch.float32)]  # fmt: skip
+
+
+def _gather_rank(rank: int, world: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from trnrecipes.sharding import chunk_range
+    from trnrecipes.train import parallel_dims
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    calls = []
+    for name in ("all_gather_single", "all_gather_into_tensor"):  # whichever this torch's gather_zero1 uses
+        if hasattr(dist, name):
+            real = getattr(dist, name)
+            setattr(dist, name, lambda *a, _real=real, **k: calls.append(a[1].numel()) or _real(*a, **k))
+    # Even splits of >= 12 elements into themselves ([3, 2, 2], [6, 4]); the rest bucketed, fp32: [7, 3] (21 > 20)
+    # alone, then [1, 4] + [11]; bf16: [5]. 5 all-gathers for 6 tensors.
+    parallel_dims.BUCKET_ELEMENTS, parallel_dims.GATHER_ALONE_ELEMENTS = 20, 12
+    dims = parallel_dims.ParallelDims.__new__(parallel_dims.ParallelDims)  # only the fields gather_zero1 reads
+    dims.zero1, dims.dp, dims.dp_rank, dims.dp_group = True, world, rank, None
+    truth = [torch.randn(shape, generator=torch.Generator().manual_seed(i)).to(dtype) for i, (shape, dtype) in
+             enumerate(GATHER_SHAPES)]  # fmt: skip
+    truth[0][1, 2], truth[4][9] = -0.0, float("nan")  # bitwise: signed zero and NaN come through as they are
+    mine, rows = [], []
+    for t in truth:
+        start, stop = chunk_range(t.shape[0], world, rank)
+        local = torch.full_like(t, 100.0 + rank)  # what the rows this rank does not own held before the gather
+        local[start:stop] = t[start:stop]
+        mine.append(local)
+        rows.append((start, stop))
+    parallel_dims.ParallelDims.gather_zero1(dims, mine, rows)
+    torch.save({"tensors": mine, "calls": calls, "truth": truth}, f"{out}.rank{rank}")
+    dist.destroy_process_group()
+
+
+def test_zero1_gather_is_bucketed_and_gives_every_rank_the_owners_rows_bitwise(tmp_path: Path):
+    """ParallelDims.gather_zero1 at DP 3 (gloo): uneven splits, a rank owning no row, bf16 and fp32 in separate
+    buckets, large even splits gathered into themselves, -0.0 and NaN kept bit for bit; one all-gather per bucket,
+    not one collective per small parameter."""
+    import torch.multiprocessing as mp
+
+    world = 3
+    mp.spawn(_gather_rank, args=(world, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=world, join=True)
+    for rank in range(world):
+        got = torch.load(tmp_path / f"out.rank{rank}", weights_only=True)
+        for t, truth in zip(got["tensors"], got["truth"], strict=True):
+            assert t.dtype == truth.dtype and torch.equal(_bits(t), _bits(truth)), (rank, t, truth)
+        # Elements each rank sent per all-gather, ceil(rows / 3) rows each: [3, 2, 2] 4, [6, 4] 8, [7, 3] 9,
+        # [1, 4] + [11] 4 + 4, [5] 2.
+        assert sorted(got["calls"]) == [2, 4, 8, 8, 9], got["calls"]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)

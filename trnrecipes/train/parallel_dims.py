@@ -91,17 +91,45 @@ class ParallelDims:
         return chunk_range(local_rows, self.dp, self.dp_rank)
 
     def gather_zero1(self, locals_: list[torch.Tensor], rows: list[tuple[int, int]]) -> None:
-        """After a ZeRO-1 step each DP rank has updated only its rows: give every replica all of them, in place.
-        The rows a rank does not own are set to -0.0 and the DP group sums: -0.0 is the exact additive identity
-        (x + -0.0 == x bitwise for every x, -0.0 and NaN included), so the result is the owners' values exactly,
-        with no gather buffer the size of the model."""
+        """After a ZeRO-1 step each DP rank has updated only its rows: give every replica all of them, in place, by
+        all-gathers: half the traffic of the all-reduce of -0.0-filled copies this used to be, and the values are
+        the owners' bitwise. A large tensor whose rows split evenly (most weights) is gathered straight into itself,
+        with no copy but of this rank's rows; the rest (norms, biases, uneven splits) go in buckets of up to
+        BUCKET_ELEMENTS per dtype, each rank's rows padded to torch.chunk's row count (chunk_range), so that small
+        tensors do not cost a collective each."""
         if not self.zero1:
             return
+        small: dict[torch.dtype, list[tuple[torch.Tensor, tuple[int, int]]]] = {}
         with torch.no_grad():
-            for t, (start, stop) in zip(locals_, rows, strict=True):
-                t[:start].fill_(-0.0)
-                t[stop:].fill_(-0.0)
-                dist.all_reduce(t, group=self.dp_group)
+            for t, span in zip(locals_, rows, strict=True):
+                if t.numel() >= GATHER_ALONE_ELEMENTS and t.shape[0] % self.dp == 0 and t.is_contiguous():
+                    _all_gather(t.view(-1), t[span[0] : span[1]].reshape(-1).clone(), self.dp_group)
+                else:
+                    small.setdefault(t.dtype, []).append((t, span))
+            for items in small.values():
+                for bucket in _buckets(items, BUCKET_ELEMENTS, size=lambda item: item[0].numel()):
+                    self._all_gather_rows(bucket)
+
+    def _all_gather_rows(self, bucket: list[tuple[torch.Tensor, tuple[int, int]]]) -> None:
+        """One all-gather of every DP rank's rows of these same-dtype tensors (see gather_zero1), then one copy per
+        tensor (not per tensor and rank: at DP 64 that would be 64 small copies a parameter)."""
+        # Per tensor: the padded rows each rank sends (ceil(n / dp), torch.chunk's split) times one row's elements.
+        slots = [-(-t.shape[0] // self.dp) * (t.numel() // max(t.shape[0], 1)) for t, _ in bucket]
+        mine = torch.zeros(sum(slots), dtype=bucket[0][0].dtype, device=bucket[0][0].device)
+        offset = 0
+        for (t, (start, stop)), slot in zip(bucket, slots, strict=True):
+            own = t[start:stop].reshape(-1)
+            mine[offset : offset + own.numel()].copy_(own)
+            offset += slot
+        gathered = torch.empty(self.dp * mine.numel(), dtype=mine.dtype, device=mine.device)
+        _all_gather(gathered, mine, self.dp_group)
+        per_rank = gathered.view(self.dp, -1)
+        offset = 0
+        for (t, _), slot in zip(bucket, slots, strict=True):
+            if t.numel():  # every rank's padded rows of t, in rank order: t's rows, then the padding
+                padded = per_rank[:, offset : offset + slot].reshape(-1, t.numel() // t.shape[0])
+                t.copy_(padded[: t.shape[0]].view(t.shape))  # its own rows too, with the same values
+            offset += slot
 
     def mean_over_holders(self, value: torch.Tensor, device: torch.device) -> float:
         """The mean of a scalar over the ranks that hold it (holds_loss): with PP only the last stage computes the
@@ -136,18 +164,26 @@ class ParallelDims:
 
 
 BUCKET_ELEMENTS = 1 << 24  # 64 MB of fp32 per gradient all-reduce
+GATHER_ALONE_ELEMENTS = 1 << 20  # ZeRO-1: a tensor this large is all-gathered on its own, into itself
 
 
-def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    """Consecutive groups of at most `limit` elements (a larger tensor is a group of its own)."""
-    groups: list[list[torch.Tensor]] = []
-    size = limit
-    for t in tensors:
-        if size + t.numel() > limit:
+def _all_gather(output: torch.Tensor, input_: torch.Tensor, group) -> None:
+    """Every rank's `input_` concatenated into `output`, in rank order."""
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    all_gather(output, input_, group=group)
+
+
+def _buckets(items: list, limit: int, size=lambda t: t.numel()) -> list[list]:
+    """Consecutive groups of at most `limit` elements by `size` (a larger item is a group of its own)."""
+    groups: list[list] = []
+    total = limit
+    for item in items:
+        n = size(item)
+        if total + n > limit:
             groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.numel()
+            total = 0
+        groups[-1].append(item)
+        total += n
     return groups
 
 
