@@ -48,7 +48,8 @@ The H100 table (Llama-2-7B width, 4 layers = 1.07B parameters, seq 4096, micro-b
 (or `python3 bench/bench_gpu.py ...` from a copy of the repository on a machine whose python3 has torch,
 transformers and PyYAML: see REPO below), which is, spelled out: --device cuda --hidden 4096 --layers 4 --heads 32
 --ffn 11008 --vocab 32000 --seq 4096 --micro-batch 2 --accum 4 --dtype bf16 --warmup 3 --steps 10
---rows ours,ours-compile,hf,hf-compile --activation-checkpointing selective (and --peak-tflops 989 on an H100 SXM, read from the device name).
+--rows ours,ours-compile,hf,hf-compile --activation-checkpointing selective (and --peak-tflops 989 on an H100 SXM,
+read from the device name).
 CPU smoke test, under a minute (tests/test_bench_gpu.py runs it with --rows ours,ours-compile,hf); aot_eager spares
 the compiled rows inductor's C++ build:
     .venv/bin/python bench/bench_gpu.py --tiny --compile-backend aot_eager

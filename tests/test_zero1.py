@@ -138,9 +138,12 @@ def test_the_shard_reader_joins_and_splits_zero1_slices_for_any_layout(tmp_path:
                         assert torch.equal(out, value[r.slices_within(shard_region(value.shape, None, 1, 0))])
 
 
-# Over 3 DP ranks: rows that split unevenly (7, 5, 11; 1 row: two ranks own none) and evenly (3, 6), two dtypes.
+# Over 3 DP ranks: rows that split unevenly (7, 5, 11; 1 row: two ranks own none) and evenly (3, 6), no rows, a
+# non-contiguous tensor (the [5, 4] transpose of a [4, 5] one), two dtypes.
 GATHER_SHAPES = [((7, 3), torch.float32), ((5,), torch.bfloat16), ((1, 4), torch.float32), ((3, 2, 2), torch.bfloat16),
-                 ((11,), torch.float32), ((6, 4), torch.float32)]  # fmt: skip
+                 ((11,), torch.float32), ((6, 4), torch.float32), ((0, 4), torch.float32), ((5, 4), torch.float32),
+                 ((3, 2), torch.float32)]  # fmt: skip
+NON_CONTIGUOUS = 7
 
 
 def _gather_rank(rank: int, world: int, store: str, out: str) -> None:
@@ -155,11 +158,12 @@ def _gather_rank(rank: int, world: int, store: str, out: str) -> None:
         if hasattr(dist, name):
             real = getattr(dist, name)
             setattr(dist, name, lambda *a, _real=real, **k: calls.append(a[1].numel()) or _real(*a, **k))
-    # Even splits of >= 12 elements into themselves ([3, 2, 2], [6, 4]); the rest bucketed, fp32: [7, 3] (21 > 20)
-    # alone, then [1, 4] + [11]; bf16: [5]. 5 all-gathers for 6 tensors.
-    parallel_dims.BUCKET_ELEMENTS, parallel_dims.GATHER_ALONE_ELEMENTS = 20, 12
+    # Into themselves: even splits of which each rank sends >= 4 elements ([3, 2, 2], [6, 4]). Bucketed, fp32 (20
+    # elements a bucket): [7, 3] (21) alone; [1, 4] + [11] + [0, 4]; [5, 4]; [3, 2] (even, but 2 elements a rank);
+    # bf16: [5]. 7 all-gathers for 9 tensors.
+    parallel_dims.BUCKET_ELEMENTS, parallel_dims.GATHER_ALONE_ELEMENTS = 20, 4
     dims = parallel_dims.ParallelDims.__new__(parallel_dims.ParallelDims)  # only the fields gather_zero1 reads
-    dims.zero1, dims.dp, dims.dp_rank, dims.dp_group = True, world, rank, None
+    dims.zero1, dims.dp, dims.dp_rank, dims.dp_group = True, world, rank, dist.group.WORLD
     truth = [torch.randn(shape, generator=torch.Generator().manual_seed(i)).to(dtype) for i, (shape, dtype) in
              enumerate(GATHER_SHAPES)]  # fmt: skip
     truth[0][1, 2], truth[4][9] = -0.0, float("nan")  # bitwise: signed zero and NaN come through as they are
@@ -167,6 +171,9 @@ def _gather_rank(rank: int, world: int, store: str, out: str) -> None:
     for t in truth:
         start, stop = chunk_range(t.shape[0], world, rank)
         local = torch.full_like(t, 100.0 + rank)  # what the rows this rank does not own held before the gather
+        if len(mine) == NON_CONTIGUOUS:
+            local = local.t().contiguous().t()
+            assert not local.is_contiguous()
         local[start:stop] = t[start:stop]
         mine.append(local)
         rows.append((start, stop))
@@ -176,9 +183,9 @@ def _gather_rank(rank: int, world: int, store: str, out: str) -> None:
 
 
 def test_zero1_gather_is_bucketed_and_gives_every_rank_the_owners_rows_bitwise(tmp_path: Path):
-    """ParallelDims.gather_zero1 at DP 3 (gloo): uneven splits, a rank owning no row, bf16 and fp32 in separate
-    buckets, large even splits gathered into themselves, -0.0 and NaN kept bit for bit; one all-gather per bucket,
-    not one collective per small parameter."""
+    """ParallelDims.gather_zero1 at DP 3 (gloo): uneven splits, a rank owning no row, a tensor with no rows, a
+    non-contiguous one, bf16 and fp32 in separate buckets, large even splits gathered into themselves, -0.0 and NaN
+    kept bit for bit; one all-gather per bucket, not one collective per small parameter."""
     import torch.multiprocessing as mp
 
     world = 3
@@ -187,9 +194,10 @@ def test_zero1_gather_is_bucketed_and_gives_every_rank_the_owners_rows_bitwise(t
         got = torch.load(tmp_path / f"out.rank{rank}", weights_only=True)
         for t, truth in zip(got["tensors"], got["truth"], strict=True):
             assert t.dtype == truth.dtype and torch.equal(_bits(t), _bits(truth)), (rank, t, truth)
+        assert not got["tensors"][NON_CONTIGUOUS].is_contiguous()  # written in place, not replaced
         # Elements each rank sent per all-gather, ceil(rows / 3) rows each: [3, 2, 2] 4, [6, 4] 8, [7, 3] 9,
-        # [1, 4] + [11] 4 + 4, [5] 2.
-        assert sorted(got["calls"]) == [2, 4, 8, 8, 9], got["calls"]
+        # [1, 4] + [11] + [0, 4] 4 + 4 + 0, [5, 4] 8, [3, 2] 2, [5] 2.
+        assert sorted(got["calls"]) == [2, 2, 4, 8, 8, 8, 9], got["calls"]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

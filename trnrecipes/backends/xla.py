@@ -18,7 +18,7 @@ from trnrecipes.recipe import RecipeError
 class XlaBackend(TorchBackend):
     dist_backend = "xla"
     collectives_on_device = True  # XLA's process group reduces device tensors only
-    supports_zero1 = False  # our ZeRO-1 gathers with per-parameter all-reduces over gloo/nccl, not traced for XLA
+    supports_zero1 = False  # our ZeRO-1 gathers rows with eager gloo/nccl all-gathers, not traced for XLA
     supports_pp = False
     no_pp_reason = "torch.distributed.pipelining has no XLA stage coordinator"
     pjrt_device = "CPU"

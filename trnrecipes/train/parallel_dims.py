@@ -93,29 +93,36 @@ class ParallelDims:
     def gather_zero1(self, locals_: list[torch.Tensor], rows: list[tuple[int, int]]) -> None:
         """After a ZeRO-1 step each DP rank has updated only its rows: give every replica all of them, in place, by
         all-gathers: half the traffic of the all-reduce of -0.0-filled copies this used to be, and the values are
-        the owners' bitwise. A large tensor whose rows split evenly (most weights) is gathered straight into itself,
-        with no copy but of this rank's rows; the rest (norms, biases, uneven splits) go in buckets of up to
-        BUCKET_ELEMENTS per dtype, each rank's rows padded to torch.chunk's row count (chunk_range), so that small
-        tensors do not cost a collective each."""
+        the owners' bitwise. A tensor whose rows split evenly and of which each rank sends at least
+        GATHER_ALONE_ELEMENTS is gathered straight into itself, with no copy but of this rank's rows; the rest
+        (norms, biases, uneven splits, small shards at a large DP) go in buckets of up to BUCKET_ELEMENTS per device
+        and dtype, each rank's rows padded to torch.chunk's row count (chunk_range), so that small tensors do not
+        cost a collective each."""
         if not self.zero1:
             return
-        small: dict[torch.dtype, list[tuple[torch.Tensor, tuple[int, int]]]] = {}
+        if self.dp_group is not None and (group_rank := dist.get_rank(self.dp_group)) != self.dp_rank:
+            # The gathered slots are in group-rank order, the rows in dp_rank order: they must be the same order.
+            raise RuntimeError(f"DP rank {self.dp_rank} is rank {group_rank} of its DP group; the layouts disagree")
+        small: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, tuple[int, int]]]] = {}
         with torch.no_grad():
             for t, span in zip(locals_, rows, strict=True):
-                if t.numel() >= GATHER_ALONE_ELEMENTS and t.shape[0] % self.dp == 0 and t.is_contiguous():
+                evenly = t.shape[0] % self.dp == 0 and t.is_contiguous()
+                if evenly and t.numel() // self.dp >= GATHER_ALONE_ELEMENTS:
                     _all_gather(t.view(-1), t[span[0] : span[1]].reshape(-1).clone(), self.dp_group)
                 else:
-                    small.setdefault(t.dtype, []).append((t, span))
+                    small.setdefault((t.device, t.dtype), []).append((t, span))
             for items in small.values():
                 for bucket in _buckets(items, BUCKET_ELEMENTS, size=lambda item: item[0].numel()):
                     self._all_gather_rows(bucket)
 
     def _all_gather_rows(self, bucket: list[tuple[torch.Tensor, tuple[int, int]]]) -> None:
-        """One all-gather of every DP rank's rows of these same-dtype tensors (see gather_zero1), then one copy per
-        tensor (not per tensor and rank: at DP 64 that would be 64 small copies a parameter)."""
-        # Per tensor: the padded rows each rank sends (ceil(n / dp), torch.chunk's split) times one row's elements.
-        slots = [-(-t.shape[0] // self.dp) * (t.numel() // max(t.shape[0], 1)) for t, _ in bucket]
-        mine = torch.zeros(sum(slots), dtype=bucket[0][0].dtype, device=bucket[0][0].device)
+        """One all-gather of every DP rank's rows of these same-dtype tensors (see gather_zero1), then one or two
+        copies per tensor (not one per tensor and rank: at DP 64 that would be 64 small copies a parameter)."""
+        # Per tensor: the rows each rank sends, padded to ceil(n / dp) (torch.chunk's split), of `width` elements.
+        shapes = [(t.shape[0], -(-t.shape[0] // self.dp), t.numel() // max(t.shape[0], 1)) for t, _ in bucket]
+        slots = [chunk * width for _, chunk, width in shapes]
+        first = bucket[0][0]
+        mine = torch.empty(sum(slots), dtype=first.dtype, device=first.device)  # the padding is never read
         offset = 0
         for (t, (start, stop)), slot in zip(bucket, slots, strict=True):
             own = t[start:stop].reshape(-1)
@@ -125,10 +132,18 @@ class ParallelDims:
         _all_gather(gathered, mine, self.dp_group)
         per_rank = gathered.view(self.dp, -1)
         offset = 0
-        for (t, _), slot in zip(bucket, slots, strict=True):
-            if t.numel():  # every rank's padded rows of t, in rank order: t's rows, then the padding
-                padded = per_rank[:, offset : offset + slot].reshape(-1, t.numel() // t.shape[0])
-                t.copy_(padded[: t.shape[0]].view(t.shape))  # its own rows too, with the same values
+        for (t, _), (n, chunk, width), slot in zip(bucket, shapes, slots, strict=True):
+            if t.numel():
+                # chunk_range gives the first `full` ranks `chunk` rows each and the next one the `rest`.
+                full, rest = divmod(n, chunk)
+                as_rows = (
+                    t.view(n, width) if t.is_contiguous() else torch.empty(n, width, dtype=t.dtype, device=t.device)
+                )
+                as_rows[: full * chunk].view(full, slot).copy_(per_rank[:full, offset : offset + slot])
+                if rest:
+                    as_rows[full * chunk :].view(-1).copy_(per_rank[full, offset : offset + rest * width])
+                if not t.is_contiguous():
+                    t.copy_(as_rows.view(t.shape))
             offset += slot
 
     def mean_over_holders(self, value: torch.Tensor, device: torch.device) -> float:
@@ -164,7 +179,7 @@ class ParallelDims:
 
 
 BUCKET_ELEMENTS = 1 << 24  # 64 MB of fp32 per gradient all-reduce
-GATHER_ALONE_ELEMENTS = 1 << 20  # ZeRO-1: a tensor this large is all-gathered on its own, into itself
+GATHER_ALONE_ELEMENTS = 1 << 18  # ZeRO-1: a tensor of which each rank sends this many is all-gathered on its own
 
 
 def _all_gather(output: torch.Tensor, input_: torch.Tensor, group) -> None:
