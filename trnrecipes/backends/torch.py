@@ -44,6 +44,11 @@ class TorchBackend(Backend):
         dims.mesh = init_device_mesh(mesh_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
         dims.dp_group = dims.mesh["dp"].get_group()
         dims.pp_group = dims.mesh["pp"].get_group()
+        if (group_rank := dist.get_rank(dims.dp_group)) != dims.dp_rank:
+            # Collectives that place data by group rank (ZeRO-1's all-gather) rely on it being dp_rank.
+            raise RuntimeError(
+                f"DP rank {dims.dp_rank} is rank {group_rank} of its DP group: the mesh and the layout disagree"
+            )
 
     def select_device(self) -> None:
         """Make self.device the current device once the process group exists, before DeviceMesh picks one (on cpu

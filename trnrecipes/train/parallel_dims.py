@@ -97,17 +97,15 @@ class ParallelDims:
         GATHER_ALONE_ELEMENTS is gathered straight into itself, with no copy but of this rank's rows; the rest
         (norms, biases, uneven splits, small shards at a large DP) go in buckets of up to BUCKET_ELEMENTS per device
         and dtype, each rank's rows padded to torch.chunk's row count (chunk_range), so that small tensors do not
-        cost a collective each."""
+        cost a collective each. The gathered slots come in DP-group rank order, which TorchBackend.init_process_groups
+        checked is dp_rank's."""
         if not self.zero1:
             return
-        if self.dp_group is not None and (group_rank := dist.get_rank(self.dp_group)) != self.dp_rank:
-            # The gathered slots are in group-rank order, the rows in dp_rank order: they must be the same order.
-            raise RuntimeError(f"DP rank {self.dp_rank} is rank {group_rank} of its DP group; the layouts disagree")
         small: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, tuple[int, int]]]] = {}
         with torch.no_grad():
             for t, span in zip(locals_, rows, strict=True):
-                evenly = t.shape[0] % self.dp == 0 and t.is_contiguous()
-                if evenly and t.numel() // self.dp >= GATHER_ALONE_ELEMENTS:
+                into_itself = t.shape[0] % self.dp == 0 and t.is_contiguous()
+                if into_itself and t.numel() // self.dp >= GATHER_ALONE_ELEMENTS:
                     _all_gather(t.view(-1), t[span[0] : span[1]].reshape(-1).clone(), self.dp_group)
                 else:
                     small.setdefault((t.device, t.dtype), []).append((t, span))
