@@ -111,6 +111,7 @@ BAD_MAKE_INPUTS = [
     ({"recipe": "neox20b", "nodes": "4", "overrides": "slurm.job_name='$(touch CANARY)'"}, "slurm.job_name '$(touch"),
     ({"recipe": "neox20b", "nodes": "4", "overrides": "slurm.partition='a;touch CANARY'"}, "slurm.partition 'a;touch"),
     ({"recipe": "neox20b", "nodes": "4", "out": "jobs/x y"}, "job directory"),
+    ({"recipe": "neox20b", "nodes": "4", "overrides": "data.path='a b"}, "cannot be split into words (No closing"),
 ]
 
 
@@ -123,6 +124,7 @@ def test_bad_input_fails_cleanly_through_make(variables, message, tmp_path):
     done = make(*(f"{k}={v}" for k, v in variables.items()), "sbatch")
     assert done.returncode != 0
     assert message.replace("CANARY", canary) in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
     assert not os.path.exists(canary), "a user value was executed by the shell"
     assert not (tmp_path / "job").exists()
     assert not (REPO / "jobs" / "x y").exists()

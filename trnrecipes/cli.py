@@ -15,7 +15,9 @@ import socket
 import sys
 from pathlib import Path
 
+from trnrecipes.outputs import check_output, check_outputs
 from trnrecipes.recipe import RecipeError, known_recipes, load_recipe, parse_nodes
+from trnrecipes.run_files import run_dir_of
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,6 +234,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _out_flag(given: str | None) -> str:
+    """How an output is named in check_output's messages: the flag, or that its default was taken."""
+    return "--out" if given else "the default --out"
+
+
 def _text_args(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--text-field", default="text", help="JSON field / column holding the text (default: text)")
     sub.add_argument(
@@ -263,6 +270,7 @@ def _to_arrow(args: argparse.Namespace) -> int:
     from trnrecipes.data.arrow import to_arrow
 
     inputs = [Path(p) for p in args.inputs]
+    check_output(args.out, inputs=inputs)
     stats = to_arrow(inputs, Path(args.out), args.text_field, args.on_bad_utf8, label_field=args.label_field)
     _report_conversion(stats, args.out)
     if args.label_field:
@@ -274,8 +282,9 @@ def _preprocess(args: argparse.Namespace) -> int:
     from trnrecipes.data.indexed import preprocess
     from trnrecipes.data.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(args.tokenizer)
     inputs = [Path(p) for p in args.inputs]
+    check_outputs([f"{args.out}.bin", f"{args.out}.idx"], inputs=[*inputs, args.tokenizer])
+    tok = load_tokenizer(args.tokenizer)
     stats, tokens = preprocess(inputs, tok, Path(args.out), args.text_field, args.dtype, args.on_bad_utf8)
     _report_conversion(stats, f"{args.out}.bin/.idx")
     print(f"  {tokens:,} tokens ({tok.engine} engine, EOS {tok.eos_id} after each document)")
@@ -304,6 +313,7 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
     from trnrecipes.data.arrow import read_arrow, to_arrow
     from trnrecipes.data.tokenizer import load_tokenizer, train_sentencepiece
 
+    check_output(args.out, inputs=args.inputs, directory=True)
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.arrow"
         to_arrow([Path(p) for p in args.inputs], corpus, args.text_field, args.on_bad_utf8, progress=False)
@@ -317,6 +327,7 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 def _tokenizer_from_gpt2(args: argparse.Namespace) -> int:
     from trnrecipes.data.tokenizer import from_gpt2_files, load_tokenizer
 
+    check_output(args.out, inputs=[args.vocab, args.merges], directory=True)
     from_gpt2_files(Path(args.vocab), Path(args.merges), Path(args.out))
     tok = load_tokenizer(args.out)
     print(f"wrote {args.out}: GPT-2 BPE, {tok.vocab_size} ids, eos {tok.eos_id}, engine {tok.engine}")
@@ -328,6 +339,7 @@ def _eval_prepare(args: argparse.Namespace) -> int:
     from eval.registry import TASKS
     from trnrecipes import REPO_ROOT
 
+    check_output(args.out, directory=True)
     downloads = REPO_ROOT / "build" / "downloads"
     chosen = [t for t in TASKS.values() if not (args.no_bbh and t.name == "bbh")]
     for i, task in enumerate(chosen, 1):
@@ -384,6 +396,8 @@ def _eval_run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise RecipeError(str(err)) from None
     default_out = ckpt.with_name(ckpt.name + "-eval")
+    if (in_run := run_dir_of(ckpt.resolve())) is not None:  # results beside the run's, not in its checkpoints/
+        default_out = in_run / "eval" / ckpt.resolve().name
     if (ckpt / "checkpoints").is_dir():  # a run dir: its newest complete checkpoint, results in RUN_DIR/eval/step_N
         from trnrecipes.checkpoint.format import latest_checkpoint
 
@@ -398,7 +412,7 @@ def _eval_run(args: argparse.Namespace) -> int:
             f"--ckpt {ckpt} is not a checkpoint (no manifest.json), a run dir with checkpoints (no checkpoints/)"
             " or an HF model directory (no config.json)"
         )
-    out = Path(args.out) if args.out else default_out
+    out = check_output(args.out or default_out, flag=_out_flag(args.out), inputs=[args.ckpt, ckpt], directory=True)
     try:
         run(
             ckpt,
@@ -434,6 +448,8 @@ def _eval_code(args: argparse.Namespace) -> int:
         raise RecipeError(f"--workers must be between 1 and {MAX_WORKERS}, got {args.workers}")
     if not args.timeout > 0:  # also refuses nan
         raise RecipeError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.out:  # before minutes of running programs, not after
+        check_output(args.out, inputs=[args.samples, args.problems])
     try:
         problems = load_problems(Path(args.problems))
         samples = load_samples(Path(args.samples), problems)
@@ -503,7 +519,9 @@ def _sbatch(args: argparse.Namespace) -> int:
     nodes = parse_nodes(args.nodes)
     recipe = load_recipe(args.recipe, nodes, args.overrides)
     command = sbatch_command(args.recipe, nodes, args.overrides, args.out)
-    job_dir = Path(args.out) if args.out else default_job_dir(recipe)
+    job_dir = check_output(
+        args.out or default_job_dir(recipe), flag=_out_flag(args.out), inputs=[find_recipe(args.recipe)], directory=True
+    )
     job = render_job(recipe, job_dir, command)
     for warning in render_warnings(recipe):
         print(f"warning: {warning}", file=sys.stderr)
@@ -540,7 +558,8 @@ def _plot(args: argparse.Namespace) -> int:
     missing = [d for d in args.run_dirs if not (Path(d) / "metrics.jsonl").is_file()]
     if missing:
         raise RecipeError(f"no metrics.jsonl in {', '.join(missing)}: not a training run directory")
-    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "plots"
+    default = Path(args.run_dirs[0]) / "plots"
+    out = check_output(args.out or default, flag=_out_flag(args.out), inputs=args.run_dirs, directory=True)
     for path in plot_runs([Path(d) for d in args.run_dirs], out):
         print(f"wrote {path}")
     return 0
@@ -549,6 +568,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _from_hf(args: argparse.Namespace) -> int:
     from trnrecipes.convert import from_hf
 
+    check_output(args.out, inputs=[args.hf], directory=True)
     out = from_hf(Path(args.hf), Path(args.out), args.recipe)
     print(f"wrote checkpoint {out}")
     return 0
@@ -557,15 +577,17 @@ def _from_hf(args: argparse.Namespace) -> int:
 def _to_hf(args: argparse.Namespace) -> int:
     from trnrecipes.convert import to_hf
 
+    check_output(args.out, inputs=[args.ckpt], directory=True)
     out = to_hf(Path(args.ckpt), Path(args.out))
     print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from trnrecipes.infer import predict
+    from trnrecipes.infer import predict, predictions_path, summary_path
 
-    out = Path(args.out) if args.out else None
+    out = Path(args.out) if args.out else predictions_path(Path(args.input))
+    check_outputs([out, summary_path(out)], flag=_out_flag(args.out), inputs=[args.input, args.ckpt])
     s = predict(
         Path(args.ckpt), Path(args.input), out, batch_size=args.batch_size, text_field=args.text_field,
         label_field=args.label_field, threads=args.threads,
@@ -579,8 +601,10 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _embed(args: argparse.Namespace) -> int:
-    from trnrecipes.infer import embed
+    from trnrecipes.infer import embed, parts_path
 
+    check_output(args.out, inputs=[args.input, args.ckpt])
+    check_output(parts_path(Path(args.out)), flag="--out's work dir", inputs=[args.input, args.ckpt], directory=True)
     job = embed(
         Path(args.ckpt), Path(args.input), Path(args.out), batch_size=args.batch_size, chunk_rows=args.chunk_rows,
         text_field=args.text_field, threads=args.threads,

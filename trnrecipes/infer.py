@@ -202,6 +202,16 @@ def predictions_path(inputs: Path) -> Path:
     return inputs.with_name(f"{stem}.predictions.jsonl")
 
 
+def summary_path(out: Path) -> Path:
+    """predict's summary beside its output: `<out stem>.summary.json`."""
+    return out.with_name(f"{out.stem}.summary.json")
+
+
+def parts_path(out: Path) -> Path:
+    """embed's work in progress: OUT.parts/ beside OUT."""
+    return out.with_name(out.name + ".parts")
+
+
 def predict(
     ckpt: Path,
     inputs: Path,
@@ -224,7 +234,6 @@ def predict(
     labels = read_row_labels(inputs, label_field or data.label_field, num_labels, required=label_field is not None)
     clf = load_classifier(*opened)
     out = Path(out) if out else predictions_path(Path(inputs))
-    summary_path = out.with_name(f"{out.stem}.summary.json")
     predicted = np.empty(len(texts), dtype=np.int64)
     block = batch_size * math.ceil(TOKENIZE_ROWS / batch_size)
     with _atomic(out, "w") as f, torch.inference_mode(), _progress(len(texts)) as bar:
@@ -244,9 +253,9 @@ def predict(
         "checkpoint": clf.checkpoint,
         "label_field": None if labels is None else label_field or data.label_field,
     } | _scores(predicted, labels, num_labels)
-    with _atomic(summary_path, "w") as f:
+    with _atomic(summary_path(out), "w") as f:
         f.write(json.dumps(summary, indent=2) + "\n")
-    return summary | {"summary": str(summary_path)}
+    return summary | {"summary": str(summary_path(out))}
 
 
 def _scores(predicted: np.ndarray, labels: np.ndarray | None, num_labels: int) -> dict:

@@ -267,7 +267,13 @@ def parse_overrides(items: list[str] | str | None) -> list[tuple[str, Any]]:
     if items is None:
         return []
     if isinstance(items, str):
-        items = shlex.split(items)
+        try:
+            items = shlex.split(items)
+        except ValueError as err:  # an unbalanced quote: shlex says "No closing quotation"
+            raise RecipeError(
+                f"overrides {shown(items)} cannot be split into words ({err}); close every quote, e.g."
+                " \"data.path='my corpus.arrow'\""
+            ) from None
     parsed = []
     for item in items:
         key, sep, raw = item.partition("=")

@@ -25,7 +25,6 @@ import errno
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -38,14 +37,13 @@ from safetensors.torch import load_file, save_file
 
 from trnrecipes.families import FAMILIES
 from trnrecipes.recipe import Recipe, RecipeError, read_recipe_file, recipe_from_dict
+from trnrecipes.run_files import DONE, MANIFEST, STEP_DIR
 from trnrecipes.schema import clipped, shown
 from trnrecipes.sharding import Region, shard_region
 
 FORMAT = 2
 WEIGHTS = "model.safetensors"
 SHARDS = "shards.json"
-DONE = "done"
-MANIFEST = "manifest.json"
 
 
 class CheckpointError(RecipeError):
@@ -494,9 +492,6 @@ def read_model_checkpoint(path: Path) -> tuple[Recipe, dict[str, torch.Tensor], 
     recipe = read_model_checkpoint_recipe(path)
     tokenizer = path / "tokenizer"
     return recipe, consolidate(path), tokenizer if tokenizer.is_dir() else None
-
-
-STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:

@@ -44,7 +44,7 @@ from trnrecipes.schema import shown
 from trnrecipes.train.monitor import Metrics, SpikeDetector, progress_line
 from trnrecipes.train.optim import lr_at
 from trnrecipes.train.parallel_dims import ParallelDims, full_tensor
-from trnrecipes.train.resume_compat import changes_data_order, check_resume
+from trnrecipes.train.resume_compat import changes_data_order, check_resume, section_differences
 from trnrecipes.train.run_dir import RunDirLock, require_writable, settle_checkpoints
 
 
@@ -157,8 +157,9 @@ class Trainer:
                 ckpt_model = read_model_checkpoint_recipe(path).model
                 if ckpt_model != self.recipe.model:
                     raise RecipeError(
-                        f"train.init_from {path}: its model section differs from this recipe's"
-                        f" ({ckpt_model} vs {self.recipe.model})"
+                        f"train.init_from {path}: its model section differs from this recipe's (checkpoint ->"
+                        f" recipe): {section_differences(ckpt_model, self.recipe.model, 'model')}; a model fine-tunes"
+                        " in the shape it was trained in"
                     )
             except RecipeError as err:
                 error = err

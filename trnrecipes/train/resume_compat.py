@@ -85,6 +85,19 @@ def check_allow_changes(allowed: Iterable[str]) -> list[str]:
     return problems
 
 
+def section_differences(saved: object, current: object, prefix: str) -> str:
+    """'model.num_labels: 3 -> 2, ...': where two values of one recipe section (dataclasses or dicts) differ, the
+    saved value first."""
+    import dataclasses
+
+    def flat(value: object) -> dict[str, object]:
+        return _flat(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value, prefix)
+
+    was, now = flat(saved), flat(current)
+    keys = sorted(k for k in set(was) | set(now) if was.get(k, "<unset>") != now.get(k, "<unset>"))
+    return ", ".join(f"{k}: {shown(was.get(k, '<unset>'))} -> {shown(now.get(k, '<unset>'))}" for k in keys)
+
+
 def _tokenizer_digest(directory: Path | None) -> str | None:
     if directory is None or not directory.is_dir():
         return None

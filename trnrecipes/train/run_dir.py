@@ -23,12 +23,12 @@ from pathlib import Path
 from trnrecipes.checkpoint import DONE, CheckpointError, CheckpointReadError, verify_training
 from trnrecipes.checkpoint.format import STORAGE_ERRNOS, step_dirs
 from trnrecipes.recipe import RecipeError
+from trnrecipes.run_files import LOCK_FILE
 from trnrecipes.schema import shown
 
 TEMP_DIR = re.compile(r"^\.step_\d+\.tmp$")  # a save in progress (trnrecipes.checkpoint.writer)
 PRUNING = re.compile(r"^\.prune-step_\d+$")  # a step dir renamed for deletion: gone from view in one rename
 UNUSABLE = "unusable"  # checkpoints/unusable/step_N: complete-looking checkpoints that failed verification
-LOCK_FILE = ".trnrecipes.lock"
 RECORD_BYTES = 512  # the lock file's holder record, space-padded JSON
 
 

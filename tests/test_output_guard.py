@@ -1,0 +1,243 @@
+"""Nothing a writing command does loses an input or a checkpoint (trnrecipes/outputs.py).
+
+The property: for every writing command and every kind of output (the input itself, a symbolic link to it, a hard
+link to it, inside a checkpoint, inside a run dir's checkpoints/, below a regular file, a fresh path), either the
+command refuses with one line and every byte under the test's directory (inputs, a real checkpoint) is as it was,
+or it succeeds and what changed lies within its outputs. Every (command, kind) pair is run, in a seeded random order
+of the kinds per command, so no draw of pairs can miss one. Kinds that always collide must be refused; a fresh
+path must succeed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import REPO
+from test_infer import hf_dir, randomised, recipe_file, sentences
+from tokenizers import BertWordPieceTokenizer
+
+from trnrecipes.checkpoint import verify, write_model_checkpoint
+from trnrecipes.cli import main
+from trnrecipes.models import build_model
+from trnrecipes.recipe import load_recipe
+
+KINDS = ("same", "symlink", "hardlink", "in_checkpoint", "in_checkpoints", "below_file", "fresh")
+COLLIDING = {"same", "symlink", "hardlink", "in_checkpoint", "in_checkpoints", "below_file"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """A BERT classifier (predict, embed) and a pythia-tiny language model with the GPT-2 tokenizer (convert, eval),
+    each a real checkpoint, copied into every case's directory."""
+    root = tmp_path_factory.mktemp("guard")
+    tokenizer = BertWordPieceTokenizer(lowercase=True)
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tokenizer.train_from_iterator(sentences(200, seed=1), vocab_size=60, special_tokens=specials)
+    config = transformers.BertConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                                     pad_token_id=0, num_labels=3)  # fmt: skip
+    hf_dir(root / "hf-cls", randomised(transformers.BertForSequenceClassification(config)), tokenizer)
+    recipe = recipe_file(root / "bert.yaml")
+    assert (
+        main(["convert", "from-hf", "--hf", str(root / "hf-cls"), "--out", str(root / "cls"), "--recipe", recipe]) == 0
+    )
+    lm = load_recipe("pythia-tiny", overrides=["model.num_layers=1"])
+    torch.manual_seed(0)
+    write_model_checkpoint(root / "lm", build_model(lm.model).state_dict(), lm, REPO / lm.data.tokenizer, step=7)
+    return {"cls": root / "cls", "lm": root / "lm"}
+
+
+@dataclass
+class Case:
+    """One command run in `root`: its argv without --out, the input that --out kinds collide with, and the outputs
+    it may write for a given --out."""
+
+    argv: list[str]
+    collide_with: Path  # "same" and "symlink" name it; "hardlink" links to it (or to a file in it)
+    directory: bool  # --out is a directory
+    outputs: Callable[[Path], list[Path]] = field(default=lambda out: [out])
+    ext: str = ""
+
+
+def lay_out(root: Path, checkpoints: dict[str, Path], which: str) -> Path:
+    """root/{in/, run/checkpoints/step_7 (a copy of checkpoint `which`), run/metrics.jsonl, afile}."""
+    (root / "in").mkdir(parents=True)
+    rows = [json.dumps({"text": t, "label": i % 3}) for i, t in enumerate(sentences(20))]
+    (root / "in/rows.jsonl").write_text("\n".join(rows) + "\n")
+    ckpt = root / "run/checkpoints/step_7"
+    shutil.copytree(checkpoints[which], ckpt)
+    steps = [{"step": s, "loss": 5.0 - s / 10, "grad_norm": 1.0, "param_norm": 10.0} for s in (1, 2, 3)]
+    (root / "run/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (root / "afile").write_text("a regular file\n")
+    shutil.copy(REPO / "recipes/pythia/pythia-tiny.yaml", root / "in/recipe.yaml")
+    return ckpt
+
+
+def case(command: str, root: Path, ckpt: Path) -> Case:
+    rows = root / "in/rows.jsonl"
+    if command == "predict":
+        return Case(["predict", "--ckpt", str(ckpt), "--in", str(rows)], rows, False,
+                    lambda out: [out, out.with_name(f"{out.stem}.summary.json")], ".jsonl")  # fmt: skip
+    if command == "embed":
+        return Case(["embed", "--ckpt", str(ckpt), "--in", str(rows), "--chunk-rows", "8", "--batch-size", "4"],
+                    rows, False, lambda out: [out, out.with_name(out.name + ".parts")], ".arrow")  # fmt: skip
+    if command == "eval-run":
+        argv = ["eval", "run", "--ckpt", str(ckpt), "--tasks", "arc_easy", "--limit", "1",
+                "--data-dir", str(REPO / "data/eval")]  # fmt: skip
+        return Case(argv, ckpt, True)
+    if command == "to-hf":
+        return Case(["convert", "to-hf", "--ckpt", str(ckpt)], ckpt, True)
+    if command == "to-arrow":
+        return Case(["data", "to-arrow", "--in", str(rows)], rows, False, ext=".arrow")
+    if command == "preprocess":
+        tokenizer = str(REPO / "data/tokenizers/gpt2")
+        return Case(["data", "preprocess", "--in", str(rows), "--tokenizer", tokenizer], rows, False,
+                    lambda out: [Path(f"{out}.bin"), Path(f"{out}.idx")])  # fmt: skip
+    if command == "sbatch":
+        recipe = root / "in/recipe.yaml"
+        return Case(["sbatch", "--recipe", str(recipe), "--nodes", "1"], recipe, True)
+    if command == "plot":
+        return Case(["plot", str(root / "run")], root / "run", True)
+    raise AssertionError(command)
+
+
+def output_of(kind: str, root: Path, c: Case, ckpt: Path) -> Path:
+    name = "out" + c.ext
+    if kind == "same":
+        return c.collide_with
+    if kind == "symlink":
+        os.symlink(c.collide_with, root / "link")
+        return root / "link"
+    if kind == "hardlink":  # of the input, or of a file inside an input directory
+        target = (
+            c.collide_with if c.collide_with.is_file() else next(p for p in c.collide_with.rglob("*") if p.is_file())
+        )
+        os.link(target, root / "hard")
+        return root / "hard"
+    if kind == "in_checkpoint":
+        return ckpt / name
+    if kind == "in_checkpoints":
+        return ckpt.parent / name
+    if kind == "below_file":
+        return root / "afile" / name
+    return root / "fresh" / name
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every path under `root`: a file's sha256, a link's target, or 'dir'."""
+    found = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            found[rel] = "link -> " + os.readlink(p)
+        elif p.is_dir():
+            found[rel] = "dir"
+        else:
+            found[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return found
+
+
+def within(rel: str, outputs: list[Path], root: Path) -> bool:
+    """Whether `rel` is an output, lies in one, or is a directory made to hold one."""
+    path = root / rel
+    return any(path == o or o in path.parents or (path in o.parents and path.is_dir()) for o in outputs)
+
+
+COMMANDS = {"predict": "cls", "embed": "cls", "eval-run": "lm", "to-hf": "lm", "to-arrow": "lm", "preprocess": "lm",
+            "sbatch": "lm", "plot": "lm"}  # fmt: skip
+PAIRS = [(command, kind) for command in COMMANDS for kind in random.Random(32).sample(KINDS, len(KINDS))]
+
+
+@pytest.mark.parametrize(("command", "kind"), PAIRS, ids=[f"{c}-{k}" for c, k in PAIRS])
+def test_a_writing_command_refuses_with_one_line_or_writes_only_its_output(
+    command, kind, checkpoints, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # sbatch writes its default job dir relative to here
+    root = tmp_path / "case"
+    ckpt = lay_out(root, checkpoints, COMMANDS[command])
+    c = case(command, root, ckpt)
+    out = output_of(kind, root, c, ckpt)
+    before = snapshot(root)
+    capsys.readouterr()
+
+    code = main([*c.argv, "--out", str(out)])
+
+    err = capsys.readouterr().err
+    after = snapshot(root)
+    verify(ckpt)  # the checkpoint still verifies: every file its manifest lists, nothing else
+    if code != 0:
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+        assert after == before, f"refused, yet changed: {set(after.items()) ^ set(before.items())}"
+    else:
+        changed = {rel for rel in before.keys() | after.keys() if before.get(rel) != after.get(rel)}
+        strays = sorted(rel for rel in changed if not within(rel, c.outputs(out), root))
+        assert not strays, f"wrote outside its output {out}: {strays}"
+    if kind in COLLIDING and not (command == "preprocess" and kind in ("same", "symlink", "hardlink")):
+        assert code == 2, f"{command} --out {kind} was not refused"  # (preprocess writes OUT.bin/.idx: no clash)
+    if kind == "fresh":
+        assert code == 0, err
+
+
+def test_predict_into_an_existing_directory_is_one_line(checkpoints, tmp_path, capsys):
+    ckpt = lay_out(tmp_path, checkpoints, "cls")
+    assert main(["predict", "--ckpt", str(ckpt), "--in", str(tmp_path / "in/rows.jsonl"), "--out", str(tmp_path)]) == 2
+    assert (
+        capsys.readouterr().err == f"error: --out {tmp_path} is a directory; give a file path (e.g. {tmp_path}/NAME)\n"
+    )
+
+
+def test_the_default_eval_output_of_a_run_dirs_checkpoint_is_beside_the_run_not_in_its_checkpoints(
+    checkpoints, tmp_path
+):
+    ckpt = lay_out(tmp_path, checkpoints, "lm")
+    before = snapshot(tmp_path / "run/checkpoints")
+    argv = [
+        "eval",
+        "run",
+        "--ckpt",
+        str(ckpt),
+        "--tasks",
+        "arc_easy",
+        "--limit",
+        "1",
+        "--data-dir",
+        str(REPO / "data/eval"),
+    ]
+    assert main(argv) == 0
+    assert (tmp_path / "run/eval/step_7/results.json").is_file()
+    assert snapshot(tmp_path / "run/checkpoints") == before  # was: checkpoints/step_7-eval/
+
+
+@pytest.mark.parametrize("verb", ["sbatch", "plan", "show"])
+def test_an_unbalanced_quote_in_overrides_is_one_line(verb, tmp_path, capsys):
+    argv = [verb, "--recipe", "pythia-tiny", "--nodes", "1", "--overrides", "data.path='my corpus.arrow"]
+    assert main([*argv, *(["--out", str(tmp_path / "job")] if verb == "sbatch" else [])]) == 2
+    assert capsys.readouterr().err == (
+        'error: overrides "data.path=\'my corpus.arrow" cannot be split into words (No closing quotation); close'
+        " every quote, e.g. \"data.path='my corpus.arrow'\"\n"
+    )
+    assert not (tmp_path / "job").exists()
+
+
+def test_fine_tuning_another_shape_names_the_fields_that_differ(cli, tmp_path):
+    bert = load_recipe("bert-tiny", overrides=["model.num_layers=1"])
+    torch.manual_seed(0)
+    ckpt = write_model_checkpoint(tmp_path / "ckpt", build_model(bert.model).state_dict(), bert)
+    done = cli("train", "--config", "bert-tiny", f"run_dir={tmp_path / 'run'}", "cluster.workers_per_node=1",
+               f"train.init_from={ckpt}", "model.num_layers=1", "model.num_labels=3")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: train.init_from {ckpt}: its model section differs from this recipe's (checkpoint -> recipe):"
+        " model.num_labels: 2 -> 3; a model fine-tunes in the shape it was trained in"
+    )  # was: both model sections printed whole

@@ -1,0 +1,129 @@
+"""Where a command may write: one guard for every verb that writes a file or directory (predict, embed, eval run,
+eval code, eval prepare-data, convert, data to-arrow / preprocess, tokenizer, sbatch, plot), called before any work.
+
+An output is refused, with one line naming it and why, when it
+- is one of the command's inputs: the same path, or the same file by another name (a hard link);
+- is or lies inside a checkpoint (a directory with our manifest.json) or inside a run dir's checkpoints/: a file the
+  manifest does not list makes the checkpoint fail verification, and the next `train` would move it aside as
+  unusable and resume from an older one; a step_N written there would pass for a checkpoint;
+- sits below a regular file, or is a directory where a file is expected (or the reverse);
+- is itself a symbolic link. The rule everywhere in trnrecipes: nothing is written or deleted through a link (step
+  dirs that are links are refused too), since the write would land where the command line does not say. Links
+  among its parent directories are followed (a scratch directory that is a link is common on clusters), and the
+  checks above apply to the resolved path.
+
+Torch-free: `sbatch` and `plan` run it on a login node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from trnrecipes.recipe import RecipeError
+from trnrecipes.run_files import CHECKPOINTS, LOCK_FILE, MANIFEST, STEP_DIR
+from trnrecipes.schema import shown
+
+MANIFEST_READ_LIMIT = 64 << 20  # a manifest.json larger than this is not one of ours (ours list file hashes)
+
+
+class OutputError(RecipeError):
+    """An output path that would overwrite an input, damage a checkpoint, or cannot be written."""
+
+
+def check_output(
+    out: str | Path, *, flag: str = "--out", inputs: Iterable[str | Path] = (), directory: bool = False
+) -> Path:
+    """`out` as a Path if a command may write it (a file, or with `directory` a directory), else OutputError.
+    `inputs`: what the command reads (files or directories); `flag` names the output in the message."""
+    out = Path(out)
+    named = f"{flag} {out}"
+    if out.is_symlink():
+        raise OutputError(
+            f"{named} is a symbolic link (to {shown(os.readlink(out))}): outputs are never written through a link;"
+            " give the path it points to, or a new one"
+        )
+    if blocker := _not_a_directory_above(out):
+        raise OutputError(f"{named}: {blocker}, so nothing can be written below it; choose a path in a directory")
+    if directory and out.exists() and not out.is_dir():
+        raise OutputError(f"{named} exists and is not a directory; give a new directory (or an empty one)")
+    if not directory and out.is_dir():
+        raise OutputError(f"{named} is a directory; give a file path (e.g. {out / 'NAME'})")
+    real = out.resolve()
+    for given in inputs:
+        source = Path(given)
+        if not source.exists():
+            continue
+        if real == source.resolve():
+            raise OutputError(f"{named} is the input {source}: writing it would overwrite what is read; choose another")
+        if out.exists() and os.path.samefile(out, source):
+            raise OutputError(
+                f"{named} is the same file as the input {source} (a hard link): writing it would overwrite the input;"
+                " choose another path"
+            )
+    if found := checkpoint_around(real):
+        kind, where = found
+        if kind == "checkpoint":
+            why = "a file its manifest.json does not list makes it fail verification (training would set it aside)"
+        else:
+            why = "only checkpoints belong there (training and eval take every step_N in it for one)"
+        raise OutputError(f"{named} would write into {kind} {where}: {why}; write it outside, e.g. beside the run dir")
+    return out
+
+
+def check_outputs(outs: Iterable[str | Path], **kwargs) -> None:
+    """check_output for each of a command's outputs (a file and its companion files)."""
+    for out in outs:
+        check_output(out, **kwargs)
+
+
+def checkpoint_around(real: Path) -> tuple[str, Path] | None:
+    """("checkpoint", dir) if `real` (a resolved path) is a checkpoint or lies in one, ("the run dir checkpoints",
+    dir) if it is or lies in a run dir's checkpoints/, else None."""
+    for d in (real, *real.parents):
+        if _is_checkpoint(d):
+            return "checkpoint", d
+        if d.name == CHECKPOINTS and _is_run_checkpoints(d):
+            return "the run dir checkpoints", d
+    return None
+
+
+def _not_a_directory_above(out: Path) -> str | None:
+    """What stops `out` from being created: a parent that is a regular file (or another non-directory), or a
+    parent that is a link to nothing. None if every existing parent is a directory."""
+    for parent in reversed(Path(os.path.abspath(out)).parents):
+        if parent.is_dir():
+            continue
+        if parent.is_symlink() and not parent.exists():
+            return f"{parent} is a symbolic link to nothing ({shown(os.readlink(parent))})"
+        if parent.exists():
+            return f"{parent} is a file, not a directory"
+        return None  # the rest does not exist yet: the command creates it
+    return None
+
+
+def _is_checkpoint(d: Path) -> bool:
+    """A directory holding one of our manifests (a JSON object with "step" and "files"): a finished checkpoint, a
+    save in progress, `convert from-hf`'s output, or one moved to unusable/ or archived/."""
+    manifest = d / MANIFEST
+    try:
+        if not manifest.is_file() or manifest.stat().st_size > MANIFEST_READ_LIMIT:
+            return False
+        data = json.loads(manifest.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "step" in data and "files" in data
+
+
+def _is_run_checkpoints(d: Path) -> bool:
+    """RUN_DIR/checkpoints: beside a trainer's lock file, or holding step_N dirs."""
+    if not d.is_dir():
+        return False
+    if (d.parent / LOCK_FILE).exists():
+        return True
+    try:
+        return any(STEP_DIR.match(child.name) for child in d.iterdir())
+    except OSError:
+        return False
