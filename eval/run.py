@@ -4,7 +4,8 @@ The checkpoint is exported to an HF directory (trnrecipes convert to-hf; an HF d
 simple_evaluate runs the registry's local tasks (eval/registry.py, eval/tasks.py), HumanEval completions are
 sampled with transformers and scored in the sandbox (eval/sandbox.py, only with --allow-code-execution), and
 results.json + results.md (seed 002's table: each group's average, its tasks below it, a baseline column) are written
-to the output directory. results.json names the weights it scored (path, step, manifest sha256). Models and
+to the output directory. results.json names the weights it scored (path, step, manifest sha256), and credits a
+checkpoint with an HF directory only while its files are the ones exported from it (their sha256). Models and
 tokenizers load with trust_remote_code=False: code in a model directory never runs, and transformers never asks.
 """
 
@@ -30,18 +31,21 @@ def _offline() -> None:
 
 def export(ckpt: Path, out: Path) -> tuple[Path, dict]:
     """An HF directory for `ckpt` and the weights it holds (results.json's "checkpoint"): `ckpt` itself if it is
-    an HF directory, else `out/hf`, reused only if its record names this checkpoint's manifest, else exported anew."""
-    from trnrecipes.convert import checkpoint_source, export_source, to_hf
+    an HF directory, else `out/hf`, reused only if its record names this checkpoint's manifest and its every file
+    still has the sha256 recorded when it was exported, else exported anew."""
+    from trnrecipes.convert import checkpoint_source, export_changes, export_source, to_hf
 
     if (ckpt / "config.json").exists():
-        source = {"path": str(ckpt.resolve()), "trnrecipes_checkpoint": False}
-        exported = export_source(ckpt)
-        return ckpt, source | ({"exported_from": exported} if exported else {})
+        return ckpt, {"path": str(ckpt.resolve()), "trnrecipes_checkpoint": False} | _export_credit(ckpt)
     source = checkpoint_source(ckpt) | {"trnrecipes_checkpoint": True}
     hf = out / "hf"
     recorded = export_source(hf) or {}
-    if recorded.get("manifest_sha256") == source["manifest_sha256"] and (hf / "config.json").exists():
-        return hf, source
+    if recorded.get("manifest_sha256") == source["manifest_sha256"]:
+        changes = export_changes(hf, recorded)
+        if changes == []:
+            return hf, source
+        why = _some(changes) if changes else "its record has no sha256 of its files (an older export)"
+        print(f"[eval] {hf} is not as exported ({why}): exporting {ckpt} again", flush=True)
     # Exported beside it (to_hf: whole or absent), then swapped in; a directory cannot be renamed onto a non-empty
     # one, so the old export moves aside first. A crash between the two renames leaves no hf/ at all.
     tag = secrets.token_hex(4)
@@ -55,6 +59,34 @@ def export(ckpt: Path, out: Path) -> tuple[Path, dict]:
         shutil.rmtree(fresh, ignore_errors=True)
         shutil.rmtree(stale, ignore_errors=True)
     return hf, source
+
+
+def _export_credit(hf: Path) -> dict:
+    """results.json's word on where an HF directory came from: "exported_from" (to_hf's record) only while every file
+    is as exported; otherwise the record under "unverified_export_record", with what differs, and a warning. Edited
+    weights scored under a checkpoint's name would credit it with results it never gave."""
+    from trnrecipes.convert import export_changes, export_source
+
+    record = export_source(hf)
+    if record is None:
+        return {}
+    changes = export_changes(hf, record)
+    credit = {key: value for key, value in record.items() if key != "files"}
+    if changes == []:
+        return {"exported_from": credit}
+    differs = changes or ["its record has no sha256 of its files (an older export): unverifiable"]
+    print(
+        f"[eval] warning: {hf} is not as exported from {credit.get('path')} (step {credit.get('step')}):"
+        f" {_some(differs)}; results.json does not credit that checkpoint",
+        flush=True,
+    )
+    return {"unverified_export_record": credit | {"differs": differs}}
+
+
+def _some(changes: list[str], shown: int = 5) -> str:
+    """Changes for a one-line message: a directory with thousands of added files still gets one short line."""
+    more = f"; and {len(changes) - shown} more" if len(changes) > shown else ""
+    return "; ".join(changes[:shown]) + more
 
 
 def lm_eval_tasks(

@@ -3,7 +3,9 @@
 from-hf takes the architecture and sizes from the HF config.json (any GPT-NeoX or Llama shape); a recipe only adds
 training settings (default: the family's tiny recipe). to-hf writes config.json + model.safetensors + tokenizer
 files, which transformers' AutoModelForCausalLM.from_pretrained(DIR) loads offline, and trnrecipes-source.json: the
-checkpoint it came from (path, step, sha256 of its manifest.json, which lists the sha256 of every file).
+checkpoint it came from (path, step, sha256 of its manifest.json, which lists the sha256 of every file) and the
+sha256 of every file of the export itself ("files"), so that a reused export is checked to be what was exported
+(export_changes) before anyone credits that checkpoint with it.
 """
 
 from __future__ import annotations
@@ -100,6 +102,41 @@ def export_source(hf_dir: Path) -> dict | None:
     return source if isinstance(source, dict) else None
 
 
+def export_changes(hf_dir: Path, record: dict) -> list[str] | None:
+    """How an HF directory differs from what to_hf wrote there, by the sha256 of every file in its record: one entry
+    per file added, missing or changed ([] when every file is as exported), or None when the record lists no files
+    (an export made before they were recorded): nothing can be checked."""
+    recorded = record.get("files")
+    if not isinstance(recorded, dict):
+        return None
+    hf_dir = Path(hf_dir)
+    on_disk = set(_export_files(hf_dir))
+    changes = [f"{name} added" for name in sorted(on_disk) if name not in recorded]
+    for name, digest in recorded.items():
+        if name not in on_disk:
+            changes.append(f"{name} missing")
+            continue
+        try:
+            if _sha256(hf_dir / name) != digest:
+                changes.append(f"{name} changed")
+        except OSError as err:
+            changes.append(f"{name} unreadable ({err.strerror or err})")
+    return changes
+
+
+def _export_files(directory: Path) -> list[str]:
+    """Every file under an export (subdirectories too: anything added is found), its record excepted."""
+    found = [
+        (Path(here) / name).relative_to(directory).as_posix() for here, _, names in os.walk(directory) for name in names
+    ]
+    return sorted(name for name in found if name != EXPORT_SOURCE)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()  # streamed: a 40 GB model is never held in memory
+
+
 def to_hf(ckpt: Path, out: Path) -> Path:
     recipe, state, tokenizer_dir = read_model_checkpoint(ckpt)
     source = checkpoint_source(ckpt)  # the manifest read_model_checkpoint just verified
@@ -117,7 +154,9 @@ def to_hf(ckpt: Path, out: Path) -> Path:
             tokenizer_dir = recipe_tokenizer
         for f in _tokenizer_files(tokenizer_dir) if tokenizer_dir else []:
             shutil.copy2(f, tmp / f.name)
-        (tmp / EXPORT_SOURCE).write_text(json.dumps(source, indent=2) + "\n")
+        # read back just after writing (from the page cache): the sha256 a reuse is checked against
+        files = {name: _sha256(tmp / name) for name in _export_files(tmp)}
+        (tmp / EXPORT_SOURCE).write_text(json.dumps(source | {"files": files}, indent=2) + "\n")
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

@@ -2,10 +2,11 @@
 
 predict: class probabilities for every row, and accuracy where the file has labels.
 embed: the pooled embedding (`model.encode`) of every row into one Arrow file. Rows go in fixed chunks, each
-written whole to OUT.parts/ (temp file, then rename) beside a record of what made them (input, checkpoint,
-settings): a run killed halfway through millions of rows resumes at the first missing chunk, and one started with
-another input, checkpoint or settings is refused rather than mixing results. The last chunk done, they are joined
-into OUT and OUT.parts/ is removed.
+written whole to OUT.parts/ (temp file, then rename) with the sha256 of its rows' text, beside a record of what
+made them (row count, checkpoint, settings): a run killed halfway through millions of rows resumes at the first
+missing chunk, a chunk whose rows' text has changed since is computed again, and one started with another row
+count, checkpoint or settings (or an input whose text matches no chunk done) is refused rather than mixing results.
+The last chunk done, they are joined into OUT and OUT.parts/ is removed.
 
 Every batch has one shape, [batch_size, seq_len]: the last is filled up with copies of its last row, whose outputs
 are dropped, so a compiler (XLA, Neuron) would build one graph. Nothing here imports the training stack (backends,
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import gzip
 import hashlib
 import json
 import math
@@ -36,16 +36,25 @@ from trnrecipes.checkpoint import MANIFEST, consolidate, read_model_checkpoint_r
 from trnrecipes.checkpoint.format import checkpoint_recipe, latest_checkpoint
 from trnrecipes.convert import checkpoint_source
 from trnrecipes.data import DataError, listed
-from trnrecipes.data.arrow import ConversionStats, read_arrow, read_documents, read_table
+from trnrecipes.data.arrow import (
+    JSON_LINES,
+    TEXT_FILE_SUFFIXES,
+    class_id,
+    parse_record,
+    read_arrow,
+    read_row_lines,
+    read_table,
+)
 from trnrecipes.data.classify import attention_mask, encode_texts, read_labels
 from trnrecipes.data.tokenizer import TextTokenizer, load_tokenizer
 from trnrecipes.families import FAMILIES, family_spec
 from trnrecipes.recipe import Recipe, RecipeError
 
 TOKENIZE_ROWS = 4096  # rows tokenized at once by predict (the Rust tokenizer batches them over threads)
-EMBED_FORMAT = 1  # OUT.parts/embed.json's format
+EMBED_FORMAT = 2  # OUT.parts/embed.json's format; 2: each chunk carries the sha256 of its rows' text
 EMBED_JOB = "embed.json"
-SAMPLED_ROWS = 256  # rows spread over the input whose text fingerprints it (with its first and last rows)
+ROWS_SHA256 = "trnrecipes.rows_sha256"  # a chunk's schema metadata: the sha256 of the text of its rows
+TEXT_CHANGED = "text changed"  # _chunk_problem's answer for a chunk embedded from rows whose text has changed since
 
 
 @dataclass
@@ -126,20 +135,26 @@ def _verified_checkpoint(path: Path, log) -> tuple[Path, Recipe]:
 
 
 def read_rows(path: Path, text_field: str) -> pa.Array:
-    """The text of every row of an Arrow (memory-mapped), jsonl[.gz] or txt file, in file order. Rows are never
-    skipped (undecodable UTF-8 fails), so row i of the output is row i of the input; blank jsonl lines are no row."""
+    """The text of every row of an Arrow (memory-mapped), jsonl[.gz] or txt file, in file order. One numbering for
+    every input: a row is an Arrow row or a non-blank line, counted from 0; it is the output's "row", and every
+    message names a position as "row N" (with the file's line, from 1, where it has lines). No row is skipped (a
+    null text or undecodable UTF-8 fails), so row i of the output is row i of the input."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"input {path} does not exist" if not path.exists() else f"input {path} is not a file")
     if path.name.endswith(".arrow"):
         texts = read_arrow(path, text_field)
+    elif path.name.endswith(JSON_LINES):
+        rows = read_row_lines(path)
+        texts = pa.array((parse_record(line, where, text_field)[text_field] for where, line in rows), pa.large_string())
+    elif path.name.endswith(TEXT_FILE_SUFFIXES):
+        texts = pa.array((line for _, line in read_row_lines(path)), pa.large_string())
     else:
-        texts = pa.array(read_documents([path], text_field, "fail", ConversionStats(), False), pa.large_string())
+        raise DataError(
+            f"input {path}: unknown type; expected .arrow, .jsonl[.gz], .json or .txt, .md, .rst (a row a line)"
+        )
     if len(texts) == 0:
         raise DataError(f"input {path} has no rows")
-    if texts.null_count:
-        first = texts.is_null().to_numpy(zero_copy_only=False).argmax()
-        raise DataError(f"{path}: {texts.null_count} row(s) have no {text_field!r} text (the first: row {first})")
     return texts
 
 
@@ -152,7 +167,7 @@ def read_row_labels(path: Path, label_field: str, num_labels: int, required: boo
         if label_field in names:
             return read_labels(path, label_field, num_labels)
         found = f"its columns: {listed(names)}"
-    elif path.name.endswith((".jsonl", ".jsonl.gz", ".json")):
+    elif path.name.endswith(JSON_LINES):
         labels = _jsonl_labels(path, label_field, num_labels)
         if labels is not None:
             return labels
@@ -165,22 +180,19 @@ def read_row_labels(path: Path, label_field: str, num_labels: int, required: boo
 
 
 def _jsonl_labels(path: Path, field: str, num_labels: int) -> np.ndarray | None:
-    """The rows read_documents reads (non-blank lines), each record's `field` checked to be a class id."""
+    """Each row's `field` (the rows read_rows reads), a class id by to-arrow's rule (class_id); None where no row
+    has one."""
     labels: list[int | None] = []
-    with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            value = json.loads(line).get(field)
-            if value is not None and (type(value) is not int or not 0 <= value < num_labels):
-                raise DataError(
-                    f"{path}:{i}: {field} {value!r} is not a class id in [0, {num_labels}) (model.num_labels)"
-                )
-            labels.append(value)
+    unlabelled = None  # the first row without one
+    for where, line in read_row_lines(path):
+        value = parse_record(line, where).get(field)
+        if value is None:
+            unlabelled = unlabelled or where
+        labels.append(None if value is None else class_id(value, where, field, num_labels))
     if all(v is None for v in labels):
         return None
-    if None in labels:
-        raise DataError(f"{path}: row {labels.index(None)} has no {field!r} (other rows do)")
+    if unlabelled:
+        raise DataError(f"{unlabelled}: no {field!r} (other rows have one)")
     return np.array(labels, dtype=np.int64)
 
 
@@ -318,8 +330,9 @@ def embed(
     spans = [(start, min(start + chunk_rows, rows)) for start in range(0, rows, chunk_rows)]
     parts.mkdir(parents=True, exist_ok=True)
     with _locked(parts):
-        _start_or_resume(parts, job)
-        todo = [k for k, (start, stop) in enumerate(spans) if not _chunk_done(parts / _chunk_name(k), start, stop, log)]
+        made_from = _start_or_resume(parts, job)["input"].get("path")
+        digests = [_rows_sha256(texts, start, stop) for start, stop in spans]  # one pass over text already read
+        todo = _chunks_to_compute(parts, spans, digests, f"--in {inputs}; they were made from {made_from}", log)
         if len(todo) < len(spans):
             log(f"[trnrecipes] resuming {parts}: {len(spans) - len(todo)} of {len(spans)} chunks already done")
         done_rows = rows - sum(spans[k][1] - spans[k][0] for k in todo)
@@ -329,7 +342,7 @@ def embed(
                 pieces = []
                 for real, tokens, mask in clf.batches(texts.slice(start, stop - start), batch_size):
                     pieces.append(clf.model.encode(tokens, mask)[:real].float().numpy())
-                _write_chunk(parts / _chunk_name(k), start, np.concatenate(pieces), hidden)
+                _write_chunk(parts / _chunk_name(k), start, np.concatenate(pieces), hidden, digests[k])
                 bar.update(stop - start)
         _join(parts, len(spans), out, job)
         shutil.rmtree(parts)  # under the lock: an embed started now finds OUT whole and no parts
@@ -337,24 +350,35 @@ def embed(
 
 
 def _fingerprint(path: Path, texts: pa.Array) -> dict:
-    """What tells this input from another: size, rows and a hash of the first, last and SAMPLED_ROWS spread rows.
-    Not the path or mtime: a copy of the same file resumes."""
-    n = len(texts)
-    picked = sorted(
-        {*range(min(16, n)), *range(max(0, n - 16), n), *np.linspace(0, n - 1, SAMPLED_ROWS).astype(int).tolist()}
-    )
-    digest = hashlib.sha256(json.dumps([picked, texts.take(pa.array(picked)).to_pylist()]).encode()).hexdigest()
-    return {"path": str(path.resolve()), "size": path.stat().st_size, "rows": n, "sampled_sha256": digest}
+    """The job record's input: its row count, which fixes every chunk's rows (so it must match to resume), and its
+    path and size, which only describe it (a copy of the file resumes). The text is checked chunk by chunk."""
+    return {"path": str(path.resolve()), "size": path.stat().st_size, "rows": len(texts)}
+
+
+def _rows_sha256(texts: pa.Array, start: int, stop: int) -> str:
+    """sha256 of the text of rows [start, stop), read where it already is (the memory-mapped Arrow input, or the
+    array read_rows built), no copy: the rows' byte lengths, then their bytes, so that no two lists of rows hash
+    alike. The same for string and large_string, and for any chunking of the column."""
+    lengths, data = hashlib.sha256(), hashlib.sha256()
+    rows = texts.slice(start, stop - start)
+    for piece in rows.chunks if isinstance(rows, pa.ChunkedArray) else [rows]:
+        if len(piece) == 0:
+            continue
+        _, offsets_buffer, data_buffer = piece.buffers()
+        width = np.int64 if pa.types.is_large_string(piece.type) else np.int32
+        offsets = np.frombuffer(offsets_buffer, dtype=width)[piece.offset : piece.offset + len(piece) + 1]
+        lengths.update(np.diff(offsets).astype("<i8").tobytes())
+        if data_buffer is not None:  # all rows empty
+            data.update(memoryview(data_buffer)[int(offsets[0]) : int(offsets[-1])])
+    return hashlib.sha256(lengths.digest() + data.digest()).hexdigest()
 
 
 def _differences(saved: dict, job: dict) -> list[str]:
     """What differs between the job that wrote OUT.parts and this one, in words."""
     diffs = []
     was, now = saved.get("input", {}), job["input"]
-    keys = ("rows", "size", "text_field")
-    changed = [f"{key} {was.get(key)} -> {now[key]}" for key in keys if was.get(key) != now[key]]
-    if was.get("sampled_sha256") != now["sampled_sha256"]:
-        changed.append("the text of sampled rows differs")
+    # rows fix the chunks' rows; a changed text is no refusal: each chunk checks its own rows' (_chunks_to_compute)
+    changed = [f"{key} {was.get(key)} -> {now[key]}" for key in ("rows", "text_field") if was.get(key) != now[key]]
     if changed:
         path = now["path"] if was.get("path") == now["path"] else f"{was.get('path')} -> {now['path']}"
         diffs.append(f"input {path}: {', '.join(changed)}")
@@ -367,14 +391,16 @@ def _differences(saved: dict, job: dict) -> list[str]:
     for key, value in job["settings"].items():
         if saved.get("settings", {}).get(key) != value:
             diffs.append(f"{key} {saved.get('settings', {}).get(key)} -> {value}")
-    for key in ("format", "hidden_size"):
-        if saved.get(key) != job[key]:
-            diffs.append(f"{key} {saved.get(key)} -> {job[key]}")
+    if saved.get("format") != job["format"]:
+        diffs.append(f"format {saved.get('format')} -> {job['format']} (made by another version of trnrecipes)")
+    if saved.get("hidden_size") != job["hidden_size"]:
+        diffs.append(f"hidden_size {saved.get('hidden_size')} -> {job['hidden_size']}")
     return diffs
 
 
-def _start_or_resume(parts: Path, job: dict) -> None:
-    """Record the job in a new OUT.parts, or check that the recorded one is this job; drop stale temp files."""
+def _start_or_resume(parts: Path, job: dict) -> dict:
+    """Record the job in a new OUT.parts, or check that the recorded one is this job; drop stale temp files. Returns
+    the recorded job."""
     for stale in parts.glob(".*.tmp"):  # a killed run's half-written chunk: under the lock, nobody is writing it
         stale.unlink()
     record = parts / EMBED_JOB
@@ -383,7 +409,7 @@ def _start_or_resume(parts: Path, job: dict) -> None:
             raise RecipeError(f"{parts} holds chunks but no {EMBED_JOB} saying what made them; remove {parts}")
         with _atomic(record, "w") as f:
             f.write(json.dumps(job, indent=2) + "\n")
-        return
+        return job
     try:
         saved = json.loads(record.read_text())
     except (OSError, ValueError) as err:
@@ -393,26 +419,48 @@ def _start_or_resume(parts: Path, job: dict) -> None:
             f"{parts} holds a partial embedding made with another input, checkpoint or settings: {'; '.join(diffs)}."
             f" Rerun with the same ones to resume, or remove {parts} (or choose another --out) to start over"
         )
+    return saved
 
 
 def _chunk_name(k: int) -> str:
     return f"chunk_{k:06d}.arrow"
 
 
-def _chunk_done(path: Path, start: int, stop: int, log) -> bool:
-    """Whether chunk file `path` exists and holds exactly rows [start, stop); a damaged one is removed."""
-    if not path.exists():
-        return False
+def _chunks_to_compute(parts: Path, spans: list[tuple[int, int]], digests: list[str], inputs: str, log) -> list[int]:
+    """The chunks to compute: those missing, damaged, or embedded from rows whose text has changed since (the last two
+    removed, and said). Chunks there of which none matches its rows' text are another input's: refused, nothing
+    removed (a wrong --in must not throw away the partial work of the right one)."""
+    paths = [parts / _chunk_name(k) for k in range(len(spans))]
+    problems = {k: _chunk_problem(path, *spans[k], digests[k]) for k, path in enumerate(paths) if path.exists()}
+    changed = [k for k, problem in problems.items() if problem == TEXT_CHANGED]
+    if changed and None not in problems.values():
+        raise RecipeError(
+            f"{parts} holds the embedding of other text: in all {len(changed)} chunk(s) done, the rows' text differs"
+            f" from {inputs}. Rerun with that input to resume, or remove {parts} (or use another --out) to start over"
+        )
+    for k, problem in problems.items():
+        if problem not in (None, TEXT_CHANGED):
+            log(f"[trnrecipes] {paths[k]} {problem}: computing it again")
+        if problem is not None:
+            paths[k].unlink()
+    if changed:
+        ranges = listed([f"[{spans[k][0]}, {spans[k][1]})" for k in changed], limit=5)
+        log(f"[trnrecipes] the text of rows {ranges} changed since embedded: computing {len(changed)} chunk(s) again")
+    return [k for k in range(len(spans)) if problems.get(k, "missing") is not None]
+
+
+def _chunk_problem(path: Path, start: int, stop: int, rows_sha256: str) -> str | None:
+    """Why chunk file `path` is not the embedding of rows [start, stop) as their text is now; None if it is."""
     try:
-        rows = _read_stream(path).column("row").to_numpy()
-        if np.array_equal(rows, np.arange(start, stop)):
-            return True
-        problem = f"holds rows {rows[:1]}..{rows[-1:]} ({len(rows)}), not [{start}, {stop})"
+        chunk = _read_stream(path)
+        rows = chunk.column("row").to_numpy()
     except (pa.ArrowException, OSError, KeyError) as err:
-        problem = f"unreadable ({err})"
-    log(f"[trnrecipes] {path} {problem}: computing it again")
-    path.unlink()
-    return False
+        return f"unreadable ({err})"
+    if not np.array_equal(rows, np.arange(start, stop)):
+        return f"holds rows {rows[:1]}..{rows[-1:]} ({len(rows)}), not [{start}, {stop})"
+    if (chunk.schema.metadata or {}).get(ROWS_SHA256.encode()) != rows_sha256.encode():
+        return TEXT_CHANGED
+    return None
 
 
 def _read_stream(path: Path) -> pa.Table:
@@ -423,10 +471,12 @@ def _schema(hidden: int, metadata: dict | None = None) -> pa.Schema:
     return pa.schema([("row", pa.int64()), ("embedding", pa.list_(pa.float32(), hidden))], metadata=metadata)
 
 
-def _write_chunk(path: Path, start: int, embeddings: np.ndarray, hidden: int) -> None:
+def _write_chunk(path: Path, start: int, embeddings: np.ndarray, hidden: int, rows_sha256: str) -> None:
+    """The chunk and the sha256 of its rows' text in one file, written whole (_atomic): never one without the other."""
     flat = pa.array(np.ascontiguousarray(embeddings, dtype=np.float32).reshape(-1))
     row = pa.array(np.arange(start, start + len(embeddings), dtype=np.int64))
-    table = pa.table([row, pa.FixedSizeListArray.from_arrays(flat, hidden)], schema=_schema(hidden))
+    schema = _schema(hidden, {ROWS_SHA256: rows_sha256})
+    table = pa.table([row, pa.FixedSizeListArray.from_arrays(flat, hidden)], schema=schema)
     with _atomic(path, "wb") as f, pa.ipc.new_stream(f, table.schema) as writer:
         writer.write_table(table)
 

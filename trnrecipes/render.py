@@ -7,6 +7,7 @@ No torch import: `make ... sbatch` must stay instant.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -79,6 +80,20 @@ def render_warnings(recipe: Recipe) -> list[str]:
     return warnings
 
 
+def check_corpus(recipe: Recipe, repo_root: Path = REPO_ROOT) -> None:
+    """Refuse an Arrow corpus whose text column is missing, not text, or has a null (trnrecipes.data.arrow
+    check_text_column): found now, not when the stream reaches the row hours into the run. Arrow's null counts make
+    it a read of the file's metadata, not of its texts. Skipped where the file is not there yet (it may be made
+    after rendering) and where pyarrow is not installed (`sbatch` needs only the base dependencies)."""
+    path = Path(recipe.data.path)
+    path = path if path.is_absolute() else repo_root / path  # data paths are relative to the repository root
+    if recipe.data.format != "arrow" or not path.is_file() or importlib.util.find_spec("pyarrow") is None:
+        return
+    from trnrecipes.data.arrow import check_text_column
+
+    check_text_column(path, recipe.data.text_field)
+
+
 def sbatch_command(recipe_arg: str, nodes: int, overrides: str = "", out: str = "") -> str:
     """The command that re-creates a job dir; printed at the top of every script."""
     argv = ["trnrecipes", "sbatch", "--recipe", recipe_arg, "--nodes", str(nodes)]
@@ -146,8 +161,10 @@ def cache_leader_nodes(layout: Layout) -> list[int]:
 
 
 def render_job(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = REPO_ROOT) -> Job:
-    """All files of a job dir as text. Paths are absolute so a script runs from anywhere, also under Slurm."""
+    """All files of a job dir as text. Paths are absolute so a script runs from anywhere, also under Slurm. A bad
+    corpus (check_corpus) is refused here, before anything is written."""
     layout = compute_layout(recipe)
+    check_corpus(recipe, repo_root)
     job_dir = Path(os.path.abspath(job_dir))
     # The job dir appears in #SBATCH lines, which sbatch reads without a shell: no quoting can protect it.
     if not is_plain_path(str(job_dir)):

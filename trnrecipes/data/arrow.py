@@ -3,8 +3,12 @@
 Inputs: .jsonl / .jsonl.gz (one JSON object per line), .txt (one document per line), a directory saved by
 `datasets.save_to_disk` (data-*.arrow streams), or a directory of .txt / .rst.txt / .md files (one document each).
 
-Labelled text for classification (`label_field`): every record of a jsonl or Arrow input must carry an integer (or
-bool) class id, written as an int64 column beside the text (what trnrecipes/data/classify.py reads).
+Labelled text for classification (`label_field`): every record of a jsonl or Arrow input must carry a class id
+(class_id: the one rule, which predict applies too), written as an int64 column beside the text (what
+trnrecipes/data/classify.py reads).
+
+A text column with a null is refused when it is opened (Arrow's null counts say so without reading a text), and
+`trnrecipes sbatch` runs the same check: a stream that reached the row hours into a run would die there.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ import os
 import tempfile
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import pyarrow as pa
 
@@ -26,8 +31,11 @@ from trnrecipes.data import DataError, listed
 from trnrecipes.schema import clipped, shown
 
 TEXT_FILE_SUFFIXES = (".txt", ".md", ".rst")
-RECORD_FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".arrow")  # files whose records can carry labels
+JSON_LINES = (".jsonl", ".jsonl.gz", ".json")  # one JSON record a line
+RECORD_FILE_SUFFIXES = (*JSON_LINES, ".arrow")  # files whose records can carry labels
 BATCH_DOCS = 1024  # documents per record batch: small enough to stream, big enough to be cheap
+MAX_CLASS_ID = 2**63 - 1  # the label column is int64
+Read = TypeVar("Read")
 
 
 @dataclass
@@ -114,15 +122,60 @@ def _make_readable(path: str) -> None:
 
 
 def read_arrow(path: Path, text_field: str | None = None) -> pa.Array:
-    """The text column of an Arrow IPC stream (or file), memory-mapped: nothing is read until it is used."""
-    table = read_table(path)
+    """The text column (`text_field`, else the first) of an Arrow IPC stream (or file), checked as
+    check_text_column does."""
+    return _text_column(read_table(path), path, text_field).combine_chunks()
+
+
+def check_text_column(path: Path, text_field: str | None = None) -> None:
+    """DataError unless `path` has a text column `text_field` with text in every row: read_arrow's checks, without
+    reading a text or copying the column (what `trnrecipes sbatch` runs on a recipe's corpus)."""
+    _text_column(read_table(path), path, text_field)
+
+
+def _text_column(table: pa.Table, path: Path, text_field: str | None) -> pa.ChunkedArray:
     field_name = text_field or (table.schema.names or [""])[0]
     if field_name not in table.schema.names:
         raise DataError(f"{path} has no column {field_name!r}; its columns: {listed(table.schema.names)}")
     column = table.column(field_name)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise DataError(f"{path}: column {field_name!r} holds {column.type}, not text (string)")
-    return column.combine_chunks()
+    if column.null_count:  # from the IPC metadata: no text is read
+        raise DataError(
+            f"{path}: column {field_name!r} has {column.null_count} null row(s), the first row {_first_null(column)};"
+            f" every row needs text: `trnrecipes data to-arrow --in {path} --out NEW.arrow --text-field {field_name}`"
+            " writes a copy without them"
+        )
+    return column
+
+
+def _first_null(column: pa.ChunkedArray) -> int:
+    """The row of the first null: only the validity bitmap of the first chunk with one is read."""
+    start = 0
+    for chunk in column.chunks:
+        if chunk.null_count:
+            break
+        start += len(chunk)
+    return start + int(chunk.is_null().to_numpy(zero_copy_only=False).argmax())
+
+
+def read_naming_bad_row(path: Path, rows: Sequence[int], read: Callable[[Sequence[int]], Read]) -> Read:
+    """read(rows), where a row that cannot be read or tokenized (a TypeError or ValueError: invalid UTF-8 in a
+    memory-mapped string, a text the tokenizer refuses) is a DataError naming `path` and the row: bad input, which
+    a requeue would only meet again, not a crash. The row is found by reading them one by one, after a failure."""
+    try:
+        return read(rows)
+    except DataError:
+        raise
+    except (TypeError, ValueError):
+        for row in rows:
+            try:
+                read([row])
+            except (TypeError, ValueError) as row_err:
+                raise DataError(
+                    f"{path}: row {row} cannot be read or tokenized ({clipped(row_err)}); fix or drop that row"
+                ) from row_err
+        raise  # no single row fails: not the data's fault
 
 
 def read_table(path: Path) -> pa.Table:
@@ -210,7 +263,7 @@ def _documents(
             text = _decode(f.read_bytes(), f, on_bad_utf8, stats)
             if text is not None:
                 yield text, None
-        elif f.name.endswith((".jsonl", ".jsonl.gz", ".json")):
+        elif f.name.endswith(JSON_LINES):
             yield from _jsonl(f, text_field, on_bad_utf8, stats, label_field)
         elif f.name.endswith(".arrow"):
             yield from _saved_arrow(f, text_field, label_field)
@@ -218,15 +271,20 @@ def _documents(
             yield from ((text, None) for text in _lines(f, on_bad_utf8, stats))
 
 
-def _class_id(value: object, where: str, label_field: str) -> int:
-    """A record's label as a class id: an integer >= 0, or a bool (False 0, True 1)."""
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int) and value >= 0:
-        return value
+def class_id(value: object, where: str, label_field: str, num_labels: int | None = None) -> int:
+    """A label as a class id, by the one rule of to-arrow --label-field and predict: an integer from 0, below
+    `num_labels` (model.num_labels) where that is known and within int64 (the label column's type) always, or a
+    bool (false 0, true 1, as Python counts them: JSON has no other way to write a binary label, so refusing one
+    would only send the user to rewrite the file). Anything else is a DataError naming `where` and the value."""
+    number = int(value) if isinstance(value, bool) else value
+    limit = MAX_CLASS_ID + 1 if num_labels is None else num_labels
+    if type(number) is int and 0 <= number < limit:
+        return number
+    valid = "0, 1, ... up to 2**63 - 1" if num_labels is None else f"in [0, {num_labels}) (model.num_labels)"
+    hint = "; map class names to ids first" if isinstance(value, str) else ""
     raise DataError(
-        f"{where}: {label_field} {shown(value)} is not a class id (an integer 0, 1, ... or a bool);"
-        " map class names to ids before converting"
+        f"{where}: {label_field} {shown(value)} is not a class id (an integer {valid}, or a bool: false 0, true 1)"
+        f"{hint}"
     )
 
 
@@ -259,15 +317,7 @@ def _jsonl(
             line = _decode(raw, f"{f}:{i}", on_bad_utf8, stats)
             if line is None or not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{f}:{i}: not valid JSON ({err})") from None
-            if not isinstance(record, dict) or text_field not in record:
-                keys = listed(record) if isinstance(record, dict) else type(record).__name__
-                raise DataError(f"{f}:{i}: no field {text_field!r} (has: {keys}); choose one with --text-field")
-            if not isinstance(record[text_field], str):
-                raise DataError(f"{f}:{i}: field {text_field!r} is {type(record[text_field]).__name__}, not text")
+            record = parse_record(line, f"{f}:{i}", text_field)
             if label_field is None:
                 yield record[text_field], None
                 continue
@@ -276,7 +326,46 @@ def _jsonl(
                     f"{f}:{i}: no label field {label_field!r} (has: {listed(record)}); with --label-field every"
                     " record needs one"
                 )
-            yield record[text_field], _class_id(record[label_field], f"{f}:{i}", label_field)
+            yield record[text_field], class_id(record[label_field], f"{f}:{i}", label_field)
+
+
+def parse_record(line: str, where: str, text_field: str | None = None) -> dict:
+    """One JSON line as a record (an object); with `text_field`, one holding text there. `where` names the line."""
+    try:
+        record = json.loads(line)
+    except ValueError as err:  # JSONDecodeError, and an integer too long for int()
+        raise DataError(f"{where}: not valid JSON ({clipped(err)})") from None
+    if text_field is None:
+        if not isinstance(record, dict):
+            raise DataError(f"{where}: a JSON {type(record).__name__}, not an object (a record)")
+        return record
+    if not isinstance(record, dict) or text_field not in record:
+        keys = listed(record) if isinstance(record, dict) else type(record).__name__
+        raise DataError(f"{where}: no field {text_field!r} (has: {keys}); choose one with --text-field")
+    if not isinstance(record[text_field], str):
+        raise DataError(f"{where}: field {text_field!r} is {type(record[text_field]).__name__}, not text")
+    return record
+
+
+def read_row_lines(f: Path) -> Iterator[tuple[str, str]]:
+    """(where, line) for each row of a line-based file (.jsonl[.gz], .json, .txt, ...) as predict and embed number
+    rows: a row is a non-blank line, counted from 0 in file order, and `where` names it "FILE: row N (line L)" (L:
+    the file's line, from 1, to find it in an editor). Undecodable UTF-8 fails, since skipping the line would shift
+    every row after it."""
+    row = 0
+    with (gzip.open if f.name.endswith(".gz") else open)(f, "rb") as fh:
+        for i, raw in enumerate(_read_lines(fh, f), 1):
+            where = f"{f}: row {row} (line {i})"
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{where}: undecodable UTF-8 ({clipped(err)}); re-encode the file as UTF-8, or read the Arrow"
+                    f" file `trnrecipes data to-arrow --in {f} --out NEW.arrow` writes without such lines"
+                ) from None
+            if line.strip():
+                yield where, line
+                row += 1
 
 
 def _read_lines(fh, f: Path) -> Iterator[bytes]:
@@ -305,7 +394,7 @@ def _saved_arrow(f: Path, text_field: str, label_field: str | None) -> Iterator[
                     elif label is None:
                         raise DataError(f"{f}: row {row} has no {label_field!r} (null); every row needs a class id")
                     else:
-                        yield text, _class_id(label, f"{f}: row {row}", label_field)
+                        yield text, class_id(label, f"{f}: row {row}", label_field)
                 row += 1
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{f}: not a readable Arrow IPC stream ({clipped(err)}); corrupt or truncated?") from None
@@ -329,6 +418,9 @@ class ArrowDocuments:
         self.num_docs = len(self.texts)
 
     def tokens(self, doc_ids: list[int]) -> list:
+        return read_naming_bad_row(self.path, doc_ids, self._tokens)
+
+    def _tokens(self, doc_ids: Sequence[int]) -> list:
         import numpy as np
 
         texts = self.texts.take(pa.array(doc_ids, pa.int64())).to_pylist()

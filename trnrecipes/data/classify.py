@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from trnrecipes.data import DataError, listed
-from trnrecipes.data.arrow import read_table
+from trnrecipes.data.arrow import read_naming_bad_row, read_table
 from trnrecipes.data.pack import TOKENIZE_BLOCK, PackedStream, StreamPosition
 
 
@@ -44,13 +44,16 @@ def attention_mask(tokens, pad_id: int):
 
 
 def read_labels(path: Path, label_field: str, num_labels: int) -> np.ndarray:
-    """The label column of an Arrow file as int64, every value checked to be a class id in [0, num_labels)."""
+    """The label column of an Arrow file as int64, every value checked to be a class id in [0, num_labels); a bool
+    column is read as 0/1, as to-arrow and predict read bool labels (trnrecipes.data.arrow.class_id)."""
     table = read_table(path)
     if label_field not in table.schema.names:
         raise DataError(
             f"{path} has no label column {label_field!r} (data.label_field); its columns: {listed(table.schema.names)}"
         )
     column = table.column(label_field)
+    if pa.types.is_boolean(column.type):
+        column = column.cast(pa.int64())
     if not pa.types.is_integer(column.type):
         raise DataError(
             f"{path}: column {label_field!r} holds {column.type}, not integer class ids; `trnrecipes data to-arrow"
@@ -59,14 +62,14 @@ def read_labels(path: Path, label_field: str, num_labels: int) -> np.ndarray:
     if column.null_count:
         first = column.is_null().to_numpy(zero_copy_only=False).argmax()
         raise DataError(f"{path}: {column.null_count} row(s) have no {label_field!r} (the first: row {first})")
-    labels = column.to_numpy().astype(np.int64)
+    labels = column.to_numpy()  # checked before the cast to int64, which would wrap a uint64 beyond it
     bad = np.flatnonzero((labels < 0) | (labels >= num_labels))
     if len(bad):
         raise DataError(
             f"{path}: row {bad[0]} has {label_field} {labels[bad[0]]}, outside [0, {num_labels}) (model.num_labels"
             f" {num_labels}); {len(bad)} row(s) in all"
         )
-    return labels
+    return labels.astype(np.int64)
 
 
 class LabelledDocuments:
@@ -85,9 +88,12 @@ class LabelledDocuments:
 
     def samples(self, doc_ids: Sequence[int]) -> np.ndarray:
         """[len(doc_ids), seq_len + 1]: the padded tokens, then the label."""
-        texts = self.texts.take(pa.array(list(doc_ids), pa.int64())).to_pylist()
-        tokens = encode_texts(self.tokenizer, texts, self.seq_len, self.pad_id)
+        tokens = read_naming_bad_row(self.path, list(doc_ids), self._tokens)
         return np.concatenate([tokens, self.labels[np.asarray(doc_ids, dtype=np.int64)][:, None]], axis=1)
+
+    def _tokens(self, doc_ids: Sequence[int]) -> np.ndarray:
+        texts = self.texts.take(pa.array(list(doc_ids), pa.int64())).to_pylist()
+        return encode_texts(self.tokenizer, texts, self.seq_len, self.pad_id)
 
     def class_counts(self, doc_ids: Sequence[int]) -> np.ndarray:
         return np.bincount(self.labels[np.asarray(doc_ids, dtype=np.int64)], minlength=int(self.labels.max()) + 1)
