@@ -311,7 +311,7 @@ def embed(
     if threads:
         torch.set_num_threads(threads)
     out = Path(out)
-    parts = out.with_name(out.name + ".parts")
+    parts = parts_path(out)
     if out.exists() and not parts.exists():
         raise RecipeError(f"{out} already exists; choose another --out, or remove it")
     opened = open_checkpoint(ckpt, log)

@@ -387,7 +387,10 @@ class Trainer:
             result.already_done = True  # a success: a requeue after the last save must not fail the job
             return result
         metrics = Metrics(
-            self.run_dir, enabled=self.dims.rank == 0 and not self.compile_only, previous=self._previous_phase()
+            self.run_dir,
+            enabled=self.dims.rank == 0 and not self.compile_only,
+            previous=self._previous_phase(),
+            resumed_from=self.start_step,  # the records of steps beyond it are retrained: they leave metrics.jsonl
         )
         spikes = SpikeDetector()
         stop_file = os.environ.get("TRNRECIPES_STOP_FILE")
@@ -439,13 +442,13 @@ class Trainer:
                     record["val_loss"] = result.val_losses[step + 1] = self.validate()
                     if self.val_accuracy is not None:
                         record["val_accuracy"] = self.val_accuracy
-                if (step + 1) % r.checkpoint.every_steps == 0 or last or first or time_due or stop:
-                    self.save(step + 1, result.position)
-                    last_save = time.monotonic()
                 if (step + 1) % r.train.log_every == 0 or last or "val_loss" in record:
                     record["param_norm"] = float(self.backend.param_norm(self.model, self.dims).cpu())
                     self.log(progress_line(record, steps), flush=True)
-                metrics.log(record)
+                metrics.log(record)  # before the save: a checkpoint at step N always has step N's record
+                if (step + 1) % r.checkpoint.every_steps == 0 or last or first or time_due or stop:
+                    self.save(step + 1, result.position)
+                    last_save = time.monotonic()
                 result.compilations.append(self.backend.compilations())
                 if crash is not None and (step + 1, self.dims.rank) == crash[1:] and not crash[0].exists():
                     crash[0].write_text(f"{step + 1}\n")

@@ -1,12 +1,29 @@
-"""Per-step metrics (seed 002): metrics.jsonl, TensorBoard events, console lines, and a grad-norm spike detector."""
+"""Per-step metrics (seed 002): metrics.jsonl, TensorBoard events, console lines, and a grad-norm spike detector.
+
+metrics.jsonl holds each step once. A run that trains on from step S (its checkpoint's; 0 when it starts over after a
+kill before its first checkpoint) first removes from the file its phase's records beyond S, logged by the attempt
+that crashed, and every line that is not a whole step record (half a line from a kill); earlier phases stay whole.
+The kept lines go to a temp file renamed onto metrics.jsonl after the dropped ones are appended, fsynced, to
+metrics.dropped.jsonl beside it: a kill in between loses nothing (the next resume drops them again, so the side file
+may hold them twice). A line there is the dropped record with "dropped_by_resume_from_step": S and "dropped_at" (UTC)
+added; for a line that was not a record, those two and "line", its text. In files written before this a step can
+appear twice: readers take its later record (step_records).
+
+TensorBoard: the dropped steps' events stay in the tensorboard/ event files (a killed writer may not have flushed
+them); the resumed writer opens with a purge at the first step it trains again (SummaryWriter purge_step), which
+TensorBoard's event loader honours by hiding the points it wrote before at that step or later."""
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections import Counter, deque
+from collections.abc import Iterator
 from pathlib import Path
 
 from trnrecipes.data.arrow import atomic_output
+from trnrecipes.run_files import METRICS, METRICS_DROPPED
 
 
 class SpikeDetector:
@@ -55,10 +72,20 @@ class Metrics:
     its own up to the checkpoint's step), and every record carries "phase" (1, 2, ...) and "history_step", the step
     counted over all phases, which plots and TensorBoard use. "step" stays this run's own (its checkpoints' names,
     the console, the LR schedule). A checkpoint outside a run dir (`convert from-hf`'s, a copied step dir) brings no
-    history: the file starts plain. A resumed run takes its phase from its own file."""
+    history: the file starts plain. A resumed run takes its phase from its own file, unless that holds the history
+    only (killed before its first step was logged).
+
+    `resumed_from` is the step this run trains on from (its checkpoint's, 0 for a fresh start): this phase's records
+    beyond it are of steps it trains again, and leave the file (module docstring)."""
 
     def __init__(
-        self, run_dir: Path, enabled: bool, tensorboard: bool = True, previous: tuple[Path, int] | None = None
+        self,
+        run_dir: Path,
+        enabled: bool,
+        tensorboard: bool = True,
+        previous: tuple[Path, int] | None = None,
+        *,
+        resumed_from: int,
     ):
         self.enabled = enabled
         self.file = None
@@ -67,24 +94,27 @@ class Metrics:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / "metrics.jsonl"
+        path = run_dir / METRICS
         mine = read_step_records(path)
-        if mine:  # a resumed run: its own phase, if it has one
-            phased = [r for r in mine if isinstance(r.get("phase"), int) and isinstance(r.get("history_step"), int)]
-            if phased:
-                self.phase = max(r["phase"] for r in phased)
-                anchor = next(r for r in phased if r["phase"] == self.phase)
-                self.history_offset = anchor["history_step"] - anchor["step"]
-        elif previous is not None and (earlier := history_until(*previous)):
-            self.phase = earlier[-1]["phase"] + 1
-            self.history_offset = earlier[-1]["history_step"]
+        phased = [r for r in mine if isinstance(r.get("phase"), int) and isinstance(r.get("history_step"), int)]
+        if phased:  # a resumed run: its own phase
+            self.phase = max(r["phase"] for r in phased)
+            anchor = next(r for r in phased if r["phase"] == self.phase)
+            self.history_offset = anchor["history_step"] - anchor["step"]
+        earlier = history_until(*previous) if previous is not None else []
+        # a fresh phase, or one killed before it logged a step of its own: its file holds the history only
+        if earlier and (not mine or (phased and self.phase <= earlier[-1]["phase"])):
+            self.phase, self.history_offset = earlier[-1]["phase"] + 1, earlier[-1]["history_step"]
+        _drop_beyond(path, resumed_from, self.phase)
+        if earlier and not mine:
             with atomic_output(path) as tmp:  # a kill mid-copy leaves no partial history
                 Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in earlier))
         self.file = open(path, "a", buffering=1)  # line-buffered: tail -f works
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            purge = resumed_from + 1 + self.history_offset if mine else None  # hides the dropped steps' events
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -105,10 +135,45 @@ class Metrics:
             self.tb.close()
 
 
-def step_records(path: Path) -> tuple[list[dict], list[int]]:
-    """The step records of a metrics.jsonl (JSON objects with a numeric step), in order, and the numbers of the
-    lines that are not one (a run killed mid-write leaves half a line). OSError if the file cannot be read."""
-    records, bad = [], []
+def _drop_beyond(path: Path, step: int, phase: int | None) -> None:
+    """Before a run trains on from `step`: remove from metrics.jsonl `path` the records of its phase (`phase`; None:
+    a file without phases, all its own) beyond `step`, and every line that is not a whole step record (a line
+    without its newline is half written), appending them to the side file first (module docstring). Earlier
+    phases stay whole; a missing file, or one with nothing to drop, is left as it is."""
+    try:
+        lines = list(_lines(path))
+    except FileNotFoundError:
+        return
+    kept, dropped = [], []
+    for _, line, record in lines:
+        whole = record is not None and line.endswith(b"\n")
+        if whole and (record["step"] <= step or _phase_before(record.get("phase"), phase)):
+            kept.append(line)
+        else:
+            dropped.append((line, record))
+    if not dropped:
+        return
+    why = {"dropped_by_resume_from_step": step, "dropped_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    with open(path.with_name(METRICS_DROPPED), "a") as side:
+        for line, record in dropped:
+            entry = why | record if record is not None else why | {"line": line.decode("utf-8", "replace").rstrip("\n")}
+            side.write(json.dumps(entry) + "\n")
+        side.flush()
+        os.fsync(side.fileno())  # on disk before the rename below takes the lines out of metrics.jsonl
+    with atomic_output(path) as tmp, open(tmp, "wb") as out:
+        out.writelines(kept)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _phase_before(value: object, phase: int | None) -> bool:
+    """Whether a record's "phase" is one before `phase` (None: the file has no phases)."""
+    return phase is not None and isinstance(value, int) and not isinstance(value, bool) and value < phase
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes, dict | None]]:
+    """(line number, the line as written, its step record or None where it is not one) for each non-blank line of a
+    metrics.jsonl. OSError if the file cannot be read."""
     with open(path, "rb") as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
@@ -118,11 +183,25 @@ def step_records(path: Path) -> tuple[list[dict], list[int]]:
             except ValueError:  # JSONDecodeError, UnicodeDecodeError
                 record = None
             step = record.get("step") if isinstance(record, dict) else None
-            if isinstance(step, int | float) and not isinstance(step, bool):
-                records.append(record)
-            else:
-                bad.append(i)
-    return records, bad
+            yield i, line, record if isinstance(step, int | float) and not isinstance(step, bool) else None
+
+
+def step_records(path: Path) -> tuple[list[dict], list[int]]:
+    """The step records of a metrics.jsonl (JSON objects with a numeric step), one per step, in order, and the
+    numbers of the lines that are not one (a run killed mid-write leaves half a line). Where a step (of a phase)
+    is there twice, in a file written before resumes truncated it (Metrics), the later record wins: it is on the
+    trajectory that went on. OSError if the file cannot be read."""
+    latest: dict[tuple, dict] = {}
+    bad = []
+    for i, _, record in _lines(path):
+        if record is None:
+            bad.append(i)
+            continue
+        phase = record.get("phase")
+        key = phase if isinstance(phase, int) else None, record["step"]
+        latest.pop(key, None)  # the later record takes the place of its step's last appearance
+        latest[key] = record
+    return list(latest.values()), bad
 
 
 def read_step_records(path: Path) -> list[dict]:

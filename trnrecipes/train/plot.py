@@ -49,8 +49,9 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
 
 
 def read_records(path: Path) -> list[dict]:
-    """The step records of a metrics.jsonl. A line that is not one (a run killed mid-write leaves half a line) is
-    skipped with a warning: the rest of the run still plots."""
+    """The step records of a metrics.jsonl, one per step (monitor.step_records: of a step logged twice, by a run
+    resumed before resumes truncated the file, the later record). A line that is not one (a run killed mid-write
+    leaves half a line) is skipped with a warning: the rest of the run still plots."""
     from trnrecipes.train.monitor import step_records
 
     records, bad = step_records(path)

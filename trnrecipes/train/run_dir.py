@@ -23,7 +23,7 @@ from pathlib import Path
 from trnrecipes.checkpoint import DONE, CheckpointError, CheckpointReadError, verify_training
 from trnrecipes.checkpoint.format import STORAGE_ERRNOS, step_dirs
 from trnrecipes.recipe import RecipeError
-from trnrecipes.run_files import LOCK_FILE
+from trnrecipes.run_files import CHECKPOINTS, LOCK_FILE, METRICS, METRICS_DROPPED
 from trnrecipes.schema import shown
 
 TEMP_DIR = re.compile(r"^\.step_\d+\.tmp$")  # a save in progress (trnrecipes.checkpoint.writer)
@@ -142,7 +142,7 @@ def _archive(run_dir: Path) -> Path:
     while archive.exists():
         archive = archive.with_name(archive.name + "+")
     archive.mkdir(parents=True)
-    for name in ("checkpoints", "metrics.jsonl", "tensorboard"):
+    for name in (CHECKPOINTS, METRICS, METRICS_DROPPED, "tensorboard"):
         if (run_dir / name).exists():
             os.replace(run_dir / name, archive / name)
     return archive
