@@ -40,6 +40,13 @@ def export(ckpt: Path, out: Path) -> tuple[Path, dict]:
     source = checkpoint_source(ckpt) | {"trnrecipes_checkpoint": True}
     hf = out / "hf"
     recorded = export_source(hf) or {}
+    # Replaced only where it is ours: our record in it, or an earlier eval's results beside it (an export made
+    # before the record existed). Anything else is a model of the user's own.
+    if (hf.exists() or hf.is_symlink()) and not recorded and not (out / "results.json").is_file():
+        raise ValueError(
+            f"{hf} exists and is not an export of ours (no readable trnrecipes-source.json, no results.json beside"
+            " it): eval would replace it; choose another --out"
+        )
     if recorded.get("manifest_sha256") == source["manifest_sha256"]:
         changes = export_changes(hf, recorded)
         if changes == []:

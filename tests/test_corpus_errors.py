@@ -84,6 +84,19 @@ def test_a_row_the_tokenizer_refuses_stops_the_stream_as_bad_input_naming_file_a
     stream.close()
 
 
+class BrokenTokenizer(RefusingTokenizer):
+    """Fails on every text: a bug in the code, which no row is to blame for."""
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        raise TypeError("a bug, not the data")
+
+
+def test_a_failure_every_row_meets_is_not_blamed_on_the_first_row(tmp_path: Path):
+    path = write_stream(tmp_path / "c.arrow", {"text": pa.array(TEXTS, pa.large_string())})
+    with pytest.raises(TypeError, match="a bug, not the data"):  # as raised: a crash, not bad input
+        ArrowDocuments(path, BrokenTokenizer()).tokens([0, 1, 2])
+
+
 def test_invalid_utf8_in_an_arrow_row_is_named(tmp_path: Path):
     offsets = pa.py_buffer(np.array([0, 2, 4], dtype=np.int64).tobytes())
     bad = pa.Array.from_buffers(pa.large_string(), 2, [None, offsets, pa.py_buffer(b"ok\xff\xfe")])
@@ -103,6 +116,16 @@ def test_sbatch_refuses_a_corpus_with_nulls(cli, tmp_path: Path):
     done = cli("sbatch", "--recipe", "llama2-tiny", "--nodes", "1", "--out", str(out), "--overrides",
                f"data.path={tmp_path}/later.arrow")  # fmt: skip
     assert done.returncode == 0, done.stderr
+
+
+def test_sbatch_refuses_a_classification_holdout_with_nulls(cli, tmp_path: Path):
+    holdout, out = corpus_with_null(tmp_path / "holdout.arrow", row=3), tmp_path / "job"
+    done = cli("sbatch", "--recipe", "bert-tiny", "--nodes", "1", "--out", str(out), "--overrides",
+               f"data.eval_path={holdout}")  # fmt: skip
+    assert (
+        done.returncode == 2 and f"error: {holdout}: column 'text' has 1 null row(s), the first row 3;" in done.stderr
+    )
+    assert not out.exists()
 
 
 def test_the_render_check_is_skipped_without_pyarrow(tmp_path: Path, monkeypatch):

@@ -77,6 +77,14 @@ def test_plot_and_history_read_one_record_per_step_from_an_old_file_with_duplica
     assert history_until(old, 7) == [*phase1, *early, *went_on[:4]]
 
 
+def test_an_old_file_whose_later_attempt_stopped_short_still_reads_in_step_order(tmp_path: Path):
+    first = [{"step": s, "loss": 5.0, "grad_norm": 1.0} for s in range(1, 11)]
+    again = [{"step": s, "loss": 1.0, "grad_norm": 1.0} for s in (6, 7)]  # resumed from 5, stopped after 7
+    old = tmp_path / "metrics.jsonl"
+    old.write_text("".join(json.dumps(r) + "\n" for r in [*first, *again]))
+    assert read_records(old) == [*first[:5], *again, *first[7:]]  # steps 1-10 in order, 6 and 7 the later ones
+
+
 def test_a_run_killed_before_logging_its_first_step_keeps_the_history_and_its_phase(tmp_path: Path):
     earlier = [{"step": s, "loss": 5.0} for s in range(1, 5)]
     (tmp_path / "a").mkdir()

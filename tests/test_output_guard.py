@@ -1,7 +1,8 @@
 """Nothing a writing command does loses an input or a checkpoint (trnrecipes/outputs.py).
 
 The property: for every writing command and every kind of output (the input itself, a symbolic link to it, a hard
-link to it, inside a checkpoint, inside a run dir's checkpoints/, below a regular file, a fresh path), either the
+link to it, the directory holding it, inside a checkpoint, inside a run dir's checkpoints/ (also where checkpoints/
+is a symbolic link), below a regular file, a fresh path), either the
 command refuses with one line and every byte under the test's directory (inputs, a real checkpoint) is as it was,
 or it succeeds and what changed lies within its outputs. Every (command, kind) pair is run, in a seeded random order
 of the kinds per command, so no draw of pairs can miss one. Kinds that always collide must be refused; a fresh
@@ -31,8 +32,12 @@ from trnrecipes.cli import main
 from trnrecipes.models import build_model
 from trnrecipes.recipe import load_recipe
 
-KINDS = ("same", "symlink", "hardlink", "in_checkpoint", "in_checkpoints", "below_file", "fresh")
-COLLIDING = {"same", "symlink", "hardlink", "in_checkpoint", "in_checkpoints", "below_file"}
+KINDS = ("same", "symlink", "hardlink", "holds_input", "in_checkpoint", "in_checkpoints", "in_linked_checkpoints",
+         "below_file", "fresh")  # fmt: skip
+COLLIDING = set(KINDS) - {"fresh"}
+# Kinds that are no clash for a command, so it may go ahead: preprocess writes OUT.bin and OUT.idx beside what --out
+# names; plot adds its PNGs to a directory (a run dir, the one holding it) and replaces nothing.
+NO_CLASH = {"preprocess": {"same", "symlink", "hardlink", "holds_input"}, "plot": {"same", "holds_input"}}
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +131,15 @@ def output_of(kind: str, root: Path, c: Case, ckpt: Path) -> Path:
         return root / "hard"
     if kind == "in_checkpoint":
         return ckpt / name
+    if kind == "holds_input":  # the directory the input is in
+        return c.collide_with.parent
     if kind == "in_checkpoints":
+        return ckpt.parent / name
+    if kind == "in_linked_checkpoints":  # RUN/checkpoints is a link to the checkpoints' real home
+        real = root / "fast" / "checkpoints"
+        real.parent.mkdir()
+        os.replace(ckpt.parent, real)
+        os.symlink(real, ckpt.parent)
         return ckpt.parent / name
     if kind == "below_file":
         return root / "afile" / name
@@ -183,8 +196,8 @@ def test_a_writing_command_refuses_with_one_line_or_writes_only_its_output(
         changed = {rel for rel in before.keys() | after.keys() if before.get(rel) != after.get(rel)}
         strays = sorted(rel for rel in changed if not within(rel, c.outputs(out), root))
         assert not strays, f"wrote outside its output {out}: {strays}"
-    if kind in COLLIDING and not (command == "preprocess" and kind in ("same", "symlink", "hardlink")):
-        assert code == 2, f"{command} --out {kind} was not refused"  # (preprocess writes OUT.bin/.idx: no clash)
+    if kind in COLLIDING - NO_CLASH.get(command, set()):
+        assert code == 2, f"{command} --out {kind} was not refused"
     if kind == "fresh":
         assert code == 0, err
 
@@ -197,10 +210,14 @@ def test_predict_into_an_existing_directory_is_one_line(checkpoints, tmp_path, c
     )
 
 
+@pytest.mark.parametrize("linked", [False, True], ids=["checkpoints", "checkpoints-a-link"])
 def test_the_default_eval_output_of_a_run_dirs_checkpoint_is_beside_the_run_not_in_its_checkpoints(
-    checkpoints, tmp_path
+    checkpoints, tmp_path, linked
 ):
     ckpt = lay_out(tmp_path, checkpoints, "lm")
+    if linked:  # RUN/checkpoints a link to where the checkpoints really are
+        os.replace(tmp_path / "run/checkpoints", tmp_path / "fast")
+        os.symlink(tmp_path / "fast", tmp_path / "run/checkpoints")
     before = snapshot(tmp_path / "run/checkpoints")
     argv = [
         "eval",
@@ -241,3 +258,47 @@ def test_fine_tuning_another_shape_names_the_fields_that_differ(cli, tmp_path):
         f"error: train.init_from {ckpt}: its model section differs from this recipe's (checkpoint -> recipe):"
         " model.num_labels: 2 -> 3; a model fine-tunes in the shape it was trained in"
     )  # was: both model sections printed whole
+
+
+def test_a_tokenizer_never_replaces_the_directory_of_its_inputs_or_one_it_did_not_write(tmp_path, capsys, monkeypatch):
+    d = tmp_path / "d"
+    d.mkdir()
+    for name, text in (("vocab.json", "{}"), ("merges.txt", "#version: 0.2\n"), ("notes.txt", "mine\n")):
+        (d / name).write_text(text)
+    before = snapshot(tmp_path)
+    gpt2 = ["tokenizer", "from-gpt2", "--vocab", str(d / "vocab.json"), "--merges", str(d / "merges.txt")]
+    assert main([*gpt2, "--out", str(d)]) == 2
+    assert f"--out {d} holds the input {d / 'vocab.json'}" in capsys.readouterr().err
+    monkeypatch.chdir(d)
+    assert main([*gpt2, "--out", "."]) == 2  # was: a ValueError traceback and a temp dir left behind
+    assert capsys.readouterr().err == "error: --out . names no directory of its own; give a path ending in a new name\n"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    before = snapshot(tmp_path)
+    assert main([*gpt2, "--out", str(mine)]) == 2
+    assert "is not a tokenizer directory (it holds notes.txt; no tokenizer.json)" in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+
+
+def test_eval_never_replaces_an_hf_directory_it_did_not_export(checkpoints, tmp_path, capsys):
+    ckpt = lay_out(tmp_path, checkpoints, "lm")
+    out = tmp_path / "models"
+    (out / "hf").mkdir(parents=True)
+    (out / "hf/config.json").write_text("{}")  # the user's own model, no export record
+    before = snapshot(out)
+    argv = [
+        "eval",
+        "run",
+        "--ckpt",
+        str(ckpt),
+        "--tasks",
+        "arc_easy",
+        "--out",
+        str(out),
+        "--data-dir",
+        str(REPO / "data/eval"),
+    ]
+    assert main(argv) == 2
+    assert f"{out / 'hf'} exists and is not an export of ours" in capsys.readouterr().err
+    assert snapshot(out) == before

@@ -155,3 +155,8 @@ def test_embed_recomputes_a_chunk_whose_row_changed_and_refuses_other_text(tiny,
     assert main(embed_args(tiny, other, out)) == 2
     assert "rows 1000 -> 1001" in capsys.readouterr().err
     assert sorted(out.with_name("e2.arrow.parts").glob("chunk_*.arrow")) == chunks
+
+    # The same file, every row edited in place: its chunks are computed again, not refused.
+    write_arrow(inputs, {"text": pa.array(tiny["texts"][n : 2 * n], pa.large_string())})
+    assert main(embed_args(tiny, inputs, out)) == 0
+    assert "computing 16 chunk(s) again" in capsys.readouterr().out

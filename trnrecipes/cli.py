@@ -311,9 +311,9 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
     import tempfile
 
     from trnrecipes.data.arrow import read_arrow, to_arrow
-    from trnrecipes.data.tokenizer import load_tokenizer, train_sentencepiece
+    from trnrecipes.data.tokenizer import check_replaceable, load_tokenizer, train_sentencepiece
 
-    check_output(args.out, inputs=args.inputs, directory=True)
+    check_replaceable(check_output(args.out, inputs=args.inputs, directory=True))
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.arrow"
         to_arrow([Path(p) for p in args.inputs], corpus, args.text_field, args.on_bad_utf8, progress=False)
@@ -325,9 +325,9 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def _tokenizer_from_gpt2(args: argparse.Namespace) -> int:
-    from trnrecipes.data.tokenizer import from_gpt2_files, load_tokenizer
+    from trnrecipes.data.tokenizer import check_replaceable, from_gpt2_files, load_tokenizer
 
-    check_output(args.out, inputs=[args.vocab, args.merges], directory=True)
+    check_replaceable(check_output(args.out, inputs=[args.vocab, args.merges], directory=True))
     from_gpt2_files(Path(args.vocab), Path(args.merges), Path(args.out))
     tok = load_tokenizer(args.out)
     print(f"wrote {args.out}: GPT-2 BPE, {tok.vocab_size} ids, eos {tok.eos_id}, engine {tok.engine}")
@@ -396,8 +396,9 @@ def _eval_run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise RecipeError(str(err)) from None
     default_out = ckpt.with_name(ckpt.name + "-eval")
-    if (in_run := run_dir_of(ckpt.resolve())) is not None:  # results beside the run's, not in its checkpoints/
-        default_out = in_run / "eval" / ckpt.resolve().name
+    named = Path(os.path.abspath(ckpt))  # as given: RUN/checkpoints may be a link
+    if (in_run := run_dir_of(named)) is not None:  # results beside the run's, not in its checkpoints/
+        default_out = in_run / "eval" / named.name
     if (ckpt / "checkpoints").is_dir():  # a run dir: its newest complete checkpoint, results in RUN_DIR/eval/step_N
         from trnrecipes.checkpoint.format import latest_checkpoint
 
@@ -559,7 +560,7 @@ def _plot(args: argparse.Namespace) -> int:
     if missing:
         raise RecipeError(f"no metrics.jsonl in {', '.join(missing)}: not a training run directory")
     default = Path(args.run_dirs[0]) / "plots"
-    out = check_output(args.out or default, flag=_out_flag(args.out), inputs=args.run_dirs, directory=True)
+    out = check_output(args.out or default, flag=_out_flag(args.out), directory=True)  # PNGs beside a run are fine
     for path in plot_runs([Path(d) for d in args.run_dirs], out):
         print(f"wrote {path}")
     return 0

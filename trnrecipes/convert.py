@@ -126,8 +126,10 @@ def export_changes(hf_dir: Path, record: dict) -> list[str] | None:
 
 def _export_files(directory: Path) -> list[str]:
     """Every file under an export (subdirectories too: anything added is found), its record excepted."""
-    found = [
-        (Path(here) / name).relative_to(directory).as_posix() for here, _, names in os.walk(directory) for name in names
+    found = [  # links to directories too: os.walk lists them as directories and does not enter them
+        (Path(here) / name).relative_to(directory).as_posix()
+        for here, dirs, names in os.walk(directory)
+        for name in names + [d for d in dirs if (Path(here) / d).is_symlink()]
     ]
     return sorted(name for name in found if name != EXPORT_SOURCE)
 
@@ -138,12 +140,12 @@ def _sha256(path: Path) -> str:
 
 
 def to_hf(ckpt: Path, out: Path) -> Path:
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):  # before the checkpoint is read: 140 GB for a 70B model
+        raise RecipeError(f"{out} exists and is not empty; choose a new --out")
     recipe, state, tokenizer_dir = read_model_checkpoint(ckpt)
     source = checkpoint_source(ckpt)  # the manifest read_model_checkpoint just verified
     family, args = FAMILIES[recipe.model.family], recipe.model
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise RecipeError(f"{out} exists and is not empty; choose a new --out")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

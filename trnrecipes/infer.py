@@ -331,8 +331,10 @@ def embed(
     parts.mkdir(parents=True, exist_ok=True)
     with _locked(parts):
         made_from = _start_or_resume(parts, job)["input"].get("path")
-        digests = [_rows_sha256(texts, start, stop) for start, stop in spans]  # one pass over text already read
-        todo = _chunks_to_compute(parts, spans, digests, f"--in {inputs}; they were made from {made_from}", log)
+        elsewhere = made_from != job["input"]["path"]  # a copy of the input resumes; a wrong --in must not
+        todo = _chunks_to_compute(
+            parts, spans, texts, elsewhere, f"--in {inputs}; they were made from {made_from}", log
+        )
         if len(todo) < len(spans):
             log(f"[trnrecipes] resuming {parts}: {len(spans) - len(todo)} of {len(spans)} chunks already done")
         done_rows = rows - sum(spans[k][1] - spans[k][0] for k in todo)
@@ -342,7 +344,8 @@ def embed(
                 pieces = []
                 for real, tokens, mask in clf.batches(texts.slice(start, stop - start), batch_size):
                     pieces.append(clf.model.encode(tokens, mask)[:real].float().numpy())
-                _write_chunk(parts / _chunk_name(k), start, np.concatenate(pieces), hidden, digests[k])
+                digest = _rows_sha256(texts, start, stop)  # hashed as they are embedded: the input is read once
+                _write_chunk(parts / _chunk_name(k), start, np.concatenate(pieces), hidden, digest)
                 bar.update(stop - start)
         _join(parts, len(spans), out, job)
         shutil.rmtree(parts)  # under the lock: an embed started now finds OUT whole and no parts
@@ -426,14 +429,22 @@ def _chunk_name(k: int) -> str:
     return f"chunk_{k:06d}.arrow"
 
 
-def _chunks_to_compute(parts: Path, spans: list[tuple[int, int]], digests: list[str], inputs: str, log) -> list[int]:
+def _chunks_to_compute(
+    parts: Path, spans: list[tuple[int, int]], texts: pa.Array, elsewhere: bool, inputs: str, log
+) -> list[int]:
     """The chunks to compute: those missing, damaged, or embedded from rows whose text has changed since (the last two
-    removed, and said). Chunks there of which none matches its rows' text are another input's: refused, nothing
-    removed (a wrong --in must not throw away the partial work of the right one)."""
+    removed, and said). Only the chunks there are hashed now. When the input is another file than the one they
+    were made from (`elsewhere`) and none matches its rows' text, they are another input's: refused, nothing removed
+    (a wrong --in must not throw away the partial work of the right one); an input edited in place is recomputed
+    where it changed."""
     paths = [parts / _chunk_name(k) for k in range(len(spans))]
-    problems = {k: _chunk_problem(path, *spans[k], digests[k]) for k, path in enumerate(paths) if path.exists()}
+    problems = {
+        k: _chunk_problem(path, *spans[k], _rows_sha256(texts, *spans[k]))
+        for k, path in enumerate(paths)
+        if path.exists()
+    }
     changed = [k for k, problem in problems.items() if problem == TEXT_CHANGED]
-    if changed and None not in problems.values():
+    if elsewhere and changed and None not in problems.values():
         raise RecipeError(
             f"{parts} holds the embedding of other text: in all {len(changed)} chunk(s) done, the rows' text differs"
             f" from {inputs}. Rerun with that input to resume, or remove {parts} (or use another --out) to start over"

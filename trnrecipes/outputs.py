@@ -2,7 +2,9 @@
 eval code, eval prepare-data, convert, data to-arrow / preprocess, tokenizer, sbatch, plot), called before any work.
 
 An output is refused, with one line naming it and why, when it
-- is one of the command's inputs: the same path, or the same file by another name (a hard link);
+- is one of the command's inputs: the same path, or the same file by another name (a hard link); or, for a
+  directory output, holds one (commands replace or fill their output directory: the input would go with it);
+- names no directory of its own ('.', '..', '/');
 - is or lies inside a checkpoint (a directory with our manifest.json) or inside a run dir's checkpoints/: a file the
   manifest does not list makes the checkpoint fail verification, and the next `train` would move it aside as
   unusable and resume from an older one; a step_N written there would pass for a checkpoint;
@@ -10,7 +12,7 @@ An output is refused, with one line naming it and why, when it
 - is itself a symbolic link. The rule everywhere in trnrecipes: nothing is written or deleted through a link (step
   dirs that are links are refused too), since the write would land where the command line does not say. Links
   among its parent directories are followed (a scratch directory that is a link is common on clusters), and the
-  checks above apply to the resolved path.
+  checkpoint checks apply to the path both as given and as resolved (RUN/checkpoints may itself be a link).
 
 Torch-free: `sbatch` and `plan` run it on a login node.
 """
@@ -40,6 +42,8 @@ def check_output(
     `inputs`: what the command reads (files or directories); `flag` names the output in the message."""
     out = Path(out)
     named = f"{flag} {out}"
+    if Path(os.path.normpath(out)).name in ("", ".", ".."):
+        raise OutputError(f"{named} names no directory of its own; give a path ending in a new name")
     if out.is_symlink():
         raise OutputError(
             f"{named} is a symbolic link (to {shown(os.readlink(out))}): outputs are never written through a link;"
@@ -63,7 +67,12 @@ def check_output(
                 f"{named} is the same file as the input {source} (a hard link): writing it would overwrite the input;"
                 " choose another path"
             )
-    if found := checkpoint_around(real):
+        if directory and real in source.resolve().parents:
+            raise OutputError(
+                f"{named} holds the input {source}: the command fills or replaces its output directory; choose a"
+                " directory that holds none of its inputs"
+            )
+    if found := checkpoint_around(real) or checkpoint_around(Path(os.path.abspath(out))):
         kind, where = found
         if kind == "checkpoint":
             why = "a file its manifest.json does not list makes it fail verification (training would set it aside)"
@@ -79,10 +88,10 @@ def check_outputs(outs: Iterable[str | Path], **kwargs) -> None:
         check_output(out, **kwargs)
 
 
-def checkpoint_around(real: Path) -> tuple[str, Path] | None:
-    """("checkpoint", dir) if `real` (a resolved path) is a checkpoint or lies in one, ("the run dir checkpoints",
-    dir) if it is or lies in a run dir's checkpoints/, else None."""
-    for d in (real, *real.parents):
+def checkpoint_around(path: Path) -> tuple[str, Path] | None:
+    """("checkpoint", dir) if `path` (absolute) is a checkpoint or lies in one, ("the run dir checkpoints", dir) if
+    it is or lies in a run dir's checkpoints/, else None."""
+    for d in (path, *path.parents):
         if _is_checkpoint(d):
             return "checkpoint", d
         if d.name == CHECKPOINTS and _is_run_checkpoints(d):

@@ -14,6 +14,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -80,18 +81,27 @@ def render_warnings(recipe: Recipe) -> list[str]:
     return warnings
 
 
+CHECK_NOTICE_BYTES = 1 << 30  # check_corpus says what it is doing for corpora larger than this
+
+
 def check_corpus(recipe: Recipe, repo_root: Path = REPO_ROOT) -> None:
     """Refuse an Arrow corpus whose text column is missing, not text, or has a null (trnrecipes.data.arrow
     check_text_column): found now, not when the stream reaches the row hours into the run. Arrow's null counts make
     it a read of the file's metadata, not of its texts. Skipped where the file is not there yet (it may be made
-    after rendering) and where pyarrow is not installed (`sbatch` needs only the base dependencies)."""
-    path = Path(recipe.data.path)
-    path = path if path.is_absolute() else repo_root / path  # data paths are relative to the repository root
-    if recipe.data.format != "arrow" or not path.is_file() or importlib.util.find_spec("pyarrow") is None:
+    after rendering) and where pyarrow is not installed (`sbatch` needs only the base dependencies). The
+    classification holdout (data.eval_path, which eval.sbatch predicts on) is checked the same way."""
+    d = recipe.data
+    corpora = ([d.path] if d.format == "arrow" else []) + ([d.eval_path] if d.eval_path else [])
+    paths = [Path(p) if Path(p).is_absolute() else repo_root / p for p in corpora]  # relative to the repository
+    paths = [p for p in paths if p.is_file()]
+    if not paths or importlib.util.find_spec("pyarrow") is None:
         return
     from trnrecipes.data.arrow import check_text_column
 
-    check_text_column(path, recipe.data.text_field)
+    for path in paths:
+        if path.stat().st_size > CHECK_NOTICE_BYTES:  # a walk over every record batch's header: seconds per TB
+            print(f"[trnrecipes] checking {path}'s text column for nulls ...", file=sys.stderr, flush=True)
+        check_text_column(path, d.text_field)
 
 
 def sbatch_command(recipe_arg: str, nodes: int, overrides: str = "", out: str = "") -> str:

@@ -162,20 +162,26 @@ def _first_null(column: pa.ChunkedArray) -> int:
 def read_naming_bad_row(path: Path, rows: Sequence[int], read: Callable[[Sequence[int]], Read]) -> Read:
     """read(rows), where a row that cannot be read or tokenized (a TypeError or ValueError: invalid UTF-8 in a
     memory-mapped string, a text the tokenizer refuses) is a DataError naming `path` and the row: bad input, which
-    a requeue would only meet again, not a crash. The row is found by reading them one by one, after a failure."""
+    a requeue would only meet again, not a crash. The row is found by reading them one by one, after a failure. A
+    failure no single row causes, or one every row causes (a bug in the code, not the data), is raised as it was."""
     try:
         return read(rows)
     except DataError:
         raise
     except (TypeError, ValueError):
+        failed: list[tuple[int, Exception]] = []
         for row in rows:
             try:
                 read([row])
             except (TypeError, ValueError) as row_err:
-                raise DataError(
-                    f"{path}: row {row} cannot be read or tokenized ({clipped(row_err)}); fix or drop that row"
-                ) from row_err
-        raise  # no single row fails: not the data's fault
+                failed.append((row, row_err))
+        if failed and (len(failed) < len(rows) or len(rows) == 1):
+            row, row_err = failed[0]
+            raise DataError(
+                f"{path}: row {row} cannot be read or tokenized ({clipped(row_err)}); fix or drop that row"
+                + (f" ({len(failed)} rows of these {len(rows)} fail)" if len(failed) > 1 else "")
+            ) from row_err
+        raise
 
 
 def read_table(path: Path) -> pa.Table:

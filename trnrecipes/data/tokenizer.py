@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trnrecipes.data import listed
 from trnrecipes.recipe import RecipeError
 from trnrecipes.schema import clipped, shown
 
@@ -263,9 +264,23 @@ def _parent(out: Path) -> Path:
     return out.parent
 
 
-def _publish(staging: Path, out: Path) -> Path:
-    """Replace `out` with the finished directory in one rename (never a half-written tokenizer dir)."""
+def check_replaceable(out: Path) -> None:
+    """RecipeError unless `out` is new, empty, or a tokenizer directory (its tokenizer.json): a tokenizer replaces
+    its output directory whole, and anything else there would be lost. The CLI checks before any work."""
     out = Path(out)
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else ["a file"] if out.exists() else []
+    if held and "tokenizer.json" not in held:
+        raise RecipeError(
+            f"{out} exists and is not a tokenizer directory (it holds {listed(held)}; no tokenizer.json): writing"
+            " the tokenizer would replace it; choose a new --out"
+        )
+
+
+def _publish(staging: Path, out: Path) -> Path:
+    """Replace `out` with the finished directory in one rename (never a half-written tokenizer dir). An existing
+    `out` is replaced only if it is a tokenizer directory (check_replaceable)."""
+    out = Path(out)
+    check_replaceable(out)
     _parent(out)
     final = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     shutil.rmtree(final)

@@ -190,7 +190,7 @@ def step_records(path: Path) -> tuple[list[dict], list[int]]:
     """The step records of a metrics.jsonl (JSON objects with a numeric step), one per step, in order, and the
     numbers of the lines that are not one (a run killed mid-write leaves half a line). Where a step (of a phase)
     is there twice, in a file written before resumes truncated it (Metrics), the later record wins: it is on the
-    trajectory that went on. OSError if the file cannot be read."""
+    trajectory that went on. In (phase, step) order. OSError if the file cannot be read."""
     latest: dict[tuple, dict] = {}
     bad = []
     for i, _, record in _lines(path):
@@ -198,10 +198,8 @@ def step_records(path: Path) -> tuple[list[dict], list[int]]:
             bad.append(i)
             continue
         phase = record.get("phase")
-        key = phase if isinstance(phase, int) else None, record["step"]
-        latest.pop(key, None)  # the later record takes the place of its step's last appearance
-        latest[key] = record
-    return list(latest.values()), bad
+        latest[phase if isinstance(phase, int) else 0, record["step"]] = record  # a later record replaces the earlier
+    return [latest[key] for key in sorted(latest)], bad  # in (phase, step) order, as plots draw them
 
 
 def read_step_records(path: Path) -> list[dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from trnrecipes.outputs import check_output
 from trnrecipes.recipe import RecipeError
 
 PANELS = (("loss", "training loss"), ("grad_norm", "gradient L2 norm"), ("param_norm", "parameter L2 norm"))
@@ -40,7 +41,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-        path = out / f"{key}.png"
+        path = check_output(out / f"{key}.png", flag="plot")  # not through a link left there
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
