@@ -329,7 +329,8 @@ def worker(args, row: str) -> None:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    else:
+    start_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None  # weights (and states made at build)
+    if not cuda:
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current RSS
@@ -363,6 +364,8 @@ def worker(args, row: str) -> None:
             "losses": losses,
             "peak_gib": peak_gib,
             "peak_kind": "max_memory_allocated" if cuda else "peak RSS",
+            "allocated_at_start_gib": start_gib,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
             "graphs": compiled_graphs(),
             "graphs_during_timing": compiled_graphs() - graphs_after_warmup,
         },
