@@ -31,7 +31,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from trnrecipes.recipe import load_recipe
+    from trnrecipes.config.recipe import load_recipe
     from trnrecipes.train.loop import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,7 +24,7 @@ its memory. The median over the timed steps keeps one slow step from moving a ro
 A step = --micro-batch x --accum forward/backward + the optimizer step; --warmup steps (the backward's compilation
 happens in the first; the forward's, in the loss check before them), then --steps timed steps, each timed alone
 between torch.cuda.synchronize() calls; tokens/s = micro-batch x accum x seq / the median step time. MFU = FLOPs/token
-(trnrecipes.layout.flops_per_token, 6N + 12 L H Q T) x tokens/s / the GPU's dense bf16 peak (--peak-tflops; default
+(trnrecipes.plan.layout.flops_per_token, 6N + 12 L H Q T) x tokens/s / the GPU's dense bf16 peak (--peak-tflops; default
 from the device name). Peak memory: torch.cuda.max_memory_allocated on cuda, peak RSS (VmHWM) on cpu, counted from
 the end of setup (weights, optimizer states, gradients, activations; not the reference model of the loss check).
 
@@ -136,7 +136,7 @@ def recipe_overrides(args, row: str | None) -> list[str]:
 
 
 def make_recipe(args, row: str | None):
-    from trnrecipes.recipe import load_recipe
+    from trnrecipes.config.recipe import load_recipe
 
     return load_recipe(BASE_RECIPE, overrides=recipe_overrides(args, row))
 
@@ -224,9 +224,9 @@ def worker(args, row: str) -> None:
         torch.compile = compile_with_backend
 
     from trnrecipes.backends import make_backend
+    from trnrecipes.parallel.dims import ParallelDims
     from trnrecipes.train.build import build_model_shard
     from trnrecipes.train.loop import Trainer
-    from trnrecipes.train.parallel_dims import ParallelDims
 
     recipe = make_recipe(args, row)
     cuda = args.device == "cuda"
@@ -514,7 +514,7 @@ def parse_args(argv=None):
         parser.error(f"--rows names a row twice: {args.rows}")
     args.rows = rows
     if args.worker is None and not args.probe:
-        from trnrecipes.recipe import RecipeError
+        from trnrecipes.config.sections import RecipeError
 
         try:  # the recipe's own checks: heads divide hidden, even head_dim, kv heads divide heads, ...
             make_recipe(args, None)
@@ -533,7 +533,7 @@ def main(argv=None) -> int:
         worker(args, args.worker)
         return 0
 
-    from trnrecipes.layout import flops_per_token, param_count
+    from trnrecipes.plan.layout import flops_per_token, param_count
 
     if args.device == "cuda":  # asked in a process of its own: this one never holds a CUDA context
         probe_argv = [sys.executable, os.path.abspath(__file__), "--probe", "--device", args.device]

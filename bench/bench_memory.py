@@ -73,7 +73,7 @@ def overrides(shape: str, steps: int, seq: int) -> list[str]:
 def worker(out_dir: Path, steps: int, recipe_overrides: list[str]) -> None:
     """One rank (under torchrun): build the Trainer, train `steps` steps, write this rank's memory as JSON."""
     sys.path.insert(0, str(REPO))
-    from trnrecipes.recipe import load_recipe
+    from trnrecipes.config.recipe import load_recipe
     from trnrecipes.train.loop import Trainer
 
     recipe = load_recipe(RECIPE, overrides=recipe_overrides)

@@ -88,7 +88,7 @@ def rss_mib(field: str) -> float:
 
 
 def model_config(config: str, seq: int):
-    from trnrecipes.recipe import ModelConfig
+    from trnrecipes.config.sections import ModelConfig
 
     family, sizes = CONFIGS[config]
     return ModelConfig(family=family, max_seq_len=seq, **sizes)

@@ -268,9 +268,3 @@ def prepare_gsm8k(out: Path, downloads: Path, log=print) -> Path:
         write_jsonl(target, [{k: d[k] for k in ("question", "answer")} for d in _checked(docs, 1319, "gsm8k test")])
         log(f"wrote {target} ({len(docs)} problems)")
     return target
-
-
-def prepare_bbh(out: Path, downloads: Path, log=print) -> Path:
-    from eval.bbh import prepare_bbh as build
-
-    return build(out, downloads, log)

@@ -3,8 +3,8 @@
 A task is what `--tasks` names (`piqa`), the group of seed 002's table it averages into (`common_reasoning`), its
 shots, the lm-eval metrics reported, the data it reads (and the function that prepares it), the lm-eval config
 writer (eval/tasks.py), and whether scoring it runs model-written code. `eval run`, `eval prepare-data`, the CLI
-help, the Makefile's data list and the README table all read this module: adding a task is one entry here plus its
-data and config functions.
+help, the Makefile's data list and the task table in docs/evaluation.md all read this module: adding a task is one
+entry here plus its data and config functions.
 
 Importing this module imports nothing beyond the standard library (the Makefile reads it with the system Python):
 the data and config functions import pyarrow / lm_eval when they run.
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from eval import data, tasks
+from eval import bbh, data, tasks
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ _CSQA_NOTE = "commonsense_qa: 7-shot as in Llama 2's table, reported apart from 
 # name, group, shots, metrics, data file, prepare, config, lm-eval name
 _TASKS = [
     Task("mmlu", "mmlu", 5, ACC, "mmlu/done", data.prepare_mmlu, tasks.mmlu, "trn_mmlu"),
-    Task("bbh", "bbh", 3, ("exact_match,get-answer",), "bbh/done", data.prepare_bbh, tasks.bbh, "trn_bbh_cot"),
+    Task("bbh", "bbh", 3, ("exact_match,get-answer",), "bbh/done", bbh.prepare_bbh, tasks.bbh, "trn_bbh_cot"),
     Task("piqa", "common_reasoning", 0, ACC_NORM, "piqa/validation.jsonl", _shipped("piqa"), tasks.piqa, "trn_piqa"),
     Task("social_iqa", "common_reasoning", 0, ACC, "social_iqa/validation.jsonl", _shipped("social_iqa"),
          tasks.social_iqa, "trn_social_iqa"),
@@ -155,7 +155,7 @@ def data_files(data_dir: str = "data/eval") -> list[str]:
 
 
 def readme_table() -> str:
-    """The README's task table (tests/test_eval_registry.py checks the README holds exactly this)."""
+    """The task table of docs/evaluation.md (tests/test_eval_registry.py checks that page holds exactly this)."""
     lines = [
         "| group (row of seed 002's table) | task | shots | metrics | data (under data/eval/) |",
         "|---|---|---|---|---|",
@@ -168,7 +168,22 @@ def readme_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":  # the Makefile's eval data list; the README's task table
+def write_task_dir(out: Path, data: Path, names: list[str]) -> list[str]:
+    """Write the lm-eval YAMLs of registry tasks `names` into `out`; returns their lm-eval task names."""
+    shipped = tasks.shipped_tasks()
+    data = Path(data).resolve()  # the task files are read from other directories too (lm-eval's own CLI)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in names:
+        task = TASKS[name]
+        if task.config is None:
+            raise ValueError(f"eval task {name!r} is not an lm-eval task")
+        task.config(out, data, shipped)
+        written.append(task.lm_eval_name)
+    return written
+
+
+if __name__ == "__main__":  # the Makefile's eval data list; docs/evaluation.md's task table
     if sys.argv[1:2] == ["data-files"]:
         print(" ".join(data_files(*sys.argv[2:3])))
     elif sys.argv[1:] == ["readme-table"]:

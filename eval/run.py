@@ -344,8 +344,7 @@ def run(
     """Evaluate `tasks` (registry task names, eval.registry.resolve) and write results.json / results.md: a row per
     (task, metric), {"kind": "task", "lm_eval": [lm-eval task, metric key]} for those lm-eval scored, plus the group
     averages ({"kind": "group"})."""
-    from eval.registry import TASKS
-    from eval.tasks import write_task_dir
+    from eval.registry import TASKS, write_task_dir
 
     _offline()
     out.mkdir(parents=True, exist_ok=True)

@@ -156,20 +156,3 @@ boolq = _zero_shot("boolq", "super_glue/boolq/default.yaml", "validation")  # `l
 nq_open = _few_shot_from_itself("nq_open", "nq_open/nq_open.yaml", 5)
 triviaqa = _few_shot_from_itself("triviaqa", "triviaqa/default.yaml", 5)
 commonsense_qa = _few_shot_from_itself("commonsense_qa", "commonsense_qa/default.yaml", 7)
-
-
-def write_task_dir(out: Path, data: Path, names: list[str]) -> list[str]:
-    """Write the lm-eval YAMLs of registry tasks `names` into `out`; returns their lm-eval task names."""
-    from eval.registry import TASKS
-
-    shipped = shipped_tasks()
-    data = Path(data).resolve()  # the task files are read from other directories too (lm-eval's own CLI)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name in names:
-        task = TASKS[name]
-        if task.config is None:
-            raise ValueError(f"eval task {name!r} is not an lm-eval task")
-        task.config(out, data, shipped)
-        written.append(task.lm_eval_name)
-    return written

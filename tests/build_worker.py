@@ -19,9 +19,9 @@ from torch.utils._pytree import tree_flatten
 
 import recipes.common.init as init_module
 from trnrecipes.backends import make_backend
-from trnrecipes.recipe import load_recipe
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.parallel.dims import ParallelDims, full_tensor, local_tensor
 from trnrecipes.train.build import build_model_shard
-from trnrecipes.train.parallel_dims import ParallelDims, full_tensor, local_tensor
 
 
 def _storage(t) -> int | None:

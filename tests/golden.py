@@ -10,8 +10,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trnrecipes.recipe import load_recipe
-from trnrecipes.render import render_job, sbatch_command
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.jobs.render import render_job, sbatch_command
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 FAKE_REPO = Path("/opt/trnrecipes")  # stands in for the checkout so the files do not depend on where it lives

@@ -1,6 +1,6 @@
-"""Activation checkpointing applied from outside (trnrecipes/activation_checkpointing.py): it really recomputes (and
-saves less), changes no number, no parameter name and no state dict key, survives hooks on submodules, a second
-application and copy.deepcopy, and refuses an unknown mode."""
+"""Activation checkpointing applied from outside (trnrecipes/parallel/activation_checkpointing.py): it really
+recomputes (and saves less), changes no number, no parameter name and no state dict key, survives hooks on submodules,
+a second application and copy.deepcopy, and refuses an unknown mode."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from recipes.common.attention import CoreAttention
 from recipes.common.loss import IGNORE_INDEX
-from trnrecipes.activation_checkpointing import MODES, apply_activation_checkpointing, is_checkpointed
+from trnrecipes.config.recipe import load_recipe
 from trnrecipes.models import build_model
-from trnrecipes.recipe import load_recipe
+from trnrecipes.parallel.activation_checkpointing import MODES, apply_activation_checkpointing, is_checkpointed
 
 torch.set_num_threads(2)
 
@@ -183,7 +183,7 @@ def test_tensor_parallel_hooks_on_submodules_still_work(family):
         parallelize_module,
     )
 
-    from trnrecipes.parallel import family_plan
+    from trnrecipes.parallel.tensor import family_plan
 
     if dist.is_initialized():
         pytest.skip("a process group is already up")

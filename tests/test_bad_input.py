@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_cli
 
-from trnrecipes.families import FAMILIES
-from trnrecipes.recipe import Recipe, RecipeError, load_recipe, model_bounds
+from trnrecipes.config.families import FAMILIES
+from trnrecipes.config.recipe import load_recipe, model_bounds
+from trnrecipes.config.sections import Recipe, RecipeError
 
 RECIPE = "pythia-tiny"
 BOMB_LEVELS = 9  # 9**9 = 387,420,489 leaves: printed in full, several GB
@@ -110,7 +111,7 @@ def test_range_edges_that_mean_something_stay_valid():
 
 
 def test_the_bounds_table_covers_every_numeric_field():
-    from trnrecipes.recipe import FIELD_BOUNDS
+    from trnrecipes.config.recipe import FIELD_BOUNDS
 
     every_family = {key: bound for name in FAMILIES for key, bound in model_bounds(name).items()}
     assert sorted(FIELD_BOUNDS | every_family) == sorted(numeric_fields())

@@ -12,8 +12,8 @@ import sys
 import pytest
 from conftest import REPO
 
+from trnrecipes.config.sections import ModelConfig
 from trnrecipes.models import build_model
-from trnrecipes.recipe import ModelConfig
 
 BENCH = REPO / "bench" / "bench_model.py"
 ROW = re.compile(

@@ -184,7 +184,7 @@ def test_peak_by_gpu_name(name, peak):
 def test_default_shape_is_the_hand_measured_h100_table():
     """The defaults build the recipe of the H100 table: 1.07B parameters, and its MFU column follows from its
     tokens/s with trnrecipes' FLOPs per token (72.6k tok/s -> 53.1% of 989 TFLOP/s)."""
-    from trnrecipes.layout import flops_per_token, param_count
+    from trnrecipes.plan.layout import flops_per_token, param_count
 
     bench_gpu = load_bench()
     args = bench_gpu.parse_args([])

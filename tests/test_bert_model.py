@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from recipes.bert import hf
 from recipes.bert.model import Bert, BertArgs, EncoderCoreAttention, mean_pool
 from recipes.bert.spec import SPEC
-from trnrecipes.activation_checkpointing import apply_activation_checkpointing
+from trnrecipes.parallel.activation_checkpointing import apply_activation_checkpointing
 
 torch.set_num_threads(2)
 VOCAB, SEQ = 97, 17
@@ -278,7 +278,8 @@ def test_clear_errors_for_unsupported_configs_and_state_dicts():
         hf.state_dict_from_hf(sd | {"bert.pooler.dense.bias": torch.zeros(3)}, dataclasses.replace(args, num_layers=9))
 
 
-# ---- the family contract (tests/test_families.py runs it once the family is registered in trnrecipes/families.py)
+# ---- the family contract (tests/test_families.py runs it once the family is registered in
+# trnrecipes/config/families.py)
 
 CONTRACT = [
     BertArgs(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, ffn_hidden_size=256, max_seq_len=128),

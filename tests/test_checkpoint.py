@@ -14,7 +14,7 @@ import trnrecipes.checkpoint.format as checkpoint
 from trnrecipes.backends.neuron_xla import NeuronXlaBackend
 from trnrecipes.checkpoint import CheckpointError, verify
 from trnrecipes.checkpoint.writer import Checkpointer, shard_dims
-from trnrecipes.recipe import load_recipe
+from trnrecipes.config.recipe import load_recipe
 
 
 def rank_files(rank: int) -> dict[str, object]:

@@ -22,11 +22,12 @@ from conftest import REPO, run_cli
 
 from trnrecipes.checkpoint import read_model_checkpoint
 from trnrecipes.checkpoint.format import ShardReader
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.config.sections import RecipeError
 from trnrecipes.data import DataError
 from trnrecipes.data.classify import ClassificationStream, LabelledDocuments, read_labels
 from trnrecipes.data.pack import batches
 from trnrecipes.data.tokenizer import load_tokenizer
-from trnrecipes.recipe import RecipeError, load_recipe
 from trnrecipes.train.loop import Trainer
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,7 @@
 """The tiny classification recipe on the shipped data (Rotten Tomatoes sentences, prepared at `make setup`): trained
 from scratch on CPU for its 300 steps (~40 s here), its validation accuracy beats the majority class.
 
-Measured (README, Classification): validation accuracy 0.68-0.78 over train.seed 1-5, 0.734 at the recipe's seed
+Measured (docs/classification.md): validation accuracy 0.68-0.78 over train.seed 1-5, 0.734 at the recipe's seed
 1234 against a majority class of 0.535 there; the test asks for a margin of 0.1 over the majority class of the
 very examples validated, inside what every measured seed reached (the smallest margin was about 0.16).
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trnrecipes.recipe import load_recipe
+from trnrecipes.config.recipe import load_recipe
 from trnrecipes.train.loop import Trainer
 
 pytestmark = pytest.mark.slow

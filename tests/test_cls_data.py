@@ -114,8 +114,8 @@ def test_minilm_checkpoint_is_all_minilm_l6_v2_with_a_new_classifier():
 
     from recipes.bert.model import mean_pool
     from trnrecipes.checkpoint import DONE, read_model_checkpoint
+    from trnrecipes.config.recipe import load_recipe
     from trnrecipes.models import build_model
-    from trnrecipes.recipe import load_recipe
 
     assert corpora.CHECKPOINT_DONE == DONE
     recipe, state, tokenizer_dir = read_model_checkpoint(MINILM)

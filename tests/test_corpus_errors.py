@@ -15,13 +15,13 @@ import pyarrow as pa
 import pytest
 from conftest import REPO
 
+from trnrecipes.config.recipe import load_recipe
 from trnrecipes.data import DataError
 from trnrecipes.data.arrow import ArrowDocuments, read_arrow, read_table, to_arrow
 from trnrecipes.data.classify import read_labels
 from trnrecipes.data.pack import PackedStream, Prefetcher
 from trnrecipes.infer import read_row_labels, read_rows
-from trnrecipes.recipe import load_recipe
-from trnrecipes.render import render_job
+from trnrecipes.jobs.render import render_job
 
 TEXTS = [f"document {i} about nothing in particular" for i in range(40)]
 

@@ -121,7 +121,7 @@ def test_trained_sentencepiece_loads_in_transformers_with_the_same_ids(tmp_path:
 
 
 def test_demo_sp_tokenizer_fits_llama2_tiny():
-    from trnrecipes.recipe import load_recipe
+    from trnrecipes.config.recipe import load_recipe
 
     recipe = load_recipe("llama2-tiny")
     tok = load_tokenizer(REPO_ROOT / recipe.data.tokenizer)

@@ -128,7 +128,8 @@ def test_data_of_another_format_is_refused_by_eval_run_and_rebuilt_by_prepare_da
     import shutil
 
     from eval.data import prepare_shipped_split
-    from eval.tasks import TaskDataError, write_task_dir
+    from eval.registry import write_task_dir
+    from eval.tasks import TaskDataError
 
     data = tmp_path / "data"
     shutil.copytree(DATA / "piqa", data / "piqa")
@@ -142,7 +143,8 @@ def test_data_of_another_format_is_refused_by_eval_run_and_rebuilt_by_prepare_da
 
 
 def test_an_mmlu_dir_without_its_done_marker_is_refused_not_scored_in_part(tmp_path):
-    from eval.tasks import TaskDataError, write_task_dir
+    from eval.registry import write_task_dir
+    from eval.tasks import TaskDataError
 
     (tmp_path / "data/mmlu/abstract_algebra").mkdir(parents=True)  # an interrupted prepare: no done marker
     with pytest.raises(TaskDataError, match=r"mmlu/done is missing; `trnrecipes eval prepare-data"):
@@ -279,7 +281,8 @@ def test_baseline_file_fills_the_baseline_column(tmp_path):
 
 
 def test_bbh_data_of_another_format_is_refused_with_the_command_that_rebuilds_it(tmp_path):
-    from eval.tasks import TaskDataError, write_task_dir
+    from eval.registry import write_task_dir
+    from eval.tasks import TaskDataError
 
     (tmp_path / "data/bbh").mkdir(parents=True)
     (tmp_path / "data/bbh/done").write_text("")  # the first format's marker

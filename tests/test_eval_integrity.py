@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 
 from eval.run import run
 from trnrecipes.checkpoint import CheckpointError, write_model_checkpoint
+from trnrecipes.config.recipe import load_recipe
 from trnrecipes.convert import to_hf
 from trnrecipes.models import build_model
-from trnrecipes.recipe import load_recipe
 
 SMALL = ["model.vocab_size=64", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
          "model.ffn_hidden_size=64"]  # fmt: skip

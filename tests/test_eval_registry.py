@@ -1,6 +1,7 @@
 """The eval task registry (eval/registry.py) is the one place tasks are defined: `--tasks`, the CLI help, the
-Makefile's data list, the README's table and the group averages all follow it. And the local lm-eval configs
-(eval/tasks.py) read no training split: few-shot examples come from the evaluated split, the question excluded."""
+Makefile's data list, the task table in docs/evaluation.md and the group averages all follow it. And the local lm-eval
+configs (eval/tasks.py) read no training split: few-shot examples come from the evaluated split, the question
+excluded."""
 
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ def test_the_makefile_reads_its_data_list_from_the_registry_with_the_bare_system
 
 
 def test_the_readme_table_is_the_registrys():
-    assert readme_table() in (REPO / "README.md").read_text(), "README: paste `python3 -m eval.registry readme-table`"
+    assert readme_table() in (REPO / "docs/evaluation.md").read_text(), (
+        "docs/evaluation.md: paste `python3 -m eval.registry readme-table`"
+    )
 
 
 def test_the_cli_help_and_default_name_every_task():
@@ -130,7 +133,7 @@ def test_a_group_partly_evaluated_gets_no_average():
 def lm_eval_tasks(tmp_path_factory):
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    from eval.tasks import write_task_dir
+    from eval.registry import write_task_dir
 
     out = tmp_path_factory.mktemp("tasks")
     names = [t for t in TASKS if TASKS[t].lm_eval_name and t not in ("mmlu", "bbh", "gsm8k")]

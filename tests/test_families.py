@@ -11,8 +11,9 @@ import typing
 import pytest
 from conftest import REPO
 
-from trnrecipes.families import FAMILIES, family_of_hf_config
-from trnrecipes.recipe import RecipeError, known_recipes, load_recipe, recipe_from_dict
+from trnrecipes.config.families import FAMILIES, family_of_hf_config
+from trnrecipes.config.recipe import known_recipes, load_recipe, recipe_from_dict
+from trnrecipes.config.sections import RecipeError
 
 NAMES = sorted(FAMILIES)
 
@@ -152,6 +153,8 @@ def test_compiler_flags_are_flags(name):
 
 
 def test_specs_and_the_registry_import_no_torch():
-    code = "import sys, trnrecipes.families, trnrecipes.recipe; assert 'torch' not in sys.modules, 'torch'"
+    code = (
+        "import sys, trnrecipes.config.families, trnrecipes.config.recipe; assert 'torch' not in sys.modules, 'torch'"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

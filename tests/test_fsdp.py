@@ -1,4 +1,4 @@
-"""FSDP2 (layout.fsdp, trnrecipes/fsdp.py) on real torch.distributed (gloo): the same training as plain data
+"""FSDP2 (layout.fsdp, trnrecipes/parallel/fsdp.py) on real torch.distributed (gloo): the same training as plain data
 parallelism (fp32, within 1e-6) with each rank holding half the moments, alone, compiled and with TP; checkpoints
 that are the same files as plain DP's and resume across FSDP on/off and DP 2 -> 1; bad combinations refused."""
 
@@ -19,7 +19,8 @@ from test_resume import last_losses, logged_steps
 from test_zero1 import launch
 
 from trnrecipes.checkpoint import verify_training
-from trnrecipes.recipe import RecipeError, load_recipe
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.config.sections import RecipeError
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from trnrecipes.recipe import load_recipe
+from trnrecipes.config.recipe import load_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +21,8 @@ BUFFERS = re.compile(r"^\[health\] buffers: (\d+) bytes per rank", re.M)
 DEVICE_ONLY_COLLECTIVES = """
 import os, sys
 from trnrecipes.backends.torch import TorchBackend
-from trnrecipes.health import check_node
-from trnrecipes.recipe import load_recipe
+from trnrecipes.ops.health import check_node
+from trnrecipes.config.recipe import load_recipe
 TorchBackend.collectives_on_device = True
 code = check_node(load_recipe("llama2-tiny"), collectives=True)
 print(f"rank {os.environ['RANK']} exits {code}", flush=True)

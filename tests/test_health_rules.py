@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trnrecipes.health import KINDS, blame, matmul_precision, record_bad_nodes
+from trnrecipes.ops.health import KINDS, blame, matmul_precision, record_bad_nodes
 
 
 def counts(world: int, found: dict[str, dict[int, int]] | None = None) -> dict[str, list[int]]:

@@ -14,8 +14,8 @@ pytestmark = [pytest.mark.xla, pytest.mark.slow]
 XLA_PYTHON = REPO / ".venv-xla/bin/python"
 SCRIPT = """
 import torch.distributed as dist, torch_xla.distributed.xla_backend
-from trnrecipes.health import Findings, _check_size, check_node
-from trnrecipes.recipe import load_recipe
+from trnrecipes.ops.health import Findings, _check_size, check_node
+from trnrecipes.config.recipe import load_recipe
 recipe = load_recipe("llama2-tiny", overrides=["cluster.backend=xla", "cluster.workers_per_node=1"])
 print("exit", check_node(recipe, collectives=True))
 dist.init_process_group("xla", init_method="xla://")

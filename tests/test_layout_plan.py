@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from trnrecipes.layout import compute_layout, plan, valid_node_counts
-from trnrecipes.recipe import RecipeError, check_recipe, load_recipe
-from trnrecipes.stages import BUBBLE_WARNING
+from trnrecipes.config.recipe import check_recipe, load_recipe
+from trnrecipes.config.sections import RecipeError
+from trnrecipes.config.stages import BUBBLE_WARNING
+from trnrecipes.plan.layout import compute_layout, plan, valid_node_counts
 
 
 @pytest.mark.parametrize(

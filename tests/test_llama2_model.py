@@ -19,7 +19,7 @@ from recipes.llama2.hf import (  # noqa: E402
     state_dict_to_hf,
 )
 from recipes.llama2.model import Llama2, Llama2Args  # noqa: E402
-from trnrecipes.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
+from trnrecipes.parallel.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
 
 # (hidden, heads, kv_heads, ffn, rope_theta): MHA, GQA 8/2, MQA-ish 4/1; head dims 16 and 32; an odd FFN width.
 SHAPES = [

@@ -313,7 +313,7 @@ def test_tensor_parallel_head_takes_logits_loss(family):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from trnrecipes.parallel import apply_tensor_parallel
+    from trnrecipes.parallel.tensor import apply_tensor_parallel
 
     if dist.is_initialized():
         pytest.skip("a process group is already up")

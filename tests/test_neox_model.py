@@ -12,7 +12,7 @@ from transformers.models.gpt_neox import modeling_gpt_neox as hf_neox
 
 from recipes.neox import hf
 from recipes.neox.model import NeoX, NeoXArgs, rotary_frequencies, rotate_half
-from trnrecipes.activation_checkpointing import apply_activation_checkpointing
+from trnrecipes.parallel.activation_checkpointing import apply_activation_checkpointing
 
 torch.set_num_threads(2)
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from trnrecipes.neuron_env import backend_env, neuron_cc_flags
-from trnrecipes.recipe import load_recipe
-from trnrecipes.render import render_job
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.jobs.neuron_env import backend_env, neuron_cc_flags
+from trnrecipes.jobs.render import render_job
 
 
 def env_of(recipe: str, overrides: str = "", job_dir: Path | None = None) -> dict[str, str]:
@@ -41,7 +41,7 @@ def test_saturate_infinity_for_neox_on_trn1_as_aws_neox_scripts(recipe, instance
     ("instance", "lnc"), [("trn1.32xlarge", None), ("trn1n.32xlarge", None), ("trn2.48xlarge", "2")]
 )
 def test_logical_neuroncore_size_is_set_on_trn2_only(instance, lnc):
-    # NxD's TP-group layout depends on it (neuron_parallel.initialize passes it on); trn1 has no LNC setting.
+    # NxD's TP-group layout depends on it (trnrecipes.parallel.nxd.initialize passes it on); trn1 has no LNC setting.
     assert env_of("llama2-7b", f"cluster.instance={instance}").get("NEURON_LOGICAL_NC_CONFIG") == lnc
 
 

@@ -24,11 +24,12 @@ from train_worker import fixed_steps
 
 from trnrecipes.backends import make_backend
 from trnrecipes.backends.neuron_native import NeuronNativeBackend
-from trnrecipes.layout import compute_layout
-from trnrecipes.recipe import RecipeError, load_recipe
-from trnrecipes.torch_compile import is_compiled
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.config.sections import RecipeError
+from trnrecipes.optim.adamw import rounding_generator
+from trnrecipes.parallel.compile import is_compiled
+from trnrecipes.plan.layout import compute_layout
 from trnrecipes.train.loop import Trainer
-from trnrecipes.train.optim import rounding_generator
 
 NATIVE = ["cluster.instance=trn2.48xlarge", "cluster.backend=neuron", "cluster.neuron_sdk=2.33"]
 SMALL = ["batch.seq_len=32", "batch.global_batch=8", "batch.micro_batch=2"]
@@ -88,7 +89,7 @@ assert (backend.dist_backend, backend.mesh_device_type) == ("cpu:gloo,neuron:neu
 assert (backend.compile_backend, backend.compiles_by_default, backend.rounds_stochastically) == ("neuron", False, False)
 with torch.autocast(backend.device.type, dtype=torch.bfloat16):  # the trainer's bf16-mixed autocast
     pass
-from trnrecipes.train.optim import rounding_generator
+from trnrecipes.optim.adamw import rounding_generator
 assert rounding_generator(backend.device, 1) is None  # no generator registered for it: the default RNG, no crash
 print("ok")
 """

@@ -13,8 +13,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from trnrecipes.backends.neuron_xla import NeuronXlaBackend, Zero1Optimizer
+from trnrecipes.config.recipe import load_recipe
 from trnrecipes.models import build_model
-from trnrecipes.neuron_parallel import (
+from trnrecipes.parallel.nxd import (
     apply_neuron_tensor_parallel,
     linear_specs,
     load_zero1_moments,
@@ -29,8 +30,7 @@ from trnrecipes.neuron_parallel import (
     zero1_rows,
     zero1_step_count,
 )
-from trnrecipes.recipe import load_recipe
-from trnrecipes.sharding import Region, shard_region
+from trnrecipes.parallel.sharding import Region, shard_region
 from trnrecipes.train import build as build_module
 from trnrecipes.train.build import build_model_shard
 
@@ -675,9 +675,9 @@ def test_neuron_zero1_trains_like_adamw_and_its_checkpoint_resumes_on_torch_at_d
     each rank's checkpoint files hold its rows under the names and regions our own ZeRO-1 uses, so the run resumes
     on the cpu backend at DP 1 with every moment in place."""
     from trnrecipes.backends.torch import TorchBackend
-    from trnrecipes.checkpoint.load import restore_training_state
     from trnrecipes.checkpoint.writer import HostBuffers, snapshot, write_files
-    from trnrecipes.train.optim import AdamW, no_decay_params
+    from trnrecipes.optim.adamw import AdamW, no_decay_params
+    from trnrecipes.train.restore import restore_training_state
 
     recipe = load_recipe("neox-tiny", overrides=["optim.clip_grad_norm=0.05", "optim.warmup_steps=0"])
     tokens = torch.randint(0, recipe.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))

@@ -1,4 +1,4 @@
-"""Pipeline parallelism on the neuron backend (trnrecipes.neuron_pipeline.NeuronPipeline) against a stand-in for
+"""Pipeline parallelism on the neuron backend (trnrecipes.parallel.nxd_pipeline.NeuronPipeline) against a stand-in for
 neuronx-distributed's NxDPPModel in manual-partition mode. The Neuron SDK installs only on Trainium hosts: what is
 checked here is the wiring (what the adapter hands NxD, how NxD's manual mode would call it back, who reduces the
 gradients) and, with the pipeline ranks simulated in one process, that a PP-2 neuron run computes what the
@@ -14,16 +14,17 @@ import torch
 from test_neuron_parallel import install_fake_nxd, stand_in_dims
 from torch import nn
 
-from trnrecipes import neuron_parallel
 from trnrecipes.backends.neuron_xla import NeuronXlaBackend
 from trnrecipes.backends.torch import TorchBackend
 from trnrecipes.backends.xla import XlaBackend
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.config.sections import RecipeError
+from trnrecipes.config.stages import neuron_pipeline_problem as pipeline_problem
 from trnrecipes.models import build_model
-from trnrecipes.neuron_parallel import param_norm
-from trnrecipes.neuron_pipeline import NeuronPipeline
-from trnrecipes.pipeline import StageModule
-from trnrecipes.recipe import RecipeError, load_recipe
-from trnrecipes.stages import neuron_pipeline_problem as pipeline_problem
+from trnrecipes.parallel import nxd
+from trnrecipes.parallel.nxd import param_norm
+from trnrecipes.parallel.nxd_pipeline import NeuronPipeline
+from trnrecipes.parallel.pipeline import StageModule
 from trnrecipes.train.build import build_model_shard
 
 # -- the stand-in ------------------------------------------------------------------------------------------------
@@ -309,7 +310,7 @@ def test_initialize_asks_nxd_for_the_pipeline_and_takes_its_ranks(monkeypatch):
     assert state.calls == [dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, lnc_size=1)]
     assert (dims.pp_rank, dims.dp_rank, dims.tp_rank, dims.pp_group) == (1, 0, 1, "nxd-pp-group")
     with pytest.raises(RuntimeError, match="pipeline groups of 2 ranks, not 4"):
-        neuron_parallel.initialize(2, 2, 4)
+        nxd.initialize(2, 2, 4)
 
 
 def test_the_adapter_hands_nxd_its_stage_the_split_and_the_flags(monkeypatch):
@@ -318,22 +319,22 @@ def test_the_adapter_hands_nxd_its_stage_the_split_and_the_flags(monkeypatch):
     the last stage, and the flags that keep NxD from reducing gradients over DP (the backend's step does, once)."""
     recipe = load_recipe("neox-tiny", overrides=PP2)
     world, ranks = _ranks(monkeypatch, recipe, micro_batches=4)
-    for (dims, _, model, pipeline), nxd in zip(ranks, (world.built[0][0], world.built[1][0]), strict=True):
-        c = nxd.config
+    for (dims, _, model, pipeline), pp_model in zip(ranks, (world.built[0][0], world.built[1][0]), strict=True):
+        c = pp_model.config
         assert c["manual_pp_partition"] and c["num_microbatches"] == 4 and c["virtual_pipeline_size"] == 1
         assert c["use_optimizer_wrapper"] and not c["use_zero1_optimizer"]
         assert not c["return_loss_on_cpu"] and not c["broadcast_and_average_loss"] and not c["return_mb_loss"]
         assert c["manual_pp_loss_fn"] == pipeline._loss
-        assert sorted(nxd.partition.values()) == [0, 1]
-        (entry,) = nxd.local_stage_modules[0].stage_modules
+        assert sorted(pp_model.partition.values()) == [0, 1]
+        (entry,) = pp_model.local_stage_modules[0].stage_modules
         stage = entry.stage
         assert isinstance(stage, StageModule) and stage.stage.index == dims.pp_rank
         assert all(a is model.layers[str(i)] for a, i in zip(stage.layers, stage.stage.layers, strict=True))
         assert list(stage.stage.layers) == ([0] if dims.pp_rank == 0 else [1, 2])
         assert (stage.embed is not None, stage.norm is not None) == (dims.pp_rank == 0, dims.pp_rank == 1)
         # the other rank's stage is a placeholder that is never run here
-        (remote,) = [m for m, s in nxd.partition.items() if s != dims.pp_rank]
-        assert not list(remote.parameters()) and nxd.partition[entry] == dims.pp_rank
+        (remote,) = [m for m, s in pp_model.partition.items() if s != dims.pp_rank]
+        assert not list(remote.parameters()) and pp_model.partition[entry] == dims.pp_rank
         # the same Parameter objects as the StagedModel's (optimizer, norms, checkpoints), under the full names
         assert {id(p) for p in entry.parameters()} == {id(p) for p in model.parameters()}
         assert any(n.startswith("layers.2.") for n, _ in model.named_parameters()) == (dims.pp_rank == 1)

@@ -9,11 +9,12 @@ import json
 import pytest
 import torch
 
-from trnrecipes.recipe import OptimConfig
-from trnrecipes.sharding import chunk_range
-from trnrecipes.train import optim
+from trnrecipes.config.sections import OptimConfig
+from trnrecipes.optim import adamw
+from trnrecipes.optim.adamw import AdamW, no_decay_params, stochastic_round_bf16
+from trnrecipes.optim.schedule import lr_at
+from trnrecipes.parallel.sharding import chunk_range
 from trnrecipes.train.monitor import SpikeDetector
-from trnrecipes.train.optim import AdamW, lr_at, no_decay_params, stochastic_round_bf16
 
 CFG = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, decay_steps=110, weight_decay=0.1, betas=(0.9, 0.95))
 # updates of ~1e-2 move bf16 weights of ~1 (ulp 2^-7 or 2^-8) under round to nearest too, so every weight changes
@@ -118,7 +119,7 @@ def test_adamw_equals_torch_adamw_in_fp32():
 def test_adamw_equals_the_old_per_parameter_loop_bitwise(monkeypatch, chunk_numel):
     """fp32 and bf16 (round to nearest) parameters, mixed decay, gradients sometimes missing, a changing lr."""
     if chunk_numel is not None:
-        monkeypatch.setattr(optim, "_CPU_CHUNK_NUMEL", chunk_numel)
+        monkeypatch.setattr(adamw, "_CPU_CHUNK_NUMEL", chunk_numel)
     bf16, fp32 = torch.bfloat16, torch.float32
     params = make_params([bf16, bf16, fp32, fp32, bf16, bf16, fp32])
     no_decay = {id(p) for p in params if p.dim() < 2}

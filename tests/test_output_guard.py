@@ -1,4 +1,4 @@
-"""Nothing a writing command does loses an input or a checkpoint (trnrecipes/outputs.py).
+"""Nothing a writing command does loses an input or a checkpoint (trnrecipes/files/outputs.py).
 
 The property: for every writing command and every kind of output (the input itself, a symbolic link to it, a hard
 link to it, the directory holding it, inside a checkpoint, inside a run dir's checkpoints/ (also where checkpoints/
@@ -29,8 +29,8 @@ from tokenizers import BertWordPieceTokenizer
 
 from trnrecipes.checkpoint import verify, write_model_checkpoint
 from trnrecipes.cli import main
+from trnrecipes.config.recipe import load_recipe
 from trnrecipes.models import build_model
-from trnrecipes.recipe import load_recipe
 
 KINDS = ("same", "symlink", "hardlink", "holds_input", "in_checkpoint", "in_checkpoints", "in_linked_checkpoints",
          "below_file", "fresh")  # fmt: skip

@@ -19,7 +19,7 @@ import yaml
 from conftest import REPO
 from test_resume import finish, last_losses, wait_for_step
 
-from trnrecipes.recipe import load_recipe
+from trnrecipes.config.recipe import load_recipe
 
 pytestmark = pytest.mark.slow
 

@@ -41,7 +41,7 @@ def test_make_demo_renders_and_runs_a_tiny_recipe_locally():
     assert "- --limit 2: the first 2 items of each task and subtask; a smoke check" in table
 
 
-def test_plan_example_in_readme_reproduces_table_1():
+def test_plan_example_in_docs_reproduces_table_1():
     done = subprocess.run(
         [
             ".venv/bin/trnrecipes",
@@ -63,7 +63,7 @@ def test_plan_example_in_readme_reproduces_table_1():
     assert "10,102,387 tokens/$" in done.stdout
     assert (
         "trnrecipes plan --recipe pythia6.9b --nodes 1 --seq-per-s 10.4 --price 7.59"
-        in (REPO / "README.md").read_text()
+        in (REPO / "docs" / "plan.md").read_text()
     )
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from conftest import REPO
 
-from trnrecipes.data import open_corpus
+from trnrecipes.config.recipe import known_recipes, load_recipe
+from trnrecipes.config.sections import RecipeError
 from trnrecipes.data.pack import split_documents
-from trnrecipes.layout import compute_layout, param_count, valid_node_counts
-from trnrecipes.recipe import RecipeError, known_recipes, load_recipe
+from trnrecipes.data.sources import open_corpus
+from trnrecipes.plan.layout import compute_layout, param_count, valid_node_counts
 
 REAL = ("neox20b", "pythia6.9b", "llama2-7b", "llama2-70b")
 TINY = ("neox-tiny", "pythia-tiny", "llama2-tiny")

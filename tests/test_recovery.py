@@ -18,11 +18,12 @@ from conftest import REPO, run_cli
 from golden import render_case
 from test_neuron_env import env_of
 
-from trnrecipes.layout import compute_layout
-from trnrecipes.nccom import nccom_argv, run_nccom
-from trnrecipes.preemption import checkpoint_bytes, render_warnings, signal_seconds
-from trnrecipes.recipe import RecipeError, load_recipe
-from trnrecipes.render import cache_leader_nodes, render_job
+from trnrecipes.config.preemption import checkpoint_bytes, render_warnings, signal_seconds
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.config.sections import RecipeError
+from trnrecipes.jobs.render import cache_leader_nodes, render_job
+from trnrecipes.ops.nccom import nccom_argv, run_nccom
+from trnrecipes.plan.layout import compute_layout
 
 # ---- the pre-timeout window
 
@@ -274,8 +275,8 @@ def test_the_run_script_calls_nccom_on_neuron_only_and_only_where_installed(reci
 def test_errors_a_requeue_may_pass_are_told_from_bad_input():
     from trnrecipes.checkpoint.format import CheckpointReadError
     from trnrecipes.cli import requeue_may_pass
+    from trnrecipes.config.sections import NodeError
     from trnrecipes.data import DataError
-    from trnrecipes.recipe import NodeError
 
     def wrapped(errno_: int) -> DataError:
         try:

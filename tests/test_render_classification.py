@@ -12,8 +12,8 @@ import time
 import pytest
 from golden import render_case
 
-from trnrecipes.recipe import load_recipe
-from trnrecipes.render import CLASSIFICATION_SCRIPTS, SCRIPTS, render_job, render_warnings, write_job
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.jobs.render import CLASSIFICATION_SCRIPTS, SCRIPTS, render_job, render_warnings, write_job
 
 # Logs its argv; as `embed` it first publishes one chunk in OUT.parts/, then finishes (FAKE_FINISH) or runs until
 # stopped.

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from trnrecipes.checkpoint import verify
 from trnrecipes.checkpoint.format import latest_checkpoint, step_dirs
-from trnrecipes.recipe import load_recipe
+from trnrecipes.config.recipe import load_recipe
 
 pytestmark = pytest.mark.slow
 

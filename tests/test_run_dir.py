@@ -21,8 +21,10 @@ from conftest import REPO, run_cli
 from trnrecipes.checkpoint import CheckpointError, read_model_checkpoint, verify, write_model_checkpoint
 from trnrecipes.checkpoint.format import latest_checkpoint, step_dirs
 from trnrecipes.checkpoint.writer import Checkpointer
-from trnrecipes.recipe import RecipeError, load_recipe
-from trnrecipes.train.resume_compat import check_allow_changes, resume_differences
+from trnrecipes.config.changes import check_allow_changes
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.config.sections import RecipeError
+from trnrecipes.train.resume_compat import resume_differences
 from trnrecipes.train.run_dir import LOCK_FILE, RunDirBusy, RunDirLock, settle_checkpoints
 
 RECIPE = load_recipe("llama2-tiny")

@@ -11,8 +11,8 @@ import uuid
 import pytest
 from conftest import REPO
 
-from trnrecipes.recipe import load_recipe
-from trnrecipes.render import render_job
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.jobs.render import render_job
 
 
 def make(*args: str, cwd=REPO) -> subprocess.CompletedProcess[str]:

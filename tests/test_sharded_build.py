@@ -16,9 +16,9 @@ from conftest import REPO
 import recipes.common.init as init_module
 from recipes.common.init import fill_region, init_full
 from trnrecipes.checkpoint import ShardReader, write_model_checkpoint
+from trnrecipes.config.recipe import load_recipe
 from trnrecipes.models import build_model
-from trnrecipes.recipe import load_recipe
-from trnrecipes.sharding import chunk_range, shard_region
+from trnrecipes.parallel.sharding import chunk_range, shard_region
 
 TP2 = ["cluster.workers_per_node=2", "layout.tp=2"]
 

@@ -1,4 +1,4 @@
-"""Neuron stacks (trnrecipes/stacks.py): which SDK x instance trains on xla-nxd or torchneuron, the render-time
+"""Neuron stacks (trnrecipes/config/stacks.py): which SDK x instance trains on xla-nxd or torchneuron, the render-time
 errors for every other combination, the checks that depend on the stack, TorchNeuron's env table and job dirs, and
 plans on an instance without a catalog price. Expected verdicts are derived here from the documented facts, not
 from stack_problem."""
@@ -15,12 +15,13 @@ from conftest import REPO
 from golden import FAKE_REPO, launch_lines, render_case
 from test_neuron_env import env_of
 
-from trnrecipes.cluster import INSTANCES
-from trnrecipes.layout import compute_layout, plan
-from trnrecipes.recipe import RecipeError, load_recipe
-from trnrecipes.render import render_job
-from trnrecipes.report import format_plan
-from trnrecipes.stacks import DLAMI_PYTHON, STACKS, TORCHNEURON
+from trnrecipes.config.cluster import INSTANCES
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.config.sections import RecipeError
+from trnrecipes.config.stacks import DLAMI_PYTHON, STACKS, TORCHNEURON
+from trnrecipes.jobs.render import render_job
+from trnrecipes.plan.layout import compute_layout, plan
+from trnrecipes.plan.report import format_plan
 
 DLAMI = "/opt/aws_neuronx_venv_torch_neuronx_2_14_0/bin/python"
 
@@ -124,7 +125,7 @@ def test_train_compile_follows_the_stack(name: str, overrides: str, refusal: str
 
 @pytest.mark.parametrize(("name", "tp"), [("llama2-7b-trn2", 4), ("llama2-tiny", 2)])
 def test_train_compile_with_tensor_parallel_is_still_refused(name: str, tp: int):
-    """The recipe and trnrecipes/torch_compile.py say compiled blocks with TP DTensors fail in backward, so the
+    """The recipe and trnrecipes/parallel/compile.py say compiled blocks with TP DTensors fail in backward, so the
     recipe check refuses train.compile with layout.tp > 1 (tests/test_torch_compile.py expects it too)."""
     message = error_of(name, f"layout.tp={tp} train.compile=true")
     assert message is not None and f"train.compile true with layout.tp {tp}" in message
@@ -229,7 +230,7 @@ def test_dlami_python_for_every_torchneuron_sdk():
 
 def test_rendering_does_not_import_torch():
     script = (
-        "import sys\nfrom trnrecipes.recipe import load_recipe\nfrom trnrecipes.render import render_job\n"
+        "import sys\nfrom trnrecipes.config.recipe import load_recipe\nfrom trnrecipes.jobs.render import render_job\n"
         "job = render_job(load_recipe('llama2-7b-trn2', nodes=1), __import__('pathlib').Path('/tmp/j'), 'c')\n"
         "assert 'TORCH_NEURONX_NEFF_CACHE_DIR' in job.files['run.sbatch']\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"

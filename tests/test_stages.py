@@ -1,11 +1,11 @@
-"""Pipeline stages as layout math (trnrecipes/stages.py): the layer split, stage placement, what a schedule needs
+"""Pipeline stages as layout math (trnrecipes/config/stages.py): the layer split, stage placement, what a schedule needs
 and the bubble. Torch-free and fast."""
 
 from __future__ import annotations
 
 import pytest
 
-from trnrecipes.stages import (
+from trnrecipes.config.stages import (
     BUBBLE_WARNING,
     bubble_fraction,
     layer_counts,

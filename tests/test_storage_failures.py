@@ -29,7 +29,8 @@ from conftest import REPO
 from trnrecipes.checkpoint import verify_training
 from trnrecipes.checkpoint.format import CheckpointWriteError, latest_checkpoint, step_dirs
 from trnrecipes.checkpoint.writer import RANK_WAIT_S, Checkpointer
-from trnrecipes.recipe import RecipeError, load_recipe
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.config.sections import RecipeError
 from trnrecipes.train.loop import _crash_once
 from trnrecipes.train.run_dir import LOCK_FILE
 
@@ -202,7 +203,7 @@ import sys, torch
 from pathlib import Path
 from trnrecipes.checkpoint.format import CheckpointWriteError
 from trnrecipes.checkpoint.writer import Checkpointer
-from trnrecipes.recipe import load_recipe
+from trnrecipes.config.recipe import load_recipe
 
 writer = Checkpointer(Path(sys.argv[1]), load_recipe("llama2-tiny"), None, 1, 2, 2, async_save=False, log=print)
 try:

@@ -1,4 +1,4 @@
-"""train.compile (trnrecipes/torch_compile.py): torch.compile per block changes no number and no parameter name, does
+"""train.compile (trnrecipes/parallel/compile.py): torch.compile per block changes no number and no parameter name, does
 not recompile after warm-up (one training step and one evaluation), runs through the trainer, compiles on the CPU
 with inductor, is on by default for cuda only (without TP) and refused on xla/neuron and with TP."""
 
@@ -12,11 +12,12 @@ import torch
 import torch._dynamo
 
 from recipes.common.loss import IGNORE_INDEX
-from trnrecipes.activation_checkpointing import apply_activation_checkpointing
 from trnrecipes.backends.torch import CudaBackend, TorchBackend
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.config.sections import RecipeError
 from trnrecipes.models import build_model
-from trnrecipes.recipe import RecipeError, load_recipe
-from trnrecipes.torch_compile import compile_blocks, is_compiled
+from trnrecipes.parallel.activation_checkpointing import apply_activation_checkpointing
+from trnrecipes.parallel.compile import compile_blocks, is_compiled
 from trnrecipes.train.loop import Trainer
 
 torch.set_num_threads(2)

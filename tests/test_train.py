@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import REPO
 
-from trnrecipes.cluster import get_instance
-from trnrecipes.layout import flops_per_token
-from trnrecipes.recipe import load_recipe
+from trnrecipes.config.cluster import get_instance
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.plan.layout import flops_per_token
 from trnrecipes.train.loop import Trainer
 
 pytestmark = pytest.mark.slow
@@ -147,8 +147,9 @@ def test_train_refuses_a_world_size_that_is_not_the_layout(tmp_path: Path, cli):
 def test_xla_refuses_pipeline_parallelism_before_any_collective():
     # torch's pipelining has no XLA stage coordinator: the xla (PJRT) backend must refuse pp > 1 at start
     from trnrecipes.backends.xla import XlaBackend
-    from trnrecipes.recipe import RecipeError, load_recipe
-    from trnrecipes.train.parallel_dims import ParallelDims
+    from trnrecipes.config.recipe import load_recipe
+    from trnrecipes.config.sections import RecipeError
+    from trnrecipes.parallel.dims import ParallelDims
 
     over = ["layout.pp=2", "cluster.workers_per_node=2", "cluster.backend=xla"]
     with pytest.raises(RecipeError) as refused:
@@ -159,8 +160,8 @@ def test_xla_refuses_pipeline_parallelism_before_any_collective():
 
 
 def test_the_pipeline_refusal_suggests_a_tensor_parallel_degree_only_when_it_is_valid():
-    from trnrecipes.recipe import load_recipe
-    from trnrecipes.train.parallel_dims import _wider_tp_hint
+    from trnrecipes.config.recipe import load_recipe
+    from trnrecipes.parallel.dims import _wider_tp_hint
 
     # NeoX-20B, tp 8 x pp 4: tp 32 divides its 64 heads and a trn1 node's 32 workers.
     assert (

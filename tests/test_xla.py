@@ -81,7 +81,7 @@ def test_a_checkpoint_saved_on_one_backend_resumes_on_the_other(runs, tmp_path, 
 NEURON_METRICS = """
 import torch, torch.distributed as dist, torch_xla, torch_xla.distributed.xla_backend
 dist.init_process_group("xla", init_method="xla://")
-from trnrecipes.train.parallel_dims import ParallelDims
+from trnrecipes.parallel.dims import ParallelDims
 d = ParallelDims.__new__(ParallelDims)
 d.world, d.collectives_on_device = 2, True  # as on a Neuron rank: XLA's process group (NxD is not needed)
 dev = torch_xla.device()

@@ -16,7 +16,7 @@ from conftest import REPO
 from test_resume import finish, last_losses, start
 
 from trnrecipes.checkpoint import verify_training
-from trnrecipes.recipe import load_recipe
+from trnrecipes.config.recipe import load_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +112,7 @@ def test_the_shard_reader_joins_and_splits_zero1_slices_for_any_layout(tmp_path:
     from safetensors.torch import save_file
 
     from trnrecipes.checkpoint import SHARDS, ShardReader, shard_file
-    from trnrecipes.sharding import shard_region
+    from trnrecipes.parallel.sharding import shard_region
 
     full = {"a": torch.randn(10, 6), "b": torch.randn(7), "c": torch.randn(4, 9)}
     dims = {"a": 0, "b": None, "c": 1}
@@ -149,8 +149,8 @@ NON_CONTIGUOUS = 7
 def _gather_rank(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
-    from trnrecipes.sharding import chunk_range
-    from trnrecipes.train import parallel_dims
+    from trnrecipes.parallel import dims as parallel_dims
+    from trnrecipes.parallel.sharding import chunk_range
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     calls = []

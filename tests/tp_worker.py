@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from trnrecipes.config.sections import ModelConfig
 from trnrecipes.models import build_model
-from trnrecipes.parallel import apply_tensor_parallel
-from trnrecipes.recipe import ModelConfig
+from trnrecipes.parallel.tensor import apply_tensor_parallel
 
 CONFIGS = {
     "neox": ModelConfig(family="neox", vocab_size=96, hidden_size=64, num_layers=2, num_heads=4,

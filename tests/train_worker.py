@@ -14,10 +14,10 @@ import sys
 
 import torch
 
-from trnrecipes.layout import compute_layout
-from trnrecipes.recipe import load_recipe
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.parallel.dims import full_tensor
+from trnrecipes.plan.layout import compute_layout
 from trnrecipes.train.loop import Trainer
-from trnrecipes.train.parallel_dims import full_tensor
 
 
 def fixed_steps(trainer: Trainer, default_steps: int) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from trnrecipes.recipe import load_recipe
+from trnrecipes.config.recipe import load_recipe
 from trnrecipes.train.loop import Trainer
 
 

@@ -15,9 +15,10 @@ import socket
 import sys
 from pathlib import Path
 
-from trnrecipes.outputs import check_output, check_outputs
-from trnrecipes.recipe import RecipeError, known_recipes, load_recipe, parse_nodes
-from trnrecipes.run_files import run_dir_of
+from trnrecipes.config.recipe import known_recipes, load_recipe, parse_nodes
+from trnrecipes.config.sections import RecipeError
+from trnrecipes.files.outputs import check_output, check_outputs
+from trnrecipes.files.run_files import run_dir_of
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,7 +304,12 @@ def _prepare_classification(args: argparse.Namespace) -> int:
     from trnrecipes import REPO_ROOT
     from trnrecipes.data.corpora import prepare_classification
 
-    prepare_classification(REPO_ROOT)
+    def make_checkpoint(hf_dir: Path, ckpt: Path, recipe: str) -> None:
+        from trnrecipes.convert import from_hf  # torch and safetensors: only when the checkpoint is made
+
+        from_hf(hf_dir, ckpt, recipe)
+
+    prepare_classification(REPO_ROOT, from_hf=make_checkpoint)
     return 0
 
 
@@ -490,8 +496,8 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from trnrecipes.layout import plan
-    from trnrecipes.report import format_plan
+    from trnrecipes.plan.layout import plan
+    from trnrecipes.plan.report import format_plan
 
     recipe = load_recipe(args.recipe, args.nodes, args.overrides)
     if args.price is not None and not 0 <= args.price < math.inf:  # also refuses nan
@@ -504,9 +510,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _sbatch(args: argparse.Namespace) -> int:
-    from trnrecipes.layout import plan
-    from trnrecipes.recipe import find_recipe
-    from trnrecipes.render import (
+    from trnrecipes.config.recipe import find_recipe
+    from trnrecipes.jobs.render import (
         default_job_dir,
         provenance,
         provenance_json,
@@ -515,7 +520,8 @@ def _sbatch(args: argparse.Namespace) -> int:
         sbatch_command,
         write_job,
     )
-    from trnrecipes.report import format_plan
+    from trnrecipes.plan.layout import plan
+    from trnrecipes.plan.report import format_plan
 
     nodes = parse_nodes(args.nodes)
     recipe = load_recipe(args.recipe, nodes, args.overrides)
@@ -533,7 +539,7 @@ def _sbatch(args: argparse.Namespace) -> int:
     print("next:")
     print(f"  id=$(sbatch --parsable {job.job_dir}/compile.sbatch)")
     print(f"  id=$(sbatch --parsable --dependency=afterok:$id {job.job_dir}/run.sbatch)")
-    if "infer.sbatch" in job.files:  # a classification recipe (trnrecipes.render.scripts)
+    if "infer.sbatch" in job.files:  # a classification recipe (trnrecipes.jobs.render.scripts)
         print(f"  sbatch --dependency=afterok:$id {job.job_dir}/eval.sbatch   # accuracy on data.eval_path (predict)")
         print(f"  INFER_IN=<file> sbatch {job.job_dir}/infer.sbatch   # embeddings from the newest checkpoint (embed)")
     else:
@@ -615,12 +621,12 @@ def _embed(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
-    from trnrecipes.health import check_node
+    from trnrecipes.ops.health import check_node
 
     return check_node(load_recipe(args.config), collectives=args.collectives)
 
 
 def _nccom(args: argparse.Namespace) -> int:
-    from trnrecipes.nccom import main as nccom_main
+    from trnrecipes.ops.nccom import main as nccom_main
 
     return nccom_main(args.ranks, args.nodes)

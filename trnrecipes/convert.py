@@ -22,8 +22,9 @@ from safetensors.torch import load_file, save_file
 
 from trnrecipes import REPO_ROOT
 from trnrecipes.checkpoint import CheckpointError, read_model_checkpoint, write_model_checkpoint
-from trnrecipes.families import FAMILIES, family_of_hf_config
-from trnrecipes.recipe import RecipeError, load_recipe, recipe_from_dict
+from trnrecipes.config.families import FAMILIES, family_of_hf_config
+from trnrecipes.config.recipe import load_recipe, recipe_from_dict
+from trnrecipes.config.sections import RecipeError
 
 EXPORT_SOURCE = "trnrecipes-source.json"
 TOKENIZER_FILES = (

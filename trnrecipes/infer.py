@@ -34,6 +34,8 @@ import torch
 from trnrecipes import REPO_ROOT
 from trnrecipes.checkpoint import MANIFEST, consolidate, read_model_checkpoint_recipe
 from trnrecipes.checkpoint.format import checkpoint_recipe, latest_checkpoint
+from trnrecipes.config.families import FAMILIES, family_spec
+from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.convert import checkpoint_source
 from trnrecipes.data import DataError, listed
 from trnrecipes.data.arrow import (
@@ -47,8 +49,6 @@ from trnrecipes.data.arrow import (
 )
 from trnrecipes.data.classify import attention_mask, encode_texts, read_labels
 from trnrecipes.data.tokenizer import TextTokenizer, load_tokenizer
-from trnrecipes.families import FAMILIES, family_spec
-from trnrecipes.recipe import Recipe, RecipeError
 
 TOKENIZE_ROWS = 4096  # rows tokenized at once by predict (the Rust tokenizer batches them over threads)
 EMBED_FORMAT = 2  # OUT.parts/embed.json's format; 2: each chunk carries the sha256 of its rows' text

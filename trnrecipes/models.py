@@ -1,5 +1,5 @@
 """Building a family's model (recipes/<family>/model.py) from a recipe's model section: the torch side of
-trnrecipes.families, which holds the registry.
+trnrecipes.config.families, which holds the registry.
 
 The model section *is* the model's argument dataclass (recipes/<family>/spec.py), so nothing is translated.
 """
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trnrecipes.families import FAMILIES, ModelSection, family_of_hf_config  # noqa: F401  (importers' names)
+from trnrecipes.config.families import FAMILIES, ModelSection, family_of_hf_config  # noqa: F401  (importers' names)
 
 
 def build_model(cfg: ModelSection, device: str | torch.device = "cpu") -> nn.Module:

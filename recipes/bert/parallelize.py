@@ -1,10 +1,10 @@
 """How the BERT encoder shards under tensor parallelism (Megatron style), as data: the same split as GPT-NeoX's.
 
 Only the blocks are in the plan. The embedding (three tables and a LayerNorm) and the head (pooler + classifier or
-MLP) are not a vocab-sized Embedding and Linear, which trnrecipes/parallel.py shards at the top level for decoders:
-TOP_LEVEL is empty, so they stay replicated (each TP rank computes the same embedding and head). The padding mask
-reaches the core attention unchanged: each rank's heads read the whole mask. Sequence parallelism is refused
-(trnrecipes/recipe.py): its re-layout of a branch's input would not carry the mask.
+MLP) are not a vocab-sized Embedding and Linear, which trnrecipes/parallel/tensor.py shards at the top level for
+decoders: TOP_LEVEL is empty, so they stay replicated (each TP rank computes the same embedding and head). The padding
+mask reaches the core attention unchanged: each rank's heads read the whole mask. Sequence parallelism is refused
+(trnrecipes/config/recipe.py): its re-layout of a branch's input would not carry the mask.
 """
 
 from recipes.common.spec import check_tensor_parallel  # the TP rule: recipes/bert/spec.py

@@ -1,7 +1,7 @@
 """Core attention as its own parameter-free module: causal softmax(q k^T / sqrt(d)) v and nothing else.
 
 A module, not a function, so that code outside the model can find it and change how it runs without touching the
-model: selective activation checkpointing (trnrecipes/activation_checkpointing.py) recomputes exactly this, the
+model: selective activation checkpointing (trnrecipes/parallel/activation_checkpointing.py) recomputes exactly this, the
 O(s^2) part of attention, in backward. It holds no parameter or buffer, so it adds nothing to the state dict and
 parameter names stay as they were.
 """

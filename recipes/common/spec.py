@@ -74,7 +74,7 @@ class DecoderConfig:
 @dataclass(frozen=True)
 class ModelParts:
     """A family's top-level structure, by attribute name: what pipeline parallelism cuts the model along
-    (trnrecipes/pipeline.py). The forward must be embedding -> each layer in order -> norm -> head (+ loss)."""
+    (trnrecipes/parallel/pipeline.py). The forward must be embedding -> each layer in order -> norm -> head (+ loss)."""
 
     embedding: str = "embed"
     layers: str = "layers"  # an nn.ModuleList of blocks, each taking and returning the hidden states
@@ -94,7 +94,7 @@ class FamilySpec:
     model_class: str  # the nn.Module in recipes/<name>/model.py, built from a `config`
     hf_architectures: tuple[str, ...]  # config.json "architectures" that recipes/<name>/hf.py converts
     hf_model_type: str  # config.json "model_type"
-    # Extra neuronx-cc flags this family needs on an instance type (trnrecipes.neuron_env adds them).
+    # Extra neuronx-cc flags this family needs on an instance type (trnrecipes.jobs.neuron_env adds them).
     compiler_flags: Callable[[str], tuple[str, ...]] = no_compiler_flags
     parts: ModelParts = ModelParts()  # the top-level structure pipeline stages are cut along
     # What the trainer feeds the model and scores: next-token prediction over packed text, or one class per

@@ -6,8 +6,8 @@ forward pass reads the local number of heads and FFN units from the weight shape
 the same code runs unchanged on a tensor-parallel (column-sharded) weight.
 
 No parallelism, activation checkpointing or compilation here: the parallelize step applies them from outside
-(activation checkpointing: trnrecipes/activation_checkpointing.py, on `layers` or on each attention's `core`), and
-sets `head_loss` for a tensor-parallel head. `args.activation_checkpointing` is recipe data for that step.
+(activation checkpointing: trnrecipes/parallel/activation_checkpointing.py, on `layers` or on each attention's `core`),
+and sets `head_loss` for a tensor-parallel head. `args.activation_checkpointing` is recipe data for that step.
 """
 
 from __future__ import annotations

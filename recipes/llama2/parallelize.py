@@ -1,6 +1,6 @@
 """How Llama 2 shards under tensor parallelism (Megatron style), as data.
 
-trnrecipes.parallel applies it with DTensor off Neuron; the Neuron adapter maps the same names onto
+trnrecipes.parallel.tensor applies it with DTensor off Neuron; the Neuron adapter maps the same names onto
 neuronx-distributed's layers: a plain ColumnParallelLinear for qkv, since its rows are grouped per KV group and TP
 must divide num_kv_heads (NxD's GQAQKVColumnParallelLinear, which replicates KV heads for larger TP, is not used).
 """

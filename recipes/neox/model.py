@@ -1,8 +1,8 @@
 """GPT-NeoX as Pythia and NeoX-20B use it, single-device and plain PyTorch (no device or parallel logic here).
 
 Parallelism, activation checkpointing and compilation are applied from outside by the parallelize step (activation
-checkpointing: trnrecipes/activation_checkpointing.py, on `layers` or on each attention's `core`), which also sets
-`head_loss` for a tensor-parallel head; `args.activation_checkpointing` is recipe data for that step.
+checkpointing: trnrecipes/parallel/activation_checkpointing.py, on `layers` or on each attention's `core`), which also
+sets `head_loss` for a tensor-parallel head; `args.activation_checkpointing` is recipe data for that step.
 
 Parallel residual, LayerNorm, fused QKV, GELU MLP, untied embedding and head, partial rotary embeddings.
 

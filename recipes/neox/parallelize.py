@@ -1,6 +1,6 @@
 """How GPT-NeoX shards under tensor parallelism (Megatron style), as data.
 
-trnrecipes.parallel applies it with DTensor off Neuron; the Neuron adapter maps the same names onto
+trnrecipes.parallel.tensor applies it with DTensor off Neuron; the Neuron adapter maps the same names onto
 neuronx-distributed's ColumnParallelLinear / RowParallelLinear / ParallelEmbedding.
 """
 

@@ -1,20 +1,22 @@
 """Backends: where and how the step loop runs, as objects with one interface (trnrecipes.backends.base.Backend).
 
-- `cpu`, `cuda`: plain torch (torch.py); tensor parallelism with DTensor, ZeRO-1 by trnrecipes.train.optim.
+- `cpu`, `cuda`: plain torch (torch.py); tensor parallelism with DTensor, ZeRO-1 by trnrecipes.optim.adamw.
 - `xla`: torch-xla on PJRT (xla.py): CPU here, GPU elsewhere; the same model code, lazily traced.
 - `neuron`: torch-xla + neuronx-distributed on Trainium (neuron_xla.py; Neuron SDK 2.21-2.28, trn1/trn1n/trn2);
-  import-guarded, it cannot be installed off Trainium, and its NxD calls live in trnrecipes.neuron_parallel.
+  import-guarded, it cannot be installed off Trainium, and its NxD calls live in trnrecipes.parallel.nxd.
 - `neuron-native`: TorchNeuron, native PyTorch on device `neuron` (neuron_native.py; Neuron SDK 2.33, trn2/trn3):
   the torch backend with the device, process-group and mesh types changed. Import-guarded likewise.
-A recipe says cluster.backend neuron; its Neuron SDK picks one of the two (trnrecipes.stacks, Recipe.runtime_backend).
+A recipe says cluster.backend neuron; its Neuron SDK picks one of the two (trnrecipes.config.stacks,
+Recipe.runtime_backend).
 
 The step loop asks a backend for everything that differs between them and holds no backend-name branch.
+Imports parallel/, optim/ and config/; never train/ or checkpoint/.
 """
 
 from __future__ import annotations
 
 from trnrecipes.backends.base import Backend
-from trnrecipes.recipe import RecipeError
+from trnrecipes.config.sections import RecipeError
 
 BACKENDS = ("cpu", "cuda", "xla", "neuron", "neuron-native")
 

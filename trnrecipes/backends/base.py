@@ -1,5 +1,5 @@
 """The interface every backend implements: what the step loop, the sharded build and the checkpoint code ask of the
-place they run. Adding a backend = one subclass answering these (README: "Adding a backend").
+place they run. Adding a backend = one subclass answering these (docs/training.md: "Adding a backend").
 
 A backend answers for:
 - the device, the torch.distributed backend, and the process groups (`init_process_groups`);
@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from trnrecipes.activation_checkpointing import apply_activation_checkpointing
-from trnrecipes.torch_compile import compile_blocks
-from trnrecipes.train.parallel_dims import local_tensor
+from trnrecipes.parallel.activation_checkpointing import apply_activation_checkpointing
+from trnrecipes.parallel.compile import compile_blocks
+from trnrecipes.parallel.dims import local_tensor
 
 if TYPE_CHECKING:
-    from trnrecipes.recipe import Recipe
-    from trnrecipes.train.parallel_dims import ParallelDims
+    from trnrecipes.config.sections import Recipe
+    from trnrecipes.parallel.dims import ParallelDims
 
 
 class Backend:
@@ -78,7 +78,7 @@ class Backend:
             compile_blocks(model, self.compile_backend)
 
     def compiles(self, recipe: Recipe) -> bool:
-        """Whether train.compile applies here: torch.compile per block (trnrecipes/torch_compile.py)."""
+        """Whether train.compile applies here: torch.compile per block (trnrecipes/parallel/compile.py)."""
         wanted = recipe.train.compile
         if wanted is None:  # unset: where it is tested (not with TP, see the recipe check; not yet under PP)
             wanted = self.compiles_by_default and recipe.layout.tp == 1 and recipe.layout.pp == 1
@@ -100,16 +100,16 @@ class Backend:
         raise NotImplementedError
 
     def pipeline(self, model: nn.Module, recipe: Recipe, dims: ParallelDims, micro_batches: int):
-        """The schedule that runs this rank's pipeline stages (a StagedModel, trnrecipes/pipeline.py): an object with
-        train(micro-batches) -> mean loss (None off the last stage), after forward and backward over them, and
-        evaluate(batches) -> mean loss (None off the last stage)."""
+        """The schedule that runs this rank's pipeline stages (a StagedModel, trnrecipes/parallel/pipeline.py): an
+        object with train(micro-batches) -> mean loss (None off the last stage), after forward and backward over them,
+        and evaluate(batches) -> mean loss (None off the last stage)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the step
     def make_optimizer(self, model: nn.Module, recipe: Recipe, dims: ParallelDims):
         """AdamW over the model's trained parameters; under ZeRO-1 (dims.zero1) each DP rank keeps moments for, and
-        updates, only its rows of each parameter (trnrecipes.train.optim)."""
-        from trnrecipes.train.optim import AdamW, no_decay_params, rounding_seed
+        updates, only its rows of each parameter (trnrecipes.optim.adamw)."""
+        from trnrecipes.optim.adamw import AdamW, no_decay_params, rounding_seed
 
         params = [p for p in model.parameters() if p.requires_grad]
         rows = [dims.zero1_rows(local_tensor(p).shape[0]) for p in params] if dims.zero1 else None

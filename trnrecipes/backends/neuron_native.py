@@ -1,5 +1,5 @@
 """Trainium 2/3 through TorchNeuron: native PyTorch on device `neuron` (Neuron SDK 2.33, trn2 and trn3; the stack
-is chosen in trnrecipes.stacks). It is the cpu/cuda code (TorchBackend: DTensor TP/SP, FSDP2, ZeRO-1,
+is chosen in trnrecipes.config.stacks). It is the cpu/cuda code (TorchBackend: DTensor TP/SP, FSDP2, ZeRO-1,
 torch.distributed.pipelining, our AdamW) with four class attributes changed: the device type, the process-group
 backend string, the DeviceMesh device type and torch.compile's backend. The tests run this class for real with
 those four set to the CPU's (tests/test_neuron_native.py); the Neuron SDK installs only on Trainium hosts.
@@ -18,7 +18,7 @@ reference-torch-compile; Neuron 2.33) and torch-neuronx's source where the docs 
   torch.distributed; that TorchNeuron accepts it beside its own backend is not shown in its docs (unverified on
   hardware).
 - torch.compile(backend="neuron") with static shapes (dynamic=True is rejected; every new shape recompiles), mode
-  default only: train.compile compiles each block that way (trnrecipes/torch_compile.py). Unset, train.compile
+  default only: train.compile compiles each block that way (trnrecipes/parallel/compile.py). Unset, train.compile
   stays off here: eager mode with Adaptive Eager Execution is TorchNeuron's default.
 - torch.autocast("neuron") for bf16-mixed (the trainer autocasts on the device's type).
 - No documented stochastic-rounding switch: our AdamW rounds bf16 in software (rounds_stochastically False).
@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 
 from trnrecipes.backends.torch import TorchBackend
-from trnrecipes.recipe import RecipeError
+from trnrecipes.config.sections import RecipeError
 
 # Where the real package comes from: PyPI's `torch-neuronx` is a placeholder whose import raises "WRONG PACKAGE".
 WHERE_FROM = (

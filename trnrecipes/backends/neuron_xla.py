@@ -1,8 +1,8 @@
 """Trainium through torch-xla + neuronx-distributed (`neuron`, the trn1 stack up to Neuron SDK 2.28): NxD owns the
 process groups and the tensor-parallel layers, and its own gradient reduction, clipping and norms count its shards
 (plain tensors tagged `tensor_model_parallel`, not DTensors). Pipeline parallelism runs through NxD's NxDPPModel in
-manual-partition mode (Neuron SDK 2.22+, 1F1B; trnrecipes.neuron_pipeline). The NxD calls live in
-trnrecipes.neuron_parallel, written against AWS's public source and tested against a stand-in: the Neuron SDK
+manual-partition mode (Neuron SDK 2.22+, 1F1B; trnrecipes.parallel.nxd_pipeline). The NxD calls live in
+trnrecipes.parallel.nxd, written against AWS's public source and tested against a stand-in: the Neuron SDK
 installs only on Trainium hosts."""
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trnrecipes import neuron_parallel
 from trnrecipes.backends.xla import XlaBackend
-from trnrecipes.recipe import RecipeError
+from trnrecipes.config.sections import RecipeError
+from trnrecipes.parallel import nxd
 
 if TYPE_CHECKING:
-    from trnrecipes.recipe import Recipe
-    from trnrecipes.train.parallel_dims import ParallelDims
+    from trnrecipes.config.sections import Recipe
+    from trnrecipes.parallel.dims import ParallelDims
 
 
 class NeuronXlaBackend(XlaBackend):
     supports_zero1 = True  # through NxD's zero-1 optimizer (Zero1Optimizer below)
-    supports_pp = True  # through NxD's NxDPPModel, manual partition (SDK 2.22+): trnrecipes.neuron_pipeline
-    rounds_stochastically = True  # NEURON_RT_STOCHASTIC_ROUNDING_EN, set by the scripts (trnrecipes.neuron_env)
+    supports_pp = True  # through NxD's NxDPPModel, manual partition (SDK 2.22+): trnrecipes.parallel.nxd_pipeline
+    rounds_stochastically = True  # NEURON_RT_STOCHASTIC_ROUNDING_EN, set by the scripts (trnrecipes.jobs.neuron_env)
     pjrt_device = "NEURON"
     host_batches = False  # set by `pipeline`: NxD's pipeline takes host tensors and uploads each micro-batch itself
 
@@ -46,15 +46,15 @@ class NeuronXlaBackend(XlaBackend):
         # NxD owns the groups, and its TP groups are not always consecutive ranks (trn1 at TP 4 strides them by 8):
         # the data shard, checkpoint files and re-slicing must use NxD's ranks, or a TP group mixes batches. Likewise
         # the pipeline stage a rank builds must be the one NxD's pipeline runs on it (its PP rank).
-        dims.pp_rank, dims.dp_rank, dims.tp_rank = neuron_parallel.initialize(dims.tp, dims.dp, dims.pp)
+        dims.pp_rank, dims.dp_rank, dims.tp_rank = nxd.initialize(dims.tp, dims.dp, dims.pp)
         if dims.pp > 1:
-            dims.pp_group = neuron_parallel.pipeline_group()
+            dims.pp_group = nxd.pipeline_group()
 
     def pipeline(self, model: nn.Module, recipe: Recipe, dims: ParallelDims, micro_batches: int):
         """NxD's manual-partition pipeline over this rank's stage (1F1B; SDK 2.22+). It takes the micro-batches on the
         host and uploads them itself, so from now on `loader` leaves the training batches there. What NxD's pipeline
-        cannot run (an SDK before 2.22, another schedule) the recipe check has refused (trnrecipes.stages)."""
-        from trnrecipes.neuron_pipeline import NeuronPipeline
+        cannot run (an SDK before 2.22, another schedule) the recipe check has refused (trnrecipes.config.stages)."""
+        from trnrecipes.parallel.nxd_pipeline import NeuronPipeline
 
         self.host_batches = True
         return NeuronPipeline(model, micro_batches, pp=dims.pp, zero1=dims.zero1)
@@ -65,7 +65,7 @@ class NeuronXlaBackend(XlaBackend):
         return super().loader(batches)
 
     def tensor_parallel(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
-        neuron_parallel.apply_neuron_tensor_parallel(model, recipe.model.family, recipe.layout.sequence_parallel)
+        nxd.apply_neuron_tensor_parallel(model, recipe.model.family, recipe.layout.sequence_parallel)
 
     def materialize(self, model: nn.Module) -> None:
         # NxD layers allocate their shard on the host already; the rest (norms) is materialised there too. Not
@@ -73,7 +73,7 @@ class NeuronXlaBackend(XlaBackend):
         materialize_meta(model, torch.device("cpu"))
 
     def to_device(self, model: nn.Module) -> None:
-        neuron_parallel.move_to_device(model, self.device)  # keeps NxD's parameter attributes
+        nxd.move_to_device(model, self.device)  # keeps NxD's parameter attributes
 
     @staticmethod
     def shard_dim(p: torch.Tensor) -> int | None:
@@ -84,38 +84,38 @@ class NeuronXlaBackend(XlaBackend):
         shard of the weights when built: load() builds it after the weights are filled and on the device."""
         if not dims.zero1:
             return super().make_optimizer(model, recipe, dims)
-        from trnrecipes.train.optim import no_decay_params
+        from trnrecipes.optim.adamw import no_decay_params
 
         o = recipe.optim
         no_decay = no_decay_params(model, o.decay_norms_and_biases)
-        groups = neuron_parallel.zero1_param_groups(list(model.parameters()), no_decay)
-        nxd = neuron_parallel.make_zero1_optimizer(
+        groups = nxd.zero1_param_groups(list(model.parameters()), no_decay)
+        optimizer = nxd.make_zero1_optimizer(
             groups, lr=0.0, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, max_norm=o.clip_grad_norm
         )
-        if (sharded := neuron_parallel.zero1_rank(nxd)) != (dims.dp, dims.dp_rank):
+        if (sharded := nxd.zero1_rank(optimizer)) != (dims.dp, dims.dp_rank):
             # the checkpoint files are named by dims' DP rank; moments saved under another would be misplaced
             raise RuntimeError(
                 f"NxD's zero-1 optimizer shards over (size, rank) {sharded}, not (DP, DP rank) {dims.dp, dims.dp_rank}"
             )
-        return Zero1Optimizer(nxd)
+        return Zero1Optimizer(optimizer)
 
     def step(self, model: nn.Module, optimizer, dims: ParallelDims, max_norm: float) -> torch.Tensor:
         if not isinstance(optimizer, Zero1Optimizer):
             return super().step(model, optimizer, dims, max_norm)
         # NxD's zero-1 step reduce-scatters the gradients over DP (the mean), computes the global norm and clips;
         # the sequence-parallel gradients it leaves to its caller, as NxD's own trainer does.
-        neuron_parallel.reduce_sequence_parallel_gradients([p for p in model.parameters() if p.requires_grad])
+        nxd.reduce_sequence_parallel_gradients([p for p in model.parameters() if p.requires_grad])
         optimizer.step()
         return optimizer.grad_norm()
 
     def reduce_and_clip(self, model: nn.Module, dims: ParallelDims, max_norm: float) -> torch.Tensor:
         params = [p for p in model.parameters() if p.requires_grad]
-        neuron_parallel.reduce_sequence_parallel_gradients(params)  # only the tagged ones (SP norms, row biases)
-        neuron_parallel.average_gradients_over_dp(params)
-        return neuron_parallel.clip_grad_norm(params, max_norm)
+        nxd.reduce_sequence_parallel_gradients(params)  # only the tagged ones (SP norms, row biases)
+        nxd.average_gradients_over_dp(params)
+        return nxd.clip_grad_norm(params, max_norm)
 
     def param_norm(self, model: nn.Module, dims: ParallelDims) -> torch.Tensor:
-        return neuron_parallel.param_norm(list(model.parameters()), over_pipeline=dims.pp > 1)
+        return nxd.param_norm(list(model.parameters()), over_pipeline=dims.pp > 1)
 
 
 class Zero1Optimizer:
@@ -131,33 +131,33 @@ class Zero1Optimizer:
 
     def __init__(self, nxd):
         self.nxd = nxd
-        self.params = [s.param for s in neuron_parallel.zero1_moments(nxd)]
+        self.params = [s.param for s in nxd.zero1_moments(nxd)]
 
     @property
     def exp_avg(self) -> list[torch.Tensor]:
-        return [s.exp_avg for s in neuron_parallel.zero1_moments(self.nxd)]
+        return [s.exp_avg for s in nxd.zero1_moments(self.nxd)]
 
     @property
     def exp_avg_sq(self) -> list[torch.Tensor]:
-        return [s.exp_avg_sq for s in neuron_parallel.zero1_moments(self.nxd)]
+        return [s.exp_avg_sq for s in nxd.zero1_moments(self.nxd)]
 
     def set_lr(self, lr: float) -> None:
-        neuron_parallel.set_zero1_lr(self.nxd, lr)
+        nxd.set_zero1_lr(self.nxd, lr)
 
     def step(self) -> None:
         self.nxd.step()
 
     def grad_norm(self) -> torch.Tensor:
-        return neuron_parallel.zero1_grad_norm(self.nxd)
+        return nxd.zero1_grad_norm(self.nxd)
 
     def zero_grad(self) -> None:
         self.nxd.zero_grad(set_to_none=True)
 
     def steps(self) -> int:
-        return neuron_parallel.zero1_step_count(self.nxd)
+        return nxd.zero1_step_count(self.nxd)
 
     def set_steps(self, steps: int) -> None:
-        neuron_parallel.set_zero1_step_count(self.nxd, steps)
+        nxd.set_zero1_step_count(self.nxd, steps)
 
 
 def materialize_meta(model: nn.Module, device: torch.device) -> None:

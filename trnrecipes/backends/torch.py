@@ -1,5 +1,5 @@
-"""Plain torch on `cpu` (gloo) and `cuda` (nccl): tensor parallelism with DTensor (trnrecipes.parallel applies the
-family's plan), DP gradient averaging and ZeRO-1 through trnrecipes.train.parallel_dims, norms through DTensor."""
+"""Plain torch on `cpu` (gloo) and `cuda` (nccl): tensor parallelism with DTensor (trnrecipes.parallel.tensor applies
+the family's plan), DP gradient averaging and ZeRO-1 through trnrecipes.parallel.dims, norms through DTensor."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import torch.distributed as dist
 from torch import nn
 
 from trnrecipes.backends.base import Backend
-from trnrecipes.fsdp import apply_fsdp, mesh_dim_placement, reshard
-from trnrecipes.pipeline import TorchPipeline, parameter_order
-from trnrecipes.recipe import NodeError
-from trnrecipes.train.parallel_dims import full_tensor, local_tensor
+from trnrecipes.config.sections import NodeError
+from trnrecipes.parallel.dims import full_tensor, local_tensor
+from trnrecipes.parallel.fsdp import apply_fsdp, mesh_dim_placement, reshard
+from trnrecipes.parallel.pipeline import TorchPipeline, parameter_order
 
 if TYPE_CHECKING:
-    from trnrecipes.recipe import Recipe
-    from trnrecipes.train.parallel_dims import ParallelDims
+    from trnrecipes.config.sections import Recipe
+    from trnrecipes.parallel.dims import ParallelDims
 
 
 class TorchBackend(Backend):
@@ -55,7 +55,7 @@ class TorchBackend(Backend):
         nothing to do; CudaBackend.create set it already)."""
 
     def tensor_parallel(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
-        from trnrecipes.parallel import apply_tensor_parallel
+        from trnrecipes.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, dims.mesh["tp"], recipe.model.family, recipe.layout.sequence_parallel)
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from trnrecipes.backends.torch import TorchBackend
-from trnrecipes.recipe import RecipeError
+from trnrecipes.config.sections import RecipeError
 
 
 class XlaBackend(TorchBackend):

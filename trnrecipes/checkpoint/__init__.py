@@ -1,13 +1,14 @@
-"""Checkpoints: one package for the format, the writer and the loader.
+"""Checkpoints: the format and the writer. Imports config/, files/ and parallel/ (row sharding, local tensors); never
+train/ (the trainer's restore, trnrecipes.train.restore, reads through format.py).
 
 - format.py: the directory layout and file names (defined once), verification, and reading (ShardReader: any
   rectangle of a saved tensor, whatever layout saved it; consolidation for one-process readers).
-- writer.py: what each training rank writes, and the background writer that finalizes a checkpoint.
-- load.py: `load(path, ...) -> TrainState`, the one way a training rank gets its state back (weights, optimizer,
-  RNG, data position), also used for a fresh start and for fine-tuning from train.init_from.
+- writer.py: what each training rank writes, the background writer that finalizes a checkpoint, and pruning to
+  checkpoint.keep_last.
+The one way a training rank gets its state back (weights, optimizer, RNG, data position) is
+trnrecipes.train.restore.load, also used for a fresh start and for fine-tuning from train.init_from.
 
-Only format.py is imported here: the writer and the loader pull in the training code (import them from their
-modules).
+Only format.py is imported here: the writer pulls in torch's distributed side (import it from its module).
 """
 
 from trnrecipes.checkpoint.format import (

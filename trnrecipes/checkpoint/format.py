@@ -35,11 +35,12 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from trnrecipes.families import FAMILIES
-from trnrecipes.recipe import Recipe, RecipeError, read_recipe_file, recipe_from_dict
-from trnrecipes.run_files import DONE, MANIFEST, STEP_DIR
+from trnrecipes.config.families import FAMILIES
+from trnrecipes.config.recipe import read_recipe_file, recipe_from_dict
+from trnrecipes.config.sections import Recipe, RecipeError
+from trnrecipes.files.run_files import DONE, MANIFEST, STEP_DIR
+from trnrecipes.parallel.sharding import Region, shard_region
 from trnrecipes.schema import clipped, shown
-from trnrecipes.sharding import Region, shard_region
 
 FORMAT = 2
 WEIGHTS = "model.safetensors"

@@ -1,5 +1,5 @@
 """Writing training checkpoints: what each rank contributes, and the background writer (which prunes to keep-last-K
-after each save, trnrecipes.train.run_dir.prune). Reading them back: trnrecipes.checkpoint.load.
+after each save: prune). Reading them back: trnrecipes.train.restore.
 
 Every rank writes its own files into checkpoints/.step_N.tmp/ and then a `.rank-R.ok` marker; rank 0 waits for all
 markers, adds recipe, tokenizer, manifest and `done`, and renames the directory to step_N (checkpoint/format.py).
@@ -44,11 +44,10 @@ from trnrecipes.checkpoint.format import (
     step_dirs,
     write_common,
 )
-from trnrecipes.fsdp import tp_local
-from trnrecipes.recipe import Recipe
-from trnrecipes.stages import pipeline_stages
-from trnrecipes.train.parallel_dims import local_tensor
-from trnrecipes.train.run_dir import prune
+from trnrecipes.config.sections import Recipe
+from trnrecipes.config.stages import pipeline_stages
+from trnrecipes.parallel.dims import local_tensor
+from trnrecipes.parallel.fsdp import tp_local
 
 RANK_WAIT_S = 3600.0  # rank 0 waits this long for the other ranks' files before giving up on a checkpoint
 
@@ -67,7 +66,7 @@ class Checkpointer:
         newest_valid: int | None = None,
     ):
         """newest_valid: the step of the checkpoint this run resumed from (verified), if any; pruning counts only
-        checkpoints at or below a step known to be valid (run_dir.prune)."""
+        checkpoints at or below a step known to be valid (prune)."""
         self.root, self.recipe, self.tokenizer_dir = root, recipe, tokenizer_dir
         self.newest_valid = newest_valid
         self.rank, self.world, self.keep_last, self.async_save, self.log = rank, world, keep_last, async_save, log
@@ -293,6 +292,21 @@ def rng_state(sr_generator: torch.Generator | None) -> dict[str, torch.Tensor]:
     if sr_generator is not None:
         state["stochastic_rounding"] = sr_generator.get_state()
     return state
+
+
+PRUNING = re.compile(r"^\.prune-step_\d+$")  # a step dir renamed for deletion: gone from view in one rename
+
+
+def prune(root: Path, keep_last: int, newest_valid: int, log=print) -> None:
+    """Keep the newest `keep_last` complete checkpoints up to `newest_valid` (a step known to verify: the one
+    resumed from or one this run wrote), delete the older ones. Nothing newer than newest_valid is touched: only
+    checkpoints at or below a valid one can be counted, so the newest valid checkpoint is never deleted."""
+    candidates = [(s, p) for s, p in step_dirs(root) if s <= newest_valid and (p / DONE).exists()]
+    for _, path in candidates[keep_last:]:
+        doomed = root / f".prune-{path.name}"
+        os.replace(path, doomed)  # one rename: a half-deleted dir is never seen as step_N
+        shutil.rmtree(doomed)
+        log(f"[trnrecipes] pruned checkpoint {path.name} (checkpoint.keep_last {keep_last})")
 
 
 # ---- what goes in (layout-agnostic: each tensor's place in its full tensor is saved, checkpoint/load.py re-slices)

@@ -1,14 +1,12 @@
 """Data: raw text -> one Arrow file (memory-mapped) or Megatron .bin/.idx -> tokens -> fixed-length packed samples.
 
 Samples are numpy arrays; the training loop turns them into tensors. Only the Megatron reader (megatron-core)
-imports torch.
+imports torch. Imports config/ and trnrecipes.schema only; opening a recipe's data section: sources.py.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from trnrecipes.recipe import RecipeError
+from trnrecipes.config.sections import RecipeError
 
 
 class DataError(RecipeError):  # a user error: the CLI prints it, exit 2
@@ -18,49 +16,3 @@ class DataError(RecipeError):  # a user error: the CLI prints it, exit 2
 def listed(names, limit: int = 10) -> str:
     names = [str(n)[:80] for n in list(names)[: limit + 1]]
     return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
-
-
-def open_corpus(fmt: str, path: str | Path, tokenizer_dir: str | Path, text_field: str, root: Path):
-    """(documents, tokenizer) for a recipe's data section; relative paths are taken from `root` (the repo)."""
-    from trnrecipes.data.tokenizer import load_tokenizer
-
-    def resolve(p: str | Path) -> Path:
-        p = Path(p)
-        return p if p.is_absolute() else root / p
-
-    tokenizer = load_tokenizer(resolve(tokenizer_dir))
-    if fmt == "arrow":
-        from trnrecipes.data.arrow import ArrowDocuments
-
-        return ArrowDocuments(resolve(path), tokenizer, text_field), tokenizer
-    if fmt == "megatron":
-        from trnrecipes.data.indexed import IndexedDocuments
-
-        return IndexedDocuments(resolve(path)), tokenizer
-    raise ValueError(f"unknown data format {fmt!r}; valid: arrow, megatron")
-
-
-def open_labelled(recipe, root: Path):
-    """(LabelledDocuments, tokenizer) for a classification recipe: its data.path's text and label columns as
-    padded samples of batch.seq_len tokens (trnrecipes/data/classify.py)."""
-    from trnrecipes.data.classify import LabelledDocuments
-    from trnrecipes.data.tokenizer import load_tokenizer
-
-    d, m = recipe.data, recipe.model
-    tokenizer = load_tokenizer(d.tokenizer if Path(d.tokenizer).is_absolute() else root / d.tokenizer)
-    if tokenizer.pad_id is not None and tokenizer.pad_id != m.pad_token_id:
-        raise DataError(
-            f"tokenizer {d.tokenizer} pads with id {tokenizer.pad_id} but model.pad_token_id is {m.pad_token_id}:"
-            " the model would attend to padding; set model.pad_token_id to the tokenizer's"
-        )
-    path = Path(d.path) if Path(d.path).is_absolute() else root / d.path
-    documents = LabelledDocuments(
-        path,
-        tokenizer,
-        text_field=d.text_field,
-        label_field=d.label_field,
-        num_labels=m.num_labels,
-        seq_len=recipe.batch.seq_len,
-        pad_id=m.pad_token_id,
-    )
-    return documents, tokenizer

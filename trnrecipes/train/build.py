@@ -1,7 +1,7 @@
 """The model a training rank holds: built on the meta device, parallelized there, then only this rank's shard
 materialised and filled, so the full model never exists on a rank whose layout shards it.
 
-Filling reads each parameter's place in its full tensor (trnrecipes.sharding) and either draws it (the family's
+Filling reads each parameter's place in its full tensor (trnrecipes.parallel.sharding) and either draws it (the family's
 init rules, recipes/common/init.py: the same full model for every layout and seed) or reads exactly that slice from
 a checkpoint (ShardReader: safetensors get_slice, whatever layout saved it).
 """
@@ -17,17 +17,17 @@ from torch import nn
 
 from recipes.common.init import fill_region
 from trnrecipes.checkpoint import CheckpointError, ShardReader
-from trnrecipes.families import family_spec
+from trnrecipes.config.families import family_spec
+from trnrecipes.config.sections import Recipe
+from trnrecipes.config.stages import pipeline_stages, rank_stages
 from trnrecipes.models import build_model
-from trnrecipes.pipeline import StagedModel
-from trnrecipes.recipe import Recipe
-from trnrecipes.sharding import shard_region
-from trnrecipes.stages import pipeline_stages, rank_stages
-from trnrecipes.train.parallel_dims import local_tensor
+from trnrecipes.parallel.dims import local_tensor
+from trnrecipes.parallel.pipeline import StagedModel
+from trnrecipes.parallel.sharding import shard_region
 
 if TYPE_CHECKING:
     from trnrecipes.backends import Backend
-    from trnrecipes.train.parallel_dims import ParallelDims
+    from trnrecipes.parallel.dims import ParallelDims
 
 
 def build_model_shard(

@@ -32,19 +32,20 @@ from trnrecipes import REPO_ROOT
 from trnrecipes.backends import make_backend
 from trnrecipes.checkpoint import read_model_checkpoint_recipe
 from trnrecipes.checkpoint.format import STEP_DIR, CheckpointWriteError
-from trnrecipes.checkpoint.load import load
 from trnrecipes.checkpoint.writer import Checkpointer, HostBuffers, snapshot
-from trnrecipes.data import open_corpus, open_labelled
+from trnrecipes.config.changes import changes_data_order, section_differences
+from trnrecipes.config.families import family_spec
+from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.data.classify import ClassificationStream
 from trnrecipes.data.pack import PackedStream, Prefetcher, StreamPosition, batches, split_documents
-from trnrecipes.families import family_spec
-from trnrecipes.layout import compute_layout, plan
-from trnrecipes.recipe import Recipe, RecipeError
+from trnrecipes.data.sources import open_corpus, open_labelled
+from trnrecipes.optim.schedule import lr_at
+from trnrecipes.parallel.dims import ParallelDims, full_tensor
+from trnrecipes.plan.layout import compute_layout, plan
 from trnrecipes.schema import shown
 from trnrecipes.train.monitor import Metrics, SpikeDetector, progress_line
-from trnrecipes.train.optim import lr_at
-from trnrecipes.train.parallel_dims import ParallelDims, full_tensor
-from trnrecipes.train.resume_compat import changes_data_order, check_resume, section_differences
+from trnrecipes.train.restore import load
+from trnrecipes.train.resume_compat import check_resume
 from trnrecipes.train.run_dir import RunDirLock, require_writable, settle_checkpoints
 
 

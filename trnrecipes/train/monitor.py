@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from trnrecipes.data.arrow import atomic_output
-from trnrecipes.run_files import METRICS, METRICS_DROPPED
+from trnrecipes.files.run_files import METRICS, METRICS_DROPPED
 
 
 class SpikeDetector:

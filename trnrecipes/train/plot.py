@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from trnrecipes.outputs import check_output
-from trnrecipes.recipe import RecipeError
+from trnrecipes.config.sections import RecipeError
+from trnrecipes.files.outputs import check_output
 
 PANELS = (("loss", "training loss"), ("grad_norm", "gradient L2 norm"), ("param_norm", "parameter L2 norm"))
 # Classification runs also log accuracy (training, per step) and val_accuracy: drawn when a run has them.

@@ -1,6 +1,6 @@
 """What a trainer may do to its run dir: check that it can write there, hold it alone (a lock), settle the
-checkpoints already there before it writes any (resume, refuse, or archive), and prune. Whether a checkpoint's recipe
-allows resuming: resume_compat.
+checkpoints already there before it writes any (resume, refuse, or archive). Pruning old checkpoints is the writer's
+(trnrecipes.checkpoint.writer.prune); whether a checkpoint's recipe allows resuming, resume_compat's.
 
 Everything here runs on rank 0 only (one per job, whatever the node count) and imports no torch.
 """
@@ -20,14 +20,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from trnrecipes.checkpoint import DONE, CheckpointError, CheckpointReadError, verify_training
+from trnrecipes.checkpoint import CheckpointError, CheckpointReadError, verify_training
 from trnrecipes.checkpoint.format import STORAGE_ERRNOS, step_dirs
-from trnrecipes.recipe import RecipeError
-from trnrecipes.run_files import CHECKPOINTS, LOCK_FILE, METRICS, METRICS_DROPPED
+from trnrecipes.checkpoint.writer import PRUNING
+from trnrecipes.config.sections import RecipeError
+from trnrecipes.files.run_files import CHECKPOINTS, LOCK_FILE, METRICS, METRICS_DROPPED
 from trnrecipes.schema import shown
 
 TEMP_DIR = re.compile(r"^\.step_\d+\.tmp$")  # a save in progress (trnrecipes.checkpoint.writer)
-PRUNING = re.compile(r"^\.prune-step_\d+$")  # a step dir renamed for deletion: gone from view in one rename
 UNUSABLE = "unusable"  # checkpoints/unusable/step_N: complete-looking checkpoints that failed verification
 RECORD_BYTES = 512  # the lock file's holder record, space-padded JSON
 
@@ -146,18 +146,6 @@ def _archive(run_dir: Path) -> Path:
         if (run_dir / name).exists():
             os.replace(run_dir / name, archive / name)
     return archive
-
-
-def prune(root: Path, keep_last: int, newest_valid: int, log=print) -> None:
-    """Keep the newest `keep_last` complete checkpoints up to `newest_valid` (a step known to verify: the one
-    resumed from or one this run wrote), delete the older ones. Nothing newer than newest_valid is touched: only
-    checkpoints at or below a valid one can be counted, so the newest valid checkpoint is never deleted."""
-    candidates = [(s, p) for s, p in step_dirs(root) if s <= newest_valid and (p / DONE).exists()]
-    for _, path in candidates[keep_last:]:
-        doomed = root / f".prune-{path.name}"
-        os.replace(path, doomed)  # one rename: a half-deleted dir is never seen as step_N
-        shutil.rmtree(doomed)
-        log(f"[trnrecipes] pruned checkpoint {path.name} (checkpoint.keep_last {keep_last})")
 
 
 # ---- the lock

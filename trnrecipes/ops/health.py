@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from trnrecipes.recipe import NodeError, Recipe
+from trnrecipes.config.sections import NodeError, Recipe
 
 SIZES_MIB = (1, 16)  # bytes per collective in total, not per rank
 ITERS = 5
@@ -58,7 +58,7 @@ def node_name() -> str:
 def check_node(recipe: Recipe, collectives: bool = False, size: int = 512) -> int:
     """The checks above on this rank; 0 when every rank passed them all, else 1 (on every rank)."""
     from trnrecipes.backends import make_backend
-    from trnrecipes.train.parallel_dims import ParallelDims
+    from trnrecipes.parallel.dims import ParallelDims
 
     try:
         backend = make_backend(recipe.runtime_backend, int(os.environ.get("LOCAL_RANK", "0")))

@@ -7,17 +7,27 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from trnrecipes.layout import compute_layout, rank_coords
-from trnrecipes.recipe import Recipe, RecipeError, check_recipe
-from trnrecipes.sharding import chunk_range
+from trnrecipes.config.recipe import check_recipe
+from trnrecipes.config.sections import Recipe, RecipeError
+from trnrecipes.parallel.sharding import chunk_range
+from trnrecipes.plan.layout import compute_layout, rank_coords
 
-if TYPE_CHECKING:
-    from trnrecipes.backends import Backend
+
+class Backend(Protocol):
+    """What ParallelDims asks of a backend (trnrecipes.backends' classes are such; this package sits below them)."""
+
+    name: str
+    supports_pp: bool
+    no_pp_reason: str
+    supports_zero1: bool
+    collectives_on_device: bool
+
+    def init_process_groups(self, dims: ParallelDims) -> None: ...
 
 
 class ParallelDims:
@@ -48,8 +58,8 @@ class ParallelDims:
         wanted = recipe.layout.zero1 and self.dp > 1
         self.zero1 = wanted and backend.supports_zero1
         self.zero1_unavailable = wanted and not self.zero1
-        # FSDP2: parameters, gradients and moments sharded over the DP group (trnrecipes/fsdp.py), along the same
-        # dim-0 rows of each TP-local tensor as ZeRO-1's moments (trnrecipes.sharding).
+        # FSDP2: parameters, gradients and moments sharded over the DP group (trnrecipes/parallel/fsdp.py), along the
+        # same dim-0 rows of each TP-local tensor as ZeRO-1's moments (trnrecipes.parallel.sharding).
         self.fsdp = recipe.layout.fsdp and self.dp > 1
         self.mesh = self.dp_group = self.pp_group = None
         self.collectives_on_device = backend.collectives_on_device

@@ -24,8 +24,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from trnrecipes.recipe import RecipeError
-from trnrecipes.run_files import CHECKPOINTS, LOCK_FILE, MANIFEST, STEP_DIR
+from trnrecipes.config.sections import RecipeError
+from trnrecipes.files.run_files import CHECKPOINTS, LOCK_FILE, MANIFEST, STEP_DIR
 from trnrecipes.schema import shown
 
 MANIFEST_READ_LIMIT = 64 << 20  # a manifest.json larger than this is not one of ours (ours list file hashes)

@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 
-from trnrecipes.recipe import RecipeError
+from trnrecipes.config.sections import RecipeError
 
 OPERATIONS = ("all_reduce", "all_gather")
 SIZES = ("-b", "8", "-e", "256MB", "-f", "4")  # 8 B .. 256 MB: latency-bound to bandwidth-bound

@@ -1,6 +1,6 @@
 """Pipeline parallelism: the part of the model one pipeline rank holds, and (cpu / cuda) the schedule that runs it.
 
-`StagedModel` is what a pipeline rank trains: the stages trnrecipes/stages.py gives it, as one module whose
+`StagedModel` is what a pipeline rank trains: the stages trnrecipes/config/stages.py gives it, as one module whose
 parameter names are the full model's (`embed.weight`, `layers.17.attn.qkv.weight`, `head.weight`: layers keyed by
 their original index in a ModuleDict), so the sharded build, the init rules, the tensor-parallel plan, the optimizer
 and the checkpoint code all work on it unchanged. It is cut from the full model built on the meta device, along
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from trnrecipes.stages import Stage
+from trnrecipes.config.stages import Stage
 
 if TYPE_CHECKING:
     from recipes.common.spec import ModelParts
-    from trnrecipes.train.parallel_dims import ParallelDims
+    from trnrecipes.parallel.dims import ParallelDims
 
 
 class StageModule(nn.Module):

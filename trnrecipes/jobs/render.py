@@ -24,14 +24,15 @@ import jinja2
 import yaml
 
 from trnrecipes import REPO_ROOT, __version__
-from trnrecipes.families import family_spec
-from trnrecipes.layout import Layout, compute_layout, rank_coords
-from trnrecipes.neuron_env import JOB_USER, backend_env
-from trnrecipes.preemption import render_warnings as preemption_warnings
-from trnrecipes.preemption import signal_seconds
-from trnrecipes.recipe import Recipe, RecipeError, is_plain_path
+from trnrecipes.config.families import family_spec
+from trnrecipes.config.preemption import render_warnings as preemption_warnings
+from trnrecipes.config.preemption import signal_seconds
+from trnrecipes.config.recipe import is_plain_path
+from trnrecipes.config.sections import Recipe, RecipeError
+from trnrecipes.config.stacks import DLAMI_PYTHON, TORCHNEURON, sdk_version
+from trnrecipes.jobs.neuron_env import JOB_USER, backend_env
+from trnrecipes.plan.layout import Layout, compute_layout, rank_coords
 from trnrecipes.schema import shown
-from trnrecipes.stacks import DLAMI_PYTHON, TORCHNEURON, sdk_version
 
 TEMPLATES_DIR = REPO_ROOT / "templates"
 SCRIPTS = ("compile.sbatch", "run.sbatch", "eval.sbatch")
@@ -68,9 +69,9 @@ def scripts(recipe: Recipe) -> tuple[str, ...]:
 
 def render_warnings(recipe: Recipe) -> list[str]:
     """What `trnrecipes sbatch` prints to stderr (the job dir is still written): the time-limit and signal checks
-    (trnrecipes.preemption), and a classification recipe without a holdout for eval.sbatch. That one is a warning, not
-    an error: training does not need it (its validation split comes from data.val_fraction), and eval.sbatch can still
-    be given a file when it is submitted."""
+    (trnrecipes.config.preemption), and a classification recipe without a holdout for eval.sbatch. That one is a
+    warning, not an error: training does not need it (its validation split comes from data.val_fraction), and
+    eval.sbatch can still be given a file when it is submitted."""
     warnings = preemption_warnings(recipe)
     if objective(recipe) == "classification" and recipe.data.eval_path is None:
         warnings.append(
@@ -149,7 +150,7 @@ def _environment() -> jinja2.Environment:
 
 def default_python(recipe: Recipe, repo_root: Path) -> str | Path:
     """The interpreter the scripts run (TRNRECIPES_PYTHON overrides it at submit time): cluster.python, else the
-    TorchNeuron DLAMI's virtualenv on that stack (trnrecipes.stacks.DLAMI_PYTHON), else the checkout's .venv."""
+    TorchNeuron DLAMI's virtualenv on that stack (trnrecipes.config.stacks.DLAMI_PYTHON), else the checkout's .venv."""
     if recipe.cluster.python:
         return recipe.cluster.python
     if recipe.stack == TORCHNEURON:

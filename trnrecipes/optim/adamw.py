@@ -1,4 +1,4 @@
-"""AdamW, the learning-rate schedule and stochastic rounding, written for every backend at once.
+"""AdamW and stochastic rounding, written for every backend at once (the learning-rate schedule: schedule.py).
 
 One AdamW instead of torch.optim's because three backends need things it does not give together:
 - XLA/Neuron: lr and the step count stay device tensors, so the optimizer graph has no host-side scalar at all.
@@ -10,31 +10,16 @@ One AdamW instead of torch.optim's because three backends need things it does no
 - bf16 weights without fp32 masters: the update is computed in fp32 and rounded to bf16 either to nearest or
   stochastically (off Neuron in software here; on Neuron the runtime flag does it in hardware).
 - ZeRO-1: given `rows`, each parameter's moments exist only for this data-parallel rank's rows (dim 0 of its local
-  tensor, trnrecipes.sharding) and only those rows are updated; ParallelDims.gather_zero1 then shares the updated
-  rows. AdamW is elementwise, so the update of a row is bitwise the same whichever rank makes it.
+  tensor, trnrecipes.parallel.sharding) and only those rows are updated; ParallelDims.gather_zero1 then shares the
+  updated rows. AdamW is elementwise, so the update of a row is bitwise the same whichever rank makes it.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from trnrecipes.recipe import OptimConfig
-from trnrecipes.train.parallel_dims import local_tensor
-
-
-def lr_at(step: int, cfg: OptimConfig) -> float:
-    """Linear warmup from lr/warmup to lr over warmup_steps, then decay to min_lr at decay_steps (counted from 0,
-    warmup included, like Megatron's lr-decay-iters), then min_lr."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.decay_steps - cfg.warmup_steps))
-    if cfg.schedule == "linear":
-        return cfg.min_lr + (cfg.lr - cfg.min_lr) * (1.0 - progress)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+from trnrecipes.config.sections import OptimConfig
+from trnrecipes.parallel.dims import local_tensor
 
 
 def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

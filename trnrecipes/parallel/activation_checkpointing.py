@@ -65,7 +65,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode must be one of {MODES}, not {mode!r}")
     if mode == "full":
-        for block in model.layers.children():  # a ModuleList, or a pipeline rank's ModuleDict (trnrecipes/pipeline.py)
+        for (
+            block
+        ) in model.layers.children():  # a ModuleList, or a pipeline rank's ModuleDict (trnrecipes/parallel/pipeline.py)
             checkpoint_module(block)
     elif mode == "selective":
         cores = [m for m in model.modules() if isinstance(m, CoreAttention)]

@@ -6,7 +6,7 @@ freed after; the last block's kept from its forward to its backward, which comes
 what is left (embedding, final norm, head; FSDP keeps a root's parameters gathered after forward). With TP the
 parameters are already DTensors on the mesh's tp dim; fully_shard over the dp dim makes them 2-D DTensors.
 
-How a parameter is split matches ZeRO-1's rows (trnrecipes.sharding): FSDP2 chunks dim 0 of the TP-local tensor
+How a parameter is split matches ZeRO-1's rows (trnrecipes.parallel.sharding): FSDP2 chunks dim 0 of the TP-local tensor
 torch.chunk style over the DP ranks, so a rank's local tensor is exactly `shard_region(..., dp, dp_rank)`. The
 sharded build fills those rows directly, the optimizer keeps moments for them only (as under ZeRO-1), and the
 checkpoint writes the same files as a run without FSDP: weights gathered over DP per tensor (tp_local) and written

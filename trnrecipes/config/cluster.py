@@ -3,7 +3,7 @@
 Sources: AWS instance pages and the Neuron architecture docs (awsdocs-neuron.readthedocs-hosted.com, about-neuron/
 arch/neuron-hardware: trainium, trainium2, trainium3, neuron-core-v3/v4, trn2-arch, trn3-arch); A100 312, H100 SXM
 989 dense BF16 TFLOPS. A recipe may override the price (reserved/SageMaker rates) and the worker count (a different
-logical-core layout). Which Neuron software stack trains on which instance: trnrecipes.stacks.
+logical-core layout). Which Neuron software stack trains on which instance: trnrecipes.config.stacks.
 
 Peak for MFU on trn2/trn3 is the tensor engines' dense BF16 rate per logical NeuronCore (LNC=2: two physical
 cores), as TorchTitan Neuron counts it: 2 cores x 128 x 128 MACs x 2 FLOPs x 2.4 GHz = 157 TFLOPS (its

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import math
 
-from trnrecipes.layout import param_count
-from trnrecipes.recipe import Recipe
+from trnrecipes.config.sections import Recipe
 
 # After the signal the trainer finishes the step it is in, validates if due, and copies its state to host memory
 # before the write starts: a few minutes at most on the recipes we ship.
@@ -23,7 +22,7 @@ def checkpoint_bytes(r: Recipe) -> int:
     """Bytes of one training checkpoint: weights in their training dtype (bf16, else fp32 master weights) and two
     fp32 AdamW moments per parameter. Small files (recipe, tokenizer, RNG, data position) are left out."""
     weight_bytes = 2 if r.precision.dtype == "bf16" else 4
-    return param_count(r.model) * (weight_bytes + 2 * 4)
+    return r.model.param_count() * (weight_bytes + 2 * 4)
 
 
 def derived_signal_seconds(r: Recipe) -> int:

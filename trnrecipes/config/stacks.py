@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from trnrecipes.cluster import INSTANCES
+from trnrecipes.config.cluster import INSTANCES
 
 XLA_NXD, TORCHNEURON = "xla-nxd", "torchneuron"
 SdkRange = tuple[tuple[int, int], tuple[int, int]]
@@ -29,7 +29,7 @@ SdkRange = tuple[tuple[int, int], tuple[int, int]]
 class NeuronStack:
     name: str
     title: str  # for messages and script comments
-    sdks: SdkRange  # oldest and newest Neuron SDK the env/flag table (trnrecipes.neuron_env) describes for it
+    sdks: SdkRange  # oldest and newest Neuron SDK the env/flag table (trnrecipes.jobs.neuron_env) describes for it
     instances: tuple[str, ...]  # catalog instances it trains on
     runtime_backend: str  # the trnrecipes.backends name that runs it
 
@@ -57,7 +57,7 @@ STACKS: dict[str, NeuronStack] = {
 # The interpreter run.sbatch uses by default on the TorchNeuron stack: the virtualenv of AWS's "Deep Learning AMI
 # Neuron torch-neuronx" for that SDK (Neuron 2.33: PyTorch 2.14, torch-neuronx 2.14.x; awsdocs-neuron v2.33.0
 # setup/pytorch/update-dlami). cluster.python or TRNRECIPES_PYTHON overrides it. trnrecipes' own dependencies must be
-# installed into it (README: "Trainium 2/3").
+# installed into it (docs/jobs.md: "Trainium stacks").
 DLAMI_PYTHON: dict[tuple[int, int], str] = {(2, 33): "/opt/aws_neuronx_venv_torch_neuronx_2_14_0/bin/python"}
 
 _SDK_TEXT = re.compile(r"2\.[0-9]{1,2}")

@@ -17,17 +17,17 @@ import torch
 from torch import nn
 
 from trnrecipes.checkpoint.format import CheckpointError, ShardReader, data_file, load_tensors, read_json, rng_file
+from trnrecipes.config.changes import allows
+from trnrecipes.config.sections import Recipe
+from trnrecipes.config.stages import pipeline_stages
 from trnrecipes.data.pack import StreamPosition
-from trnrecipes.recipe import Recipe
+from trnrecipes.parallel.sharding import shard_region
 from trnrecipes.schema import clipped
-from trnrecipes.sharding import shard_region
-from trnrecipes.stages import pipeline_stages
 from trnrecipes.train.build import build_model_shard
-from trnrecipes.train.resume_compat import allows
 
 if TYPE_CHECKING:
     from trnrecipes.backends import Backend
-    from trnrecipes.train.parallel_dims import ParallelDims
+    from trnrecipes.parallel.dims import ParallelDims
 
 
 @dataclass

@@ -17,7 +17,7 @@ the TP group after backward (reduce_sequence_parallel_gradients).
 
 ZeRO-1 (optimizer states sharded over the data-parallel group) runs through NxD's zero-1 optimizer: see the section
 after the step helpers (make_zero1_optimizer, zero1_moments). Pipeline parallelism runs through NxD's NxDPPModel in
-manual-partition mode (Neuron SDK 2.22+): trnrecipes/neuron_pipeline.py, which uses the groups initialize() makes.
+manual-partition mode (Neuron SDK 2.22+): trnrecipes/parallel/nxd_pipeline.py, which uses the groups initialize() makes.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from recipes.common.loss import logits_loss
-from trnrecipes.parallel import family_plan, layer_ids, require_divisible_sequence
-from trnrecipes.sharding import chunk_range
+from trnrecipes.parallel.sharding import chunk_range
+from trnrecipes.parallel.tensor import family_plan, layer_ids, require_divisible_sequence
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
                 spec.in_features, spec.out_features, bias=spec.bias, input_is_parallel=True, **layer_args(dtype), **sp
             )
         model.set_submodule(spec.name, new)
-    # A pipeline stage (trnrecipes.pipeline.StagedModel) holds the embedding on the first stage, the head last.
+    # A pipeline stage (trnrecipes.parallel.pipeline.StagedModel) holds the embedding on the first stage, the head last.
     has_embed, has_head = hasattr(model, "embed"), hasattr(model, "head")
     if has_embed:
         model.embed = layers.ParallelEmbedding(
@@ -281,7 +281,7 @@ ZERO1_BUCKET_CAP_MB = 130
 
 def zero1_param_groups(params: list[nn.Parameter], no_decay: set[int]) -> list[dict]:
     """The trained parameters as torch param groups: weight-decayed ones, then those in `no_decay` (id()s, as for
-    trnrecipes.train.optim.AdamW) with weight_decay 0. An empty group is left out."""
+    trnrecipes.optim.adamw.AdamW) with weight_decay 0. An empty group is left out."""
     trained = [p for p in params if p.requires_grad]
     groups = [
         {"params": [p for p in trained if id(p) not in no_decay]},
@@ -335,8 +335,8 @@ def zero1_rows(local_rows: int, dp: int, dp_rank: int) -> tuple[int, int]:
 
     torch-xla pads dim 0 with zero rows to a multiple of dp and takes chunk dp_rank of dp: every chunk has
     ceil(rows / dp) rows, and chunk i covers real rows [i * c, (i + 1) * c) cut at `rows`, which is torch.chunk's
-    split of the unpadded rows (trnrecipes.sharding.chunk_range, the rule the checkpoint files use). Trailing ranks
-    may hold only padding (an empty range)."""
+    split of the unpadded rows (trnrecipes.parallel.sharding.chunk_range, the rule the checkpoint files use). Trailing
+    ranks may hold only padding (an empty range)."""
     return chunk_range(local_rows, dp, dp_rank)
 
 

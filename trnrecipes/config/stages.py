@@ -1,5 +1,6 @@
 """Pipeline stages as layout math: which layers each stage holds, which rank runs which stage, what a schedule
-needs and what it costs. Torch-free: `plan` and `sbatch` use this; trnrecipes.pipeline builds the stages from it.
+needs and what it costs. Torch-free: `plan` and `sbatch` use this; trnrecipes.parallel.pipeline builds the stages from
+it.
 
 A model of L layers runs as S = pp x v stages (v: virtual stages per rank, interleaved 1F1B). Stage s holds
 layers [first_s, first_s + n_s), the embedding too if s = 0, the final norm and the head if s = S - 1. Layers are
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trnrecipes.stacks import sdk_version
+from trnrecipes.config.stacks import sdk_version
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 BUBBLE_WARNING = 0.10  # plan warns when the pipeline idles more than this fraction of ideal step time

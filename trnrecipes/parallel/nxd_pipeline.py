@@ -1,6 +1,6 @@
 """Pipeline parallelism on Neuron: neuronx-distributed's NxDPPModel in manual-partition mode, running the stages a
-pipeline rank holds (trnrecipes.pipeline.StagedModel) with TorchPipeline's contract. Import-guarded like
-trnrecipes.neuron_parallel (the SDK installs only on Trainium hosts); tested against a stand-in with NxD's signatures
+pipeline rank holds (trnrecipes.parallel.pipeline.StagedModel) with TorchPipeline's contract. Import-guarded like
+trnrecipes.parallel.nxd (the SDK installs only on Trainium hosts); tested against a stand-in with NxD's signatures
 (tests/test_neuron_pipeline.py).
 
 Written against neuronx_distributed/pipeline/model.py (NxDPPModel) and pipeline/manual_pipe_stage.py
@@ -13,9 +13,9 @@ tests, test/integration/parallel_layers/pipeline/manual_pp/, as here). What it d
   to its PP rank (parallel_state.get_pipeline_model_parallel_rank()) in one PipelineStageModule, whose forward
   chains them (out = layer(out)). One stage per rank: manual mode builds model chunk 0 only (no virtual stages),
   and trains with Train1F1BSchedule (1F1B, any number of micro-batches) and evaluates with InferenceSchedule.
-  We pass one "layer" per pipeline stage: this rank's StageModule (trnrecipes.pipeline: embed? -> its layers ->
+  We pass one "layer" per pipeline stage: this rank's StageModule (trnrecipes.parallel.pipeline: embed? -> its layers ->
   norm?) behind _NxDStage, empty placeholders for the other ranks' stages (never run, never materialised here),
-  and a partition that maps entry s to stage s: trnrecipes.stages' split, explicit pp_stage_layers included.
+  and a partition that maps entry s to stage s: trnrecipes.config.stages' split, explicit pp_stage_layers included.
 - run_train(inputs=..., labels=...) / run_eval(...): exactly these two keywords in manual mode
   (_create_model_inputs_and_labels_iter). Each is the whole step's batch; get_batch_iterator cuts it along dim 0
   into num_microbatches contiguous slices and MpDeviceLoader uploads them one by one: host tensors go in. Every
@@ -53,8 +53,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trnrecipes.neuron_parallel import _NXD_MISSING
-from trnrecipes.pipeline import Pipeline
+from trnrecipes.parallel.nxd import _NXD_MISSING
+from trnrecipes.parallel.pipeline import Pipeline
 
 
 class _NxDStage(nn.Module):

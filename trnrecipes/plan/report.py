@@ -42,7 +42,7 @@ def format_plan(p: dict[str, object]) -> str:
 
 
 def format_pipeline(p: dict[str, object], width: int) -> list[str]:
-    """The pipeline lines of a plan (trnrecipes.layout.pipeline_plan): none without PP. Keys in the plan summary's
+    """The pipeline lines of a plan (trnrecipes.plan.layout.pipeline_plan): none without PP. Keys in the plan summary's
     column, `width` wide."""
     if p["pp"] == 1:
         return []

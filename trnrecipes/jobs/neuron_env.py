@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trnrecipes import REPO_ROOT
-from trnrecipes.families import FAMILIES
-from trnrecipes.recipe import Recipe
-from trnrecipes.stacks import TORCHNEURON, XLA_NXD, sdk_version
+from trnrecipes.config.families import FAMILIES
+from trnrecipes.config.sections import Recipe
+from trnrecipes.config.stacks import TORCHNEURON, XLA_NXD, sdk_version
 
 BOTH = (XLA_NXD, TORCHNEURON)
 
@@ -31,7 +31,7 @@ BOTH = (XLA_NXD, TORCHNEURON)
 NNM = "neuronx-nemo-megatron nemo/examples/nlp/language_modeling/train_setup.sh"
 NXDT = "neuronx-distributed-training examples/training_orchestrator.py"
 RUNTIME_DOCS = "Neuron runtime configuration guide (neuron-runtime/guides/configuration-guide)"
-JOB_USER = "${JOB_USER}"  # expanded by the scripts to the submitting user (trnrecipes.render quotes around it)
+JOB_USER = "${JOB_USER}"  # expanded by the scripts to the submitting user (trnrecipes.jobs.render quotes around it)
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ RULES: tuple[EnvRule, ...] = (
         "NEURON_LOGICAL_NC_CONFIG",
         _of_recipe(lambda r: "2" if r.cluster.instance.startswith("trn2") else None),
         "trn2: two physical NeuronCores per logical one, the SDK's default, said aloud so the runtime, the compiler"
-        " and NxD's TP groups (trnrecipes/neuron_parallel.py reads it) agree with the catalog's 64 workers per node",
+        " and NxD's TP groups (trnrecipes/parallel/nxd.py reads it) agree with the catalog's 64 workers per node",
     ),
     EnvRule(
         "NEURON_LOGICAL_NC_CONFIG",

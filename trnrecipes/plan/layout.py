@@ -3,7 +3,7 @@ family's spec, recipes/<family>/spec.py).
 
 world = nodes x workers/node; DP = world / (TP x PP); grad-accum = GBS / (micro-batch x DP). With PP > 1 the
 grad-accum micro-batches are the pipeline's micro-batches: which layers each stage holds, its parameters and the
-bubble come from trnrecipes/stages.py.
+bubble come from trnrecipes/config/stages.py.
 No torch import: `plan` and `sbatch` use this.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from trnrecipes.cluster import Instance, get_instance
-from trnrecipes.families import ModelSection
-from trnrecipes.recipe import Recipe, RecipeError
-from trnrecipes.stages import BUBBLE_WARNING, Stage, bubble_fraction, pipeline_stages, schedule_problem
+from trnrecipes.config.cluster import Instance, get_instance
+from trnrecipes.config.families import ModelSection
+from trnrecipes.config.sections import Recipe, RecipeError
+from trnrecipes.config.stages import BUBBLE_WARNING, Stage, bubble_fraction, pipeline_stages, schedule_problem
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
         "recipe": r.name,
         "instance": inst.name,
         "backend": r.cluster.backend,
-        "stack": r.stack,  # xla-nxd / torchneuron on neuron (trnrecipes.stacks), else the backend
+        "stack": r.stack,  # xla-nxd / torchneuron on neuron (trnrecipes.config.stacks), else the backend
         **layout.to_dict(),
         "params": param_count(r.model),
         "flops_per_token": fpt,

@@ -1,0 +1,213 @@
+"""A recipe's sections as typed, frozen dataclasses (the schema a recipe file is read into) and RecipeError.
+
+Imports only the schema toolkit, the instance catalog, the stacks and the family registry (all in config/); loading
+and validation are recipe.py's, which imports this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from trnrecipes.config.cluster import get_instance
+from trnrecipes.config.families import ModelSection, model_config
+from trnrecipes.config.stacks import STACKS, neuron_stack
+from trnrecipes.schema import to_dict
+
+
+class RecipeError(ValueError):
+    """A recipe, an override or a node count that cannot make a valid job; the message says what would.
+    run.sbatch never requeues a job that stops on one (the same input fails the same way), except where
+    `may_pass` says a requeue may pass it (a node's fault, a flaky read)."""
+
+    may_pass = False
+
+
+class NodeError(RecipeError):
+    """This node cannot run the job (no device where the recipe needs one): a requeue on other nodes may pass."""
+
+    may_pass = True
+
+
+# The model section is its family's own config dataclass (recipes/<family>/spec.py), picked by model.family.
+# ModelConfig(family=..., **fields) builds one: the name the single merged class had (bench/ still calls it).
+ModelConfig = model_config
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    tp: int = 1  # tensor parallel degree (inside a node)
+    pp: int = 1  # pipeline parallel degree (trnrecipes/config/stages.py: how the layers are split)
+    pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"  # micro-batches = grad-accum steps
+    pp_virtual_stages: int = 1  # stages per pipeline rank (> 1: interleaved_1f1b)
+    pp_stage_layers: tuple[int, ...] | None = None  # layers of each stage, in order; default: an even split
+    sequence_parallel: bool = False  # shard norms/dropout activations along the sequence over the TP group
+    zero1: bool = False  # ZeRO-1: optimizer states sharded over the data-parallel group (AWS's zero1 / USE_ZERO_1)
+    # FSDP2 (torch's fully_shard): parameters, gradients and optimizer states sharded over the data-parallel group;
+    # cpu and cuda. Checkpoints are the same files as without it.
+    fsdp: bool = False
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    global_batch: int  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch: int  # sequences per forward/backward on one worker
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    decay_steps: int
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay_norms_and_biases: bool = True  # seed 002 decays every parameter, norms included
+    clip_grad_norm: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_steps: int
+    seed: int = 1234
+    log_every: int = 1
+    val_every: int = 1000
+    val_batches: int = 8
+    init_from: str | None = None  # a trnrecipes checkpoint to fine-tune from (HF models: `convert from-hf` first)
+    # With init_from: "reset" starts fresh Adam moments (the default: fine-tuning or continuing on new data, whose
+    # gradients the old moments do not describe, and the LR schedule restarts with them); "keep" carries the
+    # checkpoint's moments and step count over (incremental training on more of the same data, M5-style).
+    init_optimizer: Literal["reset", "keep"] = "reset"
+    # torch.compile each transformer block (trnrecipes/parallel/compile.py). None: on for cuda without TP; off for cpu,
+    # where compiling outlasts a short run, and for TorchNeuron (eager with Adaptive Eager Execution; true compiles
+    # with backend "neuron"); xla and XLA/NxD compile their graphs anyway and refuse true, as TP does.
+    # Not the Neuron ahead-of-time `compile` section below, which is the compile job.
+    compile: bool | None = None
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    dtype: Literal["fp32", "bf16-mixed", "bf16"] = "fp32"  # bf16-mixed keeps fp32 master weights
+    stochastic_rounding: bool = False  # bf16 only: on Neuron the runtime flag, elsewhere done in software
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    format: Literal["arrow", "megatron"]
+    path: str  # Arrow file, or Megatron .bin/.idx prefix; relative to the repository root
+    tokenizer: str  # tokenizer directory; relative to the repository root
+    text_field: str = "text"
+    label_field: str = "label"  # classification families (model.family bert): the integer class-id column
+    eval_path: str | None = None  # classification: a labelled holdout file eval.sbatch scores (`trnrecipes predict`)
+    val_fraction: float = 0.01
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 1000
+    every_minutes: float | None = None  # also save when this much wall time passed since the last save
+    keep_last: int = 3
+    async_save: bool = True
+    resume: bool = True  # start from the newest complete checkpoint in the run dir if there is one
+    # resume false on a run dir with checkpoints is refused; force_fresh moves them (and the metrics) to
+    # RUN_DIR/archived/<time>/ first. Each requeue of such a job starts over again: it is for one-off runs.
+    force_fresh: bool = False
+    # Recipe keys (or sections) that may differ from the checkpoint's on resume, e.g. [optim.lr]; the model's shape
+    # never may (trnrecipes.train.resume_compat lists what is free to change and what needs naming here).
+    allow_changes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    steps: int = 4  # steps compile.sbatch traces (with one validation and one checkpoint pass)
+    optlevel: Literal[1, 2, 3] = 1
+    mixed_precision_accumulation: bool = True
+    # Node-local; never the shared file system. None: /var/tmp/neuron-compile-cache-<user>/<job name>, so users and
+    # jobs never share a cache dir (the SDK's default, /var/tmp/neuron-compile-cache, is one per node for everyone).
+    cache_dir: str | None = None
+    # TorchNeuron only: the NEFF cache the compile job fills and every node of the run reads (shared FS; TorchNeuron
+    # writes its entries atomically). None: <job dir>/neff-cache. cache_dir is then its node-local lock directory.
+    shared_cache_dir: str | None = None
+    extra_flags: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    instance: str
+    backend: Literal["neuron", "xla", "cuda", "cpu"]
+    nodes: int = 1
+    # Selects the Neuron stack (trnrecipes.config.stacks: 2.21-2.28 torch-xla + NxD, 2.33 TorchNeuron) and keys its
+    # env/flag table (trnrecipes.jobs.neuron_env).
+    neuron_sdk: str = "2.26"
+    workers_per_node: int | None = None  # None = the instance's (32 NeuronCores on trn1.32xlarge)
+    price_per_hour: float | None = None  # None = the catalog's on-demand price
+    python: str | None = None  # interpreter on the nodes; None = the TorchNeuron DLAMI's venv there, else <repo>/.venv
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    job_name: str | None = None  # None = <recipe>-<nodes>n
+    partition: str | None = None
+    account: str | None = None
+    time_limit: str | None = None  # [D-]HH:MM:SS; unset: the partition's limit, and no pre-timeout save if none
+    # The pre-timeout signal comes this long before the limit (Slurm: up to 60 s early). None: long enough to write
+    # the checkpoint at checkpoint_write_gbps (trnrecipes.config.preemption).
+    signal_seconds: int | None = None
+    checkpoint_write_gbps: float = 1.0  # GB/s the whole job writes a checkpoint at (the shared file system's rate)
+    # Requeues after a failure (a crash, a failed health check; deterministic failures such as bad input are never
+    # requeued). Requeues after a pre-timeout save are progress and not counted.
+    max_restarts: int = 3
+    log_all_ranks: bool = False  # every worker's output in the job log; default: each node's local rank 0 only
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    model: ModelSection
+    batch: BatchConfig
+    optim: OptimConfig
+    train: TrainConfig
+    data: DataConfig
+    cluster: ClusterConfig
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    run_dir: str | None = None  # None = runs/<job name>; relative to the repository root
+
+    @property
+    def job_name(self) -> str:
+        return self.slurm.job_name or f"{self.name}-{self.cluster.nodes}n"
+
+    @property
+    def workers_per_node(self) -> int:
+        return self.cluster.workers_per_node or get_instance(self.cluster.instance).workers_per_node
+
+    @property
+    def price_per_hour(self) -> float | None:
+        """Per node; None where the catalog has no price and the recipe sets none."""
+        if self.cluster.price_per_hour is not None:
+            return self.cluster.price_per_hour
+        return get_instance(self.cluster.instance).price_per_hour
+
+    @property
+    def stack(self) -> str:
+        """The software stack that trains it: xla-nxd or torchneuron on backend neuron (trnrecipes.config.stacks), else
+        the backend's name. Only for a recipe that passed check_recipe."""
+        c = self.cluster
+        return neuron_stack(c.instance, c.neuron_sdk).name if c.backend == "neuron" else c.backend
+
+    @property
+    def runtime_backend(self) -> str:
+        """The trnrecipes.backends name that trains it: cluster.backend, or its Neuron stack's (neuron-native on
+        TorchNeuron)."""
+        stack = STACKS.get(self.stack)
+        return stack.runtime_backend if stack else self.cluster.backend
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
