@@ -129,35 +129,35 @@ class Zero1Optimizer:
     generator = None  # the hardware rounds; no software rounding noise to save
     rows = None  # NxD gathers the updated rows itself
 
-    def __init__(self, nxd):
-        self.nxd = nxd
-        self.params = [s.param for s in nxd.zero1_moments(nxd)]
+    def __init__(self, optimizer):
+        self.optimizer = optimizer  # NxD's zero-1 optimizer
+        self.params = [s.param for s in nxd.zero1_moments(optimizer)]
 
     @property
     def exp_avg(self) -> list[torch.Tensor]:
-        return [s.exp_avg for s in nxd.zero1_moments(self.nxd)]
+        return [s.exp_avg for s in nxd.zero1_moments(self.optimizer)]
 
     @property
     def exp_avg_sq(self) -> list[torch.Tensor]:
-        return [s.exp_avg_sq for s in nxd.zero1_moments(self.nxd)]
+        return [s.exp_avg_sq for s in nxd.zero1_moments(self.optimizer)]
 
     def set_lr(self, lr: float) -> None:
-        nxd.set_zero1_lr(self.nxd, lr)
+        nxd.set_zero1_lr(self.optimizer, lr)
 
     def step(self) -> None:
-        self.nxd.step()
+        self.optimizer.step()
 
     def grad_norm(self) -> torch.Tensor:
-        return nxd.zero1_grad_norm(self.nxd)
+        return nxd.zero1_grad_norm(self.optimizer)
 
     def zero_grad(self) -> None:
-        self.nxd.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
 
     def steps(self) -> int:
-        return nxd.zero1_step_count(self.nxd)
+        return nxd.zero1_step_count(self.optimizer)
 
     def set_steps(self, steps: int) -> None:
-        nxd.set_zero1_step_count(self.nxd, steps)
+        nxd.set_zero1_step_count(self.optimizer, steps)
 
 
 def materialize_meta(model: nn.Module, device: torch.device) -> None:
