@@ -401,17 +401,24 @@ def test_the_heartbeat_fallback_refuses_a_live_holder_here_and_takes_over_a_dead
 
 
 def test_concurrent_acquirers_without_flock_get_one_lock(tmp_path: Path):
+    """Four processes at once: one holds the lock until the other three have given up. (The holder used to let go
+    after 2 s: on a loaded machine a fourth process could start after that and rightly take the lock over.)"""
     code = (
-        "import sys, time; from trnrecipes.train.run_dir import RunDirLock, RunDirBusy\n"
+        "import os, sys, time; from trnrecipes.train.run_dir import RunDirLock, RunDirBusy\n"
         "try:\n    RunDirLock(sys.argv[1], lambda *_: None, use_flock=False, heartbeat_s=0.5).acquire()\n"
         "except RunDirBusy:\n    print('busy'); sys.exit(0)\n"
-        "print('held'); sys.stdout.flush(); time.sleep(2)\n"
+        "print('held'); sys.stdout.flush()\n"
+        "while not os.path.exists(sys.argv[2]):\n    time.sleep(0.05)\n"
     )
     for trial in range(3):
-        d = tmp_path / str(trial)
+        d, release = tmp_path / str(trial), tmp_path / f"release-{trial}"
         d.mkdir()
-        procs = [subprocess.Popen([sys.executable, "-c", code, str(d)], cwd=REPO, stdout=subprocess.PIPE, text=True)
-                 for _ in range(4)]  # fmt: skip
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(d), str(release)], cwd=REPO, stdout=subprocess.PIPE,
+                                  text=True) for _ in range(4)]  # fmt: skip
+        deadline = time.monotonic() + 120
+        while sum(p.poll() is not None for p in procs) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        release.touch()
         outs = [p.communicate(timeout=60)[0].strip() for p in procs]
         assert sorted(outs) == ["busy", "busy", "busy", "held"], outs
 
