@@ -37,7 +37,7 @@ export recipe nodes out overrides force ckpt tasks limit baseline n
 help:
 	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1]   write jobs/NAME-Nn/{compile,run,eval}.sbatch (+ infer.sbatch for bert recipes)"
 	@echo "make recipe=NAME nodes=N plan [overrides='k=v ...']              layout, params, FLOPs, cost"
-	@echo "make eval ckpt=PATH [tasks=...] [limit=N]   seed 002's table (MMLU, BBH, reasoning, knowledge, reading, math, code) -> results.md"
+	@echo "make eval ckpt=PATH [tasks=...] [limit=N]   the 128-node Llama 2 post's table (MMLU, BBH, reasoning, knowledge, reading, math, code) -> results.md"
 	@echo "make demo        render a tiny recipe and run its run.sbatch locally (no Slurm, CPU)"
 	@echo "make demo-cls    the same for bert-tiny (classification), then its eval.sbatch: accuracy on Amazon snippets"
 	@echo "make test        lint + the whole test suite (unit, golden scripts, shellcheck, local launch)"
@@ -95,7 +95,7 @@ plan: $(STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N plan [overrides='k=v ...']" >&2; exit 2; }
 	@$(PY) -m trnrecipes plan --recipe "$$recipe" --nodes "$$nodes" --overrides "$$overrides"
 
-# Seed 002's table (every task of eval/registry.py; HumanEval sandboxed) for a checkpoint, run dir or HF directory;
+# The 128-node Llama 2 post's table (every task of eval/registry.py; HumanEval sandboxed) for a checkpoint, run dir or HF directory;
 # tasks=common_reasoning,boolq limit=N to narrow (groups or tasks), baseline=FILE for a baseline column
 # (eval/baselines/), n=200 for pass@100.
 eval: setup

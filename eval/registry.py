@@ -1,19 +1,19 @@
 """The evaluation task registry: every task `trnrecipes eval` knows, in one table.
 
-A task is what `--tasks` names (`piqa`), the group of seed 002's table it averages into (`common_reasoning`), its
-shots, the lm-eval metrics reported, the data it reads (and the function that prepares it), the lm-eval config
-writer (eval/tasks.py), and whether scoring it runs model-written code. `eval run`, `eval prepare-data`, the CLI
-help, the Makefile's data list and the task table in docs/evaluation.md all read this module: adding a task is one
-entry here plus its data and config functions.
+A task is what `--tasks` names (`piqa`), the group of the 128-node Llama 2 post's table it averages into
+(`common_reasoning`), its shots, the lm-eval metrics reported, the data it reads (and the function that prepares it),
+the lm-eval config writer (eval/tasks.py), and whether scoring it runs model-written code. `eval run`, `eval
+prepare-data`, the CLI help, the Makefile's data list and the task table in docs/evaluation.md all read this module:
+adding a task is one entry here plus its data and config functions.
 
 Importing this module imports nothing beyond the standard library (the Makefile reads it with the system Python):
 the data and config functions import pyarrow / lm_eval when they run.
 
-Groups follow the seed's table (HLAT, arXiv 2404.10630, which takes Llama 2's headings): Common Reasoning 0-shot =
-PIQA, SIQA, HellaSwag, WinoGrande, ARC-easy, ARC-challenge, OpenBookQA, average accuracy and average acc_norm (a task
-without acc_norm contributes its accuracy); World Knowledge 5-shot = NaturalQuestions + TriviaQA, average exact
-match; Reading Comprehension 0-shot = BoolQ accuracy. CommonsenseQA is 7-shot in Llama 2's average: it is reported
-apart, never in the 0-shot average.
+Groups follow the 128-node Llama 2 post's table (HLAT, arXiv 2404.10630, which takes Llama 2's headings): Common
+Reasoning 0-shot = PIQA, SIQA, HellaSwag, WinoGrande, ARC-easy, ARC-challenge, OpenBookQA, average accuracy and average
+acc_norm (a task without acc_norm contributes its accuracy); World Knowledge 5-shot = NaturalQuestions + TriviaQA,
+average exact match; Reading Comprehension 0-shot = BoolQ accuracy. CommonsenseQA is 7-shot in Llama 2's average: it is
+reported apart, never in the 0-shot average.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Task:
 @dataclass(frozen=True)
 class Group:
     name: str
-    title: str  # the seed table's row heading
+    title: str  # the row heading in the 128-node Llama 2 post's table
     shots: int
     metrics: tuple[str, ...]  # averaged over the group's tasks; a task without one uses its first metric
     tasks: tuple[str, ...] = field(default=())
@@ -123,7 +123,7 @@ GROUPS: dict[str, Group] = {
     g.name: Group(g.name, g.title, g.shots, g.metrics, tuple(t.name for t in _TASKS if t.group == g.name))
     for g in _GROUPS
 }
-DEFAULT = tuple(GROUPS)  # everything: the seed's seven rows and CommonsenseQA
+DEFAULT = tuple(GROUPS)  # everything: the post's seven rows and CommonsenseQA
 SEED_ROWS = ("mmlu", "bbh", "common_reasoning", "world_knowledge", "reading_comprehension", "math", "code")
 
 
@@ -157,7 +157,7 @@ def data_files(data_dir: str = "data/eval") -> list[str]:
 def readme_table() -> str:
     """The task table of docs/evaluation.md (tests/test_eval_registry.py checks that page holds exactly this)."""
     lines = [
-        "| group (row of seed 002's table) | task | shots | metrics | data (under data/eval/) |",
+        "| group (row of the 128-node Llama 2 post's table) | task | shots | metrics | data (under data/eval/) |",
         "|---|---|---|---|---|",
     ]
     for group in GROUPS.values():

@@ -1,12 +1,13 @@
-"""`trnrecipes eval run --ckpt PATH` (`make eval ckpt=PATH`): seed 002's table for one of our checkpoints, offline.
+"""`trnrecipes eval run --ckpt PATH` (`make eval ckpt=PATH`): the 128-node Llama 2 post's table for one of our
+checkpoints, offline.
 
 The checkpoint is exported to an HF directory (trnrecipes convert to-hf; an HF directory is taken as is), lm-eval's
 simple_evaluate runs the registry's local tasks (eval/registry.py, eval/tasks.py), HumanEval completions are
 sampled with transformers and scored in the sandbox (eval/sandbox.py, only with --allow-code-execution), and
-results.json + results.md (seed 002's table: each group's average, its tasks below it, a baseline column) are written
-to the output directory. results.json names the weights it scored (path, step, manifest sha256), and credits a
-checkpoint with an HF directory only while its files are the ones exported from it (their sha256). Models and
-tokenizers load with trust_remote_code=False: code in a model directory never runs, and transformers never asks.
+results.json + results.md (the 128-node Llama 2 post's table: each group's average, its tasks below it, a baseline
+column) are written to the output directory. results.json names the weights it scored (path, step, manifest sha256),
+and credits a checkpoint with an HF directory only while its files are the ones exported from it (their sha256). Models
+and tokenizers load with trust_remote_code=False: code in a model directory never runs, and transformers never asks.
 """
 
 from __future__ import annotations
@@ -289,8 +290,8 @@ def group_rows(rows: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict], baseline: dict | None = None, limit: int | None = None) -> str:
-    """Seed 002's table: one block per group (registry order), its heading row(s) first, then its tasks' rows for a
-    group of several tasks. A single task's group shows that task under the group's heading."""
+    """The 128-node Llama 2 post's table: one block per group (registry order), its heading row(s) first, then its
+    tasks' rows for a group of several tasks. A single task's group shows that task under the group's heading."""
     from eval.registry import GROUPS, TASKS
 
     base_values = (baseline or {}).get("results", {})

@@ -35,7 +35,7 @@ def test_gsm8k_test_split():
     assert problems[0]["answer"].endswith("#### 18")  # Janet's ducks
 
 
-# -- seed 002's other rows: common reasoning, world knowledge, reading comprehension --------------------------------
+# -- the other rows of the 128-node Llama 2 post's table: common reasoning, world knowledge, reading comprehension --
 
 # what lm-eval's shipped prompt for each task reads, and the row count of the split it evaluates
 SPLITS = {

@@ -60,7 +60,7 @@ def test_worlds_not_divisible_by_tp_times_pp_list_valid_node_counts():
 
 
 def test_seed_table_1_tokens_per_dollar():
-    # 10.4 seq/s x 2048 x 3600 / $7.59 = 10,102,387 tokens/$ (seed 004, Table 1).
+    # 10.4 seq/s x 2048 x 3600 / $7.59 = 10,102,387 tokens/$ (the NeoX/Pythia on Trainium post, Table 1).
     p = plan(load_recipe("pythia6.9b", nodes=1), seq_per_s=10.4, price_per_hour=7.59)
     assert round(p["tokens_per_dollar"]) == 10_102_387
     assert p["tokens_per_s"] == pytest.approx(10.4 * 2048)

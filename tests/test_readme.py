@@ -28,7 +28,8 @@ def test_make_demo_renders_and_runs_a_tiny_recipe_locally():
     vals = [float(x) for x in re.findall(r"\| val ([0-9.]+)", done.stdout)]
     assert len(losses) >= 10 and vals[-1] < losses[0] - 2.0  # it learned: held-out loss far below the start
     # and it ends with the evaluation table of the model it just trained
-    # and it ends with seed 002's seven rows (and CommonsenseQA), OpenLLaMA-2 7B's numbers beside them
+    # and it ends with the seven rows of the 128-node Llama 2 post's table (and CommonsenseQA), OpenLLaMA-2 7B's
+    # numbers beside them
     table = done.stdout[done.stdout.index("| row | shots | metric | value (stderr) | baseline |") :]
     for row in (r"MMLU \| 5 \| acc \| [0-9.]+ \(\S+\) \| 0\.4110", r"BBH \| 3 \| exact_match",
                 r"Common Reasoning \(average of 7\) \| 0 \| acc \| [0-9.]+ \(\S+\) \| 0\.5689",

@@ -18,7 +18,7 @@ from test_neuron_env import env_of
 from trnrecipes.config.cluster import INSTANCES
 from trnrecipes.config.recipe import load_recipe
 from trnrecipes.config.sections import RecipeError
-from trnrecipes.config.stacks import DLAMI_PYTHON, STACKS, TORCHNEURON
+from trnrecipes.config.stacks import SDK_RELEASES, STACKS, TORCHNEURON, XLA_NXD
 from trnrecipes.jobs.render import render_job
 from trnrecipes.plan.layout import compute_layout, plan
 from trnrecipes.plan.report import format_plan
@@ -214,18 +214,26 @@ def test_torchneuron_job_dir(name: str, nodes: int, variant: str):
     assert "\nWORKERS_PER_NODE=64\n" in run
 
 
-def test_cluster_python_overrides_the_dlami_and_trn1_keeps_the_checkout_venv():
+def test_cluster_python_overrides_the_dlami_and_trn1_runs_its_sdks_nxd_training_venv():
     recipe = load_recipe("llama2-smoke-trn2", nodes=1, overrides="cluster.python=/fsx/venv/bin/python")
     run = render_job(recipe, FAKE_REPO / "jobs" / "x", "cmd", FAKE_REPO).files["run.sbatch"]
     assert "\nPYTHON=/fsx/venv/bin/python\n" in run and DLAMI not in run
     assert '\nPYTHON="${TRNRECIPES_PYTHON:-$PYTHON}"\n' in run
-    trn1 = render_case("pythia6.9b", 1)["run.sbatch"]
-    assert f"\nPYTHON={FAKE_REPO}/.venv/bin/python\n" in trn1 and "merge_dir_on_each_node" in trn1
+    trn1 = render_case("pythia6.9b", 1)["run.sbatch"]  # Neuron SDK 2.26
+    assert "\nPYTHON=/opt/aws_neuronx_venv_pytorch_2_8_nxd_training/bin/python\n" in trn1
+    assert ".venv" not in trn1 and "merge_dir_on_each_node" in trn1
+    old = render_job(load_recipe("pythia6.9b", nodes=1, overrides="cluster.neuron_sdk=2.21"), FAKE_REPO / "j", "c")
+    assert "\nPYTHON=/opt/aws_neuronx_venv_pytorch_2_5_nxd_training/bin/python\n" in old.files["run.sbatch"]
 
 
-def test_dlami_python_for_every_torchneuron_sdk():
-    (major, lo), (_, hi) = STACKS[TORCHNEURON].sdks
-    assert all((major, minor) in DLAMI_PYTHON for minor in range(lo, hi + 1))
+@pytest.mark.parametrize("stack", [XLA_NXD, TORCHNEURON])
+def test_every_sdk_of_a_neuron_stack_has_its_dlami_venv_and_package_versions(stack):
+    (major, lo), (_, hi) = STACKS[stack].sdks
+    for minor in range(lo, hi + 1):
+        release = SDK_RELEASES[(major, minor)]
+        assert release.venvs and all(v.startswith("/opt/aws_neuronx_venv_") for v in release.venvs)
+        assert {"torch", "torch-neuronx", "neuronx-cc"} <= set(release.packages) and release.source
+        assert ("neuronx-distributed" in release.packages) is (stack == XLA_NXD)
 
 
 def test_rendering_does_not_import_torch():
@@ -279,3 +287,17 @@ def test_neuron_on_a_gpu_instance_gets_the_backend_error_only():
     text = error_of("llama2-7b", "cluster.instance=p5.48xlarge") or ""
     assert "cluster.backend 'neuron' does not run on p5.48xlarge; valid: cuda, xla" in text
     assert "neuron_sdk" not in text  # no SDK advice for an instance without NeuronCores
+
+
+def test_no_neuron_job_dir_runs_the_checkouts_venv():
+    """Every shipped Neuron recipe at every golden node count, and the golden job dirs themselves: the scripts name
+    the stack's DLAMI venv, never the checkout's .venv (PyPI's CPU torch: no torch-xla, no neuron_parallel_compile)."""
+    from golden import CASES, GOLDEN_DIR, case_dir
+
+    neuron = [c for c in CASES if load_recipe(c[0], nodes=c[1]).cluster.backend == "neuron"]
+    assert len(neuron) >= 10
+    for case in neuron:
+        for name in ("compile.sbatch", "run.sbatch", "eval.sbatch"):
+            script = (GOLDEN_DIR / case_dir(*case) / name).read_text()
+            python = re.search(r"^PYTHON=(.*)$", script, re.M)[1]
+            assert python.startswith("/opt/aws_neuronx_venv_") and python.endswith("/bin/python"), (case, python)

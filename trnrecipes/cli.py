@@ -172,7 +172,10 @@ def _parser() -> argparse.ArgumentParser:
     from eval.registry import DEFAULT, valid_names
 
     evaluation = verb(
-        "eval", None, "evaluate checkpoints on seed 002's table (lm-eval tasks, HumanEval pass@k); score completions"
+        "eval",
+        None,
+        "evaluate checkpoints on the 128-node Llama 2 post's table (lm-eval tasks, HumanEval pass@k); score"
+        " completions",
     )
     actions = evaluation.add_subparsers(required=True, metavar="ACTION")
     sub = actions.add_parser(
@@ -183,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--no-bbh", action="store_true", help="skip BBH (it needs the 358 MB bigbench sdist once)")
     sub = actions.add_parser(
         "run",
-        help="seed 002's table for a checkpoint: MMLU, BBH, common reasoning, world knowledge, reading"
+        help="the 128-node Llama 2 post's table for a checkpoint: MMLU, BBH, common reasoning, world knowledge, reading"
         " comprehension, math (lm-eval), code (HumanEval pass@k)",
     )
     sub.set_defaults(handler=_eval_run)
@@ -543,7 +546,7 @@ def _sbatch(args: argparse.Namespace) -> int:
         print(f"  sbatch --dependency=afterok:$id {job.job_dir}/eval.sbatch   # accuracy on data.eval_path (predict)")
         print(f"  INFER_IN=<file> sbatch {job.job_dir}/infer.sbatch   # embeddings from the newest checkpoint (embed)")
     else:
-        print(f"  sbatch --dependency=afterok:$id {job.job_dir}/eval.sbatch   # seed 002's evaluation table")
+        print(f"  sbatch --dependency=afterok:$id {job.job_dir}/eval.sbatch   # the 128-node Llama 2 post's eval table")
     if nodes == 1:
         print(f"  or, without Slurm: bash {job.job_dir}/run.sbatch")
     return 0

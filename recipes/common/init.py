@@ -40,7 +40,7 @@ def standard_init_rules(
     """The rules every family here uses: biases zero, norm weights one, every other weight normal(0, std), except
     the weights whose names end with one of `scaled_outputs` (the output projections, which write into the residual
     stream 2 * num_layers times), drawn with std / sqrt(2 * num_layers) so the residual's variance does not grow
-    with depth (GPT-2 / Megatron scaled init, seed 002)."""
+    with depth (GPT-2 / Megatron scaled init, the 128-node Llama 2 post)."""
     out_std = std / math.sqrt(2 * num_layers)
     rules = {}
     for name, _ in model.named_parameters():

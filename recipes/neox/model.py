@@ -122,8 +122,8 @@ class NeoX(nn.Module):
 
     def init_rules(self) -> dict[str, Init]:
         """Normal(0, init_std); the output projections of attention and MLP get init_std / sqrt(2 * num_layers) so
-        the residual stream's variance does not grow with depth (seed 002). Biases zero, norms one. Drawn by
-        recipes/common/init.py, whole or one shard at a time."""
+        the residual stream's variance does not grow with depth (the 128-node Llama 2 post). Biases zero, norms one.
+        Drawn by recipes/common/init.py, whole or one shard at a time."""
         outputs = ("attn.out.weight", "mlp.fc_out.weight")
         return standard_init_rules(self, self.args.init_std, outputs, self.args.num_layers)
 

@@ -1,7 +1,7 @@
 """torch-xla on PJRT (`xla`: CPU here, GPU elsewhere): the torch backend's model and collectives, traced lazily.
-Graphs end at `sync` (seed 000's discipline: one graph per micro-batch, one per optimizer step), batches are
-uploaded by MpDeviceLoader's background threads, and shards are filled on the host and then moved: filling device
-tensors block by block would trace the fills into the first training graph (another compilation)."""
+Graphs end at `sync` (the Amazon Search M5 post's discipline: one graph per micro-batch, one per optimizer step),
+batches are uploaded by MpDeviceLoader's background threads, and shards are filled on the host and then moved: filling
+device tensors block by block would trace the fills into the first training graph (another compilation)."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
-    decay_norms_and_biases: bool = True  # seed 002 decays every parameter, norms included
+    decay_norms_and_biases: bool = True  # the 128-node Llama 2 post decays every parameter, norms included
     clip_grad_norm: float = 1.0
 
 

@@ -54,11 +54,70 @@ STACKS: dict[str, NeuronStack] = {
     )
 }
 
-# The interpreter run.sbatch uses by default on the TorchNeuron stack: the virtualenv of AWS's "Deep Learning AMI
-# Neuron torch-neuronx" for that SDK (Neuron 2.33: PyTorch 2.14, torch-neuronx 2.14.x; awsdocs-neuron v2.33.0
-# setup/pytorch/update-dlami). cluster.python or TRNRECIPES_PYTHON overrides it. trnrecipes' own dependencies must be
-# installed into it (docs/jobs.md: "Trainium stacks").
-DLAMI_PYTHON: dict[tuple[int, int], str] = {(2, 33): "/opt/aws_neuronx_venv_torch_neuronx_2_14_0/bin/python"}
+
+@dataclass(frozen=True)
+class SdkRelease:
+    """What one Neuron SDK release ships for training, as AWS publishes it: the Deep Learning AMI virtualenv the job
+    scripts run by default, and the version prefixes of the packages `trnrecipes doctor` expects in it."""
+
+    venvs: tuple[str, ...]  # the DLAMI virtualenvs (the first is the default), newest OS image first
+    packages: dict[str, tuple[str, ...]]  # distribution -> allowed version prefixes
+    source: str
+
+
+def _xla(torch_neuronx: str, cc: str, nxd: str, venvs: tuple[str, ...], source: str) -> SdkRelease:
+    """An XLA/NxD release. torch-neuronx A.B.C.x.y encodes torch A.B.C; torch and torch-xla (from PyPI, a dependency
+    of torch-neuronx) are held to its minor version, A.B."""
+    builds = torch_neuronx.split("|")
+    minors = tuple(".".join(b.split(".")[:2]) + "." for b in builds)
+    return SdkRelease(
+        venvs,
+        {
+            "torch": minors,
+            "torch-xla": minors,
+            "torch-neuronx": tuple(f"{b}." for b in builds),
+            "neuronx-cc": (f"{cc}.",),
+            "neuronx-distributed": (f"{nxd}.",),
+        },
+        source,
+    )
+
+
+_VENV = "/opt/aws_neuronx_venv_pytorch_{}_nxd_training"
+# Sources: aws-neuron-sdk v2.NN.0 dlami/index.rst ("Virtual Environments pre-installed", the multi-framework DLAMI:
+# the PyTorch NxD Training venv) and src/helperscripts/n2-manifest.json (the packages of each release, as
+# release-notes/releasecontent.rst lists them); torch-xla's minor from the torch-neuronx "introducing PyTorch 2.x"
+# app notes. From 2.27 the Ubuntu 24.04 DLAMI has PyTorch 2.9 (its venv first here) and the Ubuntu 22.04 one 2.8.
+SDK_RELEASES: dict[tuple[int, int], SdkRelease] = {
+    (2, 21): _xla("2.5.1.2.4", "2.16", "0.10", (_VENV.format("2_5"),), "aws-neuron-sdk v2.21.0"),
+    (2, 22): _xla("2.5.1.2.6", "2.17", "0.11", (_VENV.format("2_5"),), "aws-neuron-sdk v2.22.0"),
+    (2, 23): _xla("2.6.0.2.7", "2.18", "0.12", (_VENV.format("2_6"),), "aws-neuron-sdk v2.23.0"),
+    (2, 24): _xla("2.7.0.2.8", "2.19", "0.13", (_VENV.format("2_7"),), "aws-neuron-sdk v2.25.0 (2.24.0's manifest)"),
+    (2, 25): _xla("2.7.0.2.9", "2.20", "0.14", (_VENV.format("2_7"),), "aws-neuron-sdk v2.25.0"),
+    (2, 26): _xla("2.8.0.2.10", "2.21", "0.15", (_VENV.format("2_8"),), "aws-neuron-sdk v2.26.0"),
+    (2, 27): _xla(
+        "2.9.0.2.11|2.8.0.2.11", "2.22", "0.16", (_VENV.format("2_9"), _VENV.format("2_8")), "aws-neuron-sdk v2.27.0"
+    ),
+    (2, 28): _xla(
+        "2.9.0.2.12|2.8.0.2.12", "2.23", "0.17", (_VENV.format("2_9"), _VENV.format("2_8")), "aws-neuron-sdk v2.28.0"
+    ),
+    # TorchNeuron: "Deep Learning AMI Neuron torch-neuronx 2.14.0" (awsdocs-neuron v2.33.0 setup/pytorch/update-dlami;
+    # torch-neuronx 2.14.3.0 with torch 2.14.0, or 2.13.3.0 with 2.13: release-notes/components/torchneuron; neuronx-cc
+    # 2.28.7631.0: release-notes/components/index). No torch-xla, no neuronx-distributed on this stack.
+    (2, 33): SdkRelease(
+        ("/opt/aws_neuronx_venv_torch_neuronx_2_14_0",),
+        {"torch": ("2.14.", "2.13."), "torch-neuronx": ("2.14.3.", "2.13.3."), "neuronx-cc": ("2.28.",)},
+        "awsdocs-neuron v2.33.0",
+    ),
+}
+
+
+def dlami_python(sdk: str) -> str:
+    """The interpreter the job scripts run by default on a Neuron stack: the python of that release's DLAMI venv.
+    cluster.python or TRNRECIPES_PYTHON overrides it; trnrecipes' training dependencies are installed into it
+    (docs/jobs.md: "Trainium stacks")."""
+    return SDK_RELEASES[sdk_version(sdk)].venvs[0] + "/bin/python"
+
 
 _SDK_TEXT = re.compile(r"2\.[0-9]{1,2}")
 

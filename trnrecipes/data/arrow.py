@@ -1,4 +1,5 @@
-"""Raw text -> ONE Arrow IPC stream file with a large_string column, read back by memory map (seed 002).
+"""Raw text -> ONE Arrow IPC stream file with a large_string column, read back by memory map (the 128-node Llama 2
+post).
 
 Inputs: .jsonl / .jsonl.gz (one JSON object per line), .txt (one document per line), a directory saved by
 `datasets.save_to_disk` (data-*.arrow streams), or a directory of .txt / .rst.txt / .md files (one document each).

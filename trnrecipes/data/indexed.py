@@ -1,4 +1,5 @@
-"""Megatron / NeMo .bin/.idx token files, written and read with megatron-core's IndexedDataset (seed 004).
+"""Megatron / NeMo .bin/.idx token files, written and read with megatron-core's IndexedDataset (the NeoX/Pythia on
+Trainium post).
 
 `preprocess` writes one sequence per document, EOS appended (Megatron's preprocess_data.py --append-eod), so the
 reader uses documents as stored. Documents made of several sequences (sentence-split data) are concatenated.

@@ -29,7 +29,7 @@ from trnrecipes.config.preemption import render_warnings as preemption_warnings
 from trnrecipes.config.preemption import signal_seconds
 from trnrecipes.config.recipe import is_plain_path
 from trnrecipes.config.sections import Recipe, RecipeError
-from trnrecipes.config.stacks import DLAMI_PYTHON, TORCHNEURON, sdk_version
+from trnrecipes.config.stacks import dlami_python
 from trnrecipes.jobs.neuron_env import JOB_USER, backend_env
 from trnrecipes.plan.layout import Layout, compute_layout, rank_coords
 from trnrecipes.schema import shown
@@ -149,12 +149,13 @@ def _environment() -> jinja2.Environment:
 
 
 def default_python(recipe: Recipe, repo_root: Path) -> str | Path:
-    """The interpreter the scripts run (TRNRECIPES_PYTHON overrides it at submit time): cluster.python, else the
-    TorchNeuron DLAMI's virtualenv on that stack (trnrecipes.config.stacks.DLAMI_PYTHON), else the checkout's .venv."""
+    """The interpreter the scripts run (TRNRECIPES_PYTHON overrides it at submit time): cluster.python, else on a
+    Neuron stack the virtualenv of that SDK's Deep Learning AMI (trnrecipes.config.stacks.SDK_RELEASES), else (cpu,
+    cuda, xla) the checkout's .venv."""
     if recipe.cluster.python:
         return recipe.cluster.python
-    if recipe.stack == TORCHNEURON:
-        return DLAMI_PYTHON[sdk_version(recipe.cluster.neuron_sdk)]
+    if recipe.cluster.backend == "neuron":
+        return dlami_python(recipe.cluster.neuron_sdk)
     return repo_root / ".venv" / "bin" / "python"
 
 

@@ -214,8 +214,8 @@ class AdamW:
 
 
 def no_decay_params(model: torch.nn.Module, decay_norms_and_biases: bool) -> set[int]:
-    """Seed 002 decays every parameter, norms included (decay_norms_and_biases: true); the common alternative
-    exempts biases and norm weights (every parameter with fewer than 2 dims)."""
+    """The 128-node Llama 2 post decays every parameter, norms included (decay_norms_and_biases: true); the common
+    alternative exempts biases and norm weights (every parameter with fewer than 2 dims)."""
     if decay_norms_and_biases:
         return set()
     return {id(p) for p in model.parameters() if p.dim() < 2}

@@ -1,10 +1,11 @@
-"""The step loop: the same code on cpu, cuda, xla and neuron (seed 000's XLA discipline applied everywhere).
+"""The step loop: the same code on cpu, cuda, xla and neuron (the Amazon Search M5 post's XLA discipline applied
+everywhere).
 
 One optimizer step = grad_accum micro-batches of fixed shape [micro_batch, seq_len + 1] (forward + backward, a
 graph cut after each), gradients averaged over the DATA-parallel group only (dividing by the world size under TP
-is seed 002's divergence bug), the global grad norm across TP shards, clipping, AdamW, and a graph cut after the
-optimizer step. Validation and checkpoint passes use the same fixed shapes, so XLA compiles nothing new after the
-first of each.
+is the divergence bug the 128-node Llama 2 post reports), the global grad norm across TP shards, clipping, AdamW, and a
+graph cut after the optimizer step. Validation and checkpoint passes use the same fixed shapes, so XLA compiles nothing
+new after the first of each.
 
 A checkpoint write that fails on any rank stops every rank at the next step (the writer's health rides on the
 all-reduce each step already makes), with the writer's error: CheckpointWriteError for a read-only or full disk.

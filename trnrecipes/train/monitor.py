@@ -1,4 +1,5 @@
-"""Per-step metrics (seed 002): metrics.jsonl, TensorBoard events, console lines, and a grad-norm spike detector.
+"""Per-step metrics (the 128-node Llama 2 post): metrics.jsonl, TensorBoard events, console lines, and a grad-norm
+spike detector.
 
 metrics.jsonl holds each step once. A run that trains on from step S (its checkpoint's; 0 when it starts over after a
 kill before its first checkpoint) first removes from the file its phase's records beyond S, logged by the attempt
@@ -28,8 +29,8 @@ from trnrecipes.files.run_files import METRICS, METRICS_DROPPED
 
 class SpikeDetector:
     """A spike is a step whose grad norm exceeds the mean of the previous `window` steps by more than `margin`
-    (seed 002: 20 steps, 0.1). Its recovery length is the number of steps, the spike included, until the norm is
-    back at or under that threshold; the histogram of recovery lengths says how the run heals."""
+    (the 128-node Llama 2 post: 20 steps, 0.1). Its recovery length is the number of steps, the spike included, until
+    the norm is back at or under that threshold; the histogram of recovery lengths says how the run heals."""
 
     def __init__(self, window: int = 20, margin: float = 0.1):
         self.window, self.margin = window, margin
