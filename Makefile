@@ -25,17 +25,18 @@ override nodes := $(value nodes)
 override out := $(value out)
 override overrides := $(value overrides)
 override force := $(value force)
+override nodatacheck := $(value nodatacheck)
 override ckpt := $(value ckpt)
 override tasks := $(value tasks)
 override limit := $(value limit)
 override baseline := $(value baseline)
 override n := $(value n)
-export recipe nodes out overrides force ckpt tasks limit baseline n
+export recipe nodes out overrides force nodatacheck ckpt tasks limit baseline n
 
 .PHONY: help setup debian-tools data xla-venv sbatch eval plan demo demo-cls test lint format golden bench clean
 
 help:
-	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1]   write jobs/NAME-Nn/{compile,run,eval}.sbatch (+ infer.sbatch for bert recipes)"
+	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1] [nodatacheck=1]   write jobs/NAME-Nn/{compile,run,eval}.sbatch (+ infer.sbatch for bert recipes)"
 	@echo "make recipe=NAME nodes=N plan [overrides='k=v ...']              layout, params, FLOPs, cost"
 	@echo "make eval ckpt=PATH [tasks=...] [limit=N]   the 128-node Llama 2 post's table (MMLU, BBH, reasoning, knowledge, reading, math, code) -> results.md"
 	@echo "make demo        render a tiny recipe and run its run.sbatch locally (no Slurm, CPU)"
@@ -89,11 +90,11 @@ debian-tools:
 # Rendering needs only the venv (not shellcheck), so it also works on a login node without root.
 sbatch: $(STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...']" >&2; exit 2; }
-	@$(PY) -m trnrecipes sbatch --recipe "$$recipe" --nodes "$$nodes" --out "$$out" --overrides "$$overrides" $${force:+--force}
+	@$(PY) -m trnrecipes sbatch --recipe "$$recipe" --nodes "$$nodes" --out "$$out" --overrides "$$overrides" $${force:+--force} $${nodatacheck:+--no-data-check}
 
 plan: $(STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N plan [overrides='k=v ...']" >&2; exit 2; }
-	@$(PY) -m trnrecipes plan --recipe "$$recipe" --nodes "$$nodes" --overrides "$$overrides"
+	@$(PY) -m trnrecipes plan --recipe "$$recipe" --nodes "$$nodes" --overrides "$$overrides" $${nodatacheck:+--no-data-check}
 
 # The 128-node Llama 2 post's table (every task of eval/registry.py; HumanEval sandboxed) for a checkpoint, run dir or HF directory;
 # tasks=common_reasoning,boolq limit=N to narrow (groups or tasks), baseline=FILE for a baseline column

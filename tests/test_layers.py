@@ -176,7 +176,8 @@ for name in {names!r}:
     importlib.import_module(name)
 from trnrecipes.cli import main
 assert main(["plan", "--recipe", "llama2-7b", "--nodes", "16"]) == 0
-assert main(["sbatch", "--recipe", "neox20b", "--nodes", "4", "--out", {str(tmp_path / "job")!r}]) == 0
+job = ["--out", {str(tmp_path / "job")!r}, "--no-data-check", "--overrides", "run_dir=/fsx/runs/n20"]
+assert main(["sbatch", "--recipe", "neox20b", "--nodes", "4", *job]) == 0
 print("HEAVY", sorted({{m.split(".")[0] for m in sys.modules}} & {{"torch", "numpy", "transformers", "pyarrow"}}))
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -102,7 +102,8 @@ def test_plan_json_from_the_cli_has_the_documented_keys(cli):
 
 @pytest.mark.parametrize("verb", ["plan", "sbatch"])
 def test_rendering_path_never_imports_torch(verb, tmp_path):
-    args = ["--recipe", "neox20b", "--nodes", "4"] + (["--out", str(tmp_path / "job")] if verb == "sbatch" else [])
+    args = ["--recipe", "neox20b", "--nodes", "4", "--no-data-check"]
+    args += ["--out", str(tmp_path / "job"), "--overrides", "run_dir=/fsx/runs/n20"] if verb == "sbatch" else []
     done = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "trnrecipes", verb, *args], capture_output=True, text=True
     )
@@ -176,7 +177,9 @@ def test_plan_without_a_pipeline_has_no_pipeline_keys():
 
 
 def test_plan_and_sbatch_print_the_same_pipeline_summary(cli, tmp_path):
-    done = cli("plan", "--recipe", "neox20b", "--nodes", "16")
+    done = cli(
+        "plan", "--recipe", "neox20b", "--nodes", "16", "--no-data-check", "--overrides", "run_dir=/fsx/runs/n20"
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert (
@@ -186,7 +189,8 @@ def test_plan_and_sbatch_print_the_same_pipeline_summary(cli, tmp_path):
     assert any(line.startswith("warning      pipeline bubble 18.75% is over 10%") for line in lines)
     assert any(line.split()[:5] == ["0", "0", "0-10", "(11)", "embedding"] for line in lines)
     assert any(line.split()[:6] == ["3", "3", "33-43", "(11)", "norm,", "head"] for line in lines)
-    rendered = cli("sbatch", "--recipe", "neox20b", "--nodes", "16", "--out", str(tmp_path / "job"))
+    rendered = cli("sbatch", "--recipe", "neox20b", "--nodes", "16", "--no-data-check", "--out", str(tmp_path / "job"),
+                   "--overrides", "run_dir=/fsx/runs/n20")  # fmt: skip
     assert rendered.returncode == 0, rendered.stderr
     assert rendered.stdout.startswith(done.stdout)  # the same lines, then what it wrote
     plain = cli("plan", "--recipe", "llama2-7b", "--nodes", "16")

@@ -100,7 +100,21 @@ def test_neuron_compile_job_stops_when_graphs_failed_to_compile(tmp_path):
     """neuron_parallel_compile caches a failed graph as failed and later runs skip it: compile.sbatch must fail on
     its summary instead of handing that cache to run.sbatch. A stand-in for the tool prints AWS's summary line."""
     job = tmp_path / "job"
-    assert run_cli("sbatch", "--recipe", "pythia6.9b", "--nodes", "1", "--out", str(job)).returncode == 0
+    assert (
+        run_cli(
+            "sbatch",
+            "--recipe",
+            "pythia6.9b",
+            "--nodes",
+            "1",
+            "--no-data-check",
+            "--out",
+            str(job),
+            "--overrides",
+            f"run_dir={tmp_path / 'run'}",
+        ).returncode
+        == 0
+    )
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     tool = bin_dir / "neuron_parallel_compile"

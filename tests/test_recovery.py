@@ -53,8 +53,9 @@ def test_the_time_limit_must_leave_room_for_the_derived_window():
 
 
 def test_sbatch_warns_without_a_time_limit_or_with_a_too_short_window(tmp_path):
-    done = run_cli("sbatch", "--recipe", "llama2-70b", "--nodes", "8", "--out", str(tmp_path / "a"),
-                   "--overrides", "slurm.signal_seconds=300")  # fmt: skip
+    runs = {"TRNRECIPES_RUNS": str(tmp_path / "runs")}
+    done = run_cli("sbatch", "--recipe", "llama2-70b", "--nodes", "8", "--no-data-check", "--out", str(tmp_path / "a"),
+                   "--overrides", "slurm.signal_seconds=300", env=runs)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "warning: slurm.time_limit is not set" in done.stderr
     assert "warning: slurm.signal_seconds 300 may not leave time to write a 690 GB checkpoint" in done.stderr

@@ -15,6 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
+from trnrecipes import REPO_ROOT
 from trnrecipes.config.recipe import known_recipes, load_recipe, parse_nodes
 from trnrecipes.config.sections import RecipeError
 from trnrecipes.files.outputs import check_output, check_outputs
@@ -94,6 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--seq-per-s", type=float, help="measured throughput in sequences/s (whole job)")
     sub.add_argument("--price", type=float, help="USD per node-hour (default: the recipe's, else on-demand)")
     sub.add_argument("--json", action="store_true", help="machine-readable output")
+    sub.add_argument(
+        "--no-data-check",
+        action="store_true",
+        help="skip checking data.path and data.tokenizer (for a host that cannot see the cluster's file system)",
+    )
 
     sub = verb(
         "sbatch",
@@ -105,6 +111,11 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--out", default="", help="job directory (default: jobs/<recipe>-<nodes>n)")
     sub.add_argument(
         "--force", action="store_true", help="replace a job dir's differing recipe.yaml; write into a non-job dir"
+    )
+    sub.add_argument(
+        "--no-data-check",
+        action="store_true",
+        help="skip checking data.path and data.tokenizer (for a host that cannot see the cluster's file system)",
     )
 
     sub = verb("train", _train, "train from a resolved recipe (launched by run.sbatch under torchrun)")
@@ -296,7 +307,6 @@ def _preprocess(args: argparse.Namespace) -> int:
 
 
 def _prepare_demo(args: argparse.Namespace) -> int:
-    from trnrecipes import REPO_ROOT
     from trnrecipes.data.demo import prepare_demo
 
     prepare_demo(REPO_ROOT)
@@ -304,7 +314,6 @@ def _prepare_demo(args: argparse.Namespace) -> int:
 
 
 def _prepare_classification(args: argparse.Namespace) -> int:
-    from trnrecipes import REPO_ROOT
     from trnrecipes.data.corpora import prepare_classification
 
     def make_checkpoint(hf_dir: Path, ckpt: Path, recipe: str) -> None:
@@ -346,7 +355,6 @@ def _tokenizer_from_gpt2(args: argparse.Namespace) -> int:
 def _eval_prepare(args: argparse.Namespace) -> int:
     from eval.data import EvalDataError
     from eval.registry import TASKS
-    from trnrecipes import REPO_ROOT
 
     check_output(args.out, directory=True)
     downloads = REPO_ROOT / "build" / "downloads"
@@ -499,6 +507,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from trnrecipes.jobs.storage import run_dir_problem, runs_root_from_env
     from trnrecipes.plan.layout import plan
     from trnrecipes.plan.report import format_plan
 
@@ -509,7 +518,33 @@ def _plan(args: argparse.Namespace) -> int:
         raise RecipeError(f"--seq-per-s must be a finite number > 0, got {args.seq_per_s}")
     result = plan(recipe, seq_per_s=args.seq_per_s, price_per_hour=args.price)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    # A plan is made before the data and the run dir exist too: what sbatch would refuse is said, not refused.
+    storage, warnings = _storage_and_data(recipe, runs_root_from_env(), args.no_data_check, refuse=False)
+    if not args.json:
+        print(storage)
+    problem = run_dir_problem(recipe, runs_root_from_env())
+    for warning in ([problem] if problem else []) + warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _storage_and_data(recipe, runs_root: str | None, skip: bool, refuse: bool) -> tuple[str, list[str]]:
+    """The checkpoints line and the warnings for the data and the run dir's free space; with `refuse`, what would
+    stop the job is a RecipeError instead. `skip` (--no-data-check): nothing is looked up on the file system."""
+    from trnrecipes.jobs.data_check import data_problems
+    from trnrecipes.jobs.storage import run_dir_for, storage_report
+
+    run_dir = run_dir_for(recipe, REPO_ROOT, runs_root)
+    if skip:
+        return storage_report(recipe, run_dir, look=False)[0], []
+    line, warning, error = storage_report(recipe, run_dir)
+    problems = data_problems(recipe, REPO_ROOT) + ([error] if error else [])
+    if refuse and problems:
+        raise RecipeError(
+            f"{recipe.job_name} would fail on its files (found from this host; --no-data-check, or nodatacheck=1 with"
+            " make, skips this where the cluster's file system is not mounted):\n  " + "\n  ".join(problems)
+        )
+    return line, problems + ([warning] if warning else [])
 
 
 def _sbatch(args: argparse.Namespace) -> int:
@@ -523,6 +558,7 @@ def _sbatch(args: argparse.Namespace) -> int:
         sbatch_command,
         write_job,
     )
+    from trnrecipes.jobs.storage import run_dir_problem, runs_root_from_env
     from trnrecipes.plan.layout import plan
     from trnrecipes.plan.report import format_plan
 
@@ -532,12 +568,17 @@ def _sbatch(args: argparse.Namespace) -> int:
     job_dir = check_output(
         args.out or default_job_dir(recipe), flag=_out_flag(args.out), inputs=[find_recipe(args.recipe)], directory=True
     )
-    job = render_job(recipe, job_dir, command)
-    for warning in render_warnings(recipe):
+    runs_root = runs_root_from_env()
+    job = render_job(recipe, job_dir, command, runs_root=runs_root)  # layout errors first: they need no file system
+    if problem := run_dir_problem(recipe, runs_root):
+        raise RecipeError(problem)
+    storage, warnings = _storage_and_data(recipe, runs_root, args.no_data_check, refuse=True)
+    for warning in [*render_warnings(recipe), *warnings]:
         print(f"warning: {warning}", file=sys.stderr)
     extra = {"provenance.json": provenance_json(provenance(job, command, find_recipe(args.recipe), args.overrides))}
     write_job(job, extra, force=args.force)
     print(format_plan(plan(recipe)))
+    print(storage)
     print(f"\nwrote {job.job_dir}/: {', '.join(sorted(job.files | extra))}")
     print("next:")
     print(f"  id=$(sbatch --parsable {job.job_dir}/compile.sbatch)")

@@ -31,6 +31,7 @@ from trnrecipes.config.recipe import is_plain_path
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.config.stacks import dlami_python
 from trnrecipes.jobs.neuron_env import JOB_USER, backend_env
+from trnrecipes.jobs.storage import run_dir_for
 from trnrecipes.plan.layout import Layout, compute_layout, rank_coords
 from trnrecipes.schema import shown
 
@@ -172,9 +173,12 @@ def cache_leader_nodes(layout: Layout) -> list[int]:
     return sorted(seen.values())
 
 
-def render_job(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = REPO_ROOT) -> Job:
+def render_job(
+    recipe: Recipe, job_dir: Path, command: str, repo_root: Path = REPO_ROOT, runs_root: str | None = None
+) -> Job:
     """All files of a job dir as text. Paths are absolute so a script runs from anywhere, also under Slurm. A bad
-    corpus (check_corpus) is refused here, before anything is written."""
+    corpus (check_corpus) is refused here, before anything is written. `runs_root` ($TRNRECIPES_RUNS, which the CLI
+    reads) holds the run dir when the recipe names none (trnrecipes.jobs.storage.run_dir_for)."""
     layout = compute_layout(recipe)
     check_corpus(recipe, repo_root)
     job_dir = Path(os.path.abspath(job_dir))
@@ -184,7 +188,6 @@ def render_job(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = RE
             f"job directory {shown(str(job_dir))} must use only letters, digits and . _ / + - (Slurm reads it from"
             " #SBATCH lines, which no quoting protects); pass --out with a plain path"
         )
-    run_dir = Path(recipe.run_dir) if recipe.run_dir else Path("runs") / recipe.job_name
     eval_in = Path(recipe.data.eval_path) if recipe.data.eval_path else None
     context = {
         "r": recipe,
@@ -193,7 +196,7 @@ def render_job(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = RE
         "command": command,
         "job_dir": job_dir,
         "repo_root": repo_root,
-        "run_dir": run_dir if run_dir.is_absolute() else repo_root / run_dir,
+        "run_dir": run_dir_for(recipe, repo_root, runs_root),
         "python": default_python(recipe, repo_root),
         "stack": recipe.stack,
         "env_rows": backend_env(recipe, job_dir),

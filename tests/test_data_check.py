@@ -1,0 +1,130 @@
+"""The job's data, checked when it is rendered (trnrecipes/jobs/data_check.py): `sbatch` refuses a job whose corpus
+or tokenizer is missing, not what data.format says, or larger than the model's vocabulary, naming the command that
+makes it and writing nothing; `--no-data-check` (make: nodatacheck=1) skips it; `plan` only warns."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.jobs import data_check
+from trnrecipes.jobs.data_check import data_problems, tokenizer_vocab_size
+
+
+def sbatch(cli, tmp_path: Path, overrides: str, *flags: str, recipe: str = "llama2-tiny"):
+    out = tmp_path / "job"
+    done = cli("sbatch", "--recipe", recipe, "--nodes", "1", "--out", str(out), "--overrides", overrides, *flags)
+    return done, out
+
+
+def test_a_missing_corpus_is_refused_naming_the_command_that_makes_it(cli, tmp_path):
+    done, out = sbatch(cli, tmp_path, f"data.path={tmp_path / 'corpus.arrow'}")
+    assert done.returncode == 2 and not out.exists(), done.stderr
+    assert done.stderr.startswith("error: llama2-tiny-1n would fail on its files")
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 and "Traceback" not in done.stderr
+    assert lines[1] == (
+        f"  data.path {tmp_path / 'corpus.arrow'}: {tmp_path / 'corpus.arrow'} does not exist; make it with"
+        f" `trnrecipes data to-arrow --in <your .jsonl/.jsonl.gz/.parquet files or a datasets save_to_disk dir>"
+        f" --out {tmp_path / 'corpus.arrow'}` (docs/data.md, 'Bring your data')"
+    )
+
+
+def test_a_file_that_is_not_arrow_is_refused(cli, tmp_path):
+    (tmp_path / "corpus.arrow").write_text('{"text": "a JSONL file by the wrong name"}\n')
+    done, out = sbatch(cli, tmp_path, f"data.path={tmp_path / 'corpus.arrow'}")
+    assert done.returncode == 2 and not out.exists() and done.stderr.count("\n") == 1
+    assert "corpus.arrow: not a readable Arrow IPC stream" in done.stderr  # pyarrow's check, where it is installed
+    recipe = load_recipe("llama2-tiny", overrides=f"data.path={tmp_path / 'corpus.arrow'}")
+    (problem,) = data_problems(recipe, REPO)  # the light check, which needs no pyarrow
+    assert "corpus.arrow is not an Arrow file (it starts with b'{\"text\":', not b'ARROW1' or a stream" in problem
+
+
+def test_megatron_data_needs_both_files_and_the_index_header(tmp_path):
+    prefix = tmp_path / "pile_text_document"
+    recipe = load_recipe("pythia-tiny", overrides=f"data.format=megatron data.path={prefix}")
+    (problem,) = data_problems(recipe, REPO)
+    assert f"{prefix}.bin and {prefix}.idx missing; make it with `trnrecipes data preprocess" in problem
+    assert f"--tokenizer {recipe.data.tokenizer} --out {prefix}`" in problem
+    Path(f"{prefix}.bin").write_bytes(b"")
+    Path(f"{prefix}.idx").write_bytes(b"not an index")
+    assert data_problems(recipe, REPO) == [
+        f"data.path {prefix}: {prefix}.idx is not a Megatron index (no MMIDIDX header); data.format megatron"
+    ]
+    Path(f"{prefix}.idx").write_bytes(data_check.MEGATRON_IDX_MAGIC + b"\x01")
+    assert data_problems(recipe, REPO) == []
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(cli, tmp_path):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    vocab = {f"t{i}": i for i in range(5000)}
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab, "merges": []}}))
+    done, out = sbatch(cli, tmp_path, f"data.tokenizer={tok}")
+    assert done.returncode == 2 and not out.exists()
+    assert (
+        f"data.tokenizer {tok}: 5,000 ids, more than model.vocab_size 4,096: ids >= 4,096 would index past the"
+        " embedding" in done.stderr
+    )
+
+
+def test_a_missing_or_broken_tokenizer_is_named(tmp_path):
+    recipe = load_recipe("llama2-tiny", overrides=f"data.tokenizer={tmp_path / 'tok'}")
+    (problem,) = data_problems(recipe, REPO)
+    assert problem.startswith(f"data.tokenizer {tmp_path / 'tok'}: {tmp_path / 'tok'} does not exist; put a")
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok/tokenizer.json").write_text('{"model": ')
+    (problem,) = data_problems(recipe, REPO)
+    assert "tokenizer.json is not a readable tokenizer.json (" in problem and "corrupt or truncated?" in problem
+    llama = load_recipe("llama2-7b", nodes=1)  # the gated tokenizer: where to get it
+    assert any("Llama 2's tokenizer is gated on the Hugging Face Hub" in p for p in data_problems(llama, tmp_path))
+
+
+def test_no_data_check_writes_the_job_and_plan_only_warns(cli, tmp_path):
+    done, out = sbatch(cli, tmp_path, f"data.path={tmp_path / 'later.arrow'}", "--no-data-check")
+    assert done.returncode == 0 and (out / "run.sbatch").is_file(), done.stderr
+    plan = cli("plan", "--recipe", "llama2-tiny", "--nodes", "1", "--overrides", f"data.path={tmp_path / 'x.arrow'}")
+    assert plan.returncode == 0 and plan.stderr.startswith(f"warning: data.path {tmp_path / 'x.arrow'}: ")
+    quiet = cli("plan", "--recipe", "llama2-tiny", "--nodes", "1", "--no-data-check", "--overrides",
+                f"data.path={tmp_path / 'x.arrow'}")  # fmt: skip
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+def test_make_passes_nodatacheck(tmp_path):
+    args = [
+        "make",
+        "--no-print-directory",
+        "recipe=llama2-7b",
+        "nodes=16",
+        f"out={tmp_path / 'job'}",
+        f"overrides=run_dir={tmp_path / 'run'}",
+    ]
+    refused = subprocess.run([*args, "sbatch"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "llama2-7b-16n would fail on its files" in refused.stderr
+    done = subprocess.run([*args, "nodatacheck=1", "sbatch"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and (tmp_path / "job/run.sbatch").is_file(), done.stderr
+
+
+def test_every_shipped_recipe_that_make_setup_provides_passes(tmp_path):
+    """The demo and classification recipes find their data after `make setup`; the lists the messages use are the
+    files setup makes."""
+    from trnrecipes.data import corpora
+
+    assert {f"data/cls/{c.file}" for c in corpora.CORPORA} | {"data/tokenizers/bert-uncased"} == set(
+        data_check.CLASSIFICATION_FILES
+    )
+    for name in ("pythia-tiny", "llama2-tiny", "neox-tiny", "bert-tiny", "minilm-cls", "llama2-smoke-trn2"):
+        assert data_problems(load_recipe(name, nodes=1), REPO) == [], name
+
+
+@pytest.mark.parametrize("name", ["gpt2", "demo-sp", "bert-uncased"])
+def test_the_vocabulary_size_read_from_json_is_what_tokenizers_counts(name):
+    from tokenizers import Tokenizer
+
+    path = REPO / "data/tokenizers" / name / "tokenizer.json"
+    assert tokenizer_vocab_size(path) == Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)

@@ -1,0 +1,146 @@
+"""Before any node is allocated: the recipe's corpus and tokenizer exist where the job will read them, are what the
+recipe says they are, and the tokenizer's vocabulary fits the model's embedding.
+
+`trnrecipes sbatch` refuses a job whose data fails this (`--no-data-check` skips it on a host that cannot see the
+cluster's file system); `trnrecipes plan` prints the same findings as warnings. Light: file magic and tokenizer.json
+read as JSON, no pyarrow or tokenizers needed (the render host may have only the core install). Each finding is one
+line naming the path, what is wrong, and the command that makes the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trnrecipes.config.sections import Recipe
+
+ARROW_FILE_MAGIC = b"ARROW1"  # Arrow IPC file format: "ARROW1" + padding, at the start and the end
+ARROW_STREAM_MARKER = b"\xff\xff\xff\xff"  # Arrow IPC stream: each message starts with the continuation marker
+MEGATRON_IDX_MAGIC = b"MMIDIDX\x00\x00"  # megatron-core's IndexedDataset .idx header
+BRING_YOUR_DATA = "docs/data.md, 'Bring your data'"
+# What `make setup` prepares offline (trnrecipes.data.demo and .corpora; a test holds these to their lists).
+DEMO_FILES = ("data/demo/pythondocs.arrow", "data/tokenizers/gpt2", "data/tokenizers/demo-sp")
+CLASSIFICATION_FILES = (
+    "data/cls/imdb.arrow",
+    "data/cls/rotten-tomatoes.arrow",
+    "data/cls/amazon-snippets.arrow",
+    "data/cls/bbc-news.arrow",
+    "data/tokenizers/bert-uncased",
+)
+
+
+def _resolve(path: str, repo_root: Path) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else repo_root / p  # data paths are relative to the repository root
+
+
+def _made_by(path: str, kind: str, tokenizer: str = "<tokenizer dir>") -> str:
+    """The command that makes a missing corpus or tokenizer."""
+    if path.rstrip("/") in DEMO_FILES:
+        return "`make setup` (or `trnrecipes data prepare-demo`) makes it"
+    if path.rstrip("/") in CLASSIFICATION_FILES:
+        return "`make setup` (or `trnrecipes data prepare-classification`) makes it"
+    if kind == "arrow":
+        return (
+            f"make it with `trnrecipes data to-arrow --in <your .jsonl/.jsonl.gz/.parquet files or a datasets"
+            f" save_to_disk dir> --out {path}` ({BRING_YOUR_DATA})"
+        )
+    if kind == "megatron":
+        return (
+            f"make it with `trnrecipes data preprocess --in <your text> --tokenizer {tokenizer} --out {path}`"
+            f" ({BRING_YOUR_DATA})"
+        )
+    if path.rstrip("/").endswith("llama2"):
+        return (
+            "Llama 2's tokenizer is gated on the Hugging Face Hub: download meta-llama/Llama-2-7b-hf's tokenizer.json"
+            f" and tokenizer_config.json where you have access and copy them into {path} ({BRING_YOUR_DATA})"
+        )
+    return (
+        f"put a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json) there, or make one with"
+        f" `trnrecipes tokenizer from-gpt2` / `trnrecipes tokenizer train` ({BRING_YOUR_DATA})"
+    )
+
+
+def _sniff_arrow(path: Path) -> str | None:
+    """Why `path` is not an Arrow IPC file or stream, or None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    if head.startswith(ARROW_FILE_MAGIC) or head.startswith(ARROW_STREAM_MARKER):
+        return None
+    return f"is not an Arrow file (it starts with {head!r}, not {ARROW_FILE_MAGIC!r} or a stream's first message)"
+
+
+def _check_corpus(label: str, path: str, fmt: str, tokenizer: str, repo_root: Path) -> list[str]:
+    full = _resolve(path, repo_root)
+    if fmt == "megatron":
+        missing = [f"{full}{ext}" for ext in (".bin", ".idx") if not Path(f"{full}{ext}").is_file()]
+        if missing:
+            return [f"{label} {path}: {' and '.join(missing)} missing; {_made_by(path, fmt, tokenizer)}"]
+        try:
+            with open(f"{full}.idx", "rb") as f:
+                head = f.read(len(MEGATRON_IDX_MAGIC))
+        except OSError as err:
+            return [f"{label} {path}: {full}.idx cannot be read ({err.strerror or err})"]
+        if head != MEGATRON_IDX_MAGIC:
+            return [f"{label} {path}: {full}.idx is not a Megatron index (no MMIDIDX header); data.format megatron"]
+        return []
+    if not full.exists():
+        return [f"{label} {path}: {full} does not exist; {_made_by(path, 'arrow')}"]
+    if not full.is_file():
+        return [f"{label} {path}: {full} is not a file (an Arrow file made by `trnrecipes data to-arrow`)"]
+    problem = _sniff_arrow(full)
+    return [f"{label} {path}: {full} {problem}; data.format {fmt}"] if problem else []
+
+
+def tokenizer_vocab_size(tokenizer_json: Path) -> int:
+    """The number of ids a tokenizer.json can produce: its largest id + 1, over the model's vocabulary and the added
+    tokens (what `tokenizers`' get_vocab_size(with_added_tokens=True) counts for a dense vocabulary). ValueError if
+    the file is not a tokenizer.json."""
+    spec = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    model = spec.get("model") if isinstance(spec, dict) else None
+    if not isinstance(model, dict) or "vocab" not in model:
+        raise ValueError("no model.vocab")
+    vocab = model["vocab"]
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
+        ids = list(vocab.values())
+    elif isinstance(vocab, list):  # Unigram: [token, score] pairs, the id being the position
+        ids = [len(vocab) - 1] if vocab else []
+    else:
+        raise ValueError("model.vocab is neither a mapping nor a list")
+    ids += [t["id"] for t in spec.get("added_tokens") or [] if isinstance(t, dict) and isinstance(t.get("id"), int)]
+    if not ids or not all(isinstance(i, int) for i in ids):
+        raise ValueError("no integer ids in model.vocab")
+    return max(ids) + 1
+
+
+def _check_tokenizer(recipe: Recipe, repo_root: Path) -> list[str]:
+    path = recipe.data.tokenizer
+    full = _resolve(path, repo_root)
+    tok_file = full / "tokenizer.json"
+    if not tok_file.is_file():
+        where = f"{full} does not exist" if not full.exists() else f"{full} has no tokenizer.json"
+        return [f"data.tokenizer {path}: {where}; {_made_by(path, 'tokenizer')}"]
+    try:
+        size = tokenizer_vocab_size(tok_file)
+    except (OSError, UnicodeDecodeError, ValueError) as err:  # json.JSONDecodeError is a ValueError
+        return [f"data.tokenizer {path}: {tok_file} is not a readable tokenizer.json ({err}); corrupt or truncated?"]
+    limit = recipe.model.vocab_size
+    if size > limit:
+        return [
+            f"data.tokenizer {path}: {size:,} ids, more than model.vocab_size {limit:,}: ids >= {limit:,} would index"
+            f" past the embedding; use this model's tokenizer, or a model.vocab_size of at least {size:,}"
+        ]
+    return []
+
+
+def data_problems(recipe: Recipe, repo_root: Path) -> list[str]:
+    """Every problem with the recipe's data.path, data.eval_path (a classification holdout) and data.tokenizer as the
+    job would see them from this host; [] when they are all there and fit."""
+    d = recipe.data
+    problems = _check_corpus("data.path", d.path, d.format, d.tokenizer, repo_root)
+    if d.eval_path:
+        problems += _check_corpus("data.eval_path", d.eval_path, "arrow", d.tokenizer, repo_root)
+    return problems + _check_tokenizer(recipe, repo_root)

@@ -1,0 +1,120 @@
+"""Where a job's checkpoints go, how much room they take, and whether that file system has it: said by `sbatch` and
+`plan`, and refused by `sbatch` before a job is written that could not keep its checkpoints.
+
+A checkpoint is the weights in their training dtype plus two fp32 AdamW moments per parameter
+(trnrecipes.config.preemption.checkpoint_bytes; the TP/PP/ZeRO-1 layout splits it into files, it does not change
+its size), and a run keeps checkpoint.keep_last of them, plus the one being written before the oldest is pruned.
+A cluster job (several nodes, or checkpoints over LOCAL_LIMIT) must say where they go: recipe.run_dir, or
+$TRNRECIPES_RUNS/<job name>; only the local recipes (demo, tiny) default to runs/ in the checkout.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from trnrecipes.config.preemption import checkpoint_bytes
+from trnrecipes.config.sections import Recipe
+from trnrecipes.files.run_files import CHECKPOINTS, STEP_DIR
+
+RUNS_ENV = "TRNRECIPES_RUNS"
+LOCAL_INSTANCES = ("local-cpu",)  # where a run dir in the checkout is the right default
+LOCAL_LIMIT = 10 * 2**30  # more checkpoint bytes than this do not belong in a checkout, on any instance
+
+
+def run_dir_for(recipe: Recipe, repo_root: Path, runs_root: str | None) -> Path:
+    """recipe.run_dir (relative to the repository root), else RUNS_ROOT/<job name>, else runs/<job name> in the
+    checkout."""
+    if recipe.run_dir:
+        path = Path(recipe.run_dir).expanduser()
+        return path if path.is_absolute() else repo_root / path
+    if runs_root:
+        return Path(runs_root).expanduser().absolute() / recipe.job_name
+    return repo_root / "runs" / recipe.job_name
+
+
+def checkpoint_footprint(recipe: Recipe) -> tuple[int, int]:
+    """(bytes of one checkpoint, bytes at the most on disk: keep_last + 1 while the next is written)."""
+    one = checkpoint_bytes(recipe)
+    return one, one * (recipe.checkpoint.keep_last + 1)
+
+
+def run_dir_problem(recipe: Recipe, runs_root: str | None) -> str | None:
+    """Why this job may not put its checkpoints in the checkout by default, or None."""
+    one, most = checkpoint_footprint(recipe)
+    local = recipe.cluster.instance in LOCAL_INSTANCES and most <= LOCAL_LIMIT
+    if recipe.run_dir or runs_root or local:
+        return None
+    why = f"{recipe.cluster.nodes} nodes" if recipe.cluster.nodes > 1 else f"{_size(most)} of checkpoints"
+    return (
+        f"run_dir: {recipe.job_name} ({why}) needs its checkpoints on shared storage, not in the checkout: keep_last"
+        f" {recipe.checkpoint.keep_last} x {_size(one)} (+1 while saving); export {RUNS_ENV}=/fsx/runs (each job"
+        " in a directory of its name there) or pass --overrides run_dir=/fsx/runs/NAME (docs/checkpoints.md)"
+    )
+
+
+def _nearest_existing(path: Path) -> Path:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return Path(path.anchor)
+
+
+def _held(run_dir: Path) -> int:
+    """Bytes of the complete checkpoints already in the run dir (a resumed run's): they count toward its keep_last."""
+    total = 0
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir():
+        return 0
+    for step in root.iterdir():
+        if STEP_DIR.fullmatch(step.name) and step.is_dir() and not step.is_symlink():
+            total += sum(f.stat().st_size for f in step.rglob("*") if f.is_file() and not f.is_symlink())
+    return total
+
+
+def storage_report(recipe: Recipe, run_dir: Path, look: bool = True) -> tuple[str, str | None, str | None]:
+    """(the line sbatch and plan print, a warning or None, an error or None). The error: the file system holding
+    the run dir has less free space than the checkpoints need; the warning: less than twice that. Measured on the
+    run dir's nearest existing ancestor; where that is / (a login node without the cluster's /fsx), free space is
+    not known and nothing is judged; nor with look=False (--no-data-check)."""
+    one, most = checkpoint_footprint(recipe)
+    weights = "bf16" if recipe.precision.dtype == "bf16" else "fp32"
+    line = (
+        f"checkpoints  {run_dir / CHECKPOINTS}: {_size(one)} each ({weights} weights + fp32 AdamW moments), keep_last"
+        f" {recipe.checkpoint.keep_last} (+1 while saving) = {_size(most)}"
+    )
+    if not look:
+        return f"{line}; free space not checked (--no-data-check)", None, None
+    anchor = _nearest_existing(run_dir)
+    if anchor == Path(anchor.anchor):  # not even the run dir's top directory (/fsx) is there: another file system
+        return f"{line}; free space unknown ({run_dir.parts[1]} is not there from this host)", None, None
+    need = max(0, most - _held(run_dir))
+    free = shutil.disk_usage(anchor).free
+    line += f"; {_size(free)} free there"
+    if free < need:
+        return (
+            line,
+            None,
+            (
+                f"{run_dir}: {_size(free)} free, but the checkpoints need {_size(need)} more (keep_last"
+                f" {recipe.checkpoint.keep_last} x {_size(one)} + 1 while saving); free space, lower"
+                f" checkpoint.keep_last or choose another run_dir / {RUNS_ENV}"
+            ),
+        )
+    if free < 2 * need:
+        return line, f"{run_dir}: {_size(free)} free is less than twice what the checkpoints need ({_size(need)})", None
+    return line, None, None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def runs_root_from_env() -> str | None:
+    return os.environ.get(RUNS_ENV) or None
