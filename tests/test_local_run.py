@@ -98,29 +98,26 @@ def test_a_world_size_that_does_not_match_the_layout_fails_before_training(tmp_p
 
 def test_neuron_compile_job_stops_when_graphs_failed_to_compile(tmp_path):
     """neuron_parallel_compile caches a failed graph as failed and later runs skip it: compile.sbatch must fail on
-    its summary instead of handing that cache to run.sbatch. A stand-in for the tool prints AWS's summary line."""
-    job = tmp_path / "job"
-    assert (
-        run_cli(
-            "sbatch",
-            "--recipe",
-            "pythia6.9b",
-            "--nodes",
-            "1",
-            "--no-data-check",
-            "--out",
-            str(job),
-            "--overrides",
-            f"run_dir={tmp_path / 'run'}",
-        ).returncode
-        == 0
-    )
+    its summary instead of handing that cache to run.sbatch. A stand-in for the tool prints AWS's summary line; the
+    job's Python is a stand-in Neuron SDK 2.26 venv (tests/neuron_standin.py), so the pre-flight passes."""
+    from neuron_standin import neuron_ls, standin_venv
+
+    from trnrecipes.jobs.data_check import MEGATRON_IDX_MAGIC
+
+    job, corpus = tmp_path / "job", tmp_path / "wiki"
+    Path(f"{corpus}.bin").write_bytes(b"")
+    Path(f"{corpus}.idx").write_bytes(MEGATRON_IDX_MAGIC)
+    overrides = f"run_dir={tmp_path / 'run'} data.path={corpus}"
+    rendered = run_cli("sbatch", "--recipe", "pythia6.9b", "--nodes", "1", "--no-data-check", "--out", str(job),
+                       "--overrides", overrides)  # fmt: skip
+    assert rendered.returncode == 0, rendered.stderr
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    neuron_ls(bin_dir, devices=16, cores_per_device=2)
     tool = bin_dir / "neuron_parallel_compile"
     tool.write_text("#!/bin/sh\necho 'INFO ||NEURON_PARALLEL_COMPILE||: Total failed compilations: 2'\n")
     tool.chmod(0o755)
-    done = _bash(job / "compile.sbatch", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    python = standin_venv(tmp_path / "venv", "2.26", compile_tool=False)
+    done = _bash(job / "compile.sbatch", PATH=f"{bin_dir}:{os.environ['PATH']}", TRNRECIPES_PYTHON=str(python))
     assert done.returncode == 1, done.stdout[-2000:]
     assert "neuron_parallel_compile reports 'Total failed compilations: 2'" in done.stdout  # the log gets stderr
     assert "--retry_failed_compilation" in done.stdout

@@ -239,6 +239,17 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--out", required=True, help="output .arrow file (work in progress: OUT.parts/)")
     sub.add_argument("--chunk-rows", type=int, default=4096, metavar="N", help="rows a resumable chunk (default: 4096)")
 
+    sub = verb(
+        "doctor",
+        _doctor,
+        "pre-flight for a job dir in seconds: the job's Python and its packages, neuron_parallel_compile, data,"
+        " tokenizer, run dir (every script runs it on every node first, with --node: devices and cache space)",
+    )
+    sub.add_argument("--config", required=True, help="a job dir's recipe.yaml")
+    sub.add_argument("--job", choices=("compile", "run", "eval", "infer"), default="run", help="default: run")
+    sub.add_argument("--run-dir", help="default: the RUN_DIR the job dir's run.sbatch names")
+    sub.add_argument("--node", action="store_true", help="on a job's node: also the devices and compile-cache space")
+
     sub = verb("health", _health, "device sanity and collective checks (run.sbatch runs it before training)")
     sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
     sub.add_argument("--collectives", action="store_true", help="also check and time all-gather/reduce/scatter")
@@ -247,6 +258,13 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--ranks", type=int, required=True, help="NeuronCores in the job (nodes x workers per node)")
     sub.add_argument("--nodes", type=int, required=True, help="nodes in the job")
     return parser
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from trnrecipes.ops.doctor import main as doctor
+
+    argv = ["--config", args.config, "--job", args.job, *(["--run-dir", args.run_dir] if args.run_dir else [])]
+    return doctor(argv + (["--node"] if args.node else []))
 
 
 def _out_flag(given: str | None) -> str:

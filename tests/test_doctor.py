@@ -1,0 +1,132 @@
+"""Pre-flight (trnrecipes/ops/doctor.py) through the real generated scripts: each failure kind is one line and exit
+2 before anything is compiled or written to the run dir; the all-good stand-in Neuron venv passes and the script goes
+on. The Neuron SDK is a stand-in (tests/neuron_standin.py): packages with AWS's versions, neuron-ls, and
+neuron_parallel_compile."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli
+from neuron_standin import env_with, neuron_ls, standin_venv
+
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.jobs import data_check
+from trnrecipes.ops import doctor
+
+SDK = "2.26"  # pythia-70m's
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Path:
+    """pythia-70m on one trn1 node (Neuron SDK 2.26), its data a stand-in Megatron pair, its run dir under tmp."""
+    prefix = tmp_path / "data/wiki"
+    prefix.parent.mkdir()
+    Path(f"{prefix}.bin").write_bytes(b"")
+    Path(f"{prefix}.idx").write_bytes(data_check.MEGATRON_IDX_MAGIC)
+    out = tmp_path / "job"
+    overrides = f"data.path={prefix} run_dir={tmp_path / 'runs/p'}"
+    done = run_cli("sbatch", "--recipe", "pythia-70m", "--nodes", "1", "--out", str(out), "--overrides", overrides)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def run_script(job: Path, name: str, python: Path | str, bin_dir: Path) -> subprocess.CompletedProcess[str]:
+    env = env_with(bin_dir, TRNRECIPES_PYTHON=str(python))
+    return subprocess.run(["bash", str(job / name)], capture_output=True, text=True, env=env, timeout=300)
+
+
+def errors(done: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("error:")]
+
+
+def test_the_all_good_stand_in_passes_and_the_compile_job_goes_on(job, tmp_path):
+    python = standin_venv(tmp_path / "venv", SDK)
+    neuron_ls(tmp_path / "bin", devices=16, cores_per_device=2)
+    done = run_script(job, "compile.sbatch", python, tmp_path / "bin")
+    out = done.stdout
+    assert "compile ok: python " in out and "torch-neuronx 2.8.0.2.10.0" in out and "32 NeuronCores" in out, out
+    assert "neuron_parallel_compile (stand-in): " in out  # it went on to compile
+    assert not errors(done)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("no python", "the job's Python {python} does not exist here; set cluster.python (or TRNRECIPES_PYTHON)"),
+        ("old sdk", "torch-neuronx 2.5.1.2.4.0 in {python}, but cluster.neuron_sdk 2.26 ships 2.8.0.2.10.*"),
+        ("no nxd", "neuronx-distributed is not installed in {python}: not Neuron SDK 2.26's environment"),
+        ("no compiler", "neuron_parallel_compile is neither beside {python} nor on PATH"),
+        ("few cores", "16 NeuronCores ({ls} -j), the recipe runs 32 workers per node, one per core"),
+        ("no devices", "no Neuron devices (no neuron-ls, no /dev/neuron*): not a Trainium node?"),
+        ("no data", "data.path {data}: {data}.bin and {data}.idx missing; make it with `trnrecipes data preprocess"),
+        ("no pyyaml", "pyyaml not installed in "),
+    ],
+)
+def test_each_failure_is_one_line_exit_2_and_nothing_in_the_run_dir(job, tmp_path, case, message):
+    bin_dir, versions, devices = tmp_path / "bin", {}, 16
+    if case == "old sdk":
+        versions["torch-neuronx"] = "2.5.1.2.4.0"
+    if case == "no nxd":
+        versions["neuronx-distributed"] = None
+    python = standin_venv(tmp_path / "venv", SDK, versions, compile_tool=case != "no compiler")
+    ls = neuron_ls(bin_dir, devices=8 if case == "few cores" else devices, cores_per_device=2)
+    if case == "no devices":
+        ls.unlink()
+    if case == "no python":
+        python = tmp_path / "nowhere/bin/python"
+    if case == "no data":
+        Path(f"{tmp_path / 'data/wiki'}.idx").unlink()
+        Path(f"{tmp_path / 'data/wiki'}.bin").unlink()
+    if case == "no pyyaml":  # this interpreter without its site-packages: trnrecipes' own needs are missing
+        python.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    done = run_script(job, "compile.sbatch", python, bin_dir)
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = errors(done)
+    expected = message.format(python=python, ls=ls, data=tmp_path / "data/wiki")
+    assert expected in line, line
+    assert "neuron_parallel_compile (stand-in)" not in done.stdout
+    assert not (tmp_path / "runs").exists()  # nothing written to the run dir, not even the dir
+
+
+def test_the_run_and_eval_scripts_check_first_too(job, tmp_path):
+    python = standin_venv(tmp_path / "venv", SDK, {"torch-xla": "2.7.0"})
+    neuron_ls(tmp_path / "bin", devices=16, cores_per_device=2)
+    run = run_script(job, "run.sbatch", python, tmp_path / "bin")
+    assert run.returncode == 2 and "torch-xla 2.7.0 in " in errors(run)[0] and "ships 2.8.*" in errors(run)[0]
+    evaluation = run_script(job, "eval.sbatch", python, tmp_path / "bin")
+    assert evaluation.returncode == 2
+    assert f"run dir {tmp_path / 'runs/p'} does not exist: the eval job reads its checkpoints" in errors(evaluation)[0]
+
+
+def test_doctor_on_a_login_node_checks_the_jobs_interpreter(job, tmp_path):
+    missing = run_cli("doctor", "--config", str(job / "recipe.yaml"))
+    assert missing.returncode == 2 and missing.stdout.count("\n") == 1
+    assert "the job's Python /opt/aws_neuronx_venv_pytorch_2_8_nxd_training/bin/python does not exist here" in (
+        missing.stdout
+    )
+    python = standin_venv(tmp_path / "venv", SDK)
+    done = run_cli("doctor", "--config", str(job / "recipe.yaml"), env={"TRNRECIPES_PYTHON": str(python)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "run ok: python " in done.stdout and "devices not checked off the nodes" in done.stdout
+
+
+def test_a_full_compile_cache_disk_is_refused(monkeypatch, tmp_path):
+    recipe = load_recipe("pythia-70m", nodes=1)
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(tmp_path / "cache"))
+    real = doctor.shutil.disk_usage
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: real(p)._replace(free=2 * 2**30))
+    monkeypatch.setattr(doctor, "stack_problems", lambda r, p: ([], []))
+    monkeypatch.setattr(doctor, "neuron_cores", lambda: (32, "stand-in"))
+    problems, _ = doctor.check(recipe, "compile", tmp_path / "run", node=True)
+    assert f"compile cache {tmp_path / 'cache'}: 2.0 GiB free at {tmp_path}, under 10 GiB: free space there" in problems
+
+
+def test_cpu_jobs_need_no_neuron_packages(tmp_path):
+    recipe = load_recipe("llama2-tiny", nodes=1)
+    problems, notes = doctor.check(recipe, "run", tmp_path / "run", node=True)
+    assert problems == [] and notes == [f"python {sys.executable}"]
+    assert REPO.is_dir()

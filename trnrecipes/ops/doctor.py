@@ -1,0 +1,263 @@
+"""Pre-flight in seconds, before anything is compiled: `trnrecipes doctor --config jobs/X/recipe.yaml` on a login
+node, and the first lines of every compile/run/eval/infer.sbatch on every node (`--node`). It checks what the first
+real job would otherwise find after its nodes were allocated:
+
+- the job's interpreter exists, and holds the stack's packages at the versions its Neuron SDK ships
+  (trnrecipes.config.stacks.SDK_RELEASES) and importable, plus what trnrecipes needs for this job;
+- neuron_parallel_compile beside the interpreter or on PATH (compile.sbatch on torch-xla + NxD);
+- with --node: the NeuronCores the recipe expects per node (neuron-ls, else /dev/neuron*);
+- the data and tokenizer (trnrecipes.jobs.data_check), the run dir writable (never created here), and room for the
+  compile cache on the node.
+
+Each failure is one line naming the thing, what was found and the command that fixes it; any failure exits 2, which
+the job scripts treat as bad input (no requeue). Only the standard library is imported at the top, so that a
+missing PyYAML is reported like any other missing package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from trnrecipes import REPO_ROOT
+
+JOBS = ("compile", "run", "eval", "infer")
+COMPILE_CACHE_MIN_BYTES = 10 * 2**30  # a 70B model's NEFFs are a few GB; less free than this fails mid-compile
+NEURON_LS = ("neuron-ls", "/opt/aws/neuron/bin/neuron-ls")  # aws-neuronx-tools; PATH first
+# What trnrecipes imports for each job (module -> the pip distribution that provides it).
+TRAIN_MODULES = {"yaml": "pyyaml", "numpy": "numpy", "pyarrow": "pyarrow", "safetensors": "safetensors",
+                 "tokenizers": "tokenizers", "tiktoken": "tiktoken", "tqdm": "tqdm",
+                 "tensorboard": "tensorboard"}  # fmt: skip
+EVAL_MODULES = {"yaml": "pyyaml", "lm_eval": "lm-eval", "transformers": "transformers", "accelerate": "accelerate",
+                "safetensors": "safetensors", "tokenizers": "tokenizers"}  # fmt: skip
+CLASSIFY_MODULES = {"yaml": "pyyaml", "numpy": "numpy", "pyarrow": "pyarrow", "safetensors": "safetensors",
+                    "tokenizers": "tokenizers"}  # fmt: skip
+# The stack packages imported after their versions check out (a broken install fails on import, not on a version).
+IMPORT_NAMES = {"torch": "torch", "torch-xla": "torch_xla", "torch-neuronx": "torch_neuronx",
+                "neuronx-distributed": "neuronx_distributed"}  # fmt: skip
+
+
+def _host() -> str:
+    return socket.gethostname().split(".")[0]
+
+
+def _extra(stack: str) -> str:
+    return {"xla-nxd": "neuron-trn1", "torchneuron": "neuron-trn2"}.get(stack, "train")
+
+
+def _install(python: str, what: str) -> str:
+    return f"{shlex.quote(python)} -m pip install -e {shlex.quote(str(REPO_ROOT))}'[{what}]'"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _matches(version: str, prefixes: tuple[str, ...]) -> bool:
+    plain = version.split("+")[0] + "."  # 2.5.1+cpu -> "2.5.1.", which "2.5." and "2.5.1." both start
+    return any(plain.startswith(p) for p in prefixes)
+
+
+def stack_problems(recipe, python: str) -> tuple[list[str], list[str]]:
+    """(problems, found 'name version' notes) for the Neuron stack's packages in this interpreter."""
+    from trnrecipes.config.stacks import SDK_RELEASES, sdk_version
+
+    sdk = recipe.cluster.neuron_sdk
+    release = SDK_RELEASES[sdk_version(sdk)]
+    problems, found = [], []
+    venv = release.venvs[0]
+    for dist, prefixes in release.packages.items():
+        version = _version(dist)
+        wanted = " or ".join(f"{p}*" for p in prefixes)
+        if version is None:
+            problems.append(
+                f"{dist} is not installed in {python}: not Neuron SDK {sdk}'s environment; run the job with {venv}"
+                "/bin/python (cluster.python or TRNRECIPES_PYTHON), or set cluster.neuron_sdk to the SDK installed"
+            )
+        elif not _matches(version, prefixes):
+            problems.append(
+                f"{dist} {version} in {python}, but cluster.neuron_sdk {sdk} ships {wanted}: set cluster.neuron_sdk"
+                f" to the release installed there, or use {venv}/bin/python"
+            )
+        else:
+            found.append(f"{dist} {version}")
+    if problems:
+        return problems, found
+    for dist in release.packages:
+        if dist not in IMPORT_NAMES:
+            continue
+        try:
+            importlib.import_module(IMPORT_NAMES[dist])
+        except Exception as err:  # an install broken any way: name it, one line
+            text = str(err).strip().splitlines()[-1:] or [type(err).__name__]
+            problems.append(f"{dist} is installed in {python} but `import {IMPORT_NAMES[dist]}` fails: {text[0][:200]}")
+    return problems, found
+
+
+def module_problems(modules: dict[str, str], python: str, extra: str) -> list[str]:
+    missing = sorted({dist for module, dist in modules.items() if importlib.util.find_spec(module) is None})
+    if not missing:
+        return []
+    return [f"{', '.join(missing)} not installed in {python} (trnrecipes needs them here): {_install(python, extra)}"]
+
+
+def neuron_cores() -> tuple[int | None, str]:
+    """(NeuronCores on this node, how it was found); None when nothing tells."""
+    tool = next((t for t in (shutil.which(NEURON_LS[0]), NEURON_LS[1]) if t and os.access(t, os.X_OK)), None)
+    if tool:
+        try:
+            done = subprocess.run([tool, "--json-output"], capture_output=True, text=True, timeout=60)
+            devices = json.loads(done.stdout) if done.returncode == 0 else None
+            if isinstance(devices, list):
+                return sum(int(d.get("nc_count", 0)) for d in devices if isinstance(d, dict)), f"{tool} -j"
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+    devices = sorted(Path("/dev").glob("neuron[0-9]*"))
+    return (None, "no neuron-ls") if not devices else (None, f"{len(devices)} /dev/neuron* device(s), no neuron-ls")
+
+
+def _writable_ancestor(path: Path) -> tuple[Path, bool]:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate, os.access(candidate, os.W_OK | os.X_OK)
+    return Path(path.anchor), False
+
+
+def check(recipe, job: str, run_dir: Path, node: bool, python: str | None = None) -> tuple[list[str], list[str]]:
+    """(problems, notes) for this interpreter (`python`: its name as the job gives it, a venv's bin/python that may
+    be a link or a wrapper) and host."""
+    from trnrecipes.config.families import family_spec
+    from trnrecipes.jobs.data_check import data_problems
+
+    python = python or sys.executable
+    stack = recipe.stack
+    classify = family_spec(recipe.model.family).objective == "classification"
+    problems, notes = [], [f"python {python}"]
+    if job in ("compile", "run"):
+        if recipe.cluster.backend == "neuron":
+            found_problems, found = stack_problems(recipe, python)
+            problems += found_problems
+            notes += found
+        else:
+            problems += module_problems({"torch": "torch"}, python, "train")
+        modules = dict(TRAIN_MODULES)
+        if recipe.data.format == "megatron":
+            modules["megatron.core"] = "megatron-core"
+        problems += module_problems(modules, python, _extra(stack))
+        problems += data_problems(recipe, REPO_ROOT)
+        anchor, ok = _writable_ancestor(run_dir)
+        if not ok:
+            problems.append(f"run dir {run_dir}: {anchor} is not writable by {os.environ.get('USER', 'this user')}")
+    else:
+        modules = CLASSIFY_MODULES if classify or job == "infer" else EVAL_MODULES
+        problems += module_problems(modules, python, "eval" if modules is EVAL_MODULES else _extra(stack))
+        if not run_dir.is_dir():
+            problems.append(f"run dir {run_dir} does not exist: the {job} job reads its checkpoints (run.sbatch first)")
+    if job == "compile" and stack == "xla-nxd":
+        beside = Path(python).parent / "neuron_parallel_compile"
+        if not (beside.is_file() or shutil.which("neuron_parallel_compile")):
+            problems.append(
+                f"neuron_parallel_compile is neither beside {python} nor on PATH: torch-neuronx provides it; use the"
+                " Neuron SDK's venv (cluster.python)"
+            )
+    if node and recipe.cluster.backend == "neuron" and job in ("compile", "run"):
+        cores, how = neuron_cores()
+        need = recipe.workers_per_node
+        if cores is None and "device(s)" not in how:
+            problems.append(f"no Neuron devices ({how}, no /dev/neuron*): not a Trainium node? check slurm.partition")
+        elif cores is not None and cores < need:
+            problems.append(f"{cores} NeuronCores ({how}), the recipe runs {need} workers per node, one per core")
+        else:
+            notes.append(f"{cores if cores is not None else '?'} NeuronCores ({how})")
+        cache = os.environ.get("NEURON_COMPILE_CACHE_URL") or os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR")
+        if cache and "://" not in cache:
+            anchor, _ = _writable_ancestor(Path(cache))
+            free = shutil.disk_usage(anchor).free
+            if free < COMPILE_CACHE_MIN_BYTES:
+                problems.append(
+                    f"compile cache {cache}: {free / 2**30:.1f} GiB free at {anchor}, under"
+                    f" {COMPILE_CACHE_MIN_BYTES // 2**30} GiB: free space there"
+                )
+    return problems, notes
+
+
+def _job_dir_value(config: Path, name: str) -> str | None:
+    """NAME=... as rendered into the job dir's run.sbatch beside recipe.yaml (the run dir, the interpreter)."""
+    script = config.parent / "run.sbatch"
+    if not script.is_file():
+        return None
+    for line in script.read_text().splitlines():
+        if line.startswith(f"{name}="):
+            words = shlex.split(line.split("=", 1)[1])
+            return words[0] if words else None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trnrecipes doctor", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="a job dir's recipe.yaml")
+    parser.add_argument("--job", choices=JOBS, default="run", help="which script's needs to check (default run)")
+    parser.add_argument("--run-dir", help="the run dir (default: as the job dir's run.sbatch names it)")
+    parser.add_argument("--node", action="store_true", help="also this node's devices and compile-cache space")
+    parser.add_argument("--python", help="this interpreter as the job names it (the scripts pass it; then no re-run)")
+    args = parser.parse_args(argv)
+    host = _host()
+    if importlib.util.find_spec("yaml") is None:
+        named = args.python or sys.executable
+        print(f"error: {host}: pyyaml not installed in {named}: {_install(named, 'train')}")
+        return 2
+    from trnrecipes.config.recipe import read_recipe_file, recipe_from_dict
+    from trnrecipes.config.sections import RecipeError
+    from trnrecipes.jobs.render import default_python
+    from trnrecipes.jobs.storage import run_dir_for
+
+    config = Path(args.config)
+    try:
+        recipe = recipe_from_dict(read_recipe_file(config), str(config))
+    except RecipeError as err:
+        print(f"error: {host}: {err}")
+        return 2
+    python = os.environ.get("TRNRECIPES_PYTHON") or _job_dir_value(config, "PYTHON")
+    python = python or str(default_python(recipe, REPO_ROOT))
+    run_dir = Path(args.run_dir or _job_dir_value(config, "RUN_DIR") or run_dir_for(recipe, REPO_ROOT, None))
+    if args.python is None and os.path.realpath(python) != os.path.realpath(sys.executable):
+        if not os.access(python, os.X_OK):  # a login node: the job's interpreter is the one to check
+            print(f"error: {host}: the job's Python {python} does not exist here; {_fix_python(recipe)}")
+            return 2
+        argv = ["--config", str(config), "--job", args.job, "--run-dir", str(run_dir), "--python", python]
+        argv += ["--node"] if args.node else []
+        return subprocess.run([python, "-m", "trnrecipes.ops.doctor", *argv], cwd=REPO_ROOT).returncode
+    problems, notes = check(recipe, args.job, run_dir, args.node, args.python)
+    for problem in problems:
+        print(f"error: {host}: {problem}", flush=True)
+    if problems:
+        return 2
+    devices = "" if args.node else "; devices not checked off the nodes (each job checks its own)"
+    print(f"[doctor] {host}: {args.job} ok: {', '.join(notes)}{devices}", flush=True)
+    return 0
+
+
+def _fix_python(recipe) -> str:
+    if recipe.cluster.backend == "neuron":
+        return (
+            f"it is Neuron SDK {recipe.cluster.neuron_sdk}'s Deep Learning AMI venv: run on that DLAMI, or set"
+            " cluster.python (or TRNRECIPES_PYTHON) to the interpreter that has the Neuron SDK"
+        )
+    return "make it with `make setup` in the checkout, or set cluster.python (or TRNRECIPES_PYTHON)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
