@@ -5,6 +5,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+CORE_STAMP := $(VENV)/.core
 # Each eval task's data file, from the task registry (eval/registry.py imports only the standard library; run from
 # this Makefile's directory, as every target is).
 EVAL_DATA := $(shell cd '$(dir $(abspath $(lastword $(MAKEFILE_LIST))))' && python3 -m eval.registry data-files data/eval)
@@ -62,11 +63,18 @@ $(CLS_DATA) &: $(STAMP) | $(DEMO_DATA)
 	$(PY) -m trnrecipes data prepare-classification
 	@touch $(CLS_DATA)
 
+# Rendering (sbatch, plan) needs only the core install: PyYAML and Jinja2, no torch (a login node sets it up in
+# seconds). Everything else installs the rest into the same venv.
+$(CORE_STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet -e .
+	@touch $@
+
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[train,eval,dev]'
-	@touch $@
+	@touch $@ $(CORE_STAMP)
 
 # torch-xla's newest wheel (2.9.0) needs torch 2.9.0, so the xla backend gets its own venv: the same pins as
 # .[train] except torch (a ~4 GB CUDA build on PyPI; PJRT runs it on CPU here). The xla tests run in it.
@@ -87,12 +95,12 @@ debian-tools:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends shellcheck >/dev/null; }
 
-# Rendering needs only the venv (not shellcheck), so it also works on a login node without root.
-sbatch: $(STAMP)
+# Rendering needs only the core install (not shellcheck, not torch), so it also works on a login node without root.
+sbatch: $(CORE_STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...']" >&2; exit 2; }
 	@$(PY) -m trnrecipes sbatch --recipe "$$recipe" --nodes "$$nodes" --out "$$out" --overrides "$$overrides" $${force:+--force} $${nodatacheck:+--no-data-check}
 
-plan: $(STAMP)
+plan: $(CORE_STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N plan [overrides='k=v ...']" >&2; exit 2; }
 	@$(PY) -m trnrecipes plan --recipe "$$recipe" --nodes "$$nodes" --overrides "$$overrides" $${nodatacheck:+--no-data-check}
 

@@ -1,6 +1,7 @@
 """Print the project's pins and its .[train] pins minus torch and what needs torch 2.13 (for .venv-xla)."""
 
 import sys
+
 import tomllib
 
 SKIP = ("torch==", "megatron-core==")  # torch comes as 2.9.0 with torch-xla; megatron-core is not used on xla

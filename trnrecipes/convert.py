@@ -136,8 +136,11 @@ def _export_files(directory: Path) -> list[str]:
 
 
 def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()  # streamed: a 40 GB model is never held in memory
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:  # streamed: a 40 GB model is never held in memory (no file_digest: Python 3.10)
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def to_hf(ckpt: Path, out: Path) -> Path:

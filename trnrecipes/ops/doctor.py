@@ -52,7 +52,8 @@ def _host() -> str:
 
 
 def _extra(stack: str) -> str:
-    return {"xla-nxd": "neuron-trn1", "torchneuron": "neuron-trn2"}.get(stack, "train")
+    """The pyproject extra that installs what trnrecipes needs beside this stack's own packages."""
+    return "neuron" if stack in ("xla-nxd", "torchneuron") else "train"
 
 
 def _install(python: str, what: str) -> str:
