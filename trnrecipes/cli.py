@@ -141,7 +141,9 @@ def _parser() -> argparse.ArgumentParser:
 
     data = verb("data", None, "corpora: raw or labelled text -> Arrow, text -> Megatron .bin/.idx, the prepared data")
     actions = data.add_subparsers(required=True, metavar="ACTION")
-    sub = actions.add_parser("to-arrow", help="jsonl / txt / text dir / datasets.save_to_disk dir -> one Arrow file")
+    sub = actions.add_parser(
+        "to-arrow", help="jsonl[.gz] / txt / parquet / text dir / datasets.save_to_disk dir -> one Arrow file"
+    )
     sub.set_defaults(handler=_to_arrow)
     sub.add_argument("--in", dest="inputs", required=True, nargs="+", help="input file(s) or directories")
     sub.add_argument("--out", required=True, help="output .arrow file")
@@ -149,6 +151,12 @@ def _parser() -> argparse.ArgumentParser:
         "--label-field",
         help="classification data: the JSON field / column holding each record's integer class id, written as an"
         " int64 column of that name (every record must have one)",
+    )
+    sub.add_argument(
+        "--batch-rows",
+        type=int,
+        help="write record batches of this many rows (default: one batch, which memory-maps with no copy; use this"
+        " for a corpus larger than this host's memory)",
     )
     _text_args(sub)
     sub = actions.add_parser("preprocess", help="tokenize into Megatron/NeMo PREFIX.bin + PREFIX.idx (EOS appended)")
@@ -304,7 +312,14 @@ def _to_arrow(args: argparse.Namespace) -> int:
 
     inputs = [Path(p) for p in args.inputs]
     check_output(args.out, inputs=inputs)
-    stats = to_arrow(inputs, Path(args.out), args.text_field, args.on_bad_utf8, label_field=args.label_field)
+    stats = to_arrow(
+        inputs,
+        Path(args.out),
+        args.text_field,
+        args.on_bad_utf8,
+        label_field=args.label_field,
+        batch_rows=args.batch_rows,
+    )
     _report_conversion(stats, args.out)
     if args.label_field:
         print(f"  {args.label_field}: " + ", ".join(f"{c}: {n:,}" for c, n in sorted(stats.labels.items())))

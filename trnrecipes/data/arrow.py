@@ -1,8 +1,10 @@
 """Raw text -> ONE Arrow IPC stream file with a large_string column, read back by memory map (the 128-node Llama 2
-post).
+post). By default the file holds one record batch, which memory-maps with no copy; --batch-rows streams it in
+batches instead, for a corpus larger than this host's memory.
 
-Inputs: .jsonl / .jsonl.gz (one JSON object per line), .txt (one document per line), a directory saved by
-`datasets.save_to_disk` (data-*.arrow streams), or a directory of .txt / .rst.txt / .md files (one document each).
+Inputs: .jsonl / .jsonl.gz (one JSON object per line), .txt (one document per line), .parquet files or a directory
+of Parquet shards, a directory saved by `datasets.save_to_disk` (data-*.arrow streams; a DatasetDict: one split's
+directory), or a directory of .txt / .rst.txt / .md files (one document each).
 
 Labelled text for classification (`label_field`): every record of a jsonl or Arrow input must carry a class id
 (class_id: the one rule, which predict applies too), written as an int64 column beside the text (what
@@ -33,7 +35,7 @@ from trnrecipes.schema import clipped, shown
 
 TEXT_FILE_SUFFIXES = (".txt", ".md", ".rst")
 JSON_LINES = (".jsonl", ".jsonl.gz", ".json")  # one JSON record a line
-RECORD_FILE_SUFFIXES = (*JSON_LINES, ".arrow")  # files whose records can carry labels
+RECORD_FILE_SUFFIXES = (*JSON_LINES, ".arrow", ".parquet")  # files whose records can carry labels
 BATCH_DOCS = 1024  # documents per record batch: small enough to stream, big enough to be cheap
 MAX_CLASS_ID = 2**63 - 1  # the label column is int64
 Read = TypeVar("Read")
@@ -55,25 +57,31 @@ def to_arrow(
     on_bad_utf8: str = "skip",
     progress: bool = True,
     label_field: str | None = None,
+    batch_rows: int | None = None,
 ) -> ConversionStats:
-    """Write every document of `inputs` to `out` (atomically: a temp file renamed at the end); with `label_field`,
-    each document's class id too, as an int64 column of that name."""
+    """Write every document of `inputs` to `out` (atomically: a temp file renamed at the end) as one record batch, or
+    in batches of `batch_rows`; with `label_field`, each document's class id too, as an int64 column of that name."""
+    if batch_rows is not None and batch_rows < 1:
+        raise DataError(f"--batch-rows must be a positive whole number, got {batch_rows}")
     stats = ConversionStats()
     records = read_records(inputs, text_field, on_bad_utf8, stats, progress, label_field)
     fields = [pa.field(text_field, pa.large_string())] + ([pa.field(label_field, pa.int64())] if label_field else [])
     schema = pa.schema(fields)
     with atomic_output(out) as tmp, pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         batch: list[tuple[str, int | None]] = []
+        held: list[pa.RecordBatch] = []  # one batch at the end: these are joined into it
         for text, label in records:
             if not text.strip():
                 stats.skipped_empty += 1
                 continue
             batch.append((text, label))
-            if len(batch) == BATCH_DOCS:
-                _write_batch(writer, schema, batch, stats)
+            if len(batch) == (batch_rows or BATCH_DOCS):
+                _add_batch(writer if batch_rows else held, schema, batch, stats)
                 batch = []
         if batch:
-            _write_batch(writer, schema, batch, stats)
+            _add_batch(writer if batch_rows else held, schema, batch, stats)
+        if held:
+            writer.write_batch(pa.Table.from_batches(held, schema).combine_chunks().to_batches()[0])
         if stats.documents == 0:
             raise DataError(
                 f"no documents in {', '.join(map(str, inputs))}: every input was empty"
@@ -82,13 +90,18 @@ def to_arrow(
     return stats
 
 
-def _write_batch(writer, schema: pa.Schema, batch: list[tuple[str, int | None]], stats: ConversionStats) -> None:
+def _add_batch(to, schema: pa.Schema, batch: list[tuple[str, int | None]], stats: ConversionStats) -> None:
+    """The documents as one record batch, written to an IPC writer or appended to a list."""
     columns = [pa.array([text for text, _ in batch], pa.large_string())]
     if len(schema) == 2:
         labels = [label for _, label in batch]
         columns.append(pa.array(labels, pa.int64()))
         stats.labels.update(labels)
-    writer.write_batch(pa.record_batch(columns, schema=schema))
+    record_batch = pa.record_batch(columns, schema=schema)
+    if isinstance(to, list):
+        to.append(record_batch)
+    else:
+        to.write_batch(record_batch)
     stats.documents += len(batch)
 
 
@@ -236,7 +249,7 @@ def read_records(
         if unlabelled:
             raise DataError(
                 f"{listed(unlabelled, 3)}: plain text carries no labels; --label-field {label_field} reads"
-                " .jsonl[.gz], .json and .arrow files and datasets.save_to_disk directories"
+                " .jsonl[.gz], .json, .arrow and .parquet files and datasets.save_to_disk directories"
             )
     return _progress(_documents(files, text_field, on_bad_utf8, stats, label_field), progress, "documents")
 
@@ -249,16 +262,27 @@ def _expand(path: Path) -> list[tuple[Path, bool]]:
     if path.is_file():
         if not path.name.endswith((*RECORD_FILE_SUFFIXES, *TEXT_FILE_SUFFIXES)):
             raise DataError(
-                f"{path}: unknown input type; expected .jsonl[.gz], .json, .arrow, {', '.join(TEXT_FILE_SUFFIXES)}"
-                " or a directory"
+                f"{path}: unknown input type; expected .jsonl[.gz], .json, .arrow, .parquet,"
+                f" {', '.join(TEXT_FILE_SUFFIXES)} or a directory"
             )
         return [(path, False)]
     saved = sorted(path.glob("data-*.arrow"))
     if saved:  # datasets.save_to_disk
         return [(f, False) for f in saved]
+    if (path / "dataset_dict.json").is_file():  # a DatasetDict.save_to_disk: one directory per split
+        splits = sorted(p.name for p in path.iterdir() if (p / "dataset_info.json").is_file())
+        raise DataError(
+            f"{path} is a datasets DatasetDict (splits: {listed(splits) or 'none'}); give one split's directory,"
+            f" e.g. {path / (splits[0] if splits else 'train')}"
+        )
+    shards = sorted(p for p in path.rglob("*.parquet") if p.is_file())
+    if shards:  # Parquet shards, as the Hugging Face Hub and Spark write them
+        return [(f, False) for f in shards]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(TEXT_FILE_SUFFIXES))
     if not files:
-        raise DataError(f"directory {path} holds no data-*.arrow (datasets.save_to_disk) and no .txt/.md/.rst files")
+        raise DataError(
+            f"directory {path} holds no data-*.arrow (datasets.save_to_disk), no .parquet and no .txt/.md/.rst files"
+        )
     return [(f, True) for f in files]
 
 
@@ -274,6 +298,8 @@ def _documents(
             yield from _jsonl(f, text_field, on_bad_utf8, stats, label_field)
         elif f.name.endswith(".arrow"):
             yield from _saved_arrow(f, text_field, label_field)
+        elif f.name.endswith(".parquet"):
+            yield from _parquet(f, text_field, label_field)
         else:  # one document per line, like datasets' "text" loader
             yield from ((text, None) for text in _lines(f, on_bad_utf8, stats))
 
@@ -387,24 +413,43 @@ def _read_lines(fh, f: Path) -> Iterator[bytes]:
 def _saved_arrow(f: Path, text_field: str, label_field: str | None) -> Iterator[tuple[str, int | None]]:
     try:
         reader = pa.ipc.open_stream(pa.memory_map(str(f)))
-        for name in [text_field] + ([label_field] if label_field is not None else []):
-            if name not in reader.schema.names:
-                raise DataError(f"{f} has no column {name!r}; its columns: {listed(reader.schema.names)}")
-        row = 0
-        for batch in reader:
-            texts = batch.column(text_field).to_pylist()
-            labels = batch.column(label_field).to_pylist() if label_field is not None else [None] * len(texts)
-            for text, label in zip(texts, labels, strict=True):
-                if text is not None:
-                    if label_field is None:
-                        yield text, None
-                    elif label is None:
-                        raise DataError(f"{f}: row {row} has no {label_field!r} (null); every row needs a class id")
-                    else:
-                        yield text, class_id(label, f"{f}: row {row}", label_field)
-                row += 1
+        yield from _rows(f, reader.schema.names, reader, text_field, label_field)
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{f}: not a readable Arrow IPC stream ({clipped(err)}); corrupt or truncated?") from None
+
+
+def _parquet(f: Path, text_field: str, label_field: str | None) -> Iterator[tuple[str, int | None]]:
+    import pyarrow.parquet as pq
+
+    try:
+        source = pq.ParquetFile(f)
+        names = source.schema_arrow.names
+        columns = [n for n in (text_field, label_field) if n is not None and n in names]
+        yield from _rows(f, names, source.iter_batches(batch_size=BATCH_DOCS, columns=columns), text_field, label_field)
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{f}: not a readable Parquet file ({clipped(err)}); corrupt or truncated?") from None
+
+
+def _rows(f: Path, names: list[str], batches, text_field: str, label_field: str | None):
+    """(text, class id) for the rows of a file's record batches; null texts are skipped, a null label refused."""
+    for name in [text_field] + ([label_field] if label_field is not None else []):
+        if name not in names:
+            raise DataError(f"{f} has no column {name!r}; its columns: {listed(names)}")
+    row = 0
+    for batch in batches:
+        texts = batch.column(text_field).to_pylist()
+        labels = batch.column(label_field).to_pylist() if label_field is not None else [None] * len(texts)
+        for text, label in zip(texts, labels, strict=True):
+            if text is not None and not isinstance(text, str):
+                raise DataError(f"{f}: row {row}: {text_field} is {type(text).__name__} {shown(text)}, not text")
+            if text is not None:
+                if label_field is None:
+                    yield text, None
+                elif label is None:
+                    raise DataError(f"{f}: row {row} has no {label_field!r} (null); every row needs a class id")
+                else:
+                    yield text, class_id(label, f"{f}: row {row}", label_field)
+            row += 1
 
 
 def _progress(items: Iterator, enabled: bool, unit: str) -> Iterator:

@@ -78,16 +78,13 @@ def stack_problems(recipe, python: str) -> tuple[list[str], list[str]]:
 
     sdk = recipe.cluster.neuron_sdk
     release = SDK_RELEASES[sdk_version(sdk)]
-    problems, found = [], []
+    problems, found, missing = [], [], []
     venv = release.venvs[0]
     for dist, prefixes in release.packages.items():
         version = _version(dist)
         wanted = " or ".join(f"{p}*" for p in prefixes)
         if version is None:
-            problems.append(
-                f"{dist} is not installed in {python}: not Neuron SDK {sdk}'s environment; run the job with {venv}"
-                "/bin/python (cluster.python or TRNRECIPES_PYTHON), or set cluster.neuron_sdk to the SDK installed"
-            )
+            missing.append(dist)
         elif not _matches(version, prefixes):
             problems.append(
                 f"{dist} {version} in {python}, but cluster.neuron_sdk {sdk} ships {wanted}: set cluster.neuron_sdk"
@@ -95,6 +92,13 @@ def stack_problems(recipe, python: str) -> tuple[list[str], list[str]]:
             )
         else:
             found.append(f"{dist} {version}")
+    if missing:
+        problems.insert(
+            0,
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed in {python}: not Neuron SDK"
+            f" {sdk}'s environment; run the job with {venv}/bin/python (cluster.python or TRNRECIPES_PYTHON), or set"
+            " cluster.neuron_sdk to the SDK installed",
+        )
     if problems:
         return problems, found
     for dist in release.packages:
