@@ -24,7 +24,7 @@ CASES: list[tuple[str, int, str]] = [
     ("llama2-70b", 8, ""),
     ("llama2-7b-trn2", 1, ""), ("llama2-7b-trn2", 16, ""), ("llama2-7b-trn2", 4, "trn3"),
     ("llama2-70b-trn2", 8, ""), ("llama2-70b-trn2", 8, "trn3"),
-    ("llama2-smoke-trn2", 1, ""),
+    ("llama2-smoke-trn2", 1, ""), ("llama2-smoke-trn1", 1, ""),
     ("neox-tiny", 1, ""), ("neox-tiny", 2, ""),
     ("pythia-tiny", 1, ""), ("pythia-tiny", 2, ""),
     ("llama2-tiny", 1, ""), ("llama2-tiny", 2, ""),

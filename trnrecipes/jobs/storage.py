@@ -4,8 +4,9 @@
 A checkpoint is the weights in their training dtype plus two fp32 AdamW moments per parameter
 (trnrecipes.config.preemption.checkpoint_bytes; the TP/PP/ZeRO-1 layout splits it into files, it does not change
 its size), and a run keeps checkpoint.keep_last of them, plus the one being written before the oldest is pruned.
-A cluster job (several nodes, or checkpoints over LOCAL_LIMIT) must say where they go: recipe.run_dir, or
-$TRNRECIPES_RUNS/<job name>; only the local recipes (demo, tiny) default to runs/ in the checkout.
+A multi-node cluster job, or any job keeping more than LOCAL_LIMIT of checkpoints, must say where they go:
+recipe.run_dir, or $TRNRECIPES_RUNS/<job name>; the rest (the demo, tiny and smoke recipes on one node) default to
+runs/ in the checkout.
 Torch-free.
 """
 
@@ -44,8 +45,8 @@ def checkpoint_footprint(recipe: Recipe) -> tuple[int, int]:
 def run_dir_problem(recipe: Recipe, runs_root: str | None) -> str | None:
     """Why this job may not put its checkpoints in the checkout by default, or None."""
     one, most = checkpoint_footprint(recipe)
-    local = recipe.cluster.instance in LOCAL_INSTANCES and most <= LOCAL_LIMIT
-    if recipe.run_dir or runs_root or local:
+    spread = recipe.cluster.nodes > 1 and recipe.cluster.instance not in LOCAL_INSTANCES  # a loopback test is local
+    if recipe.run_dir or runs_root or not (spread or most > LOCAL_LIMIT):
         return None
     why = f"{recipe.cluster.nodes} nodes" if recipe.cluster.nodes > 1 else f"{_size(most)} of checkpoints"
     return (
