@@ -118,7 +118,8 @@ def test_every_shipped_recipe_that_make_setup_provides_passes(tmp_path):
     assert {f"data/cls/{c.file}" for c in corpora.CORPORA} | {"data/tokenizers/bert-uncased"} == set(
         data_check.CLASSIFICATION_FILES
     )
-    for name in ("pythia-tiny", "llama2-tiny", "neox-tiny", "bert-tiny", "minilm-cls", "llama2-smoke-trn2"):
+    for name in ("pythia-tiny", "llama2-tiny", "neox-tiny", "bert-tiny", "minilm-cls", "llama2-smoke-trn2",
+                 "llama2-smoke-trn1"):  # fmt: skip
         assert data_problems(load_recipe(name, nodes=1), REPO) == [], name
 
 
@@ -128,3 +129,13 @@ def test_the_vocabulary_size_read_from_json_is_what_tokenizers_counts(name):
 
     path = REPO / "data/tokenizers" / name / "tokenizer.json"
     assert tokenizer_vocab_size(path) == Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+
+
+def test_the_vocabulary_size_counts_unigram_lists_and_added_tokens_past_the_vocabulary(tmp_path):
+    unigram = tmp_path / "unigram.json"
+    unigram.write_text(json.dumps({"model": {"type": "Unigram", "vocab": [["<unk>", 0.0], ["a", -1.0], ["b", -2.0]]}}))
+    assert tokenizer_vocab_size(unigram) == 3
+    added = tmp_path / "added.json"
+    spec = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}}, "added_tokens": [{"id": 9, "content": "<pad>"}]}
+    added.write_text(json.dumps(spec))
+    assert tokenizer_vocab_size(added) == 10  # the largest id + 1: id 9 must fit the embedding

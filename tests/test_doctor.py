@@ -57,19 +57,25 @@ def test_the_all_good_stand_in_passes_and_the_compile_job_goes_on(job, tmp_path)
     ("case", "message"),
     [
         ("no python", "the job's Python {python} does not exist here; set cluster.python (or TRNRECIPES_PYTHON)"),
-        ("old sdk", "torch-neuronx 2.5.1.2.4.0 in {python}, but cluster.neuron_sdk 2.26 ships 2.8.0.2.10.*"),
+        (
+            "old sdk",
+            "torch-neuronx 2.8.0.2.11.0 in {python}, but cluster.neuron_sdk 2.26 ships 2.8.0.2.10.*; that is Neuron SDK"
+            " 2.27's: set cluster.neuron_sdk 2.27",
+        ),
         ("no nxd", "neuronx-distributed is not installed in {python}: not Neuron SDK 2.26's environment"),
         ("no compiler", "neuron_parallel_compile is neither beside {python} nor on PATH"),
         ("few cores", "16 NeuronCores ({ls} -j), the recipe runs 32 workers per node, one per core"),
         ("no devices", "no Neuron devices (no neuron-ls, no /dev/neuron*): not a Trainium node?"),
         ("no data", "data.path {data}: {data}.bin and {data}.idx missing; make it with `trnrecipes data preprocess"),
         ("no pyyaml", "pyyaml not installed in "),
+        ("run dir", "run dir {run}: {blocker} is not a directory "),
     ],
 )
 def test_each_failure_is_one_line_exit_2_and_nothing_in_the_run_dir(job, tmp_path, case, message):
+    """Exit 2 (bad input, never requeued), or 1 for a fault of the node itself."""
     bin_dir, versions, devices = tmp_path / "bin", {}, 16
     if case == "old sdk":
-        versions["torch-neuronx"] = "2.5.1.2.4.0"
+        versions["torch-neuronx"] = "2.8.0.2.11.0"  # SDK 2.27's build for the same torch 2.8
     if case == "no nxd":
         versions["neuronx-distributed"] = None
     python = standin_venv(tmp_path / "venv", SDK, versions, compile_tool=case != "no compiler")
@@ -83,23 +89,37 @@ def test_each_failure_is_one_line_exit_2_and_nothing_in_the_run_dir(job, tmp_pat
         Path(f"{tmp_path / 'data/wiki'}.bin").unlink()
     if case == "no pyyaml":  # this interpreter without its site-packages: trnrecipes' own needs are missing
         python.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    if case == "run dir":  # where the run dir's parent should be, a file: nothing can be made there
+        (tmp_path / "runs").write_text("a file, not a directory\n")
     done = run_script(job, "compile.sbatch", python, bin_dir)
-    assert done.returncode == 2, done.stdout + done.stderr
+    node_fault = case in ("few cores", "no devices")  # this node's, not the input's: 1 (run.sbatch requeues)
+    assert done.returncode == (1 if node_fault else 2), done.stdout + done.stderr
     (line,) = errors(done)
-    expected = message.format(python=python, ls=ls, data=tmp_path / "data/wiki")
+    expected = message.format(
+        python=python, ls=ls, data=tmp_path / "data/wiki", run=tmp_path / "runs/p", blocker=tmp_path / "runs"
+    )
     assert expected in line, line
     assert "neuron_parallel_compile (stand-in)" not in done.stdout
-    assert not (tmp_path / "runs").exists()  # nothing written to the run dir, not even the dir
+    assert not (tmp_path / "runs/p").exists()  # nothing written to the run dir, not even the dir
 
 
-def test_the_run_and_eval_scripts_check_first_too(job, tmp_path):
+def test_the_run_script_checks_first_too_and_requeues_a_node_fault(job, tmp_path):
     python = standin_venv(tmp_path / "venv", SDK, {"torch-xla": "2.7.0"})
     neuron_ls(tmp_path / "bin", devices=16, cores_per_device=2)
     run = run_script(job, "run.sbatch", python, tmp_path / "bin")
-    assert run.returncode == 2 and "torch-xla 2.7.0 in " in errors(run)[0] and "ships 2.8.*" in errors(run)[0]
-    evaluation = run_script(job, "eval.sbatch", python, tmp_path / "bin")
-    assert evaluation.returncode == 2
-    assert f"run dir {tmp_path / 'runs/p'} does not exist: the eval job reads its checkpoints" in errors(evaluation)[0]
+    (line,) = errors(run)
+    assert (
+        run.returncode == 2
+        and "torch-xla 2.7.0 in " in line
+        and "ships 2.8.*; that is Neuron SDK 2.24 or 2.25's" in line
+    )
+    python.parent.parent.rename(tmp_path / "old-venv")
+    python = standin_venv(tmp_path / "venv", SDK)
+    neuron_ls(tmp_path / "bin", devices=4, cores_per_device=2)  # a node short of cores
+    run = run_script(job, "run.sbatch", python, tmp_path / "bin")
+    assert run.returncode == 1 and "8 NeuronCores" in errors(run)[0]
+    assert "the pre-flight failed on a node (exit 1) (the health check names " in run.stdout + run.stderr
+    assert "(not under Slurm: nothing to requeue)" in run.stdout + run.stderr  # under Slurm: requeued without it
 
 
 def test_doctor_on_a_login_node_checks_the_jobs_interpreter(job, tmp_path):
@@ -122,6 +142,7 @@ def test_a_full_compile_cache_disk_is_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(doctor, "stack_problems", lambda r, p: ([], []))
     monkeypatch.setattr(doctor, "neuron_cores", lambda: (32, "stand-in"))
     problems, _ = doctor.check(recipe, "compile", tmp_path / "run", node=True)
+    problems = [p.removeprefix(doctor.NODE_FAULT) for p in problems]
     assert f"compile cache {tmp_path / 'cache'}: 2.0 GiB free at {tmp_path}, under 10 GiB: free space there" in problems
 
 

@@ -105,3 +105,10 @@ def test_the_core_install_renders_in_a_fresh_venv_without_torch(tmp_path):
                             text=True, timeout=120)  # fmt: skip
     names = {p["name"].lower() for p in json.loads(listed.stdout)}
     assert {"pyyaml", "jinja2", "trnrecipes"} <= names and not {"torch", "numpy", "lm-eval"} & names
+
+
+def test_the_neuron_requirements_file_is_the_neuron_extra():
+    """requirements/neuron.txt is what the per-node install in docs/jobs.md and the doctor's advice install."""
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["neuron"]
+    listed = [line for line in (REPO / "requirements/neuron.txt").read_text().splitlines() if line[:1].isalnum()]
+    assert listed == extra

@@ -175,7 +175,7 @@ import importlib, sys
 for name in {names!r}:
     importlib.import_module(name)
 from trnrecipes.cli import main
-assert main(["plan", "--recipe", "llama2-7b", "--nodes", "16"]) == 0
+assert main(["plan", "--recipe", "llama2-7b", "--nodes", "16"]) == 0  # data and storage checked: warnings
 job = ["--out", {str(tmp_path / "job")!r}, "--no-data-check", "--overrides", "run_dir=/fsx/runs/n20"]
 assert main(["sbatch", "--recipe", "neox20b", "--nodes", "4", *job]) == 0
 print("HEAVY", sorted({{m.split(".")[0] for m in sys.modules}} & {{"torch", "numpy", "transformers", "pyarrow"}}))

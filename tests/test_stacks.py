@@ -209,7 +209,8 @@ def test_torchneuron_job_dir(name: str, nodes: int, variant: str):
     for script in ("compile.sbatch", "run.sbatch", "eval.sbatch"):
         text = code(files[script])
         assert not re.search(r"\bNEURON_RT_(VISIBLE_CORES|ROOT_COMM_ID)\b", text), script
-        assert f"\nPYTHON={DLAMI}\n" in text
+        python = DLAMI if script != "eval.sbatch" else f"{FAKE_REPO}/.venv/bin/python"  # scoring runs on the host CPU
+        assert f"\nPYTHON={python}\n" in text
         assert '\nPYTHON="${TRNRECIPES_PYTHON:-$PYTHON}"\n' in text
     assert "\nWORKERS_PER_NODE=64\n" in run
 
@@ -290,14 +291,17 @@ def test_neuron_on_a_gpu_instance_gets_the_backend_error_only():
 
 
 def test_no_neuron_job_dir_runs_the_checkouts_venv():
-    """Every shipped Neuron recipe at every golden node count, and the golden job dirs themselves: the scripts name
-    the stack's DLAMI venv, never the checkout's .venv (PyPI's CPU torch: no torch-xla, no neuron_parallel_compile)."""
+    """Every shipped Neuron recipe at every golden node count, and the golden job dirs themselves: the training scripts
+    name the stack's DLAMI venv, never the checkout's .venv (PyPI's CPU torch: no torch-xla, no
+    neuron_parallel_compile); eval.sbatch scores on the host CPU in the checkout's .venv, which has lm-eval."""
     from golden import CASES, GOLDEN_DIR, case_dir
 
     neuron = [c for c in CASES if load_recipe(c[0], nodes=c[1]).cluster.backend == "neuron"]
     assert len(neuron) >= 10
     for case in neuron:
-        for name in ("compile.sbatch", "run.sbatch", "eval.sbatch"):
+        for name in ("compile.sbatch", "run.sbatch"):
             script = (GOLDEN_DIR / case_dir(*case) / name).read_text()
             python = re.search(r"^PYTHON=(.*)$", script, re.M)[1]
             assert python.startswith("/opt/aws_neuronx_venv_") and python.endswith("/bin/python"), (case, python)
+        evaluation = (GOLDEN_DIR / case_dir(*case) / "eval.sbatch").read_text()
+        assert re.search(r"^PYTHON=(.*)$", evaluation, re.M)[1] == "/opt/trnrecipes/.venv/bin/python", case

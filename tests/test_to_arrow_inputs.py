@@ -60,7 +60,9 @@ def test_batch_rows_streams_batches_of_that_size(tmp_path):
     assert batches_of(out) == [1000, 1000, 500] and texts_of(out) == TEXTS
 
 
-@pytest.mark.parametrize("case", ["not parquet", "no text column", "ints", "dataset dict", "zero batch rows"])
+@pytest.mark.parametrize(
+    "case", ["not parquet", "no text column", "ints", "dataset dict", "mixed splits", "zero batch rows"]
+)
 def test_bad_inputs_are_one_line_and_leave_no_output(tmp_path, capsys, case):
     source = tmp_path / "in.parquet"
     extra = []
@@ -80,6 +82,12 @@ def test_bad_inputs_are_one_line_and_leave_no_output(tmp_path, capsys, case):
             (source / split / "dataset_info.json").write_text("{}")
         (source / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
         expected = f"error: {source} is a datasets DatasetDict (splits: test, train); give one split's directory"
+    elif case == "mixed splits":  # a Hub download: the held-out splits must not leak into training
+        source = tmp_path / "hub"
+        (source / "data").mkdir(parents=True)
+        for name in ("train-00000-of-00001", "test-00000-of-00001", "validation-00000-of-00001"):
+            pq.write_table(pa.table({"text": [name]}), source / "data" / f"{name}.parquet")
+        expected = f"error: {source} holds the Parquet shards of several splits (test, train, validation); give one"
     else:
         pq.write_table(pa.table({"text": ["a"]}), source)
         extra = ["--batch-rows", "0"]

@@ -1,6 +1,7 @@
 """Raw text -> ONE Arrow IPC stream file with a large_string column, read back by memory map (the 128-node Llama 2
-post). By default the file holds one record batch, which memory-maps with no copy; --batch-rows streams it in
-batches instead, for a corpus larger than this host's memory.
+post). By default the file holds one record batch, which memory-maps with no copy (writing it holds the corpus about
+twice in memory); --batch-rows writes batches instead, which read_arrow still copies into one (issue "Data at the
+scale of a real pre-training run" makes the reader chunk-aware).
 
 Inputs: .jsonl / .jsonl.gz (one JSON object per line), .txt (one document per line), .parquet files or a directory
 of Parquet shards, a directory saved by `datasets.save_to_disk` (data-*.arrow streams; a DatasetDict: one split's
@@ -277,6 +278,12 @@ def _expand(path: Path) -> list[tuple[Path, bool]]:
         )
     shards = sorted(p for p in path.rglob("*.parquet") if p.is_file())
     if shards:  # Parquet shards, as the Hugging Face Hub and Spark write them
+        splits = sorted({split for f in shards if (split := _split_of(f, path))})
+        if len(splits) > 1:  # train, test and validation together would leak the held-out sets into training
+            raise DataError(
+                f"{path} holds the Parquet shards of several splits ({listed(splits)}); give one split's files, e.g."
+                f" {next(f for f in shards if _split_of(f, path) == splits[-1])}"
+            )
         return [(f, False) for f in shards]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(TEXT_FILE_SUFFIXES))
     if not files:
@@ -284,6 +291,17 @@ def _expand(path: Path) -> list[tuple[Path, bool]]:
             f"directory {path} holds no data-*.arrow (datasets.save_to_disk), no .parquet and no .txt/.md/.rst files"
         )
     return [(f, True) for f in files]
+
+
+SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")
+
+
+def _split_of(shard: Path, root: Path) -> str | None:
+    """The split a Parquet shard belongs to, by the Hub's naming (train-00000-of-00003.parquet, or a train/ folder)."""
+    stem = shard.name.split("-")[0].split(".")[0].lower()
+    if stem in SPLITS:
+        return stem
+    return next((part.lower() for part in shard.relative_to(root).parts[:-1] if part.lower() in SPLITS), None)
 
 
 def _documents(

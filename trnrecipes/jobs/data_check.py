@@ -30,7 +30,7 @@ CLASSIFICATION_FILES = (
 
 
 def _resolve(path: str, repo_root: Path) -> Path:
-    p = Path(path).expanduser()
+    p = Path(path)  # as the trainer opens it (trnrecipes.data.sources): no ~ expansion
     return p if p.is_absolute() else repo_root / p  # data paths are relative to the repository root
 
 

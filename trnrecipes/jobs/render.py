@@ -149,10 +149,14 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def default_python(recipe: Recipe, repo_root: Path) -> str | Path:
+def default_python(recipe: Recipe, repo_root: Path, scoring: bool = False) -> str | Path:
     """The interpreter the scripts run (TRNRECIPES_PYTHON overrides it at submit time): cluster.python, else on a
     Neuron stack the virtualenv of that SDK's Deep Learning AMI (trnrecipes.config.stacks.SDK_RELEASES), else (cpu,
-    cuda, xla) the checkout's .venv."""
+    cuda, xla) the checkout's .venv. `scoring` (eval.sbatch, infer.sbatch): on a Neuron stack the checkout's .venv,
+    whatever cluster.python says, since scoring runs on the host CPU with lm-eval and transformers pins that a Neuron
+    venv must not take."""
+    if recipe.cluster.backend == "neuron" and scoring:
+        return repo_root / ".venv" / "bin" / "python"
     if recipe.cluster.python:
         return recipe.cluster.python
     if recipe.cluster.backend == "neuron":
@@ -198,6 +202,7 @@ def render_job(
         "repo_root": repo_root,
         "run_dir": run_dir_for(recipe, repo_root, runs_root),
         "python": default_python(recipe, repo_root),
+        "eval_python": default_python(recipe, repo_root, scoring=True),
         "stack": recipe.stack,
         "env_rows": backend_env(recipe, job_dir),
         "signal_seconds": signal_seconds(recipe),

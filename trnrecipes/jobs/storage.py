@@ -22,7 +22,7 @@ from trnrecipes.files.run_files import CHECKPOINTS, STEP_DIR
 
 RUNS_ENV = "TRNRECIPES_RUNS"
 LOCAL_INSTANCES = ("local-cpu",)  # where a run dir in the checkout is the right default
-LOCAL_LIMIT = 10 * 2**30  # more checkpoint bytes than this do not belong in a checkout, on any instance
+LOCAL_LIMIT = 10 * 2**30  # more checkpoint bytes than this (10 GiB) do not belong in a checkout, on any instance
 
 
 def run_dir_for(recipe: Recipe, repo_root: Path, runs_root: str | None) -> Path:

@@ -38,10 +38,10 @@ NEURON_LS = ("neuron-ls", "/opt/aws/neuron/bin/neuron-ls")  # aws-neuronx-tools;
 TRAIN_MODULES = {"yaml": "pyyaml", "numpy": "numpy", "pyarrow": "pyarrow", "safetensors": "safetensors",
                  "tokenizers": "tokenizers", "tiktoken": "tiktoken", "tqdm": "tqdm",
                  "tensorboard": "tensorboard"}  # fmt: skip
-EVAL_MODULES = {"yaml": "pyyaml", "lm_eval": "lm-eval", "transformers": "transformers", "accelerate": "accelerate",
-                "safetensors": "safetensors", "tokenizers": "tokenizers"}  # fmt: skip
-CLASSIFY_MODULES = {"yaml": "pyyaml", "numpy": "numpy", "pyarrow": "pyarrow", "safetensors": "safetensors",
-                    "tokenizers": "tokenizers"}  # fmt: skip
+EVAL_MODULES = {"yaml": "pyyaml", "torch": "torch", "lm_eval": "lm-eval", "transformers": "transformers",
+                "accelerate": "accelerate", "safetensors": "safetensors", "tokenizers": "tokenizers"}  # fmt: skip
+CLASSIFY_MODULES = {"yaml": "pyyaml", "torch": "torch", "numpy": "numpy", "pyarrow": "pyarrow",
+                    "safetensors": "safetensors", "tokenizers": "tokenizers"}  # fmt: skip
 # The stack packages imported after their versions check out (a broken install fails on import, not on a version).
 IMPORT_NAMES = {"torch": "torch", "torch-xla": "torch_xla", "torch-neuronx": "torch_neuronx",
                 "neuronx-distributed": "neuronx_distributed"}  # fmt: skip
@@ -57,7 +57,16 @@ def _extra(stack: str) -> str:
 
 
 def _install(python: str, what: str) -> str:
-    return f"{shlex.quote(python)} -m pip install -e {shlex.quote(str(REPO_ROOT))}'[{what}]'"
+    """The command that installs what is missing. Into a Neuron venv: the neuron requirements, held to what the venv
+    already has (nothing there changes), on every node (the DLAMI's venvs are node-local: docs/jobs.md)."""
+    py = shlex.quote(python)
+    if what == "neuron":
+        reqs = shlex.quote(str(REPO_ROOT / "requirements" / "neuron.txt"))
+        return (
+            f"{py} -m pip freeze --exclude-editable > /tmp/venv.txt && {py} -m pip install -c /tmp/venv.txt -r {reqs}"
+            " on every node (srun --ntasks-per-node=1)"
+        )
+    return f"{py} -m pip install -e {shlex.quote(str(REPO_ROOT))}'[{what}]'"
 
 
 def _version(dist: str) -> str | None:
@@ -86,12 +95,23 @@ def stack_problems(recipe, python: str) -> tuple[list[str], list[str]]:
         if version is None:
             missing.append(dist)
         elif not _matches(version, prefixes):
+            shipped_by = [
+                f"{a}.{b}" for (a, b), r in SDK_RELEASES.items() if _matches(version, r.packages.get(dist, ()))
+            ]
+            which = (
+                f"that is Neuron SDK {' or '.join(shipped_by)}'s: set cluster.neuron_sdk {shipped_by[-1]}"
+                if shipped_by
+                else "no release in the stack table ships it"
+            )
             problems.append(
-                f"{dist} {version} in {python}, but cluster.neuron_sdk {sdk} ships {wanted}: set cluster.neuron_sdk"
-                f" to the release installed there, or use {venv}/bin/python"
+                f"{dist} {version} in {python}, but cluster.neuron_sdk {sdk} ships {wanted}; {which}, or run the job"
+                f" with SDK {sdk}'s {venv}/bin/python"
             )
         else:
             found.append(f"{dist} {version}")
+    torch, neuronx = _version("torch"), _version("torch-neuronx")
+    if torch and neuronx and not neuronx.startswith(".".join(torch.split("+")[0].split(".")[:2]) + "."):
+        problems.append(f"torch-neuronx {neuronx} is built for another torch than the torch {torch} in {python}")
     if missing:
         problems.insert(
             0,
@@ -112,8 +132,15 @@ def stack_problems(recipe, python: str) -> tuple[list[str], list[str]]:
     return problems, found
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a dotted name whose parent package is missing
+        return False
+
+
 def module_problems(modules: dict[str, str], python: str, extra: str) -> list[str]:
-    missing = sorted({dist for module, dist in modules.items() if importlib.util.find_spec(module) is None})
+    missing = sorted({dist for module, dist in modules.items() if not _installed(module)})
     if not missing:
         return []
     return [f"{', '.join(missing)} not installed in {python} (trnrecipes needs them here): {_install(python, extra)}"]
@@ -141,6 +168,9 @@ def _writable_ancestor(path: Path) -> tuple[Path, bool]:
     return Path(path.anchor), False
 
 
+NODE_FAULT = "[node] "  # a problem of this node (devices, disk), which another node would not have
+
+
 def check(recipe, job: str, run_dir: Path, node: bool, python: str | None = None) -> tuple[list[str], list[str]]:
     """(problems, notes) for this interpreter (`python`: its name as the job gives it, a venv's bin/python that may
     be a link or a wrapper) and host."""
@@ -164,13 +194,14 @@ def check(recipe, job: str, run_dir: Path, node: bool, python: str | None = None
         problems += module_problems(modules, python, _extra(stack))
         problems += data_problems(recipe, REPO_ROOT)
         anchor, ok = _writable_ancestor(run_dir)
-        if not ok:
-            problems.append(f"run dir {run_dir}: {anchor} is not writable by {os.environ.get('USER', 'this user')}")
+        if not ok or not anchor.is_dir():
+            problems.append(
+                f"run dir {run_dir}: {anchor} is not a directory {os.environ.get('USER', 'this user')} can write to;"
+                " set run_dir (or TRNRECIPES_RUNS) to shared storage you can write"
+            )
     else:
         modules = CLASSIFY_MODULES if classify or job == "infer" else EVAL_MODULES
-        problems += module_problems(modules, python, "eval" if modules is EVAL_MODULES else _extra(stack))
-        if not run_dir.is_dir():
-            problems.append(f"run dir {run_dir} does not exist: the {job} job reads its checkpoints (run.sbatch first)")
+        problems += module_problems(modules, python, "eval" if modules is EVAL_MODULES else "train")
     if job == "compile" and stack == "xla-nxd":
         beside = Path(python).parent / "neuron_parallel_compile"
         if not (beside.is_file() or shutil.which("neuron_parallel_compile")):
@@ -182,9 +213,13 @@ def check(recipe, job: str, run_dir: Path, node: bool, python: str | None = None
         cores, how = neuron_cores()
         need = recipe.workers_per_node
         if cores is None and "device(s)" not in how:
-            problems.append(f"no Neuron devices ({how}, no /dev/neuron*): not a Trainium node? check slurm.partition")
+            problems.append(
+                f"{NODE_FAULT}no Neuron devices ({how}, no /dev/neuron*): not a Trainium node? check the partition"
+            )
         elif cores is not None and cores < need:
-            problems.append(f"{cores} NeuronCores ({how}), the recipe runs {need} workers per node, one per core")
+            problems.append(
+                f"{NODE_FAULT}{cores} NeuronCores ({how}), the recipe runs {need} workers per node, one per core"
+            )
         else:
             notes.append(f"{cores if cores is not None else '?'} NeuronCores ({how})")
         cache = os.environ.get("NEURON_COMPILE_CACHE_URL") or os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR")
@@ -193,15 +228,15 @@ def check(recipe, job: str, run_dir: Path, node: bool, python: str | None = None
             free = shutil.disk_usage(anchor).free
             if free < COMPILE_CACHE_MIN_BYTES:
                 problems.append(
-                    f"compile cache {cache}: {free / 2**30:.1f} GiB free at {anchor}, under"
+                    f"{NODE_FAULT}compile cache {cache}: {free / 2**30:.1f} GiB free at {anchor}, under"
                     f" {COMPILE_CACHE_MIN_BYTES // 2**30} GiB: free space there"
                 )
     return problems, notes
 
 
-def _job_dir_value(config: Path, name: str) -> str | None:
-    """NAME=... as rendered into the job dir's run.sbatch beside recipe.yaml (the run dir, the interpreter)."""
-    script = config.parent / "run.sbatch"
+def _job_dir_value(config: Path, name: str, job: str = "run") -> str | None:
+    """NAME=... as rendered into the job dir's JOB.sbatch beside recipe.yaml (the run dir, the interpreter)."""
+    script = config.parent / f"{job}.sbatch"
     if not script.is_file():
         return None
     for line in script.read_text().splitlines():
@@ -218,11 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", help="the run dir (default: as the job dir's run.sbatch names it)")
     parser.add_argument("--node", action="store_true", help="also this node's devices and compile-cache space")
     parser.add_argument("--python", help="this interpreter as the job names it (the scripts pass it; then no re-run)")
+    parser.add_argument("--bad-nodes-file", help="append this node's name here when it fails on a node fault")
     args = parser.parse_args(argv)
     host = _host()
     if importlib.util.find_spec("yaml") is None:
         named = args.python or sys.executable
-        print(f"error: {host}: pyyaml not installed in {named}: {_install(named, 'train')}")
+        print(f"error: {host}: pyyaml not installed in {named}: {shlex.quote(named)} -m pip install 'pyyaml>=6'")
         return 2
     from trnrecipes.config.recipe import read_recipe_file, recipe_from_dict
     from trnrecipes.config.sections import RecipeError
@@ -235,10 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as err:
         print(f"error: {host}: {err}")
         return 2
-    python = os.environ.get("TRNRECIPES_PYTHON") or _job_dir_value(config, "PYTHON")
-    python = python or str(default_python(recipe, REPO_ROOT))
+    python = os.environ.get("TRNRECIPES_PYTHON") or _job_dir_value(config, "PYTHON", args.job)
+    python = python or str(default_python(recipe, REPO_ROOT, scoring=args.job in ("eval", "infer")))
     run_dir = Path(args.run_dir or _job_dir_value(config, "RUN_DIR") or run_dir_for(recipe, REPO_ROOT, None))
-    if args.python is None and os.path.realpath(python) != os.path.realpath(sys.executable):
+    if args.python is None and os.path.abspath(python) != os.path.abspath(sys.executable):
         if not os.access(python, os.X_OK):  # a login node: the job's interpreter is the one to check
             print(f"error: {host}: the job's Python {python} does not exist here; {_fix_python(recipe)}")
             return 2
@@ -247,7 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.run([python, "-m", "trnrecipes.ops.doctor", *argv], cwd=REPO_ROOT).returncode
     problems, notes = check(recipe, args.job, run_dir, args.node, args.python)
     for problem in problems:
-        print(f"error: {host}: {problem}", flush=True)
+        print(f"error: {host}: {problem.removeprefix(NODE_FAULT)}", flush=True)
+    if problems and all(p.startswith(NODE_FAULT) for p in problems):  # this node's fault alone: 1, not bad input
+        if args.bad_nodes_file:
+            with open(args.bad_nodes_file, "a") as f:
+                f.write(os.environ.get("SLURMD_NODENAME", host) + "\n")
+        return 1
     if problems:
         return 2
     devices = "" if args.node else "; devices not checked off the nodes (each job checks its own)"
