@@ -151,3 +151,12 @@ def test_cpu_jobs_need_no_neuron_packages(tmp_path):
     problems, notes = doctor.check(recipe, "run", tmp_path / "run", node=True)
     assert problems == [] and notes == [f"python {sys.executable}"]
     assert REPO.is_dir()
+
+
+def test_a_missing_default_venv_names_the_releases_other_dlami_when_this_host_has_it(monkeypatch):
+    """SDK 2.27/2.28 ship PyTorch 2.9 on Ubuntu 24.04 (the default) and 2.8 on 22.04: on a 22.04 host, say so."""
+    recipe = load_recipe("pythia6.9b", overrides="cluster.neuron_sdk=2.28")
+    other = "/opt/aws_neuronx_venv_pytorch_2_8_nxd_training/bin/python"
+    real = doctor.os.access
+    monkeypatch.setattr(doctor.os, "access", lambda p, mode: p == other or real(p, mode))
+    assert doctor._fix_python(recipe) == f"this host has SDK 2.28's other DLAMI venv: set cluster.python={other}"

@@ -298,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _fix_python(recipe) -> str:
     if recipe.cluster.backend == "neuron":
+        from trnrecipes.config.stacks import SDK_RELEASES, sdk_version
+
+        venvs = SDK_RELEASES[sdk_version(recipe.cluster.neuron_sdk)].venvs
+        here = [f"{v}/bin/python" for v in venvs[1:] if os.access(f"{v}/bin/python", os.X_OK)]
+        if here:  # the release's other DLAMI (Ubuntu 22.04 beside 24.04) is the one on this host
+            return f"this host has SDK {recipe.cluster.neuron_sdk}'s other DLAMI venv: set cluster.python={here[0]}"
         return (
             f"it is Neuron SDK {recipe.cluster.neuron_sdk}'s Deep Learning AMI venv: run on that DLAMI, or set"
             " cluster.python (or TRNRECIPES_PYTHON) to the interpreter that has the Neuron SDK"
