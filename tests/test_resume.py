@@ -57,6 +57,14 @@ def last_losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in logged_steps(run)}  # a replayed step's later entry wins
 
 
+def saving(checkpoints: Path) -> bool:
+    """A save is in flight: its .step_N.tmp is there."""
+    try:
+        return any(p.name.startswith(".step_") for p in checkpoints.iterdir())
+    except FileNotFoundError:
+        return False
+
+
 def wait_for_step(run: Path, step: int, proc: subprocess.Popen) -> None:
     while not any(r["step"] >= step for r in logged_steps(run)):
         assert proc.poll() is None, proc.communicate()[0][-3000:]
@@ -106,7 +114,12 @@ def test_fault_campaign_of_random_sigkills(straight: Path, tmp_path: Path):
             break
         proc = start(cfg)
         wait_for_step(run, done_before + 1, proc)  # it resumed and made progress
-        time.sleep(rng.uniform(0.0, 0.6))
+        if kills % 2:  # every other kill aims at a save in flight (on an idle machine random ones rarely hit one)
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and proc.poll() is None and not saving(run / "checkpoints"):
+                time.sleep(0.001)
+        else:
+            time.sleep(rng.uniform(0.0, 0.6))
         if proc.poll() is not None:
             break
         proc.send_signal(signal.SIGKILL)

@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import torch
 from conftest import REPO, run_cli
@@ -55,9 +56,11 @@ def slurm(env: dict[str, str], *cmd: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
 
 
-def render(job: Path, run_dir: Path, nodes: int = 2, overrides: str = SMALL, recipe: str = "llama2-tiny") -> None:
+def render(
+    job: Path, run_dir: Path, nodes: int = 2, overrides: str = SMALL, recipe: str = "llama2-tiny", *flags: str
+) -> None:
     done = run_cli("sbatch", "--recipe", recipe, "--nodes", str(nodes), "--out", str(job),
-                   "--overrides", f"{overrides} run_dir={run_dir}")  # fmt: skip
+                   "--overrides", f"{overrides} run_dir={run_dir}", *flags)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -260,8 +263,13 @@ def test_a_crash_mid_run_is_requeued_and_resumes_bitwise(slurm_env, reference, t
 
 
 def test_a_run_failing_at_start_on_bad_input_is_not_requeued(slurm_env, tmp_path):
-    job, run = tmp_path / "job", tmp_path / "run"
-    render(job, run, overrides=f"{SMALL} data.path={tmp_path}/missing.arrow")
+    """The corpus passes every check before training (it exists, it is Arrow) but has no text column: each rank
+    stops as bad input, and the job is not requeued. (A missing corpus is refused earlier: by sbatch, and by the
+    pre-flight on the nodes.)"""
+    job, run, corpus = tmp_path / "job", tmp_path / "run", tmp_path / "bad.arrow"
+    render(job, run, 2, f"{SMALL} data.path={corpus}", "llama2-tiny", "--no-data-check")
+    with pa.OSFile(str(corpus), "wb") as sink, pa.ipc.new_stream(sink, pa.schema([("body", pa.large_string())])) as w:
+        w.write_batch(pa.record_batch([pa.array(["no text column here"], pa.large_string())], names=["body"]))
     job_id = submit(slurm_env, str(job / "run.sbatch"))
     log = job / "logs" / f"{NAME}-{job_id}.out"
     info = wait_done(slurm_env, job_id, log, state="FAILED")
@@ -269,8 +277,8 @@ def test_a_run_failing_at_start_on_bad_input_is_not_requeued(slurm_env, tmp_path
     out = log.read_text()
     assert "training failed on something a requeue would repeat; not requeueing" in out
     # each message once, with the number of ranks that reported it
-    missing = re.escape(f"{tmp_path}/missing.arrow")
-    assert re.search(rf"^  2 error: Arrow file {missing} does not exist$", out, re.M), out[-3000:]
+    bad = re.escape(f"{corpus} has no column 'text'; its columns: body")
+    assert re.search(rf"^  2 error: {bad}$", out, re.M), out[-3000:]
     assert "requeueing job" not in out and not (job / "logs" / f"{job_id}.failures").exists()
 
 
