@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from trnrecipes.config.sections import Recipe
+from trnrecipes.data.sources import data_path
 
 ARROW_FILE_MAGIC = b"ARROW1"  # Arrow IPC file format: "ARROW1" + padding, at the start and the end
 ARROW_STREAM_MARKER = b"\xff\xff\xff\xff"  # Arrow IPC stream: each message starts with the continuation marker
@@ -27,11 +28,6 @@ CLASSIFICATION_FILES = (
     "data/cls/bbc-news.arrow",
     "data/tokenizers/bert-uncased",
 )
-
-
-def _resolve(path: str, repo_root: Path) -> Path:
-    p = Path(path)  # as the trainer opens it (trnrecipes.data.sources): no ~ expansion
-    return p if p.is_absolute() else repo_root / p  # data paths are relative to the repository root
 
 
 def _made_by(path: str, kind: str, tokenizer: str = "<tokenizer dir>") -> str:
@@ -74,7 +70,7 @@ def _sniff_arrow(path: Path) -> str | None:
 
 
 def _check_corpus(label: str, path: str, fmt: str, tokenizer: str, repo_root: Path) -> list[str]:
-    full = _resolve(path, repo_root)
+    full = data_path(path, repo_root)
     if fmt == "megatron":
         missing = [f"{full}{ext}" for ext in (".bin", ".idx") if not Path(f"{full}{ext}").is_file()]
         if missing:
@@ -118,7 +114,7 @@ def tokenizer_vocab_size(tokenizer_json: Path) -> int:
 
 def _check_tokenizer(recipe: Recipe, repo_root: Path) -> list[str]:
     path = recipe.data.tokenizer
-    full = _resolve(path, repo_root)
+    full = data_path(path, repo_root)
     tok_file = full / "tokenizer.json"
     if not tok_file.is_file():
         where = f"{full} does not exist" if not full.exists() else f"{full} has no tokenizer.json"

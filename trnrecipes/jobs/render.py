@@ -30,6 +30,7 @@ from trnrecipes.config.preemption import signal_seconds
 from trnrecipes.config.recipe import is_plain_path
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.config.stacks import dlami_python
+from trnrecipes.data.sources import data_path
 from trnrecipes.jobs.neuron_env import JOB_USER, backend_env
 from trnrecipes.jobs.storage import run_dir_for
 from trnrecipes.plan.layout import Layout, compute_layout, rank_coords
@@ -94,7 +95,7 @@ def check_corpus(recipe: Recipe, repo_root: Path = REPO_ROOT) -> None:
     classification holdout (data.eval_path, which eval.sbatch predicts on) is checked the same way."""
     d = recipe.data
     corpora = ([d.path] if d.format == "arrow" else []) + ([d.eval_path] if d.eval_path else [])
-    paths = [Path(p) if Path(p).is_absolute() else repo_root / p for p in corpora]  # relative to the repository
+    paths = [data_path(p, repo_root) for p in corpora]
     paths = [p for p in paths if p.is_file()]
     if not paths or importlib.util.find_spec("pyarrow") is None:
         return
