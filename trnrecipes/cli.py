@@ -328,10 +328,12 @@ def _to_arrow(args: argparse.Namespace) -> int:
 
 def _preprocess(args: argparse.Namespace) -> int:
     from trnrecipes.data.indexed import preprocess
+    from trnrecipes.data.sources import TOKENIZED_WITH
     from trnrecipes.data.tokenizer import load_tokenizer
 
     inputs = [Path(p) for p in args.inputs]
-    check_outputs([f"{args.out}.bin", f"{args.out}.idx"], inputs=[*inputs, args.tokenizer])
+    outputs = [f"{args.out}{suffix}" for suffix in (".bin", ".idx", TOKENIZED_WITH)]
+    check_outputs(outputs, inputs=[*inputs, args.tokenizer])
     tok = load_tokenizer(args.tokenizer)
     stats, tokens = preprocess(inputs, tok, Path(args.out), args.text_field, args.dtype, args.on_bad_utf8)
     _report_conversion(stats, f"{args.out}.bin/.idx")

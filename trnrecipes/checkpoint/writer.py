@@ -46,6 +46,7 @@ from trnrecipes.checkpoint.format import (
 )
 from trnrecipes.config.sections import Recipe
 from trnrecipes.config.stages import pipeline_stages
+from trnrecipes.data.order import DATA_ORDER
 from trnrecipes.parallel.dims import local_tensor
 from trnrecipes.parallel.fsdp import tp_local
 
@@ -388,6 +389,7 @@ def snapshot(
             "stage_layers": [len(s.layers) for s in pipeline_stages(recipe)],  # the split, in model order
             "consumed_samples": step * recipe.batch.global_batch,
             "num_docs": num_docs,  # the corpus the data positions index (resume refuses another)
+            "data_order": DATA_ORDER,  # how documents were ordered: a position from another order means nothing
         }
     if dims.pp > 1 and dims.dp_rank == 0 and dims.tp_rank == 0:
         files[stage_shards_file(dims.pp_rank, dims.pp)] = stage_dims

@@ -6,6 +6,7 @@ A recipe is data (recipes/<family>/<name>.yaml). This module never imports torch
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import shlex
 import types
@@ -272,13 +273,37 @@ def _classification_problems(r: Recipe, nxd: bool) -> list[str]:
             f"layout.tp {lay.tp}: tensor parallelism for the {fam} family runs on DTensor (cpu, cuda, TorchNeuron),"
             " not through XLA/NxD; use data parallelism (layout.tp 1)"
         )
-    if r.data.format != "arrow":
+    if r.data.sources:
+        problems.append("data.sources: classification reads one labelled Arrow file; give it as data.path")
+    elif r.data.format != "arrow":
         problems.append(
             f"data.format {r.data.format!r}: classification reads text and labels from an Arrow file (data.format"
             " 'arrow'; `trnrecipes data to-arrow --label-field` writes one)"
         )
     if r.model.pad_token_id is None:
         problems.append("model.pad_token_id is null: classification pads every sequence and masks the padding")
+    return problems
+
+
+def _data_problems(r: Recipe) -> list[str]:
+    """data.path or data.sources, not both; a blend's weights positive and finite, its paths distinct."""
+    d = r.data
+    if d.path is None and not d.sources:
+        return ["data: give data.path (one corpus) or data.sources (a blend: [{path: ..., weight: ...}, ...])"]
+    if d.path is not None and d.sources:
+        return [
+            f"data.path {shown(d.path)} and data.sources are both set: give one (data.path is a blend of one source)"
+        ]
+    problems = [
+        f"data.sources[{i}].weight: must be a positive number (its share is weight / sum of weights), got"
+        f" {shown(s.weight)}"
+        for i, s in enumerate(d.sources)
+        if not (math.isfinite(s.weight) and s.weight > 0)
+    ]
+    paths = [s.path for s in d.sources]
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        problems.append(f"data.sources: {shown(twice[0])} is listed twice; give each corpus once, weighted")
     return problems
 
 
@@ -350,6 +375,7 @@ def check_recipe(r: Recipe) -> list[str]:
         f"train.compile true with layout.tp {r.layout.tp}: compiled blocks with tensor-parallel DTensors fail in"
         " backward on the torch this was tested with (2.13); set train.compile false or layout.tp 1",
     )
+    problems += _data_problems(r)
     if FAMILIES[m.family].objective == "classification":
         problems += _classification_problems(r, nxd)
     need(

@@ -95,14 +95,32 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
+class DataSource:
+    """One corpus of a blend (data.sources): its share of the training samples is weight / sum of weights."""
+
+    path: str
+    weight: float
+    format: Literal["arrow", "megatron"] | None = None  # None: data.format
+    text_field: str | None = None  # None: data.text_field
+
+
+@dataclass(frozen=True)
 class DataConfig:
     format: Literal["arrow", "megatron"]
-    path: str  # Arrow file, or Megatron .bin/.idx prefix; relative to the repository root
     tokenizer: str  # tokenizer directory; relative to the repository root
+    path: str | None = None  # Arrow file, or Megatron .bin/.idx prefix; relative to the repository root
+    # Several corpora blended by weight (trnrecipes/data/blend.py), instead of data.path; each has its own split
+    # (data.val_fraction) and its own epochs, and validation draws from each by the same weights.
+    sources: list[DataSource] = field(default_factory=list)
     text_field: str = "text"
     label_field: str = "label"  # classification families (model.family bert): the integer class-id column
     eval_path: str | None = None  # classification: a labelled holdout file eval.sbatch scores (`trnrecipes predict`)
     val_fraction: float = 0.01
+
+    def corpora(self) -> list[DataSource]:
+        """Every corpus the run reads, data.path being one source of weight 1, with format and text_field filled."""
+        listed = self.sources or ([DataSource(self.path, 1.0)] if self.path is not None else [])
+        return [DataSource(s.path, s.weight, s.format or self.format, s.text_field or self.text_field) for s in listed]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Raw text -> ONE Arrow IPC stream file with a large_string column, read back by memory map (the 128-node Llama 2
-post). By default the file holds one record batch, which memory-maps with no copy (writing it holds the corpus about
-twice in memory); --batch-rows writes batches instead, which read_arrow still copies into one (issue "Data at the
-scale of a real pre-training run" makes the reader chunk-aware).
+post). By default the file holds one record batch (writing it holds the corpus about twice in memory); --batch-rows
+writes batches of that many rows instead, as any streaming writer does. The trainer reads either in place
+(ArrowTexts: a document id maps to (batch, row) through the batches' cumulative lengths), so a rank's memory holds
+no copy of the corpus, only the memory-mapped pages the OS can drop.
 
 Inputs: .jsonl / .jsonl.gz (one JSON object per line), .txt (one document per line), .parquet files or a directory
 of Parquet shards, a directory saved by `datasets.save_to_disk` (data-*.arrow streams; a DatasetDict: one split's
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import pyarrow as pa
 
 from trnrecipes.data import DataError, listed
@@ -138,8 +140,30 @@ def _make_readable(path: str) -> None:
 
 def read_arrow(path: Path, text_field: str | None = None) -> pa.Array:
     """The text column (`text_field`, else the first) of an Arrow IPC stream (or file), checked as
-    check_text_column does."""
+    check_text_column does, as one array: a copy of a multi-batch file (small inputs only; the trainer reads a
+    corpus with ArrowTexts)."""
     return _text_column(read_table(path), path, text_field).combine_chunks()
+
+
+class ArrowTexts:
+    """The text column of an Arrow file, memory-mapped and read in place, whatever its record batches: rows are
+    found through the batches' cumulative lengths (O(batches) memory), never by joining them into one copy."""
+
+    def __init__(self, path: Path, text_field: str | None = None):
+        self.path = Path(path)
+        self.chunks = _text_column(read_table(path), path, text_field).chunks
+        self.starts = np.cumsum([0] + [len(c) for c in self.chunks], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def take(self, rows: Sequence[int]) -> list[str]:
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
+            raise IndexError(f"{self.path}: row outside [0, {len(self)})")
+        chunk = np.searchsorted(self.starts, rows, side="right") - 1
+        pairs = zip(chunk.tolist(), (rows - self.starts[chunk]).tolist(), strict=True)
+        return [self.chunks[c][r].as_py() for c, r in pairs]
 
 
 def check_text_column(path: Path, text_field: str | None = None) -> None:
@@ -483,7 +507,7 @@ class ArrowDocuments:
 
     def __init__(self, path: Path, tokenizer, text_field: str | None = None):
         self.path = path
-        self.texts = read_arrow(path, text_field)
+        self.texts = ArrowTexts(path, text_field)
         self.tokenizer = tokenizer
         self.num_docs = len(self.texts)
 
@@ -491,8 +515,6 @@ class ArrowDocuments:
         return read_naming_bad_row(self.path, doc_ids, self._tokens)
 
     def _tokens(self, doc_ids: Sequence[int]) -> list:
-        import numpy as np
-
-        texts = self.texts.take(pa.array(doc_ids, pa.int64())).to_pylist()
+        texts = self.texts.take(doc_ids)
         eos = np.array([self.tokenizer.eos_id], dtype=np.int64)
         return [np.concatenate([ids, eos]) for ids in self.tokenizer.encode_batch(texts)]

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from trnrecipes.data.arrow import ConversionStats, DataError, read_documents
+from trnrecipes.data.sources import TOKENIZED_WITH, write_tokenized_with
 from trnrecipes.schema import clipped
 
 DTYPES = {"uint16": np.uint16, "int32": np.int32}
@@ -72,10 +73,12 @@ def preprocess(
         builder.finalize(f"{tmp_prefix}.idx")
         if stats.documents == 0:
             raise DataError(f"no documents in {', '.join(map(str, inputs))}: every input was empty")
+        write_tokenized_with(tmp_prefix, tokenizer.path)  # sbatch refuses a blend of other tokenizers' ids
+        os.replace(f"{tmp_prefix}{TOKENIZED_WITH}", f"{out_prefix}{TOKENIZED_WITH}")
         os.replace(f"{tmp_prefix}.bin", f"{out_prefix}.bin")  # .bin first: a reader opens the .idx
         os.replace(f"{tmp_prefix}.idx", f"{out_prefix}.idx")
     finally:
-        for suffix in (".bin", ".idx"):
+        for suffix in (".bin", ".idx", TOKENIZED_WITH):
             if os.path.exists(f"{tmp_prefix}{suffix}"):
                 os.unlink(f"{tmp_prefix}{suffix}")
     return stats, total

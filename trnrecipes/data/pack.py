@@ -5,7 +5,8 @@ does not fit continues in the next sample, and what is left at the end of an epo
 so no token is dropped or repeated. Data-parallel ranks take disjoint slices of each epoch's document order
 (rank r: documents r, r + dp, r + 2*dp, ...), which together cover it. Everything is a function of
 (seed, epoch, dp_rank, dp_size), and the position (epoch, document, token offset) after each sample is reported
-with it, so training resumes exactly where it stopped.
+with it, so training resumes exactly where it stopped. No order is materialised (order.py): a rank's next block of
+documents is computed from its position, so nothing here grows with the corpus.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from trnrecipes.data import DataError
+from trnrecipes.data.order import DocIds, Permutation, RankOrder, as_doc_ids, derive_key, split
 
 TOKENIZE_BLOCK = 64  # documents per encode_batch call
 
@@ -51,9 +53,10 @@ class StreamPosition:
 
 def split_documents(
     num_docs: int, val_fraction: float, seed: int, source: object = "the corpus"
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[DocIds, DocIds]:
     """(train, validation) document ids: a seeded choice of round(val_fraction * n) documents (at least 1) is held
-    out. Fixed by the seed alone, so every rank and every restart agrees. `source` names the corpus in errors."""
+    out. Fixed by the seed alone, so every rank and every restart agrees; evaluated per index, never listed.
+    `source` names the corpus in errors."""
     if num_docs < 1:
         raise DataError(f"{source} has no documents")
     if not 0 <= val_fraction < 1:
@@ -64,15 +67,14 @@ def split_documents(
             f"{source} has {num_docs} document(s): too few to hold out {n_val} for validation"
             f" (data.val_fraction {val_fraction}) and train on the rest; use a bigger corpus or data.val_fraction=0"
         )
-    perm = np.random.default_rng([seed, 0x5EED]).permutation(num_docs)
-    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+    return split(num_docs, n_val, seed)
 
 
 class PackedStream:
     def __init__(
         self,
         source: DocumentSource,
-        doc_ids: np.ndarray,
+        doc_ids: DocIds | np.ndarray,
         seq_len: int,
         seed: int = 0,
         dp_rank: int = 0,
@@ -87,16 +89,14 @@ class PackedStream:
                 f"{getattr(source, 'path', 'the corpus')}: {len(doc_ids)} document(s) to read cannot be shared by"
                 f" {dp_size} data-parallel ranks; use a corpus with more documents"
             )
-        self.source, self.doc_ids, self.sample_len = source, np.asarray(doc_ids), seq_len + 1
+        self.source, self.doc_ids, self.sample_len = source, as_doc_ids(doc_ids), seq_len + 1
         self.seed, self.dp_rank, self.dp_size, self.shuffle = seed, dp_rank, dp_size, shuffle
         self.start = start or StreamPosition()
 
-    def order(self, epoch: int) -> np.ndarray:
-        """This rank's documents for `epoch`, in reading order."""
-        ids = self.doc_ids
-        if self.shuffle:
-            ids = ids[np.random.default_rng([self.seed, epoch]).permutation(len(ids))]
-        return ids[self.dp_rank :: self.dp_size]
+    def order(self, epoch: int) -> RankOrder:
+        """This rank's documents for `epoch`, in reading order (evaluated per block, never listed)."""
+        perm = Permutation(len(self.doc_ids), derive_key(self.seed, epoch)) if self.shuffle else None
+        return RankOrder(self.doc_ids, perm, self.dp_rank, self.dp_size)
 
     def _documents(self) -> Iterator[tuple[int, int, int, np.ndarray]]:
         """(epoch, doc, offset, tokens from offset) from the start position on, forever."""
@@ -140,7 +140,7 @@ class PackedStream:
                 yield sample, nxt
 
     def _after(self, epoch: int, doc: int, samples: int) -> StreamPosition:
-        if doc + 1 < len(self.order(epoch)):
+        if doc + 1 < len(self.order(epoch)):  # O(1): the order is not drawn
             return StreamPosition(epoch, doc + 1, 0, samples)
         return StreamPosition(epoch + 1, 0, 0, samples)
 

@@ -3,9 +3,14 @@ and the tokenizer, for the trainer."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from trnrecipes.data import DataError
+
+TOKENIZED_WITH = ".tokenizer.json"  # beside PREFIX.bin/.idx: which tokenizer made its ids (`data preprocess`)
 
 
 def data_path(path: str | Path, root: Path) -> Path:
@@ -15,19 +20,88 @@ def data_path(path: str | Path, root: Path) -> Path:
     return p if p.is_absolute() else root / p
 
 
+def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
+    """The sha256 of a tokenizer directory's tokenizer.json: two tokenizers with the same one give the same ids."""
+    return hashlib.sha256((Path(tokenizer_dir) / "tokenizer.json").read_bytes()).hexdigest()
+
+
+def write_tokenized_with(prefix: str | Path, tokenizer_dir: str | Path) -> Path:
+    """Record beside a .bin/.idx which tokenizer made it (read by tokenized_with)."""
+    path = Path(f"{prefix}{TOKENIZED_WITH}")
+    record = {"tokenizer": str(tokenizer_dir), "sha256": tokenizer_fingerprint(tokenizer_dir)}
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def tokenized_with(prefix: str | Path) -> dict | None:
+    """{tokenizer, sha256} of the tokenizer that made PREFIX.bin/.idx, or None where nothing recorded it (files
+    from Megatron's own preprocess_data.py, or from before this record)."""
+    try:
+        record = json.loads(Path(f"{prefix}{TOKENIZED_WITH}").read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("sha256"), str) else None
+
+
+@dataclass(frozen=True)
+class OpenedSource:
+    """One corpus of the run (data.path, or one of data.sources), opened, with its own train/validation split."""
+
+    path: str  # as the recipe names it
+    weight: float
+    documents: object  # ArrowDocuments or IndexedDocuments: num_docs, tokens(ids)
+    train: object  # DocIds (trnrecipes/data/order.py)
+    val: object
+
+
+def open_sources(data, root: Path, seed: int) -> tuple[list[OpenedSource], object]:
+    """(every corpus of a recipe's data section, opened and split by `seed`; the tokenizer)."""
+    from trnrecipes.data.pack import split_documents
+    from trnrecipes.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(data_path(data.tokenizer, root))
+    opened = []
+    for source in data.corpora():
+        documents = open_documents(source.format, source.path, tokenizer, source.text_field, root)
+        train, val = split_documents(documents.num_docs, data.val_fraction, seed, source=source.path)
+        opened.append(OpenedSource(source.path, source.weight, documents, train, val))
+    return opened, tokenizer
+
+
+def data_stream(sources, part: str, seq_len: int, seed: int, dp_rank: int, dp: int, start=None):
+    """The packed samples of `part` ("train" or "val") for one DP rank: one source's PackedStream, or the sources'
+    streams blended by weight (BlendedStream), from `start` (a StreamPosition, or a BlendPosition for a blend)."""
+    from trnrecipes.data.blend import BlendedStream
+    from trnrecipes.data.pack import PackedStream
+
+    if len(sources) == 1:
+        return PackedStream(sources[0].documents, getattr(sources[0], part), seq_len, seed, dp_rank, dp, True, start)
+    starts = start.sources if start is not None else [None] * len(sources)
+    streams = [
+        PackedStream(s.documents, getattr(s, part), seq_len, seed, dp_rank, dp, True, at)
+        for s, at in zip(sources, starts, strict=True)
+    ]
+    return BlendedStream(streams, [s.weight for s in sources], start.samples if start is not None else 0)
+
+
 def open_corpus(fmt: str, path: str | Path, tokenizer_dir: str | Path, text_field: str, root: Path):
-    """(documents, tokenizer) for a recipe's data section; relative paths are taken from `root` (the repo)."""
+    """(documents, tokenizer) for one corpus; relative paths are taken from `root` (the repo)."""
     from trnrecipes.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(data_path(tokenizer_dir, root))
+    return open_documents(fmt, path, tokenizer, text_field, root), tokenizer
+
+
+def open_documents(fmt: str, path: str | Path, tokenizer, text_field: str, root: Path):
+    """One corpus's documents, tokenized by `tokenizer` (Arrow) or as stored (Megatron .bin/.idx)."""
     if fmt == "arrow":
         from trnrecipes.data.arrow import ArrowDocuments
 
-        return ArrowDocuments(data_path(path, root), tokenizer, text_field), tokenizer
+        return ArrowDocuments(data_path(path, root), tokenizer, text_field)
     if fmt == "megatron":
         from trnrecipes.data.indexed import IndexedDocuments
 
-        return IndexedDocuments(data_path(path, root)), tokenizer
+        return IndexedDocuments(data_path(path, root))
     raise ValueError(f"unknown data format {fmt!r}; valid: arrow, megatron")
 
 

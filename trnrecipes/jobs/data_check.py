@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from trnrecipes.config.sections import Recipe
-from trnrecipes.data.sources import data_path
+from trnrecipes.data.sources import data_path, tokenized_with, tokenizer_fingerprint
 
 ARROW_FILE_MAGIC = b"ARROW1"  # Arrow IPC file format: "ARROW1" + padding, at the start and the end
 ARROW_STREAM_MARKER = b"\xff\xff\xff\xff"  # Arrow IPC stream: each message starts with the continuation marker
@@ -82,13 +82,33 @@ def _check_corpus(label: str, path: str, fmt: str, tokenizer: str, repo_root: Pa
             return [f"{label} {path}: {full}.idx cannot be read ({err.strerror or err})"]
         if head != MEGATRON_IDX_MAGIC:
             return [f"{label} {path}: {full}.idx is not a Megatron index (no MMIDIDX header); data.format megatron"]
-        return []
+        return _check_tokenized_with(label, path, full, tokenizer, repo_root)
     if not full.exists():
         return [f"{label} {path}: {full} does not exist; {_made_by(path, 'arrow')}"]
     if not full.is_file():
         return [f"{label} {path}: {full} is not a file (an Arrow file made by `trnrecipes data to-arrow`)"]
     problem = _sniff_arrow(full)
     return [f"{label} {path}: {full} {problem}; data.format {fmt}"] if problem else []
+
+
+def _check_tokenized_with(label: str, path: str, full: Path, tokenizer: str, repo_root: Path) -> list[str]:
+    """Token ids made by another tokenizer than data.tokenizer (as `data preprocess` recorded) would train the
+    model on other tokens' ids: in a blend, one source's ids would mean one thing and another's another."""
+    made_by = tokenized_with(full)
+    tok_file = data_path(tokenizer, repo_root) / "tokenizer.json"
+    if made_by is None or not tok_file.is_file():  # unrecorded (Megatron's own tool), or reported with the tokenizer
+        return []
+    try:
+        ours = tokenizer_fingerprint(tok_file.parent)
+    except OSError:
+        return []
+    if made_by["sha256"] == ours:
+        return []
+    return [
+        f"{label} {path}: tokenized with {made_by.get('tokenizer', 'another tokenizer')}, not data.tokenizer"
+        f" {tokenizer} (their tokenizer.json differ): its ids would mean other tokens; re-make it with `trnrecipes"
+        f" data preprocess --tokenizer {tokenizer} --out {path}` or use that tokenizer"
+    ]
 
 
 def tokenizer_vocab_size(tokenizer_json: Path) -> int:
@@ -133,10 +153,13 @@ def _check_tokenizer(recipe: Recipe, repo_root: Path) -> list[str]:
 
 
 def data_problems(recipe: Recipe, repo_root: Path) -> list[str]:
-    """Every problem with the recipe's data.path, data.eval_path (a classification holdout) and data.tokenizer as the
-    job would see them from this host; [] when they are all there and fit."""
+    """Every problem with the recipe's data.path (or each of data.sources), data.eval_path (a classification
+    holdout) and data.tokenizer as the job would see them from this host; [] when they are all there and fit."""
     d = recipe.data
-    problems = _check_corpus("data.path", d.path, d.format, d.tokenizer, repo_root)
+    problems = []
+    for i, source in enumerate(d.corpora()):
+        label = f"data.sources[{i}].path" if d.sources else "data.path"
+        problems += _check_corpus(label, source.path, source.format, d.tokenizer, repo_root)
     if d.eval_path:
         problems += _check_corpus("data.eval_path", d.eval_path, "arrow", d.tokenizer, repo_root)
     return problems + _check_tokenizer(recipe, repo_root)

@@ -94,17 +94,18 @@ def check_corpus(recipe: Recipe, repo_root: Path = REPO_ROOT) -> None:
     after rendering) and where pyarrow is not installed (`sbatch` needs only the base dependencies). The
     classification holdout (data.eval_path, which eval.sbatch predicts on) is checked the same way."""
     d = recipe.data
-    corpora = ([d.path] if d.format == "arrow" else []) + ([d.eval_path] if d.eval_path else [])
-    paths = [data_path(p, repo_root) for p in corpora]
-    paths = [p for p in paths if p.is_file()]
-    if not paths or importlib.util.find_spec("pyarrow") is None:
+    corpora = [(s.path, s.text_field) for s in d.corpora() if s.format == "arrow"]
+    corpora += [(d.eval_path, d.text_field)] if d.eval_path else []
+    found = [(data_path(p, repo_root), field) for p, field in corpora]
+    found = [(p, field) for p, field in found if p.is_file()]
+    if not found or importlib.util.find_spec("pyarrow") is None:
         return
     from trnrecipes.data.arrow import check_text_column
 
-    for path in paths:
+    for path, text_field in found:
         if path.stat().st_size > CHECK_NOTICE_BYTES:  # a walk over every record batch's header: seconds per TB
             print(f"[trnrecipes] checking {path}'s text column for nulls ...", file=sys.stderr, flush=True)
-        check_text_column(path, d.text_field)
+        check_text_column(path, text_field)
 
 
 def sbatch_command(recipe_arg: str, nodes: int, overrides: str = "", out: str = "") -> str:

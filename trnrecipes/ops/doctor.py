@@ -189,7 +189,7 @@ def check(recipe, job: str, run_dir: Path, node: bool, python: str | None = None
         else:
             problems += module_problems({"torch": "torch"}, python, "train")
         modules = dict(TRAIN_MODULES)
-        if recipe.data.format == "megatron":
+        if any(s.format == "megatron" for s in recipe.data.corpora()):
             modules["megatron.core"] = "megatron-core"
         problems += module_problems(modules, python, _extra(stack))
         problems += data_problems(recipe, REPO_ROOT)

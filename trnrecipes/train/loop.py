@@ -37,9 +37,10 @@ from trnrecipes.checkpoint.writer import Checkpointer, HostBuffers, snapshot
 from trnrecipes.config.changes import changes_data_order, section_differences
 from trnrecipes.config.families import family_spec
 from trnrecipes.config.sections import Recipe, RecipeError
+from trnrecipes.data.blend import DataPosition
 from trnrecipes.data.classify import ClassificationStream
-from trnrecipes.data.pack import PackedStream, Prefetcher, StreamPosition, batches, split_documents
-from trnrecipes.data.sources import open_corpus, open_labelled
+from trnrecipes.data.pack import Prefetcher, batches, split_documents
+from trnrecipes.data.sources import OpenedSource, data_stream, open_labelled, open_sources
 from trnrecipes.optim.schedule import lr_at
 from trnrecipes.parallel.dims import ParallelDims, full_tensor
 from trnrecipes.plan.layout import compute_layout, plan
@@ -58,7 +59,7 @@ class RunResult:
     checkpoints: list[Path] = field(default_factory=list)
     stopped_early: bool = False
     already_done: bool = False  # the run dir's checkpoint had reached the last step
-    position: StreamPosition | None = None
+    position: DataPosition | None = None
 
 
 def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -117,7 +118,7 @@ class Trainer:
             recipe,
             dims=dims,
             backend=self.backend,
-            num_docs=self.documents.num_docs,
+            num_docs=self.num_docs,
             weights_only=resume is None,
             keep_optimizer=resume is None and recipe.train.init_optimizer == "keep",
             source=source,
@@ -209,51 +210,57 @@ class Trainer:
     # ------------------------------------------------------------------ data
     def _open_data(self) -> None:
         d, b = self.recipe.data, self.recipe.batch
+        seed = self.recipe.train.seed
         if self.classify:
-            self.documents, self.tokenizer = open_labelled(self.recipe, REPO_ROOT)
+            documents, self.tokenizer = open_labelled(self.recipe, REPO_ROOT)
+            train, val = split_documents(documents.num_docs, d.val_fraction, seed, source=d.path)
+            self.sources = [OpenedSource(d.path, 1.0, documents, train, val)]
         else:
-            self.documents, self.tokenizer = open_corpus(d.format, d.path, d.tokenizer, d.text_field, REPO_ROOT)
+            self.sources, self.tokenizer = open_sources(d, REPO_ROOT, seed)
+        counts = [s.documents.num_docs for s in self.sources]
+        self.num_docs = counts[0] if len(counts) == 1 else counts  # what the saved data positions index
         if self.tokenizer.vocab_size > self.recipe.model.vocab_size:
             raise RecipeError(
                 f"tokenizer {d.tokenizer} has {self.tokenizer.vocab_size} ids but model.vocab_size is"
                 f" {self.recipe.model.vocab_size}"
             )
-        seed = self.recipe.train.seed
-        self.train_docs, self.val_docs = split_documents(self.documents.num_docs, d.val_fraction, seed, source=d.path)
-        # Validation: the same fixed batches every time (a fresh stream from its start), split over DP ranks.
-        val_dp = min(self.dims.dp, len(self.val_docs)) if len(self.val_docs) else 0
+        # Validation: the same fixed batches every time (a fresh stream from its start), split over DP ranks; a
+        # blend's from every source by the same weights.
+        held_out = min(len(s.val) for s in self.sources)
+        val_dp = min(self.dims.dp, held_out) if held_out else 0
         if self.classify and val_dp:  # one sample per document: more batches than documents would count some twice
-            per_rank, wanted = len(self.val_docs) // val_dp, self.recipe.train.val_batches * b.micro_batch
+            per_rank, wanted = held_out // val_dp, self.recipe.train.val_batches * b.micro_batch
             if wanted > per_rank:
                 raise RecipeError(
                     f"train.val_batches {self.recipe.train.val_batches} x batch.micro_batch {b.micro_batch} = {wanted}"
                     f" validation examples per data-parallel rank, but data.val_fraction {d.val_fraction} holds out"
-                    f" {len(self.val_docs)} of {self.documents.num_docs} documents ({per_rank} per rank over"
+                    f" {held_out} of {counts[0]} documents ({per_rank} per rank over"
                     f" {val_dp}): raise data.val_fraction or lower train.val_batches"
                 )
         if self.dims.fsdp and 0 < val_dp < self.dims.dp:  # FSDP's forward gathers over DP: every rank must run it
             raise RecipeError(
-                f"data.val_fraction {d.val_fraction} leaves {len(self.val_docs)} validation document(s) for"
+                f"data.val_fraction {d.val_fraction} leaves {held_out} validation document(s) for"
                 f" {self.dims.dp} data-parallel ranks; under layout.fsdp each rank needs one: raise data.val_fraction"
             )
         self.val_batches: list[torch.Tensor] = []
         if val_dp and self.dims.dp_rank < val_dp:
-            stream = self._stream(self.val_docs, 0, self.dims.dp_rank, val_dp, True, None)
-            it = batches(stream, b.micro_batch)
+            it = batches(self._stream("val", 0, self.dims.dp_rank, val_dp, None), b.micro_batch)
             self.val_batches = [torch.from_numpy(next(it)[0]) for _ in range(self.recipe.train.val_batches)]
 
-    def _stream(self, docs, seed: int, dp_rank: int, dp: int, shuffle: bool, start: StreamPosition | None):
-        """Packed text (one token stream cut into samples) or one padded, labelled sample per document."""
+    def _stream(self, part: str, seed: int, dp_rank: int, dp: int, start):
+        """Packed text (one token stream cut into samples; several sources blended by weight) or one padded,
+        labelled sample per document, of the sources' `part` ("train" or "val")."""
         if self.classify:
-            return ClassificationStream(self.documents, docs, seed, dp_rank, dp, shuffle, start)
-        return PackedStream(self.documents, docs, self.recipe.batch.seq_len, seed, dp_rank, dp, shuffle, start)
+            s = self.sources[0]
+            return ClassificationStream(s.documents, getattr(s, part), seed, dp_rank, dp, True, start)
+        return data_stream(self.sources, part, self.recipe.batch.seq_len, seed, dp_rank, dp, start)
 
-    def _train_loader(self, start: StreamPosition | None):
+    def _train_loader(self, start: DataPosition | None):
         b, dims = self.recipe.batch, self.dims
         seed = self.recipe.train.seed
-        stream = self._stream(self.train_docs, seed, dims.dp_rank, dims.dp, True, start)
+        stream = self._stream("train", seed, dims.dp_rank, dims.dp, start)
         self._prefetch = Prefetcher(batches(stream, b.micro_batch))
-        positions: collections.deque[StreamPosition] = collections.deque()
+        positions: collections.deque[DataPosition] = collections.deque()
 
         def host_batches():
             for array, position in self._prefetch:
@@ -357,7 +364,7 @@ class Trainer:
         """CPU weights with their TP shards gathered (under PP: this rank's stages only)."""
         return {k: full_tensor(v).detach().cpu() for k, v in self.model.state_dict().items()}
 
-    def save(self, step: int, position: StreamPosition | None) -> None:
+    def save(self, step: int, position: DataPosition | None) -> None:
         """Copy this rank's state to host memory (the only part the step waits for) and hand it to the writer.
         Compile mode traces the same copies (and TP gathers) and writes nothing."""
         self.checkpointer.join()  # the previous writer may still read the host buffers this copy reuses
@@ -369,7 +376,7 @@ class Trainer:
             position,
             self.recipe,
             self.host,
-            num_docs=self.documents.num_docs,
+            num_docs=self.num_docs,
             shard_dim=self.backend.shard_dim,
         )
         if not self.compile_only:

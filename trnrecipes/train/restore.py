@@ -20,7 +20,8 @@ from trnrecipes.checkpoint.format import CheckpointError, ShardReader, data_file
 from trnrecipes.config.changes import allows
 from trnrecipes.config.sections import Recipe
 from trnrecipes.config.stages import pipeline_stages
-from trnrecipes.data.pack import StreamPosition
+from trnrecipes.data.blend import DataPosition, position_from_dict, restart_position
+from trnrecipes.data.order import DATA_ORDER
 from trnrecipes.parallel.sharding import shard_region
 from trnrecipes.schema import clipped
 from trnrecipes.train.build import build_model_shard
@@ -35,7 +36,7 @@ class TrainState:
     model: nn.Module  # this rank's shard, on the backend's device
     optimizer: object  # the backend's optimizer over the model's trained parameters
     step: int  # optimizer steps already taken (0: a fresh start or fine-tuning)
-    position: StreamPosition | None  # where this DP rank's data stream resumes; None: from its start
+    position: DataPosition | None  # where this DP rank's data stream resumes; None: from its start
 
 
 def load(
@@ -44,7 +45,7 @@ def load(
     *,
     dims: ParallelDims,
     backend: Backend,
-    num_docs: int,
+    num_docs: int | list[int],
     weights_only: bool = False,
     keep_optimizer: bool = False,
     source: str = "",
@@ -124,7 +125,7 @@ def restore_training_state(
     dims,
     log=print,
     *,
-    num_docs: int,
+    num_docs: int | list[int],
     allowed=(),
     data_order_changed: bool = False,
     shard_dim: Callable[[torch.Tensor], int | None],
@@ -148,6 +149,9 @@ def restore_training_state(
     if saved_layout == (dims.pp, dims.dp, dims.tp, dims.world) and saved_place == (stage_layers, dims.zero1, dims.fsdp):
         set_rng_state(load_tensors(path / rng_file(dims.rank)), optimizer.generator)
     why = "checkpoint.allow_changes changed the data order" if data_order_changed else None
+    order = state.get("data_order", 1)  # checkpoints before order.py did not record it: version 1
+    if why is None and order != DATA_ORDER:
+        why = f"the checkpoint's data position is in document order version {order}, this trnrecipes uses {DATA_ORDER}"
     saved_docs = state.get("num_docs")
     if saved_docs is not None and saved_docs != num_docs:
         if not allows(allowed, "data.path"):
@@ -165,12 +169,13 @@ def restore_training_state(
                 " name layout.dp in checkpoint.allow_changes to accept that"
             )
         why = f"data parallel size changed ({saved_dp} -> {dims.dp})"
+    sources = len(num_docs) if isinstance(num_docs, list) else 1
     if why is None:
         file = path / data_file(dims.dp_rank)
         try:
-            return StreamPosition.from_dict(read_json(file))
+            return position_from_dict(read_json(file), sources)
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{file}: not a data position ({clipped(err, 80)})") from None
-    epochs = [int(read_json(f).get("epoch", 0)) for f in sorted(path.glob("data-dp*.json"))] or [-1]
-    log(f"[trnrecipes] {why}: positions do not carry over, the data stream restarts at epoch {max(epochs) + 1}")
-    return StreamPosition(epoch=max(epochs) + 1)
+    restart = restart_position([read_json(f) for f in sorted(path.glob("data-dp*.json"))], sources)
+    log(f"[trnrecipes] {why}: positions do not carry over, the data stream restarts at epoch {restart.epoch}")
+    return restart
