@@ -328,7 +328,7 @@ def _to_arrow(args: argparse.Namespace) -> int:
 
 def _preprocess(args: argparse.Namespace) -> int:
     from trnrecipes.data.indexed import preprocess
-    from trnrecipes.data.sources import TOKENIZED_WITH
+    from trnrecipes.data.tokenized_with import TOKENIZED_WITH
     from trnrecipes.data.tokenizer import load_tokenizer
 
     inputs = [Path(p) for p in args.inputs]
@@ -542,6 +542,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from trnrecipes.jobs.data_plan import data_plan, format_data_plan
     from trnrecipes.jobs.storage import run_dir_problem, runs_root_from_env
     from trnrecipes.plan.layout import plan
     from trnrecipes.plan.report import format_plan
@@ -552,7 +553,11 @@ def _plan(args: argparse.Namespace) -> int:
     if args.seq_per_s is not None and not 0 < args.seq_per_s < math.inf:
         raise RecipeError(f"--seq-per-s must be a finite number > 0, got {args.seq_per_s}")
     result = plan(recipe, seq_per_s=args.seq_per_s, price_per_hour=args.price)
-    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    sources = data_plan(recipe, REPO_ROOT, look=not args.no_data_check)
+    if args.json:
+        print(json.dumps({**result, "data": [s.to_dict() for s in sources]}, indent=2))
+    else:
+        print("\n".join([format_plan(result), *format_data_plan(sources, recipe.train.max_steps)]))
     # A plan is made before the data and the run dir exist too: what sbatch would refuse is said, not refused.
     storage, warnings = _storage_and_data(recipe, runs_root_from_env(), args.no_data_check, refuse=False)
     if not args.json:
@@ -584,6 +589,7 @@ def _storage_and_data(recipe, runs_root: str | None, skip: bool, refuse: bool) -
 
 def _sbatch(args: argparse.Namespace) -> int:
     from trnrecipes.config.recipe import find_recipe
+    from trnrecipes.jobs.data_plan import data_plan, format_data_plan
     from trnrecipes.jobs.render import (
         default_job_dir,
         provenance,
@@ -613,6 +619,9 @@ def _sbatch(args: argparse.Namespace) -> int:
     extra = {"provenance.json": provenance_json(provenance(job, command, find_recipe(args.recipe), args.overrides))}
     write_job(job, extra, force=args.force)
     print(format_plan(plan(recipe)))
+    print(
+        "\n".join(format_data_plan(data_plan(recipe, REPO_ROOT, look=not args.no_data_check), recipe.train.max_steps))
+    )
     print(storage)
     print(f"\nwrote {job.job_dir}/: {', '.join(sorted(job.files | extra))}")
     print("next:")

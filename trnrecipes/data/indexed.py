@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from trnrecipes.data.arrow import ConversionStats, DataError, read_documents
-from trnrecipes.data.sources import TOKENIZED_WITH, write_tokenized_with
+from trnrecipes.data.tokenized_with import TOKENIZED_WITH, write_tokenized_with
 from trnrecipes.schema import clipped
 
 DTYPES = {"uint16": np.uint16, "int32": np.int32}

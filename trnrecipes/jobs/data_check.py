@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 
 from trnrecipes.config.sections import Recipe
-from trnrecipes.data.sources import data_path, tokenized_with, tokenizer_fingerprint
+from trnrecipes.data.sources import data_path
+from trnrecipes.data.tokenized_with import tokenized_with, tokenizer_fingerprint
 
 ARROW_FILE_MAGIC = b"ARROW1"  # Arrow IPC file format: "ARROW1" + padding, at the start and the end
 ARROW_STREAM_MARKER = b"\xff\xff\xff\xff"  # Arrow IPC stream: each message starts with the continuation marker

@@ -1,0 +1,34 @@
+"""Which tokenizer made a Megatron .bin/.idx: `data preprocess` records it beside the files (PREFIX.tokenizer.json),
+and sbatch's data check refuses token ids made by another tokenizer than data.tokenizer (in a blend, one source's
+ids would mean one thing and another's another). Torch- and pyarrow-free: the render host reads it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+TOKENIZED_WITH = ".tokenizer.json"  # beside PREFIX.bin/.idx
+
+
+def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
+    """The sha256 of a tokenizer directory's tokenizer.json: two tokenizers with the same one give the same ids."""
+    return hashlib.sha256((Path(tokenizer_dir) / "tokenizer.json").read_bytes()).hexdigest()
+
+
+def write_tokenized_with(prefix: str | Path, tokenizer_dir: str | Path) -> Path:
+    """Record beside a .bin/.idx which tokenizer made it (read by tokenized_with)."""
+    path = Path(f"{prefix}{TOKENIZED_WITH}")
+    record = {"tokenizer": str(tokenizer_dir), "sha256": tokenizer_fingerprint(tokenizer_dir)}
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def tokenized_with(prefix: str | Path) -> dict | None:
+    """{tokenizer, sha256} of the tokenizer that made PREFIX.bin/.idx, or None where nothing recorded it (files
+    from Megatron's own preprocess_data.py, or from before this record)."""
+    try:
+        record = json.loads(Path(f"{prefix}{TOKENIZED_WITH}").read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("sha256"), str) else None

@@ -1,0 +1,137 @@
+"""What the run reads of each corpus over train.max_steps: its share of the samples (data.sources' weights, or all
+of data.path), the tokens that is, and how many epochs of it, for `plan` and `sbatch`.
+
+A corpus's size in tokens: a Megatron .bin holds exactly its tokens (its size / the token width in the .idx header);
+an Arrow corpus is tokenized online, so its tokens are estimated from its text bytes and a tokenized sample of 256
+documents spread over the file (with pyarrow and tokenizers installed; with only the core install, at 4 bytes a
+token), and printed with a ~. Only the files' metadata and those 256 documents are read: seconds for a TB corpus.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from trnrecipes.config.sections import Recipe
+from trnrecipes.data.sources import data_path
+
+SAMPLE_DOCS = 256
+BYTES_PER_TOKEN = 4.0  # without a tokenizer at hand: about what BPE tokenizers give on English text
+MEGATRON_ITEMSIZE = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # megatron-core's DType codes -> bytes
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    path: str
+    share: float  # of the training samples
+    samples: int  # over train.max_steps
+    tokens: int  # read from it over train.max_steps (samples x (seq_len + 1))
+    corpus_tokens: float | None  # in its training split; None when the file is not there
+    exact: bool  # counted (Megatron), not estimated (Arrow)
+
+    @property
+    def epochs(self) -> float | None:
+        return self.tokens / self.corpus_tokens if self.corpus_tokens else None
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "epochs": self.epochs}
+
+
+def data_plan(recipe: Recipe, repo_root: Path, look: bool = True) -> list[SourcePlan]:
+    """Each corpus's share, tokens and epochs over train.max_steps; `look` False: no file is read (no epochs)."""
+    d, b = recipe.data, recipe.batch
+    sources = d.corpora()
+    total_weight = sum(s.weight for s in sources)
+    all_samples = recipe.train.max_steps * b.global_batch
+    plans = []
+    for s in sources:
+        share = s.weight / total_weight
+        samples = round(all_samples * share)
+        size = _corpus_tokens(s, d.tokenizer, repo_root) if look else None
+        corpus = size[0] * (1 - d.val_fraction) if size else None
+        plans.append(SourcePlan(s.path, share, samples, samples * (b.seq_len + 1), corpus, bool(size and size[1])))
+    return plans
+
+
+def format_data_plan(plans: list[SourcePlan], max_steps: int, width: int = 11) -> list[str]:
+    """Lines in the plan summary's column: one per corpus."""
+    head = f"{'data':<{width}}  " + (
+        f"{len(plans)} sources blended by weight over {max_steps:,} steps"
+        if len(plans) > 1
+        else f"over {max_steps:,} steps"
+    )
+    lines = [head]
+    for p in plans:
+        if p.epochs is None:
+            epochs = "epochs unknown (the file is not here)"
+        else:
+            epochs = f"{'' if p.exact else '~'}{p.epochs:,.2f} epochs of {'' if p.exact else '~'}{_si(p.corpus_tokens)}"
+        lines.append(f"{'':<{width}}  {p.share:6.1%}  {p.tokens:>14,} tokens  {epochs}  {p.path}")
+    return lines
+
+
+def _si(value: float | None) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value is not None and value >= scale:
+            return f"{value / scale:.3g}{unit} tokens"
+    return f"{value:,.0f} tokens"
+
+
+def _corpus_tokens(source, tokenizer: str, repo_root: Path) -> tuple[float, bool] | None:
+    """(tokens, exact) of one corpus, or None if it cannot be read from here."""
+    full = data_path(source.path, repo_root)
+    try:
+        if source.format == "megatron":
+            with open(f"{full}.idx", "rb") as f:
+                header = f.read(18)
+            itemsize = MEGATRON_ITEMSIZE.get(struct.unpack("<B", header[17:18])[0]) if len(header) == 18 else None
+            size = Path(f"{full}.bin").stat().st_size
+            return (size / itemsize, True) if itemsize else None
+        if not full.is_file():
+            return None
+        return _arrow_tokens(full, source.text_field, data_path(tokenizer, repo_root))
+    except (OSError, ValueError):
+        return None
+
+
+def _arrow_tokens(path: Path, text_field: str, tokenizer_dir: Path) -> tuple[float, bool] | None:
+    if importlib.util.find_spec("pyarrow") is None:
+        return path.stat().st_size / BYTES_PER_TOKEN, False
+    from trnrecipes.data import DataError
+    from trnrecipes.data.arrow import ArrowTexts
+
+    try:
+        texts = ArrowTexts(path, text_field)
+    except DataError:
+        return None  # sbatch's data check says why
+    n = len(texts)
+    text_bytes = sum(_value_bytes(c) for c in texts.chunks)
+    if n == 0:
+        return None
+    bytes_per_token = BYTES_PER_TOKEN
+    if importlib.util.find_spec("tokenizers") is not None and (tokenizer_dir / "tokenizer.json").is_file():
+        from trnrecipes.data.tokenizer import load_tokenizer
+
+        rows = sorted({i * n // SAMPLE_DOCS for i in range(min(n, SAMPLE_DOCS))})
+        sample = texts.take(rows)
+        ids = load_tokenizer(tokenizer_dir).encode_batch(sample)
+        sampled_bytes, sampled_tokens = sum(len(t.encode()) for t in sample), sum(len(i) for i in ids)
+        if sampled_tokens:
+            bytes_per_token = sampled_bytes / sampled_tokens
+    return text_bytes / bytes_per_token + n, False  # + one EOS per document
+
+
+def _value_bytes(chunk) -> int:
+    """The bytes of text in one chunk of a string column: its last offset less its first, without reading a text."""
+    if len(chunk) == 0:
+        return 0
+    width = 8 if chunk.type.equals("large_string") else 4
+    view = memoryview(chunk.buffers()[1])
+    first, last = chunk.offset * width, (chunk.offset + len(chunk)) * width
+
+    def at(i: int) -> int:
+        return int.from_bytes(view[i : i + width], "little", signed=True)
+
+    return at(last) - at(first)
