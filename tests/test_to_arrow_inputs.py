@@ -1,6 +1,6 @@
 """`trnrecipes data to-arrow` from what users have (docs/data.md, "Bring your data"): Parquet files and shard
-directories, a `datasets` save_to_disk directory, into ONE Arrow file of one record batch (memory-mapped with no
-copy), or batches of --batch-rows; bad inputs are one line and leave no output."""
+directories, a `datasets` save_to_disk directory, into ONE Arrow file in record batches of 1M rows (one, for these),
+or of --batch-rows; bad inputs are one line and leave no output."""
 
 from __future__ import annotations
 
@@ -58,6 +58,8 @@ def test_batch_rows_streams_batches_of_that_size(tmp_path):
     out = tmp_path / "corpus.arrow"
     assert main(["data", "to-arrow", "--in", str(source), "--out", str(out), "--batch-rows", "1000"]) == 0
     assert batches_of(out) == [1000, 1000, 500] and texts_of(out) == TEXTS
+    assert main(["data", "to-arrow", "--in", str(source), "--out", str(out), "--batch-rows", "1500"]) == 0
+    assert batches_of(out) == [1500, 1000] and texts_of(out) == TEXTS
 
 
 @pytest.mark.parametrize(

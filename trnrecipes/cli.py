@@ -155,8 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--batch-rows",
         type=int,
-        help="write record batches of this many rows (default: one batch, which memory-maps with no copy; converting"
-        " holds it about twice in memory. Training still copies a multi-batch file into each worker)",
+        help="rows per record batch (default 1048576; converting holds one batch in memory, about twice; training"
+        " reads the batches in place, memory-mapped, and keeps a small object per batch)",
     )
     _text_args(sub)
     sub = actions.add_parser("preprocess", help="tokenize into Megatron/NeMo PREFIX.bin + PREFIX.idx (EOS appended)")

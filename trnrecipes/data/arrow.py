@@ -1,8 +1,8 @@
 """Raw text -> ONE Arrow IPC stream file with a large_string column, read back by memory map (the 128-node Llama 2
-post). By default the file holds one record batch (writing it holds the corpus about twice in memory); --batch-rows
-writes batches of that many rows instead, as any streaming writer does. The trainer reads either in place
-(ArrowTexts: a document id maps to (batch, row) through the batches' cumulative lengths), so a rank's memory holds
-no copy of the corpus, only the memory-mapped pages the OS can drop.
+post), in record batches of 1M rows (--batch-rows: another size; a smaller corpus is one batch), as any streaming
+writer makes them. The trainer reads them in place (ArrowTexts: a document id maps to (batch, row) through the
+batches' cumulative lengths), so a rank's memory holds no copy of the corpus, only the memory-mapped pages the OS
+can drop.
 
 Inputs: .jsonl / .jsonl.gz (one JSON object per line), .txt (one document per line), .parquet files or a directory
 of Parquet shards, a directory saved by `datasets.save_to_disk` (data-*.arrow streams; a DatasetDict: one split's
@@ -39,7 +39,10 @@ from trnrecipes.schema import clipped, shown
 TEXT_FILE_SUFFIXES = (".txt", ".md", ".rst")
 JSON_LINES = (".jsonl", ".jsonl.gz", ".json")  # one JSON record a line
 RECORD_FILE_SUFFIXES = (*JSON_LINES, ".arrow", ".parquet")  # files whose records can carry labels
-BATCH_DOCS = 1024  # documents per record batch: small enough to stream, big enough to be cheap
+BATCH_DOCS = 1024  # documents read and converted at a time: small enough to stream, big enough to be cheap
+# Rows per record batch of a written corpus. The trainer keeps one small object per batch (ArrowTexts), so a billion
+# documents are ~1000 batches; a smaller corpus is one batch, as before (memory-mapped the same way either way).
+ROWS_PER_BATCH = 1 << 20
 MAX_CLASS_ID = 2**63 - 1  # the label column is int64
 Read = TypeVar("Read")
 
@@ -62,35 +65,48 @@ def to_arrow(
     label_field: str | None = None,
     batch_rows: int | None = None,
 ) -> ConversionStats:
-    """Write every document of `inputs` to `out` (atomically: a temp file renamed at the end) as one record batch, or
-    in batches of `batch_rows`; with `label_field`, each document's class id too, as an int64 column of that name."""
+    """Write every document of `inputs` to `out` (atomically: a temp file renamed at the end) in record batches of
+    `batch_rows` (default ROWS_PER_BATCH); with `label_field`, each document's class id too, as an int64 column of
+    that name. Converting holds one batch in memory, about twice."""
     if batch_rows is not None and batch_rows < 1:
         raise DataError(f"--batch-rows must be a positive whole number, got {batch_rows}")
+    rows_per_batch = batch_rows or ROWS_PER_BATCH
     stats = ConversionStats()
     records = read_records(inputs, text_field, on_bad_utf8, stats, progress, label_field)
     fields = [pa.field(text_field, pa.large_string())] + ([pa.field(label_field, pa.int64())] if label_field else [])
     schema = pa.schema(fields)
     with atomic_output(out) as tmp, pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         batch: list[tuple[str, int | None]] = []
-        held: list[pa.RecordBatch] = []  # one batch at the end: these are joined into it
+        held: list[pa.RecordBatch] = []  # small batches, joined into one of rows_per_batch rows when written
+        held_rows = 0
         for text, label in records:
             if not text.strip():
                 stats.skipped_empty += 1
                 continue
             batch.append((text, label))
-            if len(batch) == (batch_rows or BATCH_DOCS):
-                _add_batch(writer if batch_rows else held, schema, batch, stats)
+            if len(batch) == min(BATCH_DOCS, rows_per_batch - held_rows):
+                _add_batch(held, schema, batch, stats)
+                held_rows += len(batch)
                 batch = []
+                if held_rows == rows_per_batch:
+                    _write_held(writer, schema, held)
+                    held_rows = 0
         if batch:
-            _add_batch(writer if batch_rows else held, schema, batch, stats)
+            _add_batch(held, schema, batch, stats)
         if held:
-            writer.write_batch(pa.Table.from_batches(held, schema).combine_chunks().to_batches()[0])
+            _write_held(writer, schema, held)
         if stats.documents == 0:
             raise DataError(
                 f"no documents in {', '.join(map(str, inputs))}: every input was empty"
                 f" ({stats.skipped_empty} empty, {stats.skipped_bad_utf8} with undecodable bytes)"
             )
     return stats
+
+
+def _write_held(writer, schema: pa.Schema, held: list[pa.RecordBatch]) -> None:
+    """The held small batches as one record batch; the list is emptied."""
+    writer.write_batch(pa.Table.from_batches(held, schema).combine_chunks().to_batches()[0])
+    held.clear()
 
 
 def _add_batch(to, schema: pa.Schema, batch: list[tuple[str, int | None]], stats: ConversionStats) -> None:
