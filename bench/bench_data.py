@@ -6,6 +6,16 @@ nothing is cached) and produce fixed-length samples of every token of one epoch.
 node, FACTS.md): how many host cores the data path needs per node.
 
     .venv/bin/python bench/bench_data.py [--seq 2048] [--tokenizer data/tokenizers/gpt2]
+
+`--scale` measures instead what the data path costs as the corpus grows (the issue "Data at the scale of a real
+pre-training run"): synthetic corpora of 1M and 16M short documents, as an Arrow IPC stream (1M-row record
+batches, read in place by ArrowDocuments) and as a Megatron .bin/.idx pair (IndexedDocuments), generated once and
+cached under build/bench-data/. Each (format, size) is measured in a fresh process, as rank 0 of 32: start-up
+(open + split + PackedStream + Prefetcher, until the first batch), steady tokens/s, and RSS growth over the RSS after
+imports. Targets, 16M against 1M: RSS growth within 64 MiB, start-up under 1.3x, tokens/s within 10%. Then an
+extrapolation to 1B documents and 32 ranks per node, against what the code before order.py held.
+
+    .venv/bin/python bench/bench_data.py --scale [--sizes 1M,16M] [--batches 500] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -78,12 +89,417 @@ def run_clm(corpus: Path, tokenizer: str, seq: int) -> dict:
     return {"seconds": time.perf_counter() - start, "tokens": tokens}
 
 
+# --- --scale: the data path against the corpus size ------------------------------------------------------------------
+
+SCALE_DIR = REPO / "build/bench-data"  # git-ignored (/build/)
+SCALE_VERSION = 1  # in the cached files' names: bump it when the generator changes
+CHUNK = 1_000_000  # documents per generated chunk = rows per Arrow record batch
+WORD_BYTES = 12  # a vocabulary word and its trailing space, zero padded
+EOS = 50256  # GPT-2's <|endoftext|>: the Megatron corpus's ids are GPT-2-sized, as `data preprocess` would write
+MEGATRON_UINT16 = 8  # megatron.core.datasets.indexed_dataset.DType.uint16
+DP, VAL_FRACTION, SEED = 32, 0.01, 0
+TARGET_RSS_MIB, TARGET_STARTUP, TARGET_RATE = 64, 1.3, 0.10
+BILLION, RANKS_PER_NODE = 1_000_000_000, 32
+MIB = 1 << 20
+
+
+def count(text: str) -> int:
+    """'1M' -> 1000000, '250k' -> 250000, '4096' -> 4096."""
+    scale = {"k": 10**3, "m": 10**6, "b": 10**9}.get(text[-1:].lower(), 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def label(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def vocabulary(seed: int, size: int = 8192):
+    """[size, WORD_BYTES] uint8: pseudo-words of 1-4 consonant+vowel syllables, each with a trailing space, zero
+    padded, shortest first (the frequent low ids are short words, as in a language)."""
+    import numpy as np
+
+    rng = np.random.default_rng([seed, 0x70CA])
+    consonants = np.frombuffer(b"bcdfghjklmnprstvwz", np.uint8)
+    vowels = np.frombuffer(b"aeiouy", np.uint8)
+    letters = np.stack(
+        [consonants[rng.integers(0, len(consonants), (size, 4))], vowels[rng.integers(0, len(vowels), (size, 4))]],
+        axis=2,
+    ).reshape(size, 8)
+    n_letters = 2 * rng.integers(1, 5, size)
+    table = np.zeros((size, WORD_BYTES), np.uint8)
+    table[:, :8] = np.where(np.arange(8) < n_letters[:, None], letters, 0)
+    table[np.arange(size), n_letters] = ord(" ")
+    return table[np.argsort(n_letters, kind="stable")]
+
+
+def arrow_chunk(seed: int, chunk: int, n: int, table):
+    """Chunk `chunk` of the Arrow corpus: n documents of 3-40 Zipf-distributed words ending in '.', built as one
+    bytes buffer and its offsets (no Python strings), deterministic from (seed, chunk)."""
+    import numpy as np
+    import pyarrow as pa
+
+    rng = np.random.default_rng([seed, 0xA770, chunk])
+    words = rng.integers(3, 41, n)  # words per document
+    ids = (rng.zipf(1.2, int(words.sum())) - 1) % len(table)
+    word_bytes = (table != 0).sum(axis=1)[ids]  # the word and its space
+    rows = table[ids]
+    data = rows[rows != 0]  # the words' bytes in order, padding dropped
+    starts = np.concatenate([[0], np.cumsum(words)[:-1]])
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(np.add.reduceat(word_bytes, starts), out=offsets[1:])
+    data[offsets[1:] - 1] = ord(".")  # each document's last space ends its sentence
+    text = pa.LargeStringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data))
+    return pa.record_batch([text], names=["text"])
+
+
+def write_arrow(path: Path, n_docs: int, seed: int, chunk_docs: int = CHUNK) -> None:
+    """An Arrow IPC stream, column `text` (large_string), one record batch per chunk; atomic (temp + rename)."""
+    import pyarrow as pa
+
+    table = vocabulary(seed)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        schema = pa.schema([("text", pa.large_string())])
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            for chunk, start in enumerate(range(0, n_docs, chunk_docs)):
+                writer.write_batch(arrow_chunk(seed, chunk, min(chunk_docs, n_docs - start), table))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def indexed_chunk(seed: int, chunk: int, n: int):
+    """(lengths int32, tokens uint16) of n documents of 4-62 tokens (about the Arrow corpus's GPT-2 token count
+    per document), the last one EOS, as `trnrecipes data preprocess` writes them."""
+    import numpy as np
+
+    rng = np.random.default_rng([seed, 0x1DC5, chunk])
+    lengths = rng.integers(4, 63, n).astype(np.int32)
+    tokens = rng.integers(0, EOS, int(lengths.sum()), dtype=np.uint16)
+    tokens[np.cumsum(lengths, dtype=np.int64) - 1] = EOS
+    return lengths, tokens
+
+
+def write_indexed(prefix: Path, n_docs: int, seed: int, chunk_docs: int = CHUNK) -> None:
+    """prefix.bin/.idx in megatron-core's IndexedDataset format (indexed_dataset.py, _IndexWriter), one sequence
+    per document, written with numpy: header b"MMIDIDX\x00\x00", version <Q 1, dtype code <B, sequence count <Q,
+    document count <Q (= documents + 1), sequence lengths int32, sequence pointers int64 (byte offsets into .bin),
+    document indices int64 (0, 1, ..., n: the sequence where each document starts). .bin first, then .idx."""
+    import numpy as np
+
+    tmp = prefix.with_name(f".{prefix.name}.tmp{os.getpid()}")
+    try:
+        lengths = []
+        with open(f"{tmp}.bin", "wb") as f:
+            for chunk, start in enumerate(range(0, n_docs, chunk_docs)):
+                chunk_lengths, tokens = indexed_chunk(seed, chunk, min(chunk_docs, n_docs - start))
+                tokens.tofile(f)
+                lengths.append(chunk_lengths)
+        lengths = np.concatenate(lengths)
+        pointers = np.zeros(n_docs, np.int64)
+        np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
+        pointers *= np.dtype(np.uint16).itemsize
+        with open(f"{tmp}.idx", "wb") as f:
+            f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", MEGATRON_UINT16))
+            f.write(struct.pack("<Q", n_docs) + struct.pack("<Q", n_docs + 1))
+            lengths.tofile(f)
+            pointers.tofile(f)
+            np.arange(n_docs + 1, dtype=np.int64).tofile(f)
+        os.replace(f"{tmp}.bin", f"{prefix}.bin")
+        os.replace(f"{tmp}.idx", f"{prefix}.idx")
+    finally:
+        for suffix in (".bin", ".idx"):
+            Path(f"{tmp}{suffix}").unlink(missing_ok=True)
+
+
+def check_writers(tokenizer: str) -> str:
+    """Both writers on a small corpus of 3 chunks: the .bin/.idx equal, byte for byte, what megatron-core's own
+    IndexedDatasetBuilder writes, and both read back through the trainer's readers to the generated documents."""
+    import numpy as np
+
+    from trnrecipes.data.arrow import ArrowDocuments
+    from trnrecipes.data.indexed import IndexedDocuments, _megatron
+    from trnrecipes.data.tokenizer import load_tokenizer
+
+    n, chunk_docs, picks = 2500, 1000, [0, 999, 1000, 1777, 2499]
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, theirs = Path(tmp) / "ours", Path(tmp) / "theirs"
+        write_indexed(ours, n, SEED, chunk_docs)
+        chunks = [indexed_chunk(SEED, c, min(chunk_docs, n - c * chunk_docs)) for c in range(3)]
+        docs = [d for lengths, tokens in chunks for d in np.split(tokens, np.cumsum(lengths)[:-1])]
+        builder = _megatron().IndexedDatasetBuilder(f"{theirs}.bin", dtype=np.uint16)
+        for doc in docs:
+            builder.add_document(doc, [len(doc)])
+        builder.finalize(f"{theirs}.idx")
+        for suffix in (".bin", ".idx"):
+            if Path(f"{ours}{suffix}").read_bytes() != Path(f"{theirs}{suffix}").read_bytes():
+                raise AssertionError(f"write_indexed: {suffix} differs from megatron-core's IndexedDatasetBuilder")
+        source = IndexedDocuments(ours)
+        assert source.num_docs == n, source.num_docs
+        for doc_id, got in zip(picks, source.tokens(picks), strict=True):
+            assert np.array_equal(got, docs[doc_id].astype(np.int64)), doc_id
+
+        path = Path(tmp) / "corpus.arrow"
+        write_arrow(path, n, SEED, chunk_docs)
+        table = vocabulary(SEED)
+        texts = [t for c in range(3) for t in arrow_chunk(SEED, c, min(chunk_docs, n - c * chunk_docs), table)[0]]
+        texts = [t.as_py() for t in texts]
+        assert all(t and t.endswith(".") and "  " not in t and 3 <= len(t.split()) <= 40 for t in texts)
+        tok = load_tokenizer(tokenizer)
+        source = ArrowDocuments(path, tok, "text")
+        assert source.num_docs == n and len(source.texts.chunks) == 3, (source.num_docs, len(source.texts.chunks))
+        want = [np.append(ids, tok.eos_id) for ids in tok.encode_batch([texts[i] for i in picks])]
+        for got, expected in zip(source.tokens(picks), want, strict=True):
+            assert np.array_equal(got, expected)
+    return (
+        f"writers checked on {n} documents in 3 chunks: .bin/.idx byte-equal to megatron-core's builder, both read back"
+    )
+
+
+def corpus_paths(cache: Path, n: int) -> dict[str, Path]:
+    stem = cache / f"synthetic-v{SCALE_VERSION}-seed{SEED}-{label(n)}"
+    return {"arrow": stem.with_suffix(".arrow"), "megatron": stem}
+
+
+def ensure_corpora(cache: Path, sizes: list[int]) -> dict[str, dict[int, Path]]:
+    cache.mkdir(parents=True, exist_ok=True)
+    corpora: dict[str, dict[int, Path]] = {"arrow": {}, "megatron": {}}
+    for n in sizes:
+        paths = corpus_paths(cache, n)
+        for fmt, path in paths.items():
+            done = path if fmt == "arrow" else Path(f"{path}.idx")
+            if not done.exists():
+                start = time.perf_counter()
+                (write_arrow if fmt == "arrow" else write_indexed)(path, n, SEED)
+                print(
+                    f"  generated {done.name} ({done_size(path) / 1e9:.2f} GB) in {time.perf_counter() - start:.0f} s"
+                )
+            corpora[fmt][n] = path
+    return corpora
+
+
+def done_size(path: Path) -> int:
+    if path.suffix == ".arrow":
+        return path.stat().st_size
+    return sum(Path(f"{path}{suffix}").stat().st_size for suffix in (".bin", ".idx"))
+
+
+def memory() -> dict[str, int]:
+    """This process's VmRSS, VmHWM (its peak), RssAnon (private: heap, arrays) and RssFile (mapped file pages: the
+    page cache, one copy per node whichever processes map it, clean and reclaimable) in bytes, and FilePmdMapped
+    (the part of RssFile mapped as whole 2 MiB huge pages)."""
+    status = {}
+    for name, keys in (("status", ("VmRSS", "VmHWM", "RssAnon", "RssFile")), ("smaps_rollup", ("FilePmdMapped",))):
+        with open(f"/proc/self/{name}") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in keys:
+                    status[key] = int(value.split()[0]) * 1024
+    return status
+
+
+def reset_peak() -> None:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0: clear_refs 5), so that the peak read
+    later is the data path's, not the imports' transient (loading a tokenizer, importing torch for megatron)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def measure(fmt: str, corpus: Path, tokenizer: str, seq: int, n_batches: int) -> dict:
+    """One measurement (run in a fresh process): open + split + stream of rank 0 of DP until the first batch, then
+    n_batches more; memory after each stage. The peak is VmHWM, reset at the baseline, not ru_maxrss: a process's
+    ru_maxrss keeps the RSS of the process that started it (exec records the old address space's peak), here
+    the parent bench's, hundreds of MiB after it generated a corpus."""
+    import gc
+
+    from trnrecipes.data.pack import PackedStream, Prefetcher, batches, split_documents
+
+    if fmt == "arrow":  # what does not depend on the corpus is loaded before the baseline
+        from trnrecipes.data.arrow import ArrowDocuments
+        from trnrecipes.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
+        tok.encode_batch(["warm up the tokenizer"])
+    else:
+        from trnrecipes.data.indexed import IndexedDocuments, _megatron
+
+        _megatron()
+    gc.collect()
+    reset_peak()
+    stages = {"baseline": memory()}
+    start = time.perf_counter()
+    source = ArrowDocuments(corpus, tok, "text") if fmt == "arrow" else IndexedDocuments(corpus)
+    stages["open"] = memory()
+    train, _val = split_documents(source.num_docs, VAL_FRACTION, SEED)
+    stages["split"] = memory()
+    stream = PackedStream(source, train, seq, seed=SEED, dp_rank=0, dp_size=DP)
+    loader = Prefetcher(batches(stream, micro_batch=1))
+    batch, position = next(loader)
+    startup = time.perf_counter() - start
+    stages["first batch"] = memory()
+    docs_read = 0
+    start = time.perf_counter()
+    tokens = 0
+    for _ in range(n_batches):
+        batch, after = next(loader)
+        tokens += batch.size
+        if after.epoch != position.epoch:
+            docs_read += len(stream.order(position.epoch))
+        position = after
+    seconds = time.perf_counter() - start
+    loader.close()
+    stages["end"] = memory()
+    return {
+        "docs": source.num_docs,
+        "startup_s": startup,
+        "tokens": tokens,
+        "seconds": seconds,
+        "docs_read": docs_read + position.doc,
+        "peak": stages["end"]["VmHWM"],
+        "stages": stages,
+    }
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Medians over the repeats: start-up, tokens/s, peak RSS growth over the baseline RSS, the end state."""
+
+    def grown(stage: str, key: str) -> float:
+        return median([r["stages"][stage][key] - r["stages"]["baseline"][key] for r in runs])
+
+    return {
+        "docs": runs[0]["docs"],
+        "docs_read": runs[0]["docs_read"],
+        "startup_s": median([r["startup_s"] for r in runs]),
+        "rate": median([r["tokens"] / r["seconds"] for r in runs]),
+        "growth": median([r["peak"] - r["stages"]["baseline"]["VmRSS"] for r in runs]),
+        "anon": median([r["stages"]["end"]["RssAnon"] for r in runs]),
+        "anon_growth": grown("end", "RssAnon"),
+        "file_growth": grown("end", "RssFile"),
+        "pmd_growth": grown("end", "FilePmdMapped"),
+        "stages": {s: {k: grown(s, k) for k in ("RssAnon", "RssFile")} for s in ("open", "split", "first batch")},
+    }
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def scale(args: argparse.Namespace) -> int:
+    sizes = sorted(count(s) for s in args.sizes.split(","))
+    cores = len(os.sched_getaffinity(0))
+    print(
+        f"scale: rank 0 of {DP}, seq {args.seq}, micro-batch 1, val_fraction {VAL_FRACTION}, seed {SEED};"
+        f" {args.batches} batches timed after the first; median of {args.repeats} fresh processes each; {cores} cores"
+    )
+    print(f"  {check_writers(args.tokenizer)}")
+    corpora = ensure_corpora(Path(args.cache), sizes)
+    runs: dict[str, dict[int, list[dict]]] = {fmt: {n: [] for n in sizes} for fmt in corpora}
+    for _ in range(args.repeats):  # interleaved, so that a slow moment of the machine spreads over all of them
+        for fmt in corpora:
+            for n in sizes:
+                cmd = [sys.executable, __file__, "--measure", fmt, str(corpora[fmt][n]), "--seq", str(args.seq)]
+                cmd += ["--tokenizer", args.tokenizer, "--batches", str(args.batches)]
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode:
+                    print(done.stdout + done.stderr, file=sys.stderr)
+                    raise SystemExit(f"the measurement of {fmt} {label(n)} failed")
+                runs[fmt][n].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    for fmt, by_size in runs.items():
+        report(fmt, corpora[fmt], {n: summarise(r) for n, r in by_size.items()}, sizes)
+    return 0
+
+
+def report(fmt: str, paths: dict[int, Path], summary: dict[int, dict], sizes: list[int]) -> None:
+    name = {"arrow": "Arrow IPC stream (ArrowDocuments, GPT-2 tokenized online)", "megatron": "Megatron .bin/.idx"}
+    print(f"\n{name[fmt]}; MiB; RSS growth: peak RSS (VmHWM) - RSS after imports; anon/file: RssAnon/RssFile growth")
+    print(
+        f"  {'docs':>5} {'GB':>5} {'read':>6} {'start-up s':>10} {'tokens/s':>10} {'RSS growth':>10} {'RssAnon':>7}"
+        f" {'anon':>5} {'file':>6} {'(2 MiB pages)':>13}"
+    )
+    for n in sizes:
+        s = summary[n]
+        print(
+            f"  {label(n):>5} {done_size(paths[n]) / 1e9:5.2f} {s['docs_read']:6,} {s['startup_s']:10.3f}"
+            f" {s['rate']:10,.0f} {s['growth'] / MIB:10.1f} {s['anon'] / MIB:7.1f} {s['anon_growth'] / MIB:+5.1f}"
+            f" {s['file_growth'] / MIB:+6.0f} {s['pmd_growth'] / MIB:13.0f}"
+        )
+    for n in sizes:
+        stages = summary[n]["stages"].items()
+        parts = ", ".join(f"{stage} {d['RssAnon'] / MIB:+.1f}/{d['RssFile'] / MIB:+.1f}" for stage, d in stages)
+        print(f"  {label(n):>5} anon/file after: {parts}")
+    if len(sizes) < 2:
+        return
+    small, large = summary[sizes[0]], summary[sizes[-1]]
+    ratio = f"{label(sizes[-1])}/{label(sizes[0])}"
+    d_growth = (large["growth"] - small["growth"]) / MIB
+    d_anon = (large["anon_growth"] - small["anon_growth"]) / MIB
+    startup = large["startup_s"] / small["startup_s"]
+    rate = large["rate"] / small["rate"]
+    goal = f"target < {TARGET_RSS_MIB} MiB"
+    print(f"  {ratio}: private memory (RssAnon) growth {d_anon:+.1f} MiB ({goal}): {verdict(d_anon < TARGET_RSS_MIB)}")
+    print(f"  {ratio}: peak RSS growth {d_growth:+.1f} MiB ({goal}): {verdict(d_growth < TARGET_RSS_MIB)}", end="")
+    print("  (mapped page cache of the documents read: see the file column)" if d_growth >= TARGET_RSS_MIB else "")
+    print(f"  {ratio}: start-up {startup:.2f}x (target < {TARGET_STARTUP}x): {verdict(startup < TARGET_STARTUP)}")
+    low, high = 1 - TARGET_RATE, 1 + TARGET_RATE
+    print(f"  {ratio}: tokens/s {rate:.2f}x (target {low:.2f}-{high:.2f}x): {verdict(low <= rate <= high)}")
+    extra = sizes[-1] - sizes[0]
+    per_doc = (large["anon_growth"] - small["anon_growth"]) / extra
+    at_billion = max(0.0, small["anon_growth"] + per_doc * (BILLION - sizes[0]))
+    print(f"  extrapolated to {BILLION:,} documents, {RANKS_PER_NODE} ranks per node (a line through the two points):")
+    print(
+        f"    private: ({large['anon_growth'] / MIB:.2f} - {small['anon_growth'] / MIB:.2f} MiB) / {extra:,} docs"
+        f" = {per_doc:+.5f} B/doc; {small['anon_growth'] / MIB:.2f} MiB + that x {BILLION - sizes[0]:,}"
+        f" = {at_billion / MIB:,.1f} MiB per rank, x {RANKS_PER_NODE} = {at_billion * RANKS_PER_NODE / 2**30:,.2f} GiB"
+        " per node"
+    )
+    print(
+        "    mapped page cache (file): one unit per document read (4 KiB to 2 MiB, as the page cache holds the file),"
+        " the corpus's size at most; one copy per node whatever its ranks map; clean, so reclaimable"
+    )
+    old_rank = 3 * 8 * BILLION
+    line = f"    before order.py: 3 int64 arrays x 8 B x 1e9 docs = {old_rank / 2**30:,.1f} GiB per rank"
+    if fmt == "arrow":
+        per_doc_bytes = done_size(paths[sizes[-1]]) / sizes[-1]
+        copy = per_doc_bytes * BILLION
+        line += (
+            f" + combine_chunks' private copy of the text column ({per_doc_bytes:.0f} B/doc here x 1e9"
+            f" = {copy / 2**30:,.0f} GiB; more for real documents) = {(old_rank + copy) / 2**30:,.0f} GiB per rank,"
+            f" x {RANKS_PER_NODE} = {(old_rank + copy) * RANKS_PER_NODE / 2**40:,.1f} TiB per node"
+        )
+    else:
+        line += f", x {RANKS_PER_NODE} = {old_rank * RANKS_PER_NODE / 2**30:,.0f} GiB per node"
+    print(line)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--tokenizer", default=str(REPO / "data/tokenizers/gpt2"))
     parser.add_argument("--one", choices=["ours", "run_clm"], help=argparse.SUPPRESS)
+    parser.add_argument("--scale", action="store_true", help="the data path's cost against the corpus size")
+    parser.add_argument(
+        "--sizes", default="1M,16M", help="--scale: documents per corpus (smallest and largest compared)"
+    )
+    parser.add_argument("--batches", type=int, default=500, help="--scale: batches timed after the first")
+    parser.add_argument("--repeats", type=int, default=3, help="--scale: fresh processes per measurement (median)")
+    parser.add_argument("--cache", default=str(SCALE_DIR), help="--scale: where the generated corpora are kept")
+    parser.add_argument("--measure", nargs=2, metavar=("FORMAT", "CORPUS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.measure:
+        fmt, corpus = args.measure
+        print(json.dumps(measure(fmt, Path(corpus), args.tokenizer, args.seq, args.batches)))
+        return 0
+    if args.scale:
+        return scale(args)
     if not CORPUS.exists():
         print(f"missing {CORPUS}: run `make setup` first", file=sys.stderr)
         return 2
