@@ -15,7 +15,10 @@ cached under build/bench-data/. Each (format, size) is measured in a fresh proce
 imports. Targets, 16M against 1M: RSS growth within 64 MiB, start-up under 1.3x, tokens/s within 10%. Then an
 extrapolation to 1B documents and 32 ranks per node, against what the code before order.py held.
 
-    .venv/bin/python bench/bench_data.py --scale [--sizes 1M,16M] [--batches 500] [--repeats 3]
+    .venv/bin/python bench/bench_data.py --scale [--sizes 1M,16M] [--batches 500] [--repeats 5] [--against REV]
+
+`--against REV` measures trnrecipes/ of a git revision too (unpacked with git archive into a temporary directory),
+e.g. 6317da4, the last before the never-listed order: one run per (format, size).
 """
 
 from __future__ import annotations
@@ -341,7 +344,7 @@ def measure(fmt: str, corpus: Path, tokenizer: str, seq: int, n_batches: int) ->
     startup = time.perf_counter() - start
     stages["first batch"] = memory()
     docs_read = 0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     tokens = 0
     for _ in range(n_batches):
         batch, after = next(loader)
@@ -349,7 +352,7 @@ def measure(fmt: str, corpus: Path, tokenizer: str, seq: int, n_batches: int) ->
         if after.epoch != position.epoch:
             docs_read += len(stream.order(position.epoch))
         position = after
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     loader.close()
     stages["end"] = memory()
     return {
@@ -357,6 +360,7 @@ def measure(fmt: str, corpus: Path, tokenizer: str, seq: int, n_batches: int) ->
         "startup_s": startup,
         "tokens": tokens,
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
         "docs_read": docs_read + position.doc,
         "peak": stages["end"]["VmHWM"],
         "stages": stages,
@@ -380,9 +384,12 @@ def summarise(runs: list[dict]) -> dict:
         "docs_read": runs[0]["docs_read"],
         "startup_s": median([r["startup_s"] for r in runs]),
         "rate": median([r["tokens"] / r["seconds"] for r in runs]),
+        "cpu_rate": median([r["tokens"] / r["cpu_seconds"] for r in runs]),
         "growth": median([r["peak"] - r["stages"]["baseline"]["VmRSS"] for r in runs]),
         "anon": median([r["stages"]["end"]["RssAnon"] for r in runs]),
-        "anon_growth": grown("end", "RssAnon"),
+        "anon_growth": median(  # the highest of the snapshots: the code before order.py freed some of its arrays
+            [max(r["stages"][k]["RssAnon"] - r["stages"]["baseline"]["RssAnon"] for k in r["stages"]) for r in runs]
+        ),
         "file_growth": grown("end", "RssFile"),
         "pmd_growth": grown("end", "FilePmdMapped"),
         "stages": {s: {k: grown(s, k) for k in ("RssAnon", "RssFile")} for s in ("open", "split", "first batch")},
@@ -391,6 +398,29 @@ def summarise(runs: list[dict]) -> dict:
 
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
+
+
+def run_measure(fmt: str, corpus: Path, args: argparse.Namespace, tree: Path | None = None) -> dict:
+    """measure() in a fresh process; with `tree`, of the trnrecipes package there (another revision)."""
+    cmd = [sys.executable, __file__, "--measure", fmt, str(corpus), "--seq", str(args.seq)]
+    cmd += ["--tokenizer", args.tokenizer, "--batches", str(args.batches)]
+    cmd += ["--tree", str(tree)] if tree else []
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        print(done.stdout + done.stderr, file=sys.stderr)
+        raise SystemExit(f"the measurement of {fmt} {corpus.name}{' at ' + str(tree) if tree else ''} failed")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def checkout(rev: str, into: Path) -> Path:
+    """trnrecipes/ of git revision `rev`, unpacked under `into` (git archive: the repository is not touched)."""
+    import io
+    import tarfile
+
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "trnrecipes"], capture_output=True, check=True)
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(into, filter="data")
+    return into
 
 
 def scale(args: argparse.Namespace) -> int:
@@ -406,36 +436,49 @@ def scale(args: argparse.Namespace) -> int:
     for _ in range(args.repeats):  # interleaved, so that a slow moment of the machine spreads over all of them
         for fmt in corpora:
             for n in sizes:
-                cmd = [sys.executable, __file__, "--measure", fmt, str(corpora[fmt][n]), "--seq", str(args.seq)]
-                cmd += ["--tokenizer", args.tokenizer, "--batches", str(args.batches)]
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                if done.returncode:
-                    print(done.stdout + done.stderr, file=sys.stderr)
-                    raise SystemExit(f"the measurement of {fmt} {label(n)} failed")
-                runs[fmt][n].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                runs[fmt][n].append(run_measure(fmt, corpora[fmt][n], args))
+    old: dict[str, dict[int, dict]] = {}
+    if args.against:  # one run each: the old code's costs are far from any target
+        with tempfile.TemporaryDirectory() as tmp:
+            tree = checkout(args.against, Path(tmp))
+            old = {fmt: {n: summarise([run_measure(fmt, corpora[fmt][n], args, tree)]) for n in sizes} for fmt in runs}
     for fmt, by_size in runs.items():
-        report(fmt, corpora[fmt], {n: summarise(r) for n, r in by_size.items()}, sizes)
+        summary = {n: summarise(r) for n, r in by_size.items()}
+        report(fmt, corpora[fmt], summary, sizes, old.get(fmt), args.against)
     return 0
 
 
-def report(fmt: str, paths: dict[int, Path], summary: dict[int, dict], sizes: list[int]) -> None:
+def report(
+    fmt: str,
+    paths: dict[int, Path],
+    summary: dict[int, dict],
+    sizes: list[int],
+    old: dict[int, dict] | None = None,
+    rev: str | None = None,
+) -> None:
     name = {"arrow": "Arrow IPC stream (ArrowDocuments, GPT-2 tokenized online)", "megatron": "Megatron .bin/.idx"}
-    print(f"\n{name[fmt]}; MiB; RSS growth: peak RSS (VmHWM) - RSS after imports; anon/file: RssAnon/RssFile growth")
+    print(f"\n{name[fmt]}")
     print(
-        f"  {'docs':>5} {'GB':>5} {'read':>6} {'start-up s':>10} {'tokens/s':>10} {'RSS growth':>10} {'RssAnon':>7}"
-        f" {'anon':>5} {'file':>6} {'(2 MiB pages)':>13}"
+        "  MiB. RSS growth: peak RSS (VmHWM) - RSS after imports; RssAnon: at the end; anon: its growth (the highest"
+        " after each stage); file: RssFile growth, of which mapped as 2 MiB pages"
     )
-    for n in sizes:
-        s = summary[n]
+    print(
+        f"  {'docs':>14} {'GB':>5} {'read':>6} {'start-up s':>10} {'tokens/s':>10} {'RSS growth':>10} {'RssAnon':>7}"
+        f" {'anon':>6} {'file':>6} {'(2 MiB pages)':>13} {'tokens/CPU-s':>12}"
+    )
+    rows = [(label(n), n, summary[n]) for n in sizes]
+    rows += [(f"{label(n)} @{rev}", n, old[n]) for n in sizes] if old else []
+    for name_, n, s in rows:
         print(
-            f"  {label(n):>5} {done_size(paths[n]) / 1e9:5.2f} {s['docs_read']:6,} {s['startup_s']:10.3f}"
-            f" {s['rate']:10,.0f} {s['growth'] / MIB:10.1f} {s['anon'] / MIB:7.1f} {s['anon_growth'] / MIB:+5.1f}"
-            f" {s['file_growth'] / MIB:+6.0f} {s['pmd_growth'] / MIB:13.0f}"
+            f"  {name_:>14} {done_size(paths[n]) / 1e9:5.2f} {s['docs_read']:6,} {s['startup_s']:10.3f}"
+            f" {s['rate']:10,.0f} {s['growth'] / MIB:10.1f} {s['anon'] / MIB:7.1f} {s['anon_growth'] / MIB:+6.1f}"
+            f" {s['file_growth'] / MIB:+6.0f} {s['pmd_growth'] / MIB:13.0f} {s['cpu_rate']:12,.0f}"
         )
-    for n in sizes:
-        stages = summary[n]["stages"].items()
-        parts = ", ".join(f"{stage} {d['RssAnon'] / MIB:+.1f}/{d['RssFile'] / MIB:+.1f}" for stage, d in stages)
-        print(f"  {label(n):>5} anon/file after: {parts}")
+    for name_, _n, s in rows:
+        parts = ", ".join(
+            f"{stage} {d['RssAnon'] / MIB:+.1f}/{d['RssFile'] / MIB:+.1f}" for stage, d in s["stages"].items()
+        )
+        print(f"  {name_:>14} anon/file after: {parts}")
     if len(sizes) < 2:
         return
     small, large = summary[sizes[0]], summary[sizes[-1]]
@@ -448,9 +491,11 @@ def report(fmt: str, paths: dict[int, Path], summary: dict[int, dict], sizes: li
     print(f"  {ratio}: private memory (RssAnon) growth {d_anon:+.1f} MiB ({goal}): {verdict(d_anon < TARGET_RSS_MIB)}")
     print(f"  {ratio}: peak RSS growth {d_growth:+.1f} MiB ({goal}): {verdict(d_growth < TARGET_RSS_MIB)}", end="")
     print("  (mapped page cache of the documents read: see the file column)" if d_growth >= TARGET_RSS_MIB else "")
-    print(f"  {ratio}: start-up {startup:.2f}x (target < {TARGET_STARTUP}x): {verdict(startup < TARGET_STARTUP)}")
+    print(f"  {ratio}: start-up {startup:.3f}x (target < {TARGET_STARTUP}x): {verdict(startup < TARGET_STARTUP)}")
     low, high = 1 - TARGET_RATE, 1 + TARGET_RATE
-    print(f"  {ratio}: tokens/s {rate:.2f}x (target {low:.2f}-{high:.2f}x): {verdict(low <= rate <= high)}")
+    print(f"  {ratio}: tokens/s {rate:.3f}x (target {low:.2f}-{high:.2f}x): {verdict(low <= rate <= high)}", end="")
+    cpu_rate = large["cpu_rate"] / small["cpu_rate"]
+    print(f"; tokens per CPU-second {cpu_rate:.3f}x: {verdict(low <= cpu_rate <= high)} (robust to a busy machine)")
     extra = sizes[-1] - sizes[0]
     per_doc = (large["anon_growth"] - small["anon_growth"]) / extra
     at_billion = max(0.0, small["anon_growth"] + per_doc * (BILLION - sizes[0]))
@@ -478,6 +523,15 @@ def report(fmt: str, paths: dict[int, Path], summary: dict[int, dict], sizes: li
     else:
         line += f", x {RANKS_PER_NODE} = {old_rank * RANKS_PER_NODE / 2**30:,.0f} GiB per node"
     print(line)
+    if old:
+        was = (old[sizes[-1]]["anon_growth"] - old[sizes[0]]["anon_growth"]) / extra
+        at = old[sizes[0]]["anon_growth"] + was * (BILLION - sizes[0])
+        print(
+            f"    measured at {rev}: private ({old[sizes[-1]]['anon_growth'] / MIB:.1f}"
+            f" - {old[sizes[0]]['anon_growth'] / MIB:.1f} MiB) / {extra:,} docs = {was:.2f} B/doc; x 1e9"
+            f" = {at / 2**30:,.1f} GiB per rank, x {RANKS_PER_NODE} = {at * RANKS_PER_NODE / 2**40:,.2f} TiB per node"
+            f" (after {old[sizes[-1]]['docs_read']:,} documents; its transient peaks are in RSS growth)"
+        )
 
 
 def main() -> int:
@@ -490,10 +544,14 @@ def main() -> int:
         "--sizes", default="1M,16M", help="--scale: documents per corpus (smallest and largest compared)"
     )
     parser.add_argument("--batches", type=int, default=500, help="--scale: batches timed after the first")
-    parser.add_argument("--repeats", type=int, default=3, help="--scale: fresh processes per measurement (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="--scale: fresh processes per measurement (median)")
     parser.add_argument("--cache", default=str(SCALE_DIR), help="--scale: where the generated corpora are kept")
+    parser.add_argument("--against", metavar="REV", help="--scale: also measure trnrecipes/ of git revision REV")
     parser.add_argument("--measure", nargs=2, metavar=("FORMAT", "CORPUS"), help=argparse.SUPPRESS)
+    parser.add_argument("--tree", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tree:  # --measure another revision's trnrecipes (--against)
+        sys.path.insert(0, args.tree)
     if args.measure:
         fmt, corpus = args.measure
         print(json.dumps(measure(fmt, Path(corpus), args.tokenizer, args.seq, args.batches)))
