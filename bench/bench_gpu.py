@@ -250,9 +250,8 @@ def worker(args, row: str) -> None:
             def _open_data(self) -> None:
                 from types import SimpleNamespace
 
-                self.documents = SimpleNamespace(num_docs=0)
+                self.sources, self.num_docs = [], 0
                 self.tokenizer = SimpleNamespace(path=None, vocab_size=self.recipe.model.vocab_size)
-                self.train_docs = self.val_docs = []
                 self.val_batches = []
 
         def log(*a, **k):

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+from trnrecipes.config.recipe import load_recipe
+
 pytestmark = pytest.mark.slow
 
 
@@ -58,6 +60,12 @@ def test_run_sbatch_runs_locally_with_quoted_paths(tmp_path):
     ]
     assert "train: neox-tiny on cpu, 2 rank(s) = PP 1 x DP 2 x TP 1" in out
     assert re.search(r"step 6/6 \| loss [0-9.]+ \| val [0-9.]+", out)
+    # what a person watching needs: the parameter norm, the tokens seen, elapsed time and ETA (0 at the end)
+    batch = load_recipe("neox-tiny").batch
+    tokens = 6 * batch.global_batch * batch.seq_len
+    last = re.search(r"step 6/6 \|.*", out).group(0)
+    ending = rf"\| {tokens / 1000:.4g}k tokens \| \d+:\d\d:\d\d elapsed, ETA 0:00:00$"
+    assert re.search(r"\| param [0-9.]+ \|.* " + ending, last), last
     assert "training exited with status 0" in out
     assert (run_dir / "checkpoints/step_6/done").exists() and (run_dir / "metrics.jsonl").exists()
     job_id = re.search(r"run job (local-[0-9-]+) restart 0", out).group(1)

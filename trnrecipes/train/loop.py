@@ -45,7 +45,7 @@ from trnrecipes.optim.schedule import lr_at
 from trnrecipes.parallel.dims import ParallelDims, full_tensor
 from trnrecipes.plan.layout import compute_layout, plan
 from trnrecipes.schema import shown
-from trnrecipes.train.monitor import Metrics, SpikeDetector, progress_line
+from trnrecipes.train.monitor import Clock, Metrics, SpikeDetector, progress_line
 from trnrecipes.train.restore import load
 from trnrecipes.train.resume_compat import check_resume
 from trnrecipes.train.run_dir import RunDirLock, require_writable, settle_checkpoints
@@ -416,6 +416,7 @@ class Trainer:
         every_s = r.checkpoint.every_minutes * 60 if r.checkpoint.every_minutes else None
         last_save = time.monotonic()
         signals = _catch_stop_signals()
+        clock = Clock(self.start_step, steps)
         try:
             for step in range(self.start_step, steps):
                 start = time.perf_counter()
@@ -451,6 +452,8 @@ class Trainer:
                     record["val_loss"] = result.val_losses[step + 1] = self.validate()
                     if self.val_accuracy is not None:
                         record["val_accuracy"] = self.val_accuracy
+                record["tokens_seen"] = (step + 1) * tokens_per_step
+                record["elapsed_s"], record["eta_s"] = clock.tick(step + 1)
                 if (step + 1) % r.train.log_every == 0 or last or "val_loss" in record:
                     record["param_norm"] = float(self.backend.param_norm(self.model, self.dims).cpu())
                     self.log(progress_line(record, steps), flush=True)

@@ -222,6 +222,7 @@ def history_until(path: Path, step: int) -> list[dict]:
 
 
 def progress_line(r: dict, max_steps: int) -> str:
+    """The console line of a logged step: loss, validation, lr, norms, speed, then tokens seen, time and ETA."""
     parts = [f"step {r['step']:>{len(str(max_steps))}}/{max_steps}", f"loss {r['loss']:.4f}"]
     if "accuracy" in r:
         parts.append(f"acc {r['accuracy']:.3f}")
@@ -229,9 +230,50 @@ def progress_line(r: dict, max_steps: int) -> str:
         parts.append(f"val {r['val_loss']:.4f}")
     if "val_accuracy" in r:
         parts.append(f"val acc {r['val_accuracy']:.3f}")
-    parts += [f"lr {r['lr']:.2e}", f"grad {r['grad_norm']:.3f}", f"{r['tokens_per_s']:,.0f} tok/s"]
+    parts += [f"lr {r['lr']:.2e}", f"grad {r['grad_norm']:.3f}"]
+    if "param_norm" in r:
+        parts.append(f"param {r['param_norm']:.4g}")
+    parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.2f}%")
+    if "tokens_seen" in r:
+        parts.append(f"{_si(r['tokens_seen'])} tokens")
+    if "elapsed_s" in r:
+        eta = r.get("eta_s")
+        parts.append(f"{duration(r['elapsed_s'])} elapsed, ETA {duration(eta) if eta is not None else '--'}")
     if r.get("spike"):
         parts.append("grad-norm SPIKE")
     return " | ".join(parts)
+
+
+def duration(seconds: float) -> str:
+    """1:02:03, or 3d 04:05:06 past a day: what a person reads at a glance."""
+    s = max(0, round(seconds))
+    days, s = divmod(s, 86400)
+    clock = f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+    return f"{days}d {clock.zfill(8)}" if days else clock
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.4g}{unit}"
+    return f"{value:.0f}"
+
+
+class Clock:
+    """Elapsed wall time of this launch and the ETA to max_steps, from the mean wall time per step since the end of
+    the first step (which carries compilation and warm-up; validation and saves are in the mean, as they will be)."""
+
+    def __init__(self, start_step: int, max_steps: int):
+        self.started, self.start_step, self.max_steps = time.monotonic(), start_step, max_steps
+        self.first_done: float | None = None
+
+    def tick(self, step: int) -> tuple[float, float | None]:
+        """(elapsed s, ETA s or None) once `step` (1-based) is done."""
+        now = time.monotonic()
+        if self.first_done is None:
+            self.first_done = now
+        done = step - self.start_step - 1  # steps timed since the first
+        eta = (now - self.first_done) / done * (self.max_steps - step) if done > 0 else None
+        return now - self.started, (0.0 if step >= self.max_steps else eta)
