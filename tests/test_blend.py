@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+import yaml
 from conftest import REPO
 from test_resume import assert_bitwise_equal, config, final_weights, finish, start
 
@@ -33,7 +34,7 @@ def second_corpus(path: Path, column: str = "text") -> Path:
     return path
 
 
-def blend_overrides(other: Path, weights=(3, 1)) -> list[str]:
+def blend_overrides(other: Path | str, weights=(3, 1)) -> list[str]:
     sources = [{"path": str(DEMO), "weight": weights[0]}, {"path": str(other), "weight": weights[1]}]
     return ["data.path=null", f"data.sources={json.dumps(sources)}"]
 
@@ -54,14 +55,19 @@ def test_training_on_a_blend_resumes_bitwise_and_a_checkpoint_of_the_old_order_r
     assert "resuming from" in out and "positions do not carry over" not in out
     assert_bitwise_equal(final_weights(stopped / "run", 6), final_weights(straight / "run", 6))
 
-    # The same checkpoint as a trnrecipes before order.py wrote it: no data_order in state.json (manifest updated).
+    # The same checkpoint as a trnrecipes before order.py wrote it: no data_order in state.json and no data.sources
+    # in its recipe.yaml (the manifest updated to match).
     finish(start(config(old, "train.max_steps=3", "checkpoint.every_steps=3")))
     step = old / "run/checkpoints/step_3"
     state = json.loads((step / "state.json").read_text())
     assert state.pop("data_order") == 2
     (step / "state.json").write_text(json.dumps(state))
+    saved = yaml.safe_load((step / "recipe.yaml").read_text())
+    assert saved["data"].pop("sources") == []
+    (step / "recipe.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     manifest = json.loads((step / "manifest.json").read_text())
-    manifest["files"]["state.json"] = hashlib.sha256((step / "state.json").read_bytes()).hexdigest()
+    for name in ("state.json", "recipe.yaml"):
+        manifest["files"][name] = hashlib.sha256((step / name).read_bytes()).hexdigest()
     (step / "manifest.json").write_text(json.dumps(manifest))
     out = finish(start(config(old, "train.max_steps=4", "checkpoint.every_steps=3")))
     said = [line for line in out.splitlines() if "document order version 1" in line]
@@ -82,6 +88,8 @@ def test_sbatch_refuses_a_bad_blend_and_writes_nothing(cli, tmp_path):
         "missing": (blend_overrides(tmp_path / "gone.arrow"), f"data.sources[1].path {tmp_path / 'gone.arrow'}:"),
         "not text": (blend_overrides(second_corpus(tmp_path / "ints.arrow", "body")), "has no column 'text'"),
         "twice": (blend_overrides(DEMO), "is listed twice"),
+        "twice, spelt two ways": (blend_overrides(f"{DEMO.parent}/./{DEMO.name}"), "is listed twice"),
+        "weights overflow": (blend_overrides(other, (1.7e308, 1.7e308)), "the weights' sum is not a finite number"),
         "both": (["data.sources=" + json.dumps([{"path": str(other), "weight": 1}])], "are both set: give one"),
     }
     for name, (overrides, says) in cases.items():

@@ -16,7 +16,7 @@ from test_data import ListDocuments, random_docs, take
 
 from trnrecipes.data.arrow import ArrowDocuments, ArrowTexts, write_table
 from trnrecipes.data.blend import BlendedStream, BlendPosition, position_from_dict, restart_position
-from trnrecipes.data.order import Permutation, PermutedRange, RankOrder, derive_key
+from trnrecipes.data.order import Permutation, PermutedRange, derive_key
 from trnrecipes.data.pack import PackedStream, StreamPosition, split_documents
 from trnrecipes.data.tokenizer import load_tokenizer
 
@@ -67,12 +67,11 @@ def test_property_every_document_once_per_epoch_over_the_dp_ranks_and_resume_is_
         n = dp
     train, _ = split_documents(n + 1, 1 / (n + 1), seed)  # one held out: the training ids are a permuted range
     ids = np.asarray(train)
+    docs = random_docs(n + 1, seed=case, max_len=30)
     for epoch in range(rng.randint(1, 3)):
-        orders = [np.asarray(RankOrder(train, Permutation(len(train), derive_key(seed, epoch)), r, dp)) for r in
-                  range(dp)]  # fmt: skip
+        orders = [np.asarray(PackedStream(ListDocuments(docs), train, 7, seed, r, dp).order(epoch)) for r in range(dp)]
         flat = np.concatenate(orders)
         assert len(flat) == len(train) and set(flat.tolist()) == set(ids.tolist())
-    docs = random_docs(n + 1, seed=case, max_len=30)
     rank = rng.randrange(dp)
     straight = take(PackedStream(ListDocuments(docs), train, 7, seed, rank, dp), 60)
     k = rng.randint(1, 59)
@@ -124,8 +123,8 @@ def test_a_multi_batch_arrow_corpus_is_read_in_place_and_reads_as_one_batch(tmp_
 
 def blend(sources, weights, seq_len=15, seed=0, dp_rank=0, dp=1, start: BlendPosition | None = None):
     starts = start.sources if start else [None] * len(sources)
-    streams = [PackedStream(ListDocuments(d), np.arange(len(d)), seq_len, seed, dp_rank, dp, True, s)
-               for d, s in zip(sources, starts, strict=True)]  # fmt: skip
+    streams = [PackedStream(ListDocuments(d), np.arange(len(d)), seq_len, seed, dp_rank, dp, True, s, index=k)
+               for k, (d, s) in enumerate(zip(sources, starts, strict=True))]  # as data_stream builds them; fmt: skip
     return BlendedStream(streams, weights, start.samples if start else 0)
 
 
@@ -174,13 +173,42 @@ def test_a_blend_is_deterministic_and_resumes_bitwise_from_any_position():
             assert resumed[-1][1] == straight[-1][1]
 
 
-def test_the_dp_ranks_of_a_blend_cover_each_source_once_per_epoch():
-    sources, _ = corpora([40, 90])
+def test_the_dp_ranks_of_a_blend_read_each_source_once_per_epoch():
+    """Each rank's blend emits, from source k, exactly what source k's own stream for that rank emits (in order);
+    and those streams' epoch orders over the ranks cover each source once."""
+    sources, offsets = corpora([40, 90])
     dp = 3
+    for r in range(dp):
+        mixed = blend(sources, [2, 1], dp_rank=r, dp=dp)
+        emitted = take(mixed, 400)
+        for k, docs in enumerate(sources):
+            from_k = [s for s, _ in emitted if source_of(s, offsets) == k]
+            alone = PackedStream(ListDocuments(docs), np.arange(len(docs)), 15, 0, r, dp, True, None, index=k)
+            assert len(from_k) > 50 and all(np.array_equal(a, b) for a, (b, _) in zip(from_k, take(alone, len(from_k)),
+                                                                                     strict=True))  # fmt: skip
     for k, docs in enumerate(sources):
-        read = [np.asarray(blend(sources, [1, 1], dp_rank=r, dp=dp).streams[k].order(0)) for r in range(dp)]
-        flat = np.concatenate(read)
-        assert sorted(flat.tolist()) == list(range(len(docs)))
+        for epoch in (0, 1):
+            read = [np.asarray(blend(sources, [2, 1], dp_rank=r, dp=dp).streams[k].order(epoch)) for r in range(dp)]
+            assert sorted(np.concatenate(read).tolist()) == list(range(len(docs)))
+
+
+def test_the_sources_of_a_blend_and_the_split_and_the_epochs_each_have_their_own_permutation():
+    """Same-size sources are not shuffled alike, and the split's permutation is no epoch's (their keys differ)."""
+    a = PackedStream(ListDocuments([]), np.arange(1000), 8, seed=3, index=0)
+    b = PackedStream(ListDocuments([]), np.arange(1000), 8, seed=3, index=1)
+    assert np.mean(np.asarray(a.order(0)) == np.asarray(b.order(0))) < 0.01
+    assert np.mean(np.asarray(a.order(0)) == np.asarray(a.order(1))) < 0.01
+    train, val = split_documents(1001, 1 / 1001, seed=3)
+    split_order = np.concatenate([np.asarray(val), np.asarray(train)])
+    assert not any(np.array_equal(split_order[:1000], np.asarray(a.order(e))) for e in range(50))
+
+
+def test_a_scalar_index_maps_without_numpy_overflow_warnings():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Permutation(10**6, derive_key(0, 1))(3).shape == (1,)
 
 
 def test_saved_positions_are_read_as_the_data_section_has_them():
@@ -201,6 +229,8 @@ def test_saved_positions_are_read_as_the_data_section_has_them():
     )
     assert restart_position([one.to_dict()], 1) == StreamPosition(epoch=3)
     assert restart_position([one.to_dict()], 2) == BlendPosition((StreamPosition(epoch=3), StreamPosition(epoch=3)))
+    nothing_saved = BlendPosition((StreamPosition(epoch=0), StreamPosition(epoch=0)))
+    assert restart_position([], 2) == nothing_saved == restart_position([{"samples": 0, "sources": []}], 2)
 
 
 def test_a_permuted_range_is_a_slice_of_the_permutation():
@@ -208,3 +238,15 @@ def test_a_permuted_range_is_a_slice_of_the_permutation():
     full = perm(np.arange(100))
     assert np.array_equal(np.asarray(PermutedRange(perm, 10, 30)), full[10:40])
     assert np.array_equal(PermutedRange(perm, 10, 30)[5:9], full[15:19])
+
+
+def test_to_arrow_writes_record_batches_of_rows_per_batch(tmp_path, monkeypatch):
+    from trnrecipes.data import arrow
+
+    monkeypatch.setattr(arrow, "ROWS_PER_BATCH", 3000)  # the default, 1M rows, made small enough to see
+    source = tmp_path / "docs.txt"
+    source.write_text("".join(f"line {i}\n" for i in range(7000)))
+    arrow.to_arrow([source], tmp_path / "out.arrow", progress=False)
+    table = pa.ipc.open_stream(pa.memory_map(str(tmp_path / "out.arrow"))).read_all()
+    assert [len(b) for b in table.to_batches()] == [3000, 3000, 1000]
+    assert table.column("text").to_pylist() == [f"line {i}" for i in range(7000)]

@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--no-data-check",
         action="store_true",
-        help="skip checking data.path and data.tokenizer (for a host that cannot see the cluster's file system)",
+        help="skip checking the corpora (data.path or data.sources) and data.tokenizer (for a host that cannot see"
+        " the cluster's file system)",
     )
 
     sub = verb(
@@ -115,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--no-data-check",
         action="store_true",
-        help="skip checking data.path and data.tokenizer (for a host that cannot see the cluster's file system)",
+        help="skip checking the corpora (data.path or data.sources) and data.tokenizer (for a host that cannot see"
+        " the cluster's file system)",
     )
 
     sub = verb("train", _train, "train from a resolved recipe (launched by run.sbatch under torchrun)")

@@ -426,7 +426,10 @@ def read_json(path: Path) -> dict:
 LEGACY_MODEL_DEFAULTS = {"num_kv_heads": None, "rotary_pct": 1.0, "parallel_residual": True}
 # Recipe keys added since checkpoints were first written (classification, incremental training), at the value a
 # recipe that does not set them resolves to: filled in where a saved recipe lacks them, so those checkpoints resume.
-LEGACY_SECTION_DEFAULTS = {"train": {"init_optimizer": "reset"}, "data": {"label_field": "label", "eval_path": None}}
+LEGACY_SECTION_DEFAULTS = {
+    "train": {"init_optimizer": "reset"},
+    "data": {"label_field": "label", "eval_path": None, "sources": []},
+}
 
 
 def saved_recipe(path: Path) -> dict:

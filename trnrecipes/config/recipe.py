@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import shlex
 import types
@@ -300,7 +301,9 @@ def _data_problems(r: Recipe) -> list[str]:
         for i, s in enumerate(d.sources)
         if not (math.isfinite(s.weight) and s.weight > 0)
     ]
-    paths = [s.path for s in d.sources]
+    if not problems and not math.isfinite(sum(s.weight for s in d.sources)):
+        problems.append("data.sources: the weights' sum is not a finite number; use weights of a sane size")
+    paths = [os.path.normpath(s.path) for s in d.sources]
     twice = sorted({p for p in paths if paths.count(p) > 1})
     if twice:
         problems.append(f"data.sources: {shown(twice[0])} is listed twice; give each corpus once, weighted")

@@ -120,7 +120,15 @@ class DataConfig:
     def corpora(self) -> list[DataSource]:
         """Every corpus the run reads, data.path being one source of weight 1, with format and text_field filled."""
         listed = self.sources or ([DataSource(self.path, 1.0)] if self.path is not None else [])
-        return [DataSource(s.path, s.weight, s.format or self.format, s.text_field or self.text_field) for s in listed]
+        return [
+            DataSource(
+                s.path,
+                s.weight,
+                self.format if s.format is None else s.format,
+                self.text_field if s.text_field is None else s.text_field,
+            )
+            for s in listed
+        ]
 
 
 @dataclass(frozen=True)

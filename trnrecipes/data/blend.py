@@ -1,7 +1,8 @@
 """Corpora blended by weight (data.sources), as NeMo's weighted data_prefix does: sample i of the blend comes from
 the source whose share lags its weight most, i.e. argmax_k(w_k * (i + 1) - n_k), n_k being the samples source k
 has given so far (Megatron's BlendedDataset builds the same greedy index). Every source's realised share of the
-samples, and so of the tokens (every sample is seq_len + 1 tokens), is then within one sample of its weight.
+samples, and so of the tokens (every sample is seq_len + 1 tokens), then stays within about one sample of its
+weight (two sources: under one; up to seven, 1.16 at worst over 200 random weightings).
 
 Each source is its own PackedStream: its own documents, train/validation split and epochs. The choice depends only
 on the per-source counts, which the position records, so a resumed blend goes on with the same choices, and every
@@ -57,10 +58,10 @@ def restart_position(saved: Sequence[dict], num_sources: int) -> StreamPosition 
     per_source = [[int(p.get("epoch", 0)) for p in d["sources"]] if "sources" in d else [int(d.get("epoch", 0))]
                   for d in saved]  # fmt: skip
     if num_sources == 1 or any(len(e) != num_sources for e in per_source):  # another shape: one epoch for all
-        epoch = max([max(e) for e in per_source], default=-1) + 1
+        epoch = max([max(e, default=-1) for e in per_source], default=-1) + 1
         epochs = [epoch] * num_sources
     else:
-        epochs = [max(e[k] for e in per_source) + 1 for k in range(num_sources)]
+        epochs = [max((e[k] for e in per_source), default=-1) + 1 for k in range(num_sources)]
     if num_sources == 1:
         return StreamPosition(epoch=epochs[0])
     return BlendPosition(tuple(StreamPosition(epoch=e) for e in epochs))

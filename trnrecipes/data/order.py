@@ -29,11 +29,13 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+SPLIT, EPOCH = 1, 2  # the purpose word of a key: a split's and an epoch's permutations never share keys
+
+
 def derive_key(*words: int) -> np.ndarray:
-    """ROUNDS 64-bit round keys from integers (seed, purpose, epoch, ...): the same words, the same keys."""
-    return np.random.default_rng([int(w) & 0xFFFFFFFF for w in words]).integers(
-        0, 2**64, size=ROUNDS, dtype=np.uint64, endpoint=False
-    )
+    """ROUNDS 64-bit round keys from non-negative integers of any size (seed, purpose, epoch, source, ...), through
+    numpy's SeedSequence: the same words, the same keys; any other words, independent ones."""
+    return np.random.default_rng([int(w) for w in words]).integers(0, 2**64, size=ROUNDS, dtype=np.uint64)
 
 
 class Permutation:
@@ -54,7 +56,7 @@ class Permutation:
         return (left << h) | right
 
     def __call__(self, indices: np.ndarray) -> np.ndarray:
-        x = np.asarray(indices, dtype=np.int64)
+        x = np.atleast_1d(np.asarray(indices, dtype=np.int64))  # arrays only: numpy scalars warn when they wrap
         if x.size and (x.min() < 0 or x.max() >= self.n):
             raise IndexError(f"index outside [0, {self.n})")
         out = self._encrypt(x.astype(np.uint64))
@@ -137,7 +139,8 @@ class RankOrder(DocIds):
         return self.ids.take(epoch_positions)
 
 
-def split(num_docs: int, n_val: int, seed: int) -> tuple[PermutedRange, PermutedRange]:
-    """(train, validation) ids: the first n_val places of a seeded permutation of the corpus are held out."""
-    perm = Permutation(num_docs, derive_key(seed, 0x5EED))
+def split(num_docs: int, n_val: int, seed: int, source: int = 0) -> tuple[PermutedRange, PermutedRange]:
+    """(train, validation) ids: the first n_val places of a seeded permutation of the corpus are held out. `source`:
+    the corpus's place in a blend (each its own permutations)."""
+    perm = Permutation(num_docs, derive_key(seed, SPLIT, source))
     return PermutedRange(perm, n_val, num_docs - n_val), PermutedRange(perm, 0, n_val)

@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from trnrecipes.data import DataError
-from trnrecipes.data.order import DocIds, Permutation, RankOrder, as_doc_ids, derive_key, split
+from trnrecipes.data.order import EPOCH, DocIds, Permutation, RankOrder, as_doc_ids, derive_key, split
 
 TOKENIZE_BLOCK = 64  # documents per encode_batch call
 
@@ -52,11 +52,11 @@ class StreamPosition:
 
 
 def split_documents(
-    num_docs: int, val_fraction: float, seed: int, source: object = "the corpus"
+    num_docs: int, val_fraction: float, seed: int, source: object = "the corpus", index: int = 0
 ) -> tuple[DocIds, DocIds]:
     """(train, validation) document ids: a seeded choice of round(val_fraction * n) documents (at least 1) is held
     out. Fixed by the seed alone, so every rank and every restart agrees; evaluated per index, never listed.
-    `source` names the corpus in errors."""
+    `source` names the corpus in errors; `index` is its place in a blend (each source its own permutations)."""
     if num_docs < 1:
         raise DataError(f"{source} has no documents")
     if not 0 <= val_fraction < 1:
@@ -67,7 +67,7 @@ def split_documents(
             f"{source} has {num_docs} document(s): too few to hold out {n_val} for validation"
             f" (data.val_fraction {val_fraction}) and train on the rest; use a bigger corpus or data.val_fraction=0"
         )
-    return split(num_docs, n_val, seed)
+    return split(num_docs, n_val, seed, index)
 
 
 class PackedStream:
@@ -81,6 +81,7 @@ class PackedStream:
         dp_size: int = 1,
         shuffle: bool = True,
         start: StreamPosition | None = None,
+        index: int = 0,  # the source's place in a blend: each its own epoch permutations
     ):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_size})")
@@ -91,11 +92,11 @@ class PackedStream:
             )
         self.source, self.doc_ids, self.sample_len = source, as_doc_ids(doc_ids), seq_len + 1
         self.seed, self.dp_rank, self.dp_size, self.shuffle = seed, dp_rank, dp_size, shuffle
-        self.start = start or StreamPosition()
+        self.start, self.index = start or StreamPosition(), index
 
     def order(self, epoch: int) -> RankOrder:
         """This rank's documents for `epoch`, in reading order (evaluated per block, never listed)."""
-        perm = Permutation(len(self.doc_ids), derive_key(self.seed, epoch)) if self.shuffle else None
+        perm = Permutation(len(self.doc_ids), derive_key(self.seed, EPOCH, epoch, self.index)) if self.shuffle else None
         return RankOrder(self.doc_ids, perm, self.dp_rank, self.dp_size)
 
     def _documents(self) -> Iterator[tuple[int, int, int, np.ndarray]]:

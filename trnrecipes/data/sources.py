@@ -34,9 +34,9 @@ def open_sources(data, root: Path, seed: int) -> tuple[list[OpenedSource], objec
 
     tokenizer = load_tokenizer(data_path(data.tokenizer, root))
     opened = []
-    for source in data.corpora():
+    for index, source in enumerate(data.corpora()):
         documents = open_documents(source.format, source.path, tokenizer, source.text_field, root)
-        train, val = split_documents(documents.num_docs, data.val_fraction, seed, source=source.path)
+        train, val = split_documents(documents.num_docs, data.val_fraction, seed, source=source.path, index=index)
         opened.append(OpenedSource(source.path, source.weight, documents, train, val))
     return opened, tokenizer
 
@@ -51,8 +51,8 @@ def data_stream(sources, part: str, seq_len: int, seed: int, dp_rank: int, dp: i
         return PackedStream(sources[0].documents, getattr(sources[0], part), seq_len, seed, dp_rank, dp, True, start)
     starts = start.sources if start is not None else [None] * len(sources)
     streams = [
-        PackedStream(s.documents, getattr(s, part), seq_len, seed, dp_rank, dp, True, at)
-        for s, at in zip(sources, starts, strict=True)
+        PackedStream(s.documents, getattr(s, part), seq_len, seed, dp_rank, dp, True, at, index=k)
+        for k, (s, at) in enumerate(zip(sources, starts, strict=True))
     ]
     return BlendedStream(streams, [s.weight for s in sources], start.samples if start is not None else 0)
 

@@ -28,8 +28,8 @@ class SourcePlan:
     share: float  # of the training samples
     samples: int  # over train.max_steps
     tokens: int  # read from it over train.max_steps (samples x (seq_len + 1))
-    corpus_tokens: float | None  # in its training split; None when the file is not there
-    exact: bool  # counted (Megatron), not estimated (Arrow)
+    corpus_tokens: float | None  # in its training split; None when the file cannot be read from here
+    exact: bool  # counted (Megatron without a validation split), not estimated
 
     @property
     def epochs(self) -> float | None:
@@ -51,7 +51,8 @@ def data_plan(recipe: Recipe, repo_root: Path, look: bool = True) -> list[Source
         samples = round(all_samples * share)
         size = _corpus_tokens(s, d.tokenizer, repo_root) if look else None
         corpus = size[0] * (1 - d.val_fraction) if size else None
-        plans.append(SourcePlan(s.path, share, samples, samples * (b.seq_len + 1), corpus, bool(size and size[1])))
+        exact = bool(size and size[1]) and d.val_fraction == 0  # the split holds out documents, not tokens
+        plans.append(SourcePlan(s.path, share, samples, samples * (b.seq_len + 1), corpus, exact))
     return plans
 
 
@@ -65,7 +66,7 @@ def format_data_plan(plans: list[SourcePlan], max_steps: int, width: int = 11) -
     lines = [head]
     for p in plans:
         if p.epochs is None:
-            epochs = "epochs unknown (the file is not here)"
+            epochs = "epochs unknown (the corpus or tokenizer cannot be read from here; sbatch's data check says why)"
         else:
             epochs = f"{'' if p.exact else '~'}{p.epochs:,.2f} epochs of {'' if p.exact else '~'}{_si(p.corpus_tokens)}"
         lines.append(f"{'':<{width}}  {p.share:6.1%}  {p.tokens:>14,} tokens  {epochs}  {p.path}")

@@ -112,7 +112,17 @@ class Trainer:
         if resume is None and recipe.train.init_from:
             weights, source = self._init_from(), f"train.init_from {recipe.train.init_from}"
             self._check_init_from(weights)
+        started = time.perf_counter()
         self._open_data()
+        train, val = sum(len(s.train) for s in self.sources), sum(len(s.val) for s in self.sources)
+        self.log(
+            f"[trnrecipes] data: {len(self.sources)} source(s), {train + val:,} documents ({train:,} train,"
+            f" {val:,} validation) in {time.perf_counter() - started:.1f} s",
+            flush=True,
+        )
+        started = time.perf_counter()
+        what = f"loading {source}" if weights is not None else f"initialised from train.seed {recipe.train.seed}"
+        self.log(f"[trnrecipes] building the model ({what}) ...", flush=True)
         state = load(
             weights,
             recipe,
@@ -127,6 +137,7 @@ class Trainer:
             log=self.log,
         )
         self.model, self.optimizer = state.model, state.optimizer
+        self.log(f"[trnrecipes] model ready in {time.perf_counter() - started:.1f} s", flush=True)
         # Pipeline parallelism: this rank's stages run under the backend's schedule, one micro-batch per accum step.
         self.pipeline = self.backend.pipeline(self.model, recipe, dims, self.layout.grad_accum) if dims.pp > 1 else None
         self.start_step, self.start_position = state.step, state.position
@@ -217,6 +228,13 @@ class Trainer:
             self.sources = [OpenedSource(d.path, 1.0, documents, train, val)]
         else:
             self.sources, self.tokenizer = open_sources(d, REPO_ROOT, seed)
+        for i, s in enumerate(self.sources):  # found now, not after the model is built and restored
+            if len(s.train) < self.dims.dp:
+                name = f"data.sources[{i}] {s.path}" if d.sources else f"data.path {s.path}"
+                raise RecipeError(
+                    f"{name}: {len(s.train)} training document(s) cannot be shared by {self.dims.dp} data-parallel"
+                    " ranks (each reads its own); use a corpus with more documents"
+                )
         counts = [s.documents.num_docs for s in self.sources]
         self.num_docs = counts[0] if len(counts) == 1 else counts  # what the saved data positions index
         if self.tokenizer.vocab_size > self.recipe.model.vocab_size:
@@ -227,6 +245,7 @@ class Trainer:
         # Validation: the same fixed batches every time (a fresh stream from its start), split over DP ranks; a
         # blend's from every source by the same weights.
         held_out = min(len(s.val) for s in self.sources)
+        fewest = min(self.sources, key=lambda s: len(s.val)).path  # names the corpus where a message needs one
         val_dp = min(self.dims.dp, held_out) if held_out else 0
         if self.classify and val_dp:  # one sample per document: more batches than documents would count some twice
             per_rank, wanted = held_out // val_dp, self.recipe.train.val_batches * b.micro_batch
@@ -239,7 +258,7 @@ class Trainer:
                 )
         if self.dims.fsdp and 0 < val_dp < self.dims.dp:  # FSDP's forward gathers over DP: every rank must run it
             raise RecipeError(
-                f"data.val_fraction {d.val_fraction} leaves {held_out} validation document(s) for"
+                f"data.val_fraction {d.val_fraction} leaves {held_out} validation document(s) of {fewest} for"
                 f" {self.dims.dp} data-parallel ranks; under layout.fsdp each rank needs one: raise data.val_fraction"
             )
         self.val_batches: list[torch.Tensor] = []
@@ -417,6 +436,11 @@ class Trainer:
         last_save = time.monotonic()
         signals = _catch_stop_signals()
         clock = Clock(self.start_step, steps)
+        self.log(
+            f"[trnrecipes] step {self.start_step + 1}: the first step builds its graphs (on XLA and Neuron it traces"
+            " and compiles them: minutes for a large model); its line follows",
+            flush=True,
+        )
         try:
             for step in range(self.start_step, steps):
                 start = time.perf_counter()

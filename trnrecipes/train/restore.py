@@ -154,10 +154,11 @@ def restore_training_state(
         why = f"the checkpoint's data position is in document order version {order}, this trnrecipes uses {DATA_ORDER}"
     saved_docs = state.get("num_docs")
     if saved_docs is not None and saved_docs != num_docs:
-        if not allows(allowed, "data.path"):
+        key = "data.sources" if isinstance(num_docs, list) else "data.path"
+        if not (allows(allowed, key) or allows(allowed, "data.path")):
             raise CheckpointError(
-                f"{path}: trained on a corpus of {saved_docs} documents, but data.path now has {num_docs}: its data"
-                " position would index other documents. Restore the corpus, or name data.path in"
+                f"{path}: trained on corpora of {saved_docs} documents, but {key} now has {num_docs}: its data"
+                f" position would index other documents. Restore the corpus, or name {key} in"
                 " checkpoint.allow_changes to go on with this one (its stream then starts afresh)"
             )
         why = f"the corpus changed ({saved_docs} -> {num_docs} documents)"
@@ -177,5 +178,6 @@ def restore_training_state(
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{file}: not a data position ({clipped(err, 80)})") from None
     restart = restart_position([read_json(f) for f in sorted(path.glob("data-dp*.json"))], sources)
-    log(f"[trnrecipes] {why}: positions do not carry over, the data stream restarts at epoch {restart.epoch}")
+    where = f"epoch {restart.epoch}" if sources == 1 else "epochs " + ", ".join(str(p.epoch) for p in restart.sources)
+    log(f"[trnrecipes] {why}: positions do not carry over, the data stream restarts at {where}")
     return restart
