@@ -559,7 +559,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**result, "data": [s.to_dict() for s in sources]}, indent=2))
     else:
-        print("\n".join([format_plan(result), *format_data_plan(sources, recipe.train.max_steps)]))
+        print("\n".join([format_plan(result, recipe), *format_data_plan(sources, recipe.train.max_steps)]))
     # A plan is made before the data and the run dir exist too: what sbatch would refuse is said, not refused.
     storage, warnings = _storage_and_data(recipe, runs_root_from_env(), args.no_data_check, refuse=False)
     if not args.json:
@@ -620,7 +620,7 @@ def _sbatch(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     extra = {"provenance.json": provenance_json(provenance(job, command, find_recipe(args.recipe), args.overrides))}
     write_job(job, extra, force=args.force)
-    print(format_plan(plan(recipe)))
+    print(format_plan(plan(recipe), recipe))
     print(
         "\n".join(format_data_plan(data_plan(recipe, REPO_ROOT, look=not args.no_data_check), recipe.train.max_steps))
     )

@@ -241,6 +241,8 @@ FIELD_BOUNDS: dict[str, Bound] = {
     "checkpoint.every_steps": POSITIVE, "checkpoint.every_minutes": POSITIVE, "checkpoint.keep_last": POSITIVE,
     "compile.steps": POSITIVE,
     "cluster.nodes": POSITIVE, "cluster.workers_per_node": POSITIVE, "cluster.price_per_hour": NON_NEGATIVE,
+    "cluster.tokens_per_s_per_node": POSITIVE, "cluster.node_mtbf_hours": POSITIVE,
+    "slurm.restart_minutes": NON_NEGATIVE,
     "slurm.signal_seconds": Bound(60, 65535),  # Slurm: at least its 60 s resolution; sbatch --signal takes <= 65535
     "slurm.checkpoint_write_gbps": POSITIVE,
     "slurm.max_restarts": NON_NEGATIVE,

@@ -171,6 +171,12 @@ class ClusterConfig:
     workers_per_node: int | None = None  # None = the instance's (32 NeuronCores on trn1.32xlarge)
     price_per_hour: float | None = None  # None = the catalog's on-demand price
     python: str | None = None  # interpreter on the nodes; None = the TorchNeuron DLAMI's venv there, else <repo>/.venv
+    # A measured or published throughput for this recipe and instance: `plan` gives the run's time and cost from it
+    # when no --seq-per-s is given (the recipe says where the number comes from).
+    tokens_per_s_per_node: float | None = None
+    # Mean time between failures of one node: ~270 days from "The Llama 3 Herd of Models", section 3.3.4 (419
+    # unexpected interruptions in 54 days on 2,048 nodes). `plan`'s failure model (trnrecipes.plan.run_model).
+    node_mtbf_hours: float = 6480.0
 
 
 @dataclass(frozen=True)
@@ -186,6 +192,9 @@ class SlurmConfig:
     # Requeues after a failure (a crash, a failed health check; deterministic failures such as bad input are never
     # requeued). Requeues after a pre-timeout save are progress and not counted.
     max_restarts: int = 3
+    # What one automatic recovery costs before training goes on (requeue, allocation, start-up, loading the checkpoint,
+    # cached compile): `plan`'s failure model. Lost steps since the last save come on top.
+    restart_minutes: float = 10.0
     log_all_ranks: bool = False  # every worker's output in the job log; default: each node's local rank 0 only
 
 

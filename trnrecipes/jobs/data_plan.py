@@ -30,6 +30,7 @@ class SourcePlan:
     tokens: int  # read from it over train.max_steps (samples x (seq_len + 1))
     corpus_tokens: float | None  # in its training split; None when the file cannot be read from here
     exact: bool  # counted (Megatron without a validation split), not estimated
+    looked: bool = True  # False: --no-data-check, no file read
 
     @property
     def epochs(self) -> float | None:
@@ -52,7 +53,7 @@ def data_plan(recipe: Recipe, repo_root: Path, look: bool = True) -> list[Source
         size = _corpus_tokens(s, d.tokenizer, repo_root) if look else None
         corpus = size[0] * (1 - d.val_fraction) if size else None
         exact = bool(size and size[1]) and d.val_fraction == 0  # the split holds out documents, not tokens
-        plans.append(SourcePlan(s.path, share, samples, samples * (b.seq_len + 1), corpus, exact))
+        plans.append(SourcePlan(s.path, share, samples, samples * (b.seq_len + 1), corpus, exact, look))
     return plans
 
 
@@ -65,7 +66,9 @@ def format_data_plan(plans: list[SourcePlan], max_steps: int, width: int = 11) -
     )
     lines = [head]
     for p in plans:
-        if p.epochs is None:
+        if not p.looked:
+            epochs = "epochs not looked up (--no-data-check)"
+        elif p.epochs is None:
             epochs = "epochs unknown (the corpus or tokenizer cannot be read from here; sbatch's data check says why)"
         else:
             epochs = f"{'' if p.exact else '~'}{p.epochs:,.2f} epochs of {'' if p.exact else '~'}{_si(p.corpus_tokens)}"

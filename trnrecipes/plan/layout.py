@@ -15,6 +15,7 @@ from trnrecipes.config.cluster import Instance, get_instance
 from trnrecipes.config.families import ModelSection
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.config.stages import BUBBLE_WARNING, Stage, bubble_fraction, pipeline_stages, schedule_problem
+from trnrecipes.plan.run_model import run_model
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,11 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
     }
     if layout.pp > 1:
         out |= pipeline_plan(r, layout)
+    if seq_per_s is None and r.cluster.tokens_per_s_per_node is not None:
+        seq_per_s = r.cluster.tokens_per_s_per_node * layout.nodes / r.batch.seq_len
+        out["throughput_from"] = "cluster.tokens_per_s_per_node"
+    elif seq_per_s is not None:
+        out["throughput_from"] = "--seq-per-s"
     if seq_per_s is not None:
         if seq_per_s <= 0:
             raise RecipeError(f"--seq-per-s must be > 0, got {seq_per_s}")
@@ -205,4 +211,5 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
             "dollars_per_step": cluster_price * step_s / 3600 if cluster_price is not None else None,
             "tokens_per_dollar": tokens_per_s * 3600 / cluster_price if cluster_price else None,
         }
+        out |= run_model(r, step_s, layout.nodes, cluster_price)
     return out

@@ -3,6 +3,9 @@ pipeline's stages and bubble (PP > 1)."""
 
 from __future__ import annotations
 
+from trnrecipes.config.sections import Recipe
+from trnrecipes.plan.run_model import run_model_rows
+
 
 def _si(value: float) -> str:
     for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
@@ -11,7 +14,8 @@ def _si(value: float) -> str:
     return f"{value:.3g}"
 
 
-def format_plan(p: dict[str, object]) -> str:
+def format_plan(p: dict[str, object], recipe: Recipe | None = None) -> str:
+    """The plan summary; with `recipe`, also the run's total time and cost, checkpoints and failures."""
     backend = p["backend"] if p["stack"] == p["backend"] else f"{p['backend']}: {p['stack']}"
     price = p["price_per_hour"]
     priced = f"${price:,.2f}/h for the job" if price is not None else "no price known (set cluster.price_per_hour)"
@@ -31,12 +35,14 @@ def format_plan(p: dict[str, object]) -> str:
     if "tokens_per_s" in p:
         tpd = p["tokens_per_dollar"]
         rows += [
-            ("throughput", f"{p['seq_per_s']} seq/s = {p['tokens_per_s']:,.0f} tokens/s"
-             f" ({p['tokens_per_s_per_node']:,.0f}/node); {p['step_time_s']:.2f} s/step"),
+            ("throughput", f"{p['seq_per_s']:,.4g} seq/s = {p['tokens_per_s']:,.0f} tokens/s"
+             f" ({p['tokens_per_s_per_node']:,.0f}/node, from {p['throughput_from']}); {p['step_time_s']:.2f} s/step"),
             ("MFU", f"{p['mfu']:.1%}"),
             ("cost", "n/a (no price known)" if p["dollars_per_step"] is None else f"${p['dollars_per_step']:.4f}/step; "
              + (f"{tpd:,.0f} tokens/$" if tpd is not None else "tokens/$ n/a (price 0)")),
         ]  # fmt: skip
+    if recipe is not None:
+        rows += run_model_rows(p, recipe)
     width = max(len(k) for k, _ in rows)
     return "\n".join([*(f"{k:<{width}}  {v}" for k, v in rows), *format_pipeline(p, width)])
 
