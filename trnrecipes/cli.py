@@ -634,6 +634,10 @@ def _sbatch(args: argparse.Namespace) -> int:
         print(f"  INFER_IN=<file> sbatch {job.job_dir}/infer.sbatch   # embeddings from the newest checkpoint (embed)")
     else:
         print(f"  sbatch --dependency=afterok:$id {job.job_dir}/eval.sbatch   # the 128-node Llama 2 post's eval table")
+        if recipe.cluster.backend == "neuron":
+            from trnrecipes.plan.eval_cost import eval_advice
+
+            print("\n".join(eval_advice(recipe)))
     if nodes == 1:
         print(f"  or, without Slurm: bash {job.job_dir}/run.sbatch")
     return 0

@@ -18,6 +18,8 @@ STATE=${TRNRECIPES_SLURM_DIR:-/tmp/trnrecipes-slurm}
 CONF="$STATE/slurm.conf"
 NODES=(node1 node2 node3)
 CPUS=2           # per emulated node (config_overrides lets them all claim the machine's cores)
+# and the machine's memory, in MB, as a real cluster declares it (eval.sbatch asks for --mem)
+MEM_MB=$(awk '/^MemTotal:/ { print int($2 / 1024) }' /proc/meminfo)
 CTLD_PORT=${TRNRECIPES_SLURM_PORT:-16817}
 SLURMD_PORT0=17001  # node1 17001, node2 17002, ...
 
@@ -115,7 +117,7 @@ KillWait=10
 MinJobAge=600
 SlurmctldTimeout=30
 SlurmdTimeout=30
-NodeName=node[1-${#NODES[@]}] NodeHostname=$host NodeAddr=$addr Port=[$SLURMD_PORT0-$((SLURMD_PORT0 + ${#NODES[@]} - 1))] CPUs=$CPUS State=UNKNOWN
+NodeName=node[1-${#NODES[@]}] NodeHostname=$host NodeAddr=$addr Port=[$SLURMD_PORT0-$((SLURMD_PORT0 + ${#NODES[@]} - 1))] CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
   mv "$CONF.tmp" "$CONF"

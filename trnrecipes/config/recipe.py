@@ -242,7 +242,7 @@ FIELD_BOUNDS: dict[str, Bound] = {
     "compile.steps": POSITIVE,
     "cluster.nodes": POSITIVE, "cluster.workers_per_node": POSITIVE, "cluster.price_per_hour": NON_NEGATIVE,
     "cluster.tokens_per_s_per_node": POSITIVE, "cluster.node_mtbf_hours": POSITIVE,
-    "slurm.restart_minutes": NON_NEGATIVE,
+    "slurm.restart_minutes": NON_NEGATIVE, "eval.cpus": POSITIVE, "eval.mem_gb": POSITIVE, "eval.gpus": NON_NEGATIVE,
     "slurm.signal_seconds": Bound(60, 65535),  # Slurm: at least its 60 s resolution; sbatch --signal takes <= 65535
     "slurm.checkpoint_write_gbps": POSITIVE,
     "slurm.max_restarts": NON_NEGATIVE,

@@ -199,6 +199,20 @@ class SlurmConfig:
 
 
 @dataclass(frozen=True)
+class EvalJobConfig:
+    """eval.sbatch's (and infer.sbatch's) own Slurm settings: scoring runs as one process on one node, on its GPU when
+    it has one, else on its host CPUs (lm-eval has no Neuron backend), so it need not hold a training node."""
+
+    partition: str | None = None  # None: slurm.partition; a CPU or GPU partition keeps trn1 nodes for training
+    account: str | None = None  # None: slurm.account
+    time_limit: str | None = None  # [D-]HH:MM:SS; None: the partition's
+    cpus: int | None = None  # --cpus-per-task; None: Slurm's default
+    mem_gb: int | None = None  # --mem; None: the model in fp32 (4 B a parameter) and 8 GB more for lm-eval
+    gpus: int = 0  # --gpus-per-node; 0: none requested
+    exclusive: bool = False  # the whole node (as training is); off by default: the job shares it
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     description: str
@@ -213,6 +227,7 @@ class Recipe:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    eval: EvalJobConfig = field(default_factory=EvalJobConfig)
     run_dir: str | None = None  # None = runs/<job name>; relative to the repository root
 
     @property

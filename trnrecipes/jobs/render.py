@@ -33,6 +33,7 @@ from trnrecipes.config.stacks import dlami_python
 from trnrecipes.data.sources import data_path
 from trnrecipes.jobs.neuron_env import JOB_USER, backend_env
 from trnrecipes.jobs.storage import run_dir_for
+from trnrecipes.plan.eval_cost import eval_mem_gb
 from trnrecipes.plan.layout import Layout, compute_layout, rank_coords
 from trnrecipes.schema import shown
 
@@ -212,6 +213,7 @@ def render_job(
         "objective": objective(recipe),
         "eval_in": eval_in and repo_root / eval_in,  # data paths are relative to the repository root
         "infer_signal_seconds": INFER_SIGNAL_SECONDS,
+        "eval_mem_gb": eval_mem_gb(recipe),
     }
     env = _environment()
     files = {name: env.get_template(f"{name}.j2").render(context) for name in scripts(recipe)}

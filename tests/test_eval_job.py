@@ -1,0 +1,65 @@
+"""eval.sbatch (and infer.sbatch) take their Slurm header from the recipe's eval section, not training's: one
+process on a shared node by default, with its own partition, account, time, CPUs, memory and GPUs; on a Neuron
+instance sbatch's "next:" says what scoring there costs and where else to run it."""
+
+from __future__ import annotations
+
+import shlex
+
+from golden import FAKE_REPO
+
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.jobs.render import render_job
+from trnrecipes.plan.eval_cost import eval_estimate, eval_mem_gb
+
+
+def sbatch_lines(script: str) -> list[str]:
+    return [line for line in script.splitlines() if line.startswith("#SBATCH")]
+
+
+def render(name: str, nodes: int, overrides: str = "") -> dict[str, str]:
+    recipe = load_recipe(name, nodes=nodes, overrides=overrides)
+    return render_job(recipe, FAKE_REPO / "jobs" / "x", "cmd", FAKE_REPO).files
+
+
+def test_eval_jobs_share_a_node_by_default_and_ask_for_the_models_memory():
+    files = render("llama2-7b", 16, "slurm.partition=trn1 slurm.time_limit=7-00:00:00 slurm.account=ml")
+    run, ev = sbatch_lines(files["run.sbatch"]), sbatch_lines(files["eval.sbatch"])
+    assert "#SBATCH --exclusive" in run and "#SBATCH --exclusive" not in ev
+    assert "#SBATCH --partition=trn1" in ev and "#SBATCH --account=ml" in ev  # unset: training's
+    assert "#SBATCH --time=7-00:00:00" in run and not any(line.startswith("#SBATCH --time") for line in ev)
+    recipe = load_recipe("llama2-7b")
+    assert f"#SBATCH --mem={eval_mem_gb(recipe)}G" in ev and eval_mem_gb(recipe) == 35  # 6.74G x 4 B + 8
+    assert "#SBATCH --nodes=1" in ev and "#SBATCH --nodes=16" in run
+
+
+def test_the_eval_section_sets_the_eval_jobs_header_only():
+    settings = ("eval.partition=gpu eval.account=evals eval.time_limit=04:00:00 eval.cpus=12 eval.mem_gb=64"
+                " eval.gpus=1 eval.exclusive=true")  # fmt: skip
+    files = render("llama2-7b", 16, "slurm.partition=trn1 " + settings)
+    ev, run = sbatch_lines(files["eval.sbatch"]), sbatch_lines(files["run.sbatch"])
+    for line in ("--partition=gpu", "--account=evals", "--time=04:00:00", "--cpus-per-task=12", "--mem=64G",
+                 "--gpus-per-node=1", "--exclusive"):  # fmt: skip
+        assert f"#SBATCH {line}" in ev, line
+    assert "#SBATCH --partition=trn1" in run and not any("gpus" in line or "--mem" in line for line in run)
+    cls = render("bert-base-cls", 1, settings)  # a classifier's infer job is scoring too
+    assert "#SBATCH --partition=gpu" in sbatch_lines(cls["infer.sbatch"])
+
+
+def test_sbatch_says_what_eval_costs_on_trn1_and_where_else_to_run_it(cli, tmp_path):
+    out = tmp_path / "job"
+    done = cli("sbatch", "--recipe", "llama2-7b", "--nodes", "16", "--out", str(out), "--no-data-check",
+               "--overrides", shlex.quote(f"run_dir={tmp_path / 'run'}"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    estimate = eval_estimate(load_recipe("llama2-7b"))
+    days = estimate["cpu_hours"] / 24
+    assert 5 < days < 30 and estimate["gpu_hours"] < 3  # lower bounds: 8e7 tokens at 1 TFLOP/s vs 300 on an H100
+    lines = done.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if "/eval.sbatch" in line)
+    assert (
+        f"the whole table takes at least ~{days:,.0f} days, ~${estimate['cpu_cost']:,.0f} of trn1.32xlarge"
+        in lines[at + 1]
+    )
+    assert "eval.partition=<a GPU partition> eval.gpus=1" in lines[at + 2] and "make eval ckpt=" in lines[at + 2]
+    cpu = cli("sbatch", "--recipe", "llama2-tiny", "--nodes", "1", "--out", str(tmp_path / "tiny"))
+    assert cpu.returncode == 0 and "lm-eval has no Neuron backend" not in cpu.stdout  # scoring on cpu: nothing to say
