@@ -90,3 +90,39 @@ def test_compile_and_run_scripts_export_the_same_environment(name):
     run_env, compile_env = _exports(job.files["run.sbatch"]), _exports(job.files["compile.sbatch"])
     assert run_env == compile_env
     assert len([e for e in run_env if e.startswith("export NEURON_")]) == (6 if name != "neox-tiny" else 0)
+
+
+def test_awss_pipeline_zero1_and_bf16_settings_follow_the_layout():
+    """NxD's 70B TP+PP script: 7 in-flight requests with pipeline stages, functionalization kept with ZeRO-1; NxD's
+    trainer: 65 MB ZeRO-1 buckets with bf16 parameters. Each only where its condition holds."""
+    seventy = env_of("llama2-70b")  # TP8 PP8, ZeRO-1, bf16
+    assert seventy["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "7"
+    assert seventy["XLA_DISABLE_FUNCTIONALIZATION"] == "0"
+    assert seventy["ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB"] == "65"
+    seven = env_of("llama2-7b")  # TP8 PP1, ZeRO-1, bf16
+    assert seven["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "3" and seven["XLA_DISABLE_FUNCTIONALIZATION"] == "0"
+    fp32 = env_of("llama2-7b", "precision.dtype=bf16-mixed precision.stochastic_rounding=false")
+    assert "ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB" not in fp32  # fp32 masters: NxD's 130 MB default
+    no_zero1 = env_of("llama2-7b", "layout.zero1=false")
+    assert "XLA_DISABLE_FUNCTIONALIZATION" not in no_zero1 and "ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB" not in no_zero1
+    native = env_of("llama2-7b-trn2", "cluster.neuron_sdk=2.33")  # TorchNeuron reads none of torch-xla's
+    assert not {"XLA_DISABLE_FUNCTIONALIZATION", "ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB"} & set(native)
+
+
+def test_every_awss_value_cites_its_source():
+    rows = backend_env(load_recipe("llama2-70b"))
+    for name in ("NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS", "XLA_DISABLE_FUNCTIONALIZATION",
+                 "ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB", "MALLOC_ARENA_MAX", "NEURON_CC_FLAGS"):  # fmt: skip
+        (why,) = [w for n, _, w in rows if n == name]
+        assert "(AWS: " in why and re.search(r"neuronx-(distributed|nemo-megatron)", why), (name, why)
+
+
+def test_the_run_job_caps_lustres_dirty_cache_only_where_lustre_and_lctl_are():
+    job = render_job(load_recipe("llama2-7b", nodes=16), Path("/opt/trnrecipes/jobs/x"), "cmd", Path("/opt/trnrecipes"))
+    run = job.files["run.sbatch"]
+    guard = 'if command -v lctl >/dev/null 2>&1 && grep -qs " lustre " /proc/mounts; then'
+    assert guard in run and "lctl set_param 'osc.*.max_dirty_mb=64'" in run
+    assert "sudo -n lctl" in run  # never a password prompt in a batch job
+    assert "max_dirty_mb" not in job.files["compile.sbatch"] and "max_dirty_mb" not in job.files["eval.sbatch"]
+    cpu = render_job(load_recipe("llama2-tiny"), Path("/opt/trnrecipes/jobs/y"), "cmd", Path("/opt/trnrecipes"))
+    assert "max_dirty_mb" not in cpu.files["run.sbatch"]

@@ -35,8 +35,8 @@ from trnrecipes.models import build_model
 KINDS = ("same", "symlink", "hardlink", "holds_input", "in_checkpoint", "in_checkpoints", "in_linked_checkpoints",
          "below_file", "fresh")  # fmt: skip
 COLLIDING = set(KINDS) - {"fresh"}
-# Kinds that are no clash for a command, so it may go ahead: preprocess writes OUT.bin and OUT.idx beside what --out
-# names; plot adds its PNGs to a directory (a run dir, the one holding it) and replaces nothing.
+# Kinds that are no clash for a command, so it may go ahead: preprocess writes OUT.bin, .idx and .tokenizer.json
+# beside what --out names; plot adds its PNGs to a directory (a run dir, the one holding it) and replaces nothing.
 NO_CLASH = {"preprocess": {"same", "symlink", "hardlink", "holds_input"}, "plot": {"same", "holds_input"}}
 
 
@@ -107,7 +107,7 @@ def case(command: str, root: Path, ckpt: Path) -> Case:
     if command == "preprocess":
         tokenizer = str(REPO / "data/tokenizers/gpt2")
         return Case(["data", "preprocess", "--in", str(rows), "--tokenizer", tokenizer], rows, False,
-                    lambda out: [Path(f"{out}.bin"), Path(f"{out}.idx")])  # fmt: skip
+                    lambda out: [Path(f"{out}{suffix}") for suffix in (".bin", ".idx", ".tokenizer.json")])  # fmt: skip
     if command == "sbatch":
         recipe = root / "in/recipe.yaml"
         return Case(["sbatch", "--recipe", str(recipe), "--nodes", "1"], recipe, True)

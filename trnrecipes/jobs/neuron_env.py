@@ -31,6 +31,10 @@ BOTH = (XLA_NXD, TORCHNEURON)
 NNM = "neuronx-nemo-megatron nemo/examples/nlp/language_modeling/train_setup.sh"
 NXDT = "neuronx-distributed-training examples/training_orchestrator.py"
 RUNTIME_DOCS = "Neuron runtime configuration guide (neuron-runtime/guides/configuration-guide)"
+NXD_70B = "neuronx-distributed examples/training/llama/tp_pp_llama_hf_pretrain/run_llama2_70B_tp_pp.sh"
+NXD_7B = "neuronx-distributed examples/training/llama/tp_zero1_llama_hf_pretrain/tp_zero1_llama2_7B_hf_pretrain.sh"
+NXDT_SETUP = "neuronx-distributed-training examples/train_setup.sh"
+NXD_TRAINER = "neuronx-distributed trainer/trainer.py"
 JOB_USER = "${JOB_USER}"  # expanded by the scripts to the submitting user (trnrecipes.jobs.render quotes around it)
 
 
@@ -102,7 +106,8 @@ RULES: tuple[EnvRule, ...] = (
     EnvRule(
         "NEURON_CC_FLAGS",
         _of_recipe(neuron_cc_flags),
-        "neuronx-cc flags for transformer training",
+        "neuronx-cc flags for transformer training; compile.optlevel (default 1: -O1 compiles faster, where AWS's"
+        " Llama scripts leave the compiler's default -O2: set compile.optlevel 2 to match them)",
         source=f"{NNM} (--auto-cast none for fp32); {NXDT} (--auto-cast none for fp32 and autocast); neuronx-cc"
         " reference; compiler release notes, Neuron 2.27.0 (--auto-cast default none)",
     ),
@@ -152,9 +157,26 @@ RULES: tuple[EnvRule, ...] = (
     ),
     EnvRule(
         "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS",
-        _const("3"),
-        "overlap host and device execution (the runtime drops it in SDK 2.31)",
+        _of_recipe(lambda r: "7" if r.layout.pp > 1 else "3"),
+        "executions the runtime queues ahead of the host (the runtime drops it in SDK 2.31): 7 with pipeline stages,"
+        " whose many small graphs per step need a deeper queue (NxD's 70B TP+PP script); 3 otherwise (neuronx-nemo-"
+        "megatron's value; NeMo/NxDT use 5)",
         until=(2, 30),
+        source=f"{NXD_70B} (7); {NNM} (3); {NXDT_SETUP} (5)",
+    ),
+    EnvRule(
+        "XLA_DISABLE_FUNCTIONALIZATION",
+        _of_recipe(lambda r: "0" if r.layout.zero1 else None),
+        "keep torch-xla's functionalization with ZeRO-1 (torch-xla's default, said aloud: NxD's 70B script sets 0"
+        " with ZeRO-1, 'needed to close 3% convergence gap')",
+        source=f"{NXD_70B}; {NXDT_SETUP}",
+    ),
+    EnvRule(
+        "ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB",
+        _of_recipe(lambda r: "65" if r.layout.zero1 and r.precision.dtype == "bf16" else None),
+        "ZeRO-1's reduce-scatter / all-gather buckets with bf16 parameters: 65 MB, as NxD's trainer sets them ('Bucket"
+        " cap >140MB causes NaN'); trnrecipes/parallel/nxd.py reads it (default 130 MB for fp32 parameters)",
+        source=NXD_TRAINER,
     ),
     EnvRule(
         "NEURON_RT_EXEC_TIMEOUT",
@@ -164,7 +186,14 @@ RULES: tuple[EnvRule, ...] = (
         BOTH,
         source=f"{NNM}; NxDT conf neuron_rt_exec_timeout: 100; {RUNTIME_DOCS}",
     ),
-    EnvRule("MALLOC_ARENA_MAX", _const("64"), "bounds glibc arenas: host memory of 32+ workers per node", BOTH),
+    EnvRule(
+        "MALLOC_ARENA_MAX",
+        _const("64"),
+        "bounds glibc's malloc arenas, host memory of 32+ workers per node: 64, as NxD's Llama2-7B script (NeMo, NxDT"
+        " and NxD's 70B script use 128): fewer arenas, less host memory held per worker",
+        BOTH,
+        source=f"{NXD_7B} (64); {NNM} and {NXDT_SETUP} (128)",
+    ),
     # torch-xla's thread pools are sized for one process per host; 32 workers per node each with the default pools
     # oversubscribe the host's cores.
     EnvRule(
