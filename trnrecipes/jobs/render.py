@@ -34,7 +34,8 @@ from trnrecipes.data.sources import data_path
 from trnrecipes.jobs.neuron_env import JOB_USER, backend_env
 from trnrecipes.jobs.storage import run_dir_for
 from trnrecipes.plan.eval_cost import eval_mem_gb
-from trnrecipes.plan.layout import Layout, compute_layout, rank_coords
+from trnrecipes.plan.layout import Layout, compute_layout, layout_memory, rank_coords
+from trnrecipes.plan.memory import memory_problem
 from trnrecipes.schema import shown
 
 TEMPLATES_DIR = REPO_ROOT / "templates"
@@ -72,7 +73,8 @@ def scripts(recipe: Recipe) -> tuple[str, ...]:
 
 def render_warnings(recipe: Recipe) -> list[str]:
     """What `trnrecipes sbatch` prints to stderr (the job dir is still written): the time-limit and signal checks
-    (trnrecipes.config.preemption), and a classification recipe without a holdout for eval.sbatch. That one is a
+    (trnrecipes.config.preemption), a memory estimate within 10% of the device's, and a classification recipe
+    without a holdout for eval.sbatch. That one is a
     warning, not an error: training does not need it (its validation split comes from data.val_fraction), and
     eval.sbatch can still be given a file when it is submitted."""
     warnings = preemption_warnings(recipe)
@@ -81,6 +83,13 @@ def render_warnings(recipe: Recipe) -> list[str]:
             "data.eval_path is not set: eval.sbatch has no labelled holdout to score and stops saying so, unless it is"
             " submitted as EVAL_IN=<labelled Arrow file> sbatch .../eval.sbatch. Set data.eval_path to score one"
             " after every run"
+        )
+    estimate, _ = layout_memory(recipe)
+    if estimate.verdict == "tight":
+        warnings.append(
+            f"memory: ~{estimate.total / 2**30:.1f} of {estimate.capacity / 2**30:.0f} GiB per worker (an estimate,"
+            " trnrecipes/plan/memory.py): within 10% of the device's; a longer sequence or a compiler's extra buffers"
+            " may not fit. model.activation_checkpointing=full, layout.zero1 or a larger layout.tp leave room"
         )
     return warnings
 
@@ -187,6 +196,9 @@ def render_job(
     corpus (check_corpus) is refused here, before anything is written. `runs_root` ($TRNRECIPES_RUNS, which the CLI
     reads) holds the run dir when the recipe names none (trnrecipes.jobs.storage.run_dir_for)."""
     layout = compute_layout(recipe)
+    estimate, dp_of = layout_memory(recipe)
+    if problem := memory_problem(recipe, estimate, dp_of):
+        raise RecipeError(problem)
     check_corpus(recipe, repo_root)
     job_dir = Path(os.path.abspath(job_dir))
     # The job dir appears in #SBATCH lines, which sbatch reads without a shell: no quoting can protect it.

@@ -15,6 +15,7 @@ from trnrecipes.config.cluster import Instance, get_instance
 from trnrecipes.config.families import ModelSection
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.config.stages import BUBBLE_WARNING, Stage, bubble_fraction, pipeline_stages, schedule_problem
+from trnrecipes.plan.memory import memory_plan
 from trnrecipes.plan.run_model import run_model
 
 
@@ -164,6 +165,20 @@ def pipeline_plan(r: Recipe, layout: Layout) -> dict[str, object]:
     }
 
 
+def layout_memory(r: Recipe):
+    """The memory estimate of `r` as laid out, and what a changed recipe would need (for the refusal's hints)."""
+
+    def dp_of(changed: Recipe) -> tuple[int, int] | None:
+        try:
+            lay = compute_layout(changed)
+        except RecipeError:
+            return None
+        return lay.dp, lay.grad_accum
+
+    layout = compute_layout(r)
+    return memory_plan(r, layout.dp, layout.grad_accum), dp_of
+
+
 def used_peak_tflops(inst: Instance, workers_per_node: int) -> float:
     """Dense bf16 peak of the devices one node's workers drive: a run with fewer workers than the instance has
     devices (cluster.workers_per_node: 1 of 8 GPUs) is measured against those, not the whole node; more workers
@@ -191,6 +206,7 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
     }
     if layout.pp > 1:
         out |= pipeline_plan(r, layout)
+    out["memory"] = memory_plan(r, layout.dp, layout.grad_accum).to_dict()
     if seq_per_s is None and r.cluster.tokens_per_s_per_node is not None:
         seq_per_s = r.cluster.tokens_per_s_per_node * layout.nodes / r.batch.seq_len
         out["throughput_from"] = "cluster.tokens_per_s_per_node"

@@ -4,6 +4,7 @@ pipeline's stages and bubble (PP > 1)."""
 from __future__ import annotations
 
 from trnrecipes.config.sections import Recipe
+from trnrecipes.plan.memory import MemoryPlan, format_memory
 from trnrecipes.plan.run_model import run_model_rows
 
 
@@ -44,7 +45,8 @@ def format_plan(p: dict[str, object], recipe: Recipe | None = None) -> str:
     if recipe is not None:
         rows += run_model_rows(p, recipe)
     width = max(len(k) for k, _ in rows)
-    return "\n".join([*(f"{k:<{width}}  {v}" for k, v in rows), *format_pipeline(p, width)])
+    memory = format_memory(MemoryPlan(**{k: v for k, v in p["memory"].items() if k not in ("total", "verdict")}), width)
+    return "\n".join([*(f"{k:<{width}}  {v}" for k, v in rows), *memory, *format_pipeline(p, width)])
 
 
 def format_pipeline(p: dict[str, object], width: int) -> list[str]:

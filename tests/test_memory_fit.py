@@ -1,0 +1,97 @@
+"""The memory estimate (trnrecipes/plan/memory.py): within 15% of every peak measured on a GPU, every shipped recipe
+fits at its published layout, known non-fitting layouts are refused at render naming what would fit, and a layout
+within 10% of the device is warned about."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import REPO
+
+from trnrecipes.config.recipe import known_recipes, load_recipe
+from trnrecipes.config.sections import RecipeError
+from trnrecipes.jobs.render import render_job, render_warnings
+from trnrecipes.plan.layout import layout_memory, plan
+from trnrecipes.plan.memory import GIB, memory_plan
+from trnrecipes.plan.report import format_plan
+
+MEASURED = REPO / "bench/results/gpu_memory_h100_2026-11-26.jsonl"
+
+
+def measured_rows():
+    for line in MEASURED.read_text().splitlines():
+        record = json.loads(line)
+        for row_name, row in record["rows"].items():
+            yield f"{record['name']}:{row_name}", record, row
+
+
+@pytest.mark.parametrize("name, record, row", list(measured_rows()), ids=lambda v: v if isinstance(v, str) else "")
+def test_the_estimate_is_within_15_percent_of_each_measured_peak(name, record, row):
+    s = record["shape"]
+    recipe = load_recipe("llama2-tiny", overrides=[
+        f"model.hidden_size={s['hidden']}", f"model.num_layers={s['layers']}", f"model.num_heads={s['heads']}",
+        f"model.num_kv_heads={s['kv_heads']}", f"model.ffn_hidden_size={s['ffn']}", f"model.vocab_size={s['vocab']}",
+        f"model.max_seq_len={s['seq']}", f"batch.seq_len={s['seq']}", f"batch.micro_batch={s['micro_batch']}",
+        f"batch.global_batch={s['micro_batch']}", "cluster.workers_per_node=1", f"precision.dtype={s['dtype']}",
+        f"model.activation_checkpointing={record['activation_checkpointing']}"])  # fmt: skip
+    assert recipe.model.param_count() == record["params"]  # the same model as measured
+    estimate = memory_plan(recipe, dp=1, grad_accum=1)
+    assert estimate.reserve == 0  # a CPU recipe: what max_memory_allocated counts is all there is to compare
+    assert abs(estimate.total / GIB / row["peak_gib"] - 1) < 0.15, (estimate.to_dict(), row["peak_gib"])
+
+
+SHIPPED = sorted(known_recipes())
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_recipe_fits_at_its_published_layout(name):
+    recipe = load_recipe(name)
+    if recipe.cluster.nodes * recipe.workers_per_node % (recipe.layout.tp * recipe.layout.pp):
+        recipe = load_recipe(name, nodes=recipe.layout.tp * recipe.layout.pp // recipe.workers_per_node)
+    estimate, _ = layout_memory(recipe)
+    assert estimate.verdict in ("fits", "unknown"), (name, estimate.to_dict())
+
+
+@pytest.mark.parametrize(
+    "name, nodes, overrides, says",
+    [
+        ("llama2-7b", 16, "layout.tp=1 layout.sequence_parallel=false", "it would fit with layout.tp=4"),
+        ("neox20b", 4, "layout.pp=1 layout.zero1=false", "it would fit with layout.zero1=true"),
+    ],
+)
+def test_layouts_that_cannot_fit_are_refused_at_render_naming_what_would(tmp_path, name, nodes, overrides, says):
+    recipe = load_recipe(name, nodes=nodes, overrides=overrides)
+    with pytest.raises(RecipeError) as err:
+        render_job(recipe, tmp_path / "job", "cmd", tmp_path)
+    message = str(err.value)
+    assert message.startswith(f"{name} needs ~") and "GiB per worker on trn1.32xlarge, which has 16" in message
+    assert says in message and "\n" not in message
+    assert not (tmp_path / "job").exists()
+    suggested = says.removeprefix("it would fit with ").split(" (")[0]
+    fixed = load_recipe(name, nodes=nodes, overrides=f"{overrides} {suggested}")
+    assert layout_memory(fixed)[0].verdict in ("fits", "tight")
+
+
+def test_a_layout_within_ten_percent_is_warned_about_and_plan_prints_the_table():
+    # llama2-7b at TP8 with a 3x longer micro-batch: about 15 of 16 GiB
+    recipe = load_recipe("llama2-7b", nodes=16, overrides="batch.micro_batch=4 batch.global_batch=2048")
+    estimate, _ = layout_memory(recipe)
+    assert estimate.verdict == "tight", estimate.to_dict()
+    (warning,) = [w for w in render_warnings(recipe) if w.startswith("memory:")]
+    assert f"~{estimate.total / GIB:.1f} of 16 GiB per worker" in warning
+    text = format_plan(plan(load_recipe("llama2-7b", nodes=16)), load_recipe("llama2-7b", nodes=16))
+    (line,) = [x for x in text.splitlines() if x.startswith("memory")]
+    assert "of 16 GiB per worker" in line and "fits" in line and "weights 1.57 + grads 1.57" in line
+
+
+def test_a_pipelines_first_stage_holds_its_in_flight_micro_batches():
+    seventy = load_recipe("llama2-70b", nodes=4)  # PP16 1F1B, 128 micro-batches a step: 16 held
+    estimate, _ = layout_memory(seventy)
+    assert estimate.micro_batches_held == 16
+    cuda = "cluster.instance=p5.48xlarge cluster.backend=cuda layout.pp=4 layout.tp=8 layout.zero1=false"
+    one_f_one_b = layout_memory(load_recipe("llama2-70b", nodes=4, overrides=cuda))[0]
+    gpipe = layout_memory(load_recipe("llama2-70b", nodes=4, overrides=f"{cuda} layout.pp_schedule=gpipe"))[0]
+    # DP 1 (32 GPUs = TP8 x PP4): 512 micro-batches a step; 1F1B holds PP of them, GPipe all
+    assert (one_f_one_b.micro_batches_held, gpipe.micro_batches_held) == (4, 512)
+    assert gpipe.activations > 90 * one_f_one_b.activations and gpipe.verdict == "does not fit"

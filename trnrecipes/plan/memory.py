@@ -1,0 +1,176 @@
+"""Does the recipe's layout fit a worker's device memory? `plan` prints the estimate; `sbatch` refuses a layout over
+the capacity and warns within 10% of it (torch-free).
+
+Per worker (one NeuronCore or GPU), on the most loaded pipeline stage:
+- weights and gradients: the stage's parameters / TP, at 2 bytes each in bf16, 4 in fp32 and bf16-mixed (fp32
+  master weights, autocast in the forward); / DP as well under FSDP;
+- AdamW: two fp32 moments, 8 bytes a parameter, / DP under ZeRO-1 or FSDP;
+- activations of the micro-batches a stage holds at once (1: no pipeline; under 1F1B and interleaved schedules
+  min(PP, micro-batches) on the first stage; GPipe: all of them), per token and layer ACT_ELEMENTS(h, f) elements
+  of the activation dtype with none or selective checkpointing (selective recomputes the attention core, which
+  scaled-dot-product attention never stores anyway: measured the same as none), the layer inputs (h each) with full
+  checkpointing plus one layer being recomputed; / TP with sequence parallelism (the norms' inputs too);
+- the loss phase: LOGIT_BYTES x vocab / TP bytes a token of the last micro-batch (logits, their fp32 copy for the
+  loss and its gradient), when the layers' activations are all still held but no gradient is yet: the larger of it
+  and the gradients counts, not both;
+- a reserve for the runtime (collective buffers, the compiler's scratch, the CUDA context): RESERVE_GIB.
+
+Calibration (bench/results/gpu_memory_h100_2026-11-26.jsonl, trnrecipes' own step on one H100, 15 shapes): the
+coefficients below give every measured peak within 15% (tests/test_memory_fit.py holds them to it). The Neuron
+compiler plans its own buffers, so on Trainium the estimate is the same arithmetic with a larger reserve: an
+assumption until measured there (docs/plan.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from trnrecipes.config.cluster import get_instance
+from trnrecipes.config.sections import Recipe
+from trnrecipes.config.stages import pipeline_stages
+
+GIB = 2**30
+LOGIT_BYTES = 5.2  # a token's bytes per vocab entry in the loss phase (bf16 logits, fp32 copy, its gradient): fitted
+RESERVE_GIB = {"neuron": 2.0, "cuda": 1.0}  # runtime, collectives, scratch; Neuron's an assumption (not measured)
+WARN_FRACTION = 0.9
+
+
+def act_elements(h: int, f: int) -> int:
+    """Elements a transformer layer keeps a token for its backward: the attention's norm output, Q, K, V, its output
+    and the projection's input (~6h), the MLP's input and its gate, up, activation and down inputs (~h + 4f), the
+    two norms' inputs (2h). Counted for SwiGLU; GeLU MLPs keep fewer (an overestimate there)."""
+    return 9 * h + 4 * f
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weights: float  # bytes per worker
+    grads: float
+    optimizer: float
+    activations: float
+    loss: float
+    reserve: float
+    capacity: float | None  # bytes per worker; None: the instance's memory is not in the catalog (a CPU host)
+    micro_batches_held: int
+
+    @property
+    def total(self) -> float:
+        # The gradients appear during the backward, as the layers' activations are freed and after the loss phase:
+        # the two peaks do not add (measured: the larger of them, not their sum, fits all 15 shapes).
+        return self.weights + self.optimizer + self.activations + max(self.grads, self.loss) + self.reserve
+
+    @property
+    def verdict(self) -> str:
+        if self.capacity is None:
+            return "unknown"
+        if self.total > self.capacity:
+            return "does not fit"
+        return "tight" if self.total > WARN_FRACTION * self.capacity else "fits"
+
+    def to_dict(self) -> dict[str, object]:
+        return {**self.__dict__, "total": self.total, "verdict": self.verdict}
+
+
+def memory_plan(r: Recipe, dp: int, grad_accum: int) -> MemoryPlan:
+    """The estimate for `r` laid out with `dp` data-parallel ranks and `grad_accum` micro-batches a step."""
+    m, lay, b = r.model, r.layout, r.batch
+    tp = lay.tp
+    stages = pipeline_stages(r)
+    stage = max(stages, key=lambda s: len(s.layers) * m.layer_params() + (m.embedding_params() if s.first else 0)
+                + (m.norm_head_params() if s.last else 0))  # fmt: skip
+    params = (
+        len(stage.layers) * m.layer_params()
+        + (m.embedding_params() if stage.first else 0)
+        + (m.norm_head_params() if stage.last else 0)
+    ) / tp
+    dtype = r.precision.dtype
+    weight_bytes = 2 if dtype == "bf16" else 4
+    sharded = dp if lay.fsdp else 1
+    weights = params * weight_bytes / sharded
+    grads = params * weight_bytes / sharded
+    optimizer = params * 8 / (dp if lay.zero1 or lay.fsdp else 1)
+    act_bytes = 4 if dtype == "fp32" else 2
+    tokens = b.micro_batch * b.seq_len
+    held = 1
+    if lay.pp > 1:
+        held = grad_accum if lay.pp_schedule == "gpipe" else min(lay.pp, grad_accum)
+    h, f = m.hidden_size, m.ffn_hidden_size
+    layers = len(stage.layers)
+    split = tp if lay.sequence_parallel else 1  # without SP the norms' and residual inputs are whole on every rank
+    per_layer = act_elements(h, f) / tp if lay.sequence_parallel else (act_elements(h, f) - 3 * h) / tp + 3 * h
+    if m.activation_checkpointing == "full":
+        stored = layers * h / split * held + per_layer  # the layers' inputs; one layer recomputed at a time
+    else:
+        stored = layers * per_layer * held
+    activations = stored * tokens * act_bytes
+    loss = LOGIT_BYTES * m.vocab_size / tp * tokens if stage.last else 0.0
+    inst = get_instance(r.cluster.instance)
+    capacity = inst.hbm_gib * GIB / inst.workers_per_node if inst.hbm_gib else None
+    reserve = RESERVE_GIB.get(r.cluster.backend, 0.0) * GIB if capacity is not None else 0.0
+    return MemoryPlan(weights, grads, optimizer, activations, loss, reserve, capacity, held)
+
+
+def fits_with(r: Recipe, dp_of) -> list[str]:
+    """Changes that would bring an over-capacity recipe within its capacity, each with its estimate. `dp_of(recipe)`
+    -> (dp, grad_accum) for a changed recipe, or None where that layout is not valid."""
+    tries: list[tuple[str, Recipe]] = []
+    if r.model.activation_checkpointing != "full":
+        tries.append(("model.activation_checkpointing=full", _with(r, "model", activation_checkpointing="full")))
+    if not (r.layout.zero1 or r.layout.fsdp):
+        tries.append(("layout.zero1=true", _with(r, "layout", zero1=True)))
+    tp = r.layout.tp * 2
+    while tp <= r.workers_per_node:  # the smallest larger TP that fits (with SP, which shards the norms' inputs too)
+        sp = "" if r.layout.sequence_parallel else " layout.sequence_parallel=true"
+        tries.append((f"layout.tp={tp}{sp}", _with(r, "layout", tp=tp, sequence_parallel=True)))
+        tp *= 2
+    if r.model.num_layers % (r.layout.pp * 2) == 0:
+        tries.append((f"layout.pp={r.layout.pp * 2}", _with(r, "layout", pp=r.layout.pp * 2)))
+    if r.batch.micro_batch > 1:
+        tries.append(("batch.micro_batch=1", _with(r, "batch", micro_batch=1)))
+    found = []
+    for change, changed in tries:
+        shape = dp_of(changed)
+        if shape is None or (change.startswith("layout.tp=") and any(f.startswith("layout.tp=") for f in found)):
+            continue
+        est = memory_plan(changed, *shape)
+        if est.capacity is not None and est.total <= est.capacity:
+            found.append(f"{change} ({est.total / GIB:.1f} GiB)")
+    return found
+
+
+def _with(r: Recipe, section: str, **changes) -> Recipe:
+    return replace(r, **{section: replace(getattr(r, section), **changes)})
+
+
+def format_memory(p: MemoryPlan, width: int) -> list[str]:
+    """The plan's memory lines: the parts per worker and the verdict."""
+    parts = [("weights", p.weights), ("grads", p.grads), ("AdamW", p.optimizer), ("activations", p.activations),
+             ("loss", p.loss), ("reserve", p.reserve)]  # fmt: skip
+    listed = " + ".join(f"{name} {value / GIB:.2f}" for name, value in parts if value)
+    held = f"; {p.micro_batches_held} micro-batches in flight" if p.micro_batches_held > 1 else ""
+    if p.capacity is None:
+        return [f"{'memory':<{width}}  {p.total / GIB:.2f} GiB per worker ({listed}{held}); no device capacity known"]
+    return [
+        f"{'memory':<{width}}  {p.total / GIB:.2f} of {p.capacity / GIB:.0f} GiB per worker"
+        f" ({p.total / p.capacity:.0%}, {p.verdict}): {listed}{held} (estimate: trnrecipes/plan/memory.py)"
+    ]
+
+
+def memory_problem(r: Recipe, p: MemoryPlan, dp_of) -> str | None:
+    """The render-time refusal of a layout over capacity, naming what would fit; None when it fits."""
+    if p.capacity is None or p.total <= p.capacity:
+        return None
+    alternatives = fits_with(r, dp_of)
+    hint = (
+        f"; it would fit with {', or '.join(alternatives)}"
+        if alternatives
+        else (
+            "; no single change of activation checkpointing, ZeRO-1, TP, PP or micro-batch makes it fit: combine them"
+        )
+    )
+    return (
+        f"{r.name} needs ~{p.total / GIB:.1f} GiB per worker on {r.cluster.instance}, which has"
+        f" {p.capacity / GIB:.0f} (weights {p.weights / GIB:.1f}, grads {p.grads / GIB:.1f}, AdamW"
+        f" {p.optimizer / GIB:.1f}, activations {p.activations / GIB:.1f}, loss {p.loss / GIB:.1f}, reserve"
+        f" {p.reserve / GIB:.1f}){hint}"
+    )
