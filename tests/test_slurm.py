@@ -262,6 +262,69 @@ def test_a_crash_mid_run_is_requeued_and_resumes_bitwise(slurm_env, reference, t
     assert_same_run(run, reference["run"])
 
 
+def hyperpod_env(slurm_env: dict[str, str], tmp: Path, give_up: bool = False) -> tuple[dict[str, str], Path]:
+    """A stand-in SageMaker HyperPod: its marker directory, and an `srun` first on PATH that logs its arguments and,
+    given --auto-resume=1 (which stock Slurm does not know), runs the step and, when it fails, once more, as
+    HyperPod does after replacing the failed node (unless `give_up`: then it fails as HyperPod does when it cannot)."""
+    real = subprocess.run(["bash", "-c", "command -v srun"], capture_output=True, text=True, env=slurm_env)
+    assert real.returncode == 0, real.stderr
+    marker, bin_dir, calls = tmp / "sagemaker_cluster", tmp / "bin", tmp / "srun-calls"
+    marker.mkdir()
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"""#!/bin/bash
+echo "$*" >>{calls}
+args=() auto=0
+for arg in "$@"; do if [[ "$arg" == --auto-resume=1 ]]; then auto=1; else args+=("$arg"); fi; done
+if ((auto)); then
+  {real.stdout.strip()} "${{args[@]}}" && exit 0
+  {"exit 1" if give_up else 'echo "[hyperpod stand-in] the step failed: node replaced, step restarted" >&2'}
+fi
+exec {real.stdout.strip()} "${{args[@]}}"
+""")
+    (bin_dir / "srun").chmod(0o755)
+    env = {**slurm_env, "PATH": f"{bin_dir}:{slurm_env['PATH']}", "TRNRECIPES_HYPERPOD_MARKER": str(marker)}
+    return env, calls
+
+
+def test_on_hyperpod_its_auto_resume_restarts_a_crashed_step_and_the_job_is_not_requeued(
+    slurm_env, reference, tmp_path
+):
+    """slurm.hyperpod auto with the marker present: the training step runs under srun --auto-resume=1 (the health
+    check and pre-flight do not), rank 1 is killed after step 25, the stand-in restarts the step once, training
+    resumes from step 20 in the same job (no requeue) and ends where the uninterrupted run did."""
+    job, run = tmp_path / "job", tmp_path / "run"
+    render(job, run, overrides=f"{SMALL} checkpoint.every_steps=10")
+    env, calls = hyperpod_env(slurm_env, tmp_path)
+    crashed = tmp_path / "crashed"
+    job_id = submit({**env, "TRNRECIPES_CRASH_ONCE": f"{crashed}:25:1"}, str(job / "run.sbatch"))
+    log = job / "logs" / f"{NAME}-{job_id}.out"
+    info = wait_done(slurm_env, job_id, log, timeout=420)
+    assert info["Restarts"] == "0" and info["ExitCode"] == "0:0" and crashed.read_text().strip() == "25"
+    out = log.read_text()
+    assert "SageMaker HyperPod (slurm.hyperpod auto:" in out and "exists)" in out
+    assert "requeueing" not in out and f"resuming from {run}/checkpoints/step_20 (step 20)" in out
+    resumed = [line for line in calls.read_text().splitlines() if "--auto-resume=1" in line]
+    assert len(resumed) == 1 and "trnrecipes train" in resumed[0]  # the training step only
+    assert out.count("training exited with status 0") == 1
+    assert_same_run(run, reference["run"])
+
+
+def test_when_hyperpod_cannot_recover_the_job_fails_without_a_requeue(slurm_env, tmp_path):
+    """slurm.hyperpod on, and the stand-in gives up on the crashed step: run.sbatch adds no requeue of its own."""
+    job, run = tmp_path / "job", tmp_path / "run"
+    render(job, run, overrides=f"{SMALL} checkpoint.every_steps=10 slurm.hyperpod=on")
+    env, calls = hyperpod_env(slurm_env, tmp_path, give_up=True)
+    env.pop("TRNRECIPES_HYPERPOD_MARKER")  # on: no marker needed
+    job_id = submit({**env, "TRNRECIPES_CRASH_ONCE": f"{tmp_path / 'crashed'}:5:1"}, str(job / "run.sbatch"))
+    log = job / "logs" / f"{NAME}-{job_id}.out"
+    info = wait_done(slurm_env, job_id, log, timeout=300, state="FAILED")
+    assert info["Restarts"] == "0" and info["ExitCode"] == "1:0"
+    out = log.read_text()
+    assert "SageMaker HyperPod (slurm.hyperpod on)" in out and "this script does not requeue" in out
+    assert "requeueing job" not in out and not (job / "logs" / f"{job_id}.failures").exists()
+    assert any("--auto-resume=1" in line for line in calls.read_text().splitlines())
+
+
 def test_a_run_failing_at_start_on_bad_input_is_not_requeued(slurm_env, tmp_path):
     """The corpus passes every check before training (it exists, it is Arrow) but has no text column: each rank
     stops as bad input, and the job is not requeued. (A missing corpus is refused earlier: by sbatch, and by the

@@ -196,6 +196,10 @@ class SlurmConfig:
     # cached compile): `plan`'s failure model. Lost steps since the last save come on top.
     restart_minutes: float = 10.0
     log_all_ranks: bool = False  # every worker's output in the job log; default: each node's local rank 0 only
+    # SageMaker HyperPod: its `srun --auto-resume=1` replaces a failed node and restarts the training step itself, and
+    # run.sbatch then requeues nothing after a failure (one restart mechanism). auto: when /opt/sagemaker_cluster
+    # exists on the node running the script, as AWS's HyperPod examples decide.
+    hyperpod: Literal["auto", "on", "off"] = "auto"
 
 
 @dataclass(frozen=True)
