@@ -123,8 +123,10 @@ def test_a_multi_batch_arrow_corpus_is_read_in_place_and_reads_as_one_batch(tmp_
 
 def blend(sources, weights, seq_len=15, seed=0, dp_rank=0, dp=1, start: BlendPosition | None = None):
     starts = start.sources if start else [None] * len(sources)
-    streams = [PackedStream(ListDocuments(d), np.arange(len(d)), seq_len, seed, dp_rank, dp, True, s, index=k)
-               for k, (d, s) in enumerate(zip(sources, starts, strict=True))]  # as data_stream builds them; fmt: skip
+    streams = [
+        PackedStream(ListDocuments(d), np.arange(len(d)), seq_len, seed, dp_rank, dp, True, s, index=k)
+        for k, (d, s) in enumerate(zip(sources, starts, strict=True))
+    ]  # as data_stream builds them; fmt: skip
     return BlendedStream(streams, weights, start.samples if start else 0)
 
 

@@ -61,5 +61,18 @@ def test_sbatch_says_what_eval_costs_on_trn1_and_where_else_to_run_it(cli, tmp_p
         in lines[at + 1]
     )
     assert "eval.partition=<a GPU partition> eval.gpus=1" in lines[at + 2] and "make eval ckpt=" in lines[at + 2]
+    elsewhere = cli(
+        "sbatch",
+        "--recipe",
+        "llama2-7b",
+        "--nodes",
+        "16",
+        "--out",
+        str(tmp_path / "gpu"),
+        "--no-data-check",
+        "--overrides",
+        shlex.quote(f"run_dir={tmp_path / 'run'}") + " eval.partition=gpu eval.gpus=1",
+    )
+    assert elsewhere.returncode == 0 and "lm-eval has no Neuron backend" not in elsewhere.stdout  # already elsewhere
     cpu = cli("sbatch", "--recipe", "llama2-tiny", "--nodes", "1", "--out", str(tmp_path / "tiny"))
     assert cpu.returncode == 0 and "lm-eval has no Neuron backend" not in cpu.stdout  # scoring on cpu: nothing to say

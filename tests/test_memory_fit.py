@@ -33,12 +33,13 @@ def test_the_estimate_is_within_15_percent_of_each_measured_peak(name, record, r
         f"model.hidden_size={s['hidden']}", f"model.num_layers={s['layers']}", f"model.num_heads={s['heads']}",
         f"model.num_kv_heads={s['kv_heads']}", f"model.ffn_hidden_size={s['ffn']}", f"model.vocab_size={s['vocab']}",
         f"model.max_seq_len={s['seq']}", f"batch.seq_len={s['seq']}", f"batch.micro_batch={s['micro_batch']}",
-        f"batch.global_batch={s['micro_batch']}", "cluster.workers_per_node=1", f"precision.dtype={s['dtype']}",
+        f"batch.global_batch={s['micro_batch']}", "cluster.workers_per_node=1",
+        "cluster.instance=p5.48xlarge", "cluster.backend=cuda", f"precision.dtype={s['dtype']}",
         f"model.activation_checkpointing={record['activation_checkpointing']}"])  # fmt: skip
     assert recipe.model.param_count() == record["params"]  # the same model as measured
     estimate = memory_plan(recipe, dp=1, grad_accum=1)
-    assert estimate.reserve == 0  # a CPU recipe: what max_memory_allocated counts is all there is to compare
-    assert abs(estimate.total / GIB / row["peak_gib"] - 1) < 0.15, (estimate.to_dict(), row["peak_gib"])
+    allocated = estimate.total - estimate.reserve  # max_memory_allocated does not count the CUDA context
+    assert abs(allocated / GIB / row["peak_gib"] - 1) < 0.15, (estimate.to_dict(), row["peak_gib"])
 
 
 SHIPPED = sorted(known_recipes())
@@ -50,7 +51,9 @@ def test_every_shipped_recipe_fits_at_its_published_layout(name):
     if recipe.cluster.nodes * recipe.workers_per_node % (recipe.layout.tp * recipe.layout.pp):
         recipe = load_recipe(name, nodes=recipe.layout.tp * recipe.layout.pp // recipe.workers_per_node)
     estimate, _ = layout_memory(recipe)
-    assert estimate.verdict in ("fits", "unknown"), (name, estimate.to_dict())
+    assert estimate.verdict != "does not fit", (name, estimate.to_dict())
+    if name == "neox20b":  # one node: DP 1, so ZeRO-1 shards nothing (tight); the post's 4+ nodes leave room
+        assert layout_memory(load_recipe(name, nodes=4))[0].verdict == "fits"
 
 
 @pytest.mark.parametrize(
@@ -86,7 +89,7 @@ def test_a_layout_within_ten_percent_is_warned_about_and_plan_prints_the_table()
 
 
 def test_a_pipelines_first_stage_holds_its_in_flight_micro_batches():
-    seventy = load_recipe("llama2-70b", nodes=4)  # PP16 1F1B, 128 micro-batches a step: 16 held
+    seventy = load_recipe("llama2-70b", nodes=4)  # PP16 1F1B at DP 1: 512 micro-batches a step, 16 held
     estimate, _ = layout_memory(seventy)
     assert estimate.micro_batches_held == 16
     cuda = "cluster.instance=p5.48xlarge cluster.backend=cuda layout.pp=4 layout.tp=8 layout.zero1=false"

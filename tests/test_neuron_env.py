@@ -95,7 +95,7 @@ def test_compile_and_run_scripts_export_the_same_environment(name):
 def test_awss_pipeline_zero1_and_bf16_settings_follow_the_layout():
     """NxD's 70B TP+PP script: 7 in-flight requests with pipeline stages, functionalization kept with ZeRO-1; NxD's
     trainer: 65 MB ZeRO-1 buckets with bf16 parameters. Each only where its condition holds."""
-    seventy = env_of("llama2-70b")  # TP8 PP8, ZeRO-1, bf16
+    seventy = env_of("llama2-70b")  # TP8 PP16, ZeRO-1, bf16
     assert seventy["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "7"
     assert seventy["XLA_DISABLE_FUNCTIONALIZATION"] == "0"
     assert seventy["ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB"] == "65"

@@ -289,7 +289,7 @@ exec {real.stdout.strip()} "${{args[@]}}"
 def test_on_hyperpod_its_auto_resume_restarts_a_crashed_step_and_the_job_is_not_requeued(
     slurm_env, reference, tmp_path
 ):
-    """slurm.hyperpod auto with the marker present: the training step runs under srun --auto-resume=1 (the health
+    """slurm.hyperpod null (auto) with the marker present: the training step runs under srun --auto-resume=1 (the health
     check and pre-flight do not), rank 1 is killed after step 25, the stand-in restarts the step once, training
     resumes from step 20 in the same job (no requeue) and ends where the uninterrupted run did."""
     job, run = tmp_path / "job", tmp_path / "run"
@@ -301,7 +301,7 @@ def test_on_hyperpod_its_auto_resume_restarts_a_crashed_step_and_the_job_is_not_
     info = wait_done(slurm_env, job_id, log, timeout=420)
     assert info["Restarts"] == "0" and info["ExitCode"] == "0:0" and crashed.read_text().strip() == "25"
     out = log.read_text()
-    assert "SageMaker HyperPod (slurm.hyperpod auto:" in out and "exists)" in out
+    assert "SageMaker HyperPod (slurm.hyperpod null:" in out and "exists)" in out
     assert "requeueing" not in out and f"resuming from {run}/checkpoints/step_20 (step 20)" in out
     resumed = [line for line in calls.read_text().splitlines() if "--auto-resume=1" in line]
     assert len(resumed) == 1 and "trnrecipes train" in resumed[0]  # the training step only
@@ -310,17 +310,17 @@ def test_on_hyperpod_its_auto_resume_restarts_a_crashed_step_and_the_job_is_not_
 
 
 def test_when_hyperpod_cannot_recover_the_job_fails_without_a_requeue(slurm_env, tmp_path):
-    """slurm.hyperpod on, and the stand-in gives up on the crashed step: run.sbatch adds no requeue of its own."""
+    """slurm.hyperpod true, and the stand-in gives up on the crashed step: run.sbatch adds no requeue of its own."""
     job, run = tmp_path / "job", tmp_path / "run"
-    render(job, run, overrides=f"{SMALL} checkpoint.every_steps=10 slurm.hyperpod=on")
+    render(job, run, overrides=f"{SMALL} checkpoint.every_steps=10 slurm.hyperpod=true")
     env, calls = hyperpod_env(slurm_env, tmp_path, give_up=True)
-    env.pop("TRNRECIPES_HYPERPOD_MARKER")  # on: no marker needed
+    env.pop("TRNRECIPES_HYPERPOD_MARKER")  # true: no marker needed
     job_id = submit({**env, "TRNRECIPES_CRASH_ONCE": f"{tmp_path / 'crashed'}:5:1"}, str(job / "run.sbatch"))
     log = job / "logs" / f"{NAME}-{job_id}.out"
     info = wait_done(slurm_env, job_id, log, timeout=300, state="FAILED")
     assert info["Restarts"] == "0" and info["ExitCode"] == "1:0"
     out = log.read_text()
-    assert "SageMaker HyperPod (slurm.hyperpod on)" in out and "this script does not requeue" in out
+    assert "SageMaker HyperPod (slurm.hyperpod true)" in out and "this script does not requeue" in out
     assert "requeueing job" not in out and not (job / "logs" / f"{job_id}.failures").exists()
     assert any("--auto-resume=1" in line for line in calls.read_text().splitlines())
 

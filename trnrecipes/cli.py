@@ -119,6 +119,12 @@ def _parser() -> argparse.ArgumentParser:
         help="skip checking the corpora (data.path or data.sources) and data.tokenizer (for a host that cannot see"
         " the cluster's file system)",
     )
+    sub.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="write the job even where the memory estimate (trnrecipes/plan/memory.py) says the layout does not fit"
+        " a worker's device memory (it warns instead): for a layout measured to fit",
+    )
 
     sub = verb("train", _train, "train from a resolved recipe (launched by run.sbatch under torchrun)")
     sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
@@ -612,7 +618,8 @@ def _sbatch(args: argparse.Namespace) -> int:
         args.out or default_job_dir(recipe), flag=_out_flag(args.out), inputs=[find_recipe(args.recipe)], directory=True
     )
     runs_root = runs_root_from_env()
-    job = render_job(recipe, job_dir, command, runs_root=runs_root)  # layout errors first: they need no file system
+    # layout errors first: they need no file system
+    job = render_job(recipe, job_dir, command, runs_root=runs_root, memory_check=not args.no_memory_check)
     if problem := run_dir_problem(recipe, runs_root):
         raise RecipeError(problem)
     storage, warnings = _storage_and_data(recipe, runs_root, args.no_data_check, refuse=True)
@@ -634,7 +641,7 @@ def _sbatch(args: argparse.Namespace) -> int:
         print(f"  INFER_IN=<file> sbatch {job.job_dir}/infer.sbatch   # embeddings from the newest checkpoint (embed)")
     else:
         print(f"  sbatch --dependency=afterok:$id {job.job_dir}/eval.sbatch   # the 128-node Llama 2 post's eval table")
-        if recipe.cluster.backend == "neuron":
+        if recipe.cluster.backend == "neuron" and not (recipe.eval.gpus or recipe.eval.partition):
             from trnrecipes.plan.eval_cost import eval_advice
 
             print("\n".join(eval_advice(recipe)))

@@ -242,7 +242,8 @@ FIELD_BOUNDS: dict[str, Bound] = {
     "compile.steps": POSITIVE,
     "cluster.nodes": POSITIVE, "cluster.workers_per_node": POSITIVE, "cluster.price_per_hour": NON_NEGATIVE,
     "cluster.tokens_per_s_per_node": POSITIVE, "cluster.node_mtbf_hours": POSITIVE,
-    "slurm.restart_minutes": NON_NEGATIVE, "eval.cpus": POSITIVE, "eval.mem_gb": POSITIVE, "eval.gpus": NON_NEGATIVE,
+    "slurm.restart_minutes": NON_NEGATIVE,
+    "eval.cpus": POSITIVE, "eval.mem_gb": NON_NEGATIVE, "eval.gpus": NON_NEGATIVE,
     "slurm.signal_seconds": Bound(60, 65535),  # Slurm: at least its 60 s resolution; sbatch --signal takes <= 65535
     "slurm.checkpoint_write_gbps": POSITIVE,
     "slurm.max_restarts": NON_NEGATIVE,
@@ -428,12 +429,16 @@ def check_recipe(r: Recipe) -> list[str]:
         )
     for flag in r.compile.extra_flags:
         need(re.fullmatch(r"-[-A-Za-z0-9_=.,:/+]+", flag) is not None, f"compile.extra_flags: bad flag {shown(flag)}")
-    for key in ("job_name", "partition", "account"):
-        value = getattr(r.slurm, key)
+    for section, key in (("slurm", "job_name"), ("slurm", "partition"), ("slurm", "account"), ("eval", "partition"),
+                         ("eval", "account")):  # fmt: skip
+        value = getattr(getattr(r, section), key)
         need(
             value is None or bool(_SLURM_WORD.fullmatch(value)),
-            f"slurm.{key} {shown(value)}: use letters, digits, '.', '_' and '-' only (it goes into an #SBATCH line)",
+            f"{section}.{key} {shown(value)}: use letters, digits, '.', '_' and '-' only (it goes into an #SBATCH"
+            " line)",
         )
+    et = r.eval.time_limit
+    need(et is None or bool(_SLURM_TIME.fullmatch(et)), f"eval.time_limit {shown(et)}: expected [D-]HH:MM:SS")
     need(
         _SLURM_WORD.fullmatch(r.name) is not None,
         f"name {shown(r.name)}: use letters, digits, '.', '_' and '-' only (it names the job and its directories)",

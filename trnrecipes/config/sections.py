@@ -197,9 +197,9 @@ class SlurmConfig:
     restart_minutes: float = 10.0
     log_all_ranks: bool = False  # every worker's output in the job log; default: each node's local rank 0 only
     # SageMaker HyperPod: its `srun --auto-resume=1` replaces a failed node and restarts the training step itself, and
-    # run.sbatch then requeues nothing after a failure (one restart mechanism). auto: when /opt/sagemaker_cluster
-    # exists on the node running the script, as AWS's HyperPod examples decide.
-    hyperpod: Literal["auto", "on", "off"] = "auto"
+    # run.sbatch then requeues nothing after a failure (one restart mechanism). null (auto): when
+    # /opt/sagemaker_cluster exists on the node running the script, as AWS's HyperPod examples decide; true, false.
+    hyperpod: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ class EvalJobConfig:
     account: str | None = None  # None: slurm.account
     time_limit: str | None = None  # [D-]HH:MM:SS; None: the partition's
     cpus: int | None = None  # --cpus-per-task; None: Slurm's default
-    mem_gb: int | None = None  # --mem; None: the model in fp32 (4 B a parameter) and 8 GB more for lm-eval
+    mem_gb: int | None = None  # --mem; None: the model in fp32 (4 B a parameter) + 8 GB for lm-eval; 0: no --mem
     gpus: int = 0  # --gpus-per-node; 0: none requested
     exclusive: bool = False  # the whole node (as training is); off by default: the job shares it
 

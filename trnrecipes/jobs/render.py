@@ -33,6 +33,7 @@ from trnrecipes.config.stacks import dlami_python
 from trnrecipes.data.sources import data_path
 from trnrecipes.jobs.neuron_env import JOB_USER, backend_env
 from trnrecipes.jobs.storage import run_dir_for
+from trnrecipes.plan.eval_cost import CPU_CORES as EVAL_CPU_CORES
 from trnrecipes.plan.eval_cost import eval_mem_gb
 from trnrecipes.plan.layout import Layout, compute_layout, layout_memory, rank_coords
 from trnrecipes.plan.memory import memory_problem
@@ -85,6 +86,11 @@ def render_warnings(recipe: Recipe) -> list[str]:
             " after every run"
         )
     estimate, _ = layout_memory(recipe)
+    if estimate.verdict == "does not fit":  # written anyway: --no-memory-check
+        warnings.append(
+            f"memory: ~{estimate.total / 2**30:.1f} GiB per worker estimated, more than the device's"
+            f" {estimate.capacity / 2**30:.0f} (--no-memory-check)"
+        )
     if estimate.verdict == "tight":
         warnings.append(
             f"memory: ~{estimate.total / 2**30:.1f} of {estimate.capacity / 2**30:.0f} GiB per worker (an estimate,"
@@ -190,15 +196,20 @@ def cache_leader_nodes(layout: Layout) -> list[int]:
 
 
 def render_job(
-    recipe: Recipe, job_dir: Path, command: str, repo_root: Path = REPO_ROOT, runs_root: str | None = None
+    recipe: Recipe,
+    job_dir: Path,
+    command: str,
+    repo_root: Path = REPO_ROOT,
+    runs_root: str | None = None,
+    memory_check: bool = True,
 ) -> Job:
     """All files of a job dir as text. Paths are absolute so a script runs from anywhere, also under Slurm. A bad
     corpus (check_corpus) is refused here, before anything is written. `runs_root` ($TRNRECIPES_RUNS, which the CLI
     reads) holds the run dir when the recipe names none (trnrecipes.jobs.storage.run_dir_for)."""
     layout = compute_layout(recipe)
     estimate, dp_of = layout_memory(recipe)
-    if problem := memory_problem(recipe, estimate, dp_of):
-        raise RecipeError(problem)
+    if memory_check and (problem := memory_problem(recipe, estimate, dp_of)):
+        raise RecipeError(problem + "; --no-memory-check writes the job anyway (for a layout measured to fit)")
     check_corpus(recipe, repo_root)
     job_dir = Path(os.path.abspath(job_dir))
     # The job dir appears in #SBATCH lines, which sbatch reads without a shell: no quoting can protect it.
@@ -226,6 +237,7 @@ def render_job(
         "eval_in": eval_in and repo_root / eval_in,  # data paths are relative to the repository root
         "infer_signal_seconds": INFER_SIGNAL_SECONDS,
         "eval_mem_gb": eval_mem_gb(recipe),
+        "eval_cpus": EVAL_CPU_CORES,
     }
     env = _environment()
     files = {name: env.get_template(f"{name}.j2").render(context) for name in scripts(recipe)}

@@ -52,12 +52,15 @@ class MemoryPlan:
     reserve: float
     capacity: float | None  # bytes per worker; None: the instance's memory is not in the catalog (a CPU host)
     micro_batches_held: int
+    accumulates: bool = False  # gradient accumulation: a step's earlier gradients are there in its later forwards
 
     @property
     def total(self) -> float:
         # The gradients appear during the backward, as the layers' activations are freed and after the loss phase:
-        # the two peaks do not add (measured: the larger of them, not their sum, fits all 15 shapes).
-        return self.weights + self.optimizer + self.activations + max(self.grads, self.loss) + self.reserve
+        # the two peaks do not add (measured: the larger of them, not their sum, fits all 15 shapes), unless earlier
+        # micro-batches of the step left their gradients (accumulation).
+        grads_and_loss = self.grads + self.loss if self.accumulates else max(self.grads, self.loss)
+        return self.weights + self.optimizer + self.activations + grads_and_loss + self.reserve
 
     @property
     def verdict(self) -> str:
@@ -72,47 +75,60 @@ class MemoryPlan:
 
 
 def memory_plan(r: Recipe, dp: int, grad_accum: int) -> MemoryPlan:
-    """The estimate for `r` laid out with `dp` data-parallel ranks and `grad_accum` micro-batches a step."""
+    """The estimate for `r` laid out with `dp` data-parallel ranks and `grad_accum` micro-batches a step: the most
+    loaded pipeline rank's (all its virtual stages)."""
+    by_rank: dict[int, list] = {}
+    for stage in pipeline_stages(r):
+        by_rank.setdefault(stage.rank, []).append(stage)
+    return max((_rank_plan(r, stages, dp, grad_accum) for stages in by_rank.values()), key=lambda p: p.total)
+
+
+def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     m, lay, b = r.model, r.layout, r.batch
     tp = lay.tp
-    stages = pipeline_stages(r)
-    stage = max(stages, key=lambda s: len(s.layers) * m.layer_params() + (m.embedding_params() if s.first else 0)
-                + (m.norm_head_params() if s.last else 0))  # fmt: skip
-    params = (
-        len(stage.layers) * m.layer_params()
-        + (m.embedding_params() if stage.first else 0)
-        + (m.norm_head_params() if stage.last else 0)
-    ) / tp
+    first, last = any(s.first for s in stages), any(s.last for s in stages)
+    layers = sum(len(s.layers) for s in stages)
+    params = (layers * m.layer_params() + (m.embedding_params() if first else 0)
+              + (m.norm_head_params() if last else 0)) / tp  # fmt: skip
     dtype = r.precision.dtype
     weight_bytes = 2 if dtype == "bf16" else 4
     sharded = dp if lay.fsdp else 1
     weights = params * weight_bytes / sharded
     grads = params * weight_bytes / sharded
-    optimizer = params * 8 / (dp if lay.zero1 or lay.fsdp else 1)
+    moments = 8.0
+    if lay.zero1 and r.stack == "xla-nxd" and dtype == "bf16":
+        moments += 4 + 4  # torch-xla's ZeRO-1 keeps fp32 master and gradient shards of bf16 parameters
+    optimizer = params * moments / (dp if lay.zero1 or lay.fsdp else 1)
     act_bytes = 4 if dtype == "fp32" else 2
     tokens = b.micro_batch * b.seq_len
     held = 1
-    if lay.pp > 1:
+    if lay.pp > 1:  # the first rank holds the most: every micro-batch (GPipe), or up to PP of them (1F1B schedules)
         held = grad_accum if lay.pp_schedule == "gpipe" else min(lay.pp, grad_accum)
     h, f = m.hidden_size, m.ffn_hidden_size
-    layers = len(stage.layers)
     split = tp if lay.sequence_parallel else 1  # without SP the norms' and residual inputs are whole on every rank
     per_layer = act_elements(h, f) / tp if lay.sequence_parallel else (act_elements(h, f) - 3 * h) / tp + 3 * h
+    if m.activation_checkpointing == "none" and r.cluster.backend != "cuda":
+        # off CUDA's fused kernels, attention keeps its probabilities: heads/TP x seq per token, per layer
+        per_layer += m.num_heads / tp * b.seq_len
     if m.activation_checkpointing == "full":
         stored = layers * h / split * held + per_layer  # the layers' inputs; one layer recomputed at a time
     else:
         stored = layers * per_layer * held
     activations = stored * tokens * act_bytes
-    loss = LOGIT_BYTES * m.vocab_size / tp * tokens if stage.last else 0.0
+    classifies = getattr(m, "num_labels", None) is not None
+    loss = LOGIT_BYTES * m.vocab_size / tp * tokens if last and not classifies else 0.0
     inst = get_instance(r.cluster.instance)
     capacity = inst.hbm_gib * GIB / inst.workers_per_node if inst.hbm_gib else None
     reserve = RESERVE_GIB.get(r.cluster.backend, 0.0) * GIB if capacity is not None else 0.0
-    return MemoryPlan(weights, grads, optimizer, activations, loss, reserve, capacity, held)
+    return MemoryPlan(weights, grads, optimizer, activations, loss, reserve, capacity, held, grad_accum > 1)
 
 
 def fits_with(r: Recipe, dp_of) -> list[str]:
-    """Changes that would bring an over-capacity recipe within its capacity, each with its estimate. `dp_of(recipe)`
-    -> (dp, grad_accum) for a changed recipe, or None where that layout is not valid."""
+    """Changes that would bring an over-capacity recipe within its capacity, each with its estimate and each a recipe
+    the checks accept. `dp_of(recipe)` -> (dp, grad_accum) for a changed recipe, or None where that layout is not
+    valid."""
+    from trnrecipes.config.recipe import check_recipe
+
     tries: list[tuple[str, Recipe]] = []
     if r.model.activation_checkpointing != "full":
         tries.append(("model.activation_checkpointing=full", _with(r, "model", activation_checkpointing="full")))
@@ -123,14 +139,19 @@ def fits_with(r: Recipe, dp_of) -> list[str]:
         sp = "" if r.layout.sequence_parallel else " layout.sequence_parallel=true"
         tries.append((f"layout.tp={tp}{sp}", _with(r, "layout", tp=tp, sequence_parallel=True)))
         tp *= 2
-    if r.model.num_layers % (r.layout.pp * 2) == 0:
-        tries.append((f"layout.pp={r.layout.pp * 2}", _with(r, "layout", pp=r.layout.pp * 2)))
+    pp = r.layout.pp * 2
+    while pp <= r.model.num_layers:  # the smallest larger PP that fits
+        tries.append((f"layout.pp={pp}", _with(r, "layout", pp=pp)))
+        pp *= 2
     if r.batch.micro_batch > 1:
         tries.append(("batch.micro_batch=1", _with(r, "batch", micro_batch=1)))
     found = []
     for change, changed in tries:
+        key = change.split("=")[0]
+        if any(f.startswith(key + "=") for f in found) or check_recipe(changed):
+            continue
         shape = dp_of(changed)
-        if shape is None or (change.startswith("layout.tp=") and any(f.startswith("layout.tp=") for f in found)):
+        if shape is None:
             continue
         est = memory_plan(changed, *shape)
         if est.capacity is not None and est.total <= est.capacity:

@@ -37,8 +37,14 @@ def run_model(r: Recipe, step_s: float, nodes: int, cluster_price_per_hour: floa
     ideal_s = steps * step_s
     size = checkpoint_bytes(r)
     write_s = size / (r.slurm.checkpoint_write_gbps * 1e9)
-    # Async: the step waits for this node's share of the copy to host memory; sync: for the whole write.
-    stall_s = size / nodes / (HOST_COPY_GBPS * 1e9) if r.checkpoint.async_save else write_s
+    # Async: the step waits for the busiest node's copy to host memory; sync: for the whole write. The weights come
+    # from DP rank 0 of each TP group and stage (the nodes of one model replica), the moments from every rank under
+    # ZeRO-1 / FSDP (else from that replica too).
+    weight_part = r.model.param_count() * (2 if r.precision.dtype == "bf16" else 4)
+    replica_nodes = max(1, math.ceil(r.layout.tp * r.layout.pp / r.workers_per_node))
+    moments_nodes = nodes if (r.layout.zero1 or r.layout.fsdp) else replica_nodes
+    busiest = weight_part / replica_nodes + (size - weight_part) / moments_nodes
+    stall_s = busiest / (HOST_COPY_GBPS * 1e9) if r.checkpoint.async_save else write_s
     interval_s = r.checkpoint.every_steps * step_s
     if r.checkpoint.every_minutes:
         interval_s = min(interval_s, r.checkpoint.every_minutes * 60)
@@ -49,7 +55,7 @@ def run_model(r: Recipe, step_s: float, nodes: int, cluster_price_per_hour: floa
 
     best_s = max(math.sqrt(2 * stall_s * mtbf_s), write_s if r.checkpoint.async_save else 0.0)
     auto = utilisation(stall_s, restart_s, interval_s, mtbf_s)
-    expected_s = ideal_s / auto if auto > 0 else math.inf
+    expected_s = ideal_s / auto if auto > 0 else None  # None: failures outpace progress
     out: dict[str, object] = {
         "run_hours": ideal_s / 3600,
         "run_cost": cluster_price_per_hour * ideal_s / 3600 if cluster_price_per_hour is not None else None,
@@ -60,22 +66,24 @@ def run_model(r: Recipe, step_s: float, nodes: int, cluster_price_per_hour: floa
         "checkpoint_best_interval_s": best_s,
         "checkpoint_best_every_steps": max(1, round(best_s / step_s)),
         "job_mtbf_hours": mtbf_s / 3600,
-        "expected_failures": ideal_s / mtbf_s,
+        "expected_failures": (expected_s or ideal_s) / mtbf_s,
         "lost_per_failure_s": restart_s + interval_s / 2,
         "utilisation": auto,
         "utilisation_at_best_interval": utilisation(stall_s, restart_s, max(best_s, step_s), mtbf_s),
-        "utilisation_manual": utilisation(stall_s, MANUAL_RESPONSE_H * 3600, interval_s, mtbf_s),
-        "expected_run_hours": expected_s / 3600,
+        "utilisation_manual": utilisation(stall_s, restart_s + MANUAL_RESPONSE_H * 3600, interval_s, mtbf_s),
+        "expected_run_hours": expected_s / 3600 if expected_s is not None else None,
         "expected_run_cost": (
-            cluster_price_per_hour * expected_s / 3600 if cluster_price_per_hour is not None else None
+            cluster_price_per_hour * expected_s / 3600
+            if cluster_price_per_hour is not None and expected_s is not None
+            else None
         ),
     }
     return out
 
 
-def hours(h: float) -> str:
+def hours(h: float | None) -> str:
     """2.5 h, 3.1 days: the unit a person plans in."""
-    if not math.isfinite(h):
+    if h is None:
         return "never (failures outpace progress)"
     return f"{h:,.1f} h" if h < 48 else f"{h / 24:,.1f} days"
 
@@ -87,10 +95,18 @@ def run_model_rows(p: dict[str, object], r: Recipe) -> list[tuple[str, str]]:
     cost = f", ${p['run_cost']:,.0f}" if p["run_cost"] is not None else ""
     expected_cost = f", ${p['expected_run_cost']:,.0f}" if p["expected_run_cost"] is not None else ""
     every = r.checkpoint.every_steps
+    interval = f"every {every:,} steps" + (
+        f" or {r.checkpoint.every_minutes:g} min" if r.checkpoint.every_minutes else ""
+    )
+    restarts = ""
+    if p["expected_failures"] > r.slurm.max_restarts and r.slurm.hyperpod is not True:
+        restarts = (f"; ~{p['expected_failures']:,.1f} failures expected but run.sbatch requeues at most"
+                    f" slurm.max_restarts {r.slurm.max_restarts} times a job: raise it")  # fmt: skip
+    recovering = "HyperPod's auto-resume" if r.slurm.hyperpod else "run.sbatch requeues"
     rows = [
         ("run", f"{r.train.max_steps:,} steps = {hours(p['run_hours'])}{cost} without failures; expected"
          f" {hours(p['expected_run_hours'])}{expected_cost} with them ({p['utilisation']:.2%} utilisation)"),
-        ("saves", f"{p['checkpoint_gb']:,.1f} GB every {every:,} steps ({p['checkpoint_interval_s'] / 60:,.1f} min),"
+        ("saves", f"{p['checkpoint_gb']:,.1f} GB {interval} ({p['checkpoint_interval_s'] / 60:,.1f} min),"
          f" {p['checkpoint_write_s']:,.0f} s to write at {r.slurm.checkpoint_write_gbps:g} GB/s"
          f" (slurm.checkpoint_write_gbps); the step stalls {p['checkpoint_stall_s']:,.2f} s a save"
          f" ({'async: the copy to host memory' if r.checkpoint.async_save else 'the whole write'})"),
@@ -99,7 +115,7 @@ def run_model_rows(p: dict[str, object], r: Recipe) -> list[tuple[str, str]]:
          f" {r.slurm.restart_minutes:g} min to restart (slurm.restart_minutes) + half an interval of steps"),
         ("best save", f"every ~{p['checkpoint_best_every_steps']:,} steps (Young/Daly: sqrt(2 x stall x job MTBF),"
          f" at least one write) -> {p['utilisation_at_best_interval']:.2%}; checkpoint.every_steps is {every:,}"),
-        ("recovery", f"automatic (run.sbatch requeues) {p['utilisation']:.2%}, manual ({MANUAL_RESPONSE_H:g} h to"
-         f" notice and restart) {p['utilisation_manual']:.2%}; the 128-node Llama 2 post: 98.81% vs 77.83%"),
+        ("recovery", f"automatic ({recovering}) {p['utilisation']:.2%}, manual ({MANUAL_RESPONSE_H:g} h to notice"
+         f" and restart) {p['utilisation_manual']:.2%}; the 128-node Llama 2 post: 98.81% vs 77.83%{restarts}"),
     ]  # fmt: skip
     return rows
