@@ -273,7 +273,7 @@ def hyperpod_env(slurm_env: dict[str, str], tmp: Path, give_up: bool = False) ->
     marker.mkdir()
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(f"""#!/bin/bash
-echo "$*" >>{calls}
+{{ printf '%q ' "$@"; echo; }} >>{calls}  # one line a call: the inner script's newlines escaped
 args=() auto=0
 for arg in "$@"; do if [[ "$arg" == --auto-resume=1 ]]; then auto=1; else args+=("$arg"); fi; done
 if ((auto)); then
