@@ -27,9 +27,9 @@ CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
 MAX_STEPS = 60
 # Quick on 2 cores: one worker per emulated node (DP 2), 32-token sequences. The reference and the preempted run
 # differ only in run_dir.
+# The emulated nodes have 2 CPUs each; an eval job asks for 32 by default.
 SMALL = ("cluster.workers_per_node=1 batch.seq_len=32 batch.global_batch=4 batch.micro_batch=2 train.log_every=1 "
-         f"train.val_every=1000 train.max_steps={MAX_STEPS} checkpoint.every_steps=50"
-         " eval.cpus=2")  # the emulated nodes have 2 CPUs; an eval job asks for 32 by default; fmt: skip
+         f"train.val_every=1000 train.max_steps={MAX_STEPS} checkpoint.every_steps=50 eval.cpus=2")  # fmt: skip
 NAME = "llama2-tiny-2n"
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 

@@ -428,6 +428,7 @@ LEGACY_MODEL_DEFAULTS = {"num_kv_heads": None, "rotary_pct": 1.0, "parallel_resi
 # recipe that does not set them resolves to: filled in where a saved recipe lacks them, so those checkpoints resume.
 LEGACY_SECTION_DEFAULTS = {
     "train": {"init_optimizer": "reset"},
+    "optim": {"state_dtype": "fp32"},
     "data": {"label_field": "label", "eval_path": None, "sources": []},
 }
 

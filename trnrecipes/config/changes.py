@@ -13,12 +13,12 @@ from trnrecipes.config.sections import Recipe
 from trnrecipes.schema import shown
 
 # Free to change on resume: how and where the run executes, how long it goes on, how it saves and logs, how it
-# started (init_from, init_optimizer: a resume reads the run's own checkpoint) and what the eval job scores. The
+# started (init_from, init_optimizer: a resume reads the run's own checkpoint), what the eval job scores and where. The
 # tokenizer's path may change too: its files are compared instead.
 FREE = ("name", "description", "run_dir", "cluster", "slurm", "compile", "checkpoint", "layout", "train.max_steps",
         "train.log_every", "train.val_every", "train.val_batches", "train.init_from", "train.init_optimizer",
         "model.activation_checkpointing", "model.init_std", "batch.micro_batch", "data.tokenizer",
-        "data.eval_path")  # fmt: skip
+        "data.eval_path", "eval")  # fmt: skip
 # Never: the weights would not load, or would compute something else (which residual form, which dims rotate).
 FIXED = ("model.family", "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",
          "model.num_kv_heads", "model.ffn_hidden_size", "model.parallel_residual", "model.rotary_pct")  # fmt: skip

@@ -355,6 +355,11 @@ def check_recipe(r: Recipe) -> list[str]:
         f"compile.optlevel {r.compile.optlevel}: TorchNeuron compiles at -O1 and documents no way to change it;"
         " use compile.optlevel 1 there",
     )
+    need(
+        not (nxd and lay.zero1 and r.optim.state_dtype == "bf16"),
+        "optim.state_dtype bf16 with layout.zero1 on torch-xla + NxD: its ZeRO-1 optimizer (torch-xla's"
+        " ZeroRedundancyOptimizer) keeps its own fp32 state; use optim.state_dtype fp32 there",
+    )
     if nxd and lay.pp > 1:  # NxD's manual pipeline: its SDK and its one schedule
         pipeline = neuron_pipeline_problem(r.cluster.neuron_sdk, lay.pp_schedule, lay.pp_virtual_stages)
         need(pipeline is None, pipeline or "")

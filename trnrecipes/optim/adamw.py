@@ -79,7 +79,8 @@ def _as_fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class AdamW:
-    """Decoupled weight decay Adam (Loshchilov & Hutter) with fp32 states; see the module docstring for why."""
+    """Decoupled weight decay Adam (Loshchilov & Hutter) with fp32 (or, optim.state_dtype bf16, bf16) moments; see the
+    module docstring for why."""
 
     def __init__(
         self,
@@ -100,8 +101,11 @@ class AdamW:
         device = local_tensor(self.params[0]).device
         self.lr = torch.zeros((), dtype=torch.float32, device=device)
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
-        self.exp_avg = [torch.zeros_like(self._mine(p, i), dtype=torch.float32) for i, p in enumerate(self.params)]
-        self.exp_avg_sq = [torch.zeros_like(self._mine(p, i), dtype=torch.float32) for i, p in enumerate(self.params)]
+        self.state_dtype = torch.bfloat16 if getattr(cfg, "state_dtype", "fp32") == "bf16" else torch.float32
+        self.exp_avg = [torch.zeros_like(self._mine(p, i), dtype=self.state_dtype) for i, p in enumerate(self.params)]
+        self.exp_avg_sq = [
+            torch.zeros_like(self._mine(p, i), dtype=self.state_dtype) for i, p in enumerate(self.params)
+        ]
         self.generator = rounding_generator(device, seed) if stochastic_rounding else None
 
     def steps(self) -> int:
@@ -169,6 +173,10 @@ class AdamW:
         params = [self._mine(self.params[i], i) for i in indices]
         grads = _as_fp32([self._mine(self.params[i].grad, i) for i in indices])
         ms, vs = [self.exp_avg[i] for i in indices], [self.exp_avg_sq[i] for i in indices]
+        stored = None
+        if self.state_dtype != torch.float32:  # optim.state_dtype bf16: updated in fp32, stored rounded
+            stored = ms + vs
+            ms, vs = _as_fp32(ms), _as_fp32(vs)
         torch._foreach_lerp_(ms, grads, 1 - beta1)  # beta1 * m + (1 - beta1) * g
         torch._foreach_mul_(vs, beta2)
         torch._foreach_addcmul_(vs, grads, grads, value=1 - beta2)
@@ -179,6 +187,8 @@ class AdamW:
         torch._foreach_reciprocal_(update)
         torch._foreach_mul_(update, ms)
         torch._foreach_mul_(update, step_size)
+        if stored is not None:
+            self._store(stored, ms + vs)
         if fp32:
             weights, flat = params, None
         else:  # bf16 weights: the update is computed in fp32, then rounded once
@@ -199,6 +209,15 @@ class AdamW:
             flat = noise.add_(flat.view(torch.int32)).bitwise_and_(-65536).view(torch.float32)  # -65536 == 0xFFFF0000
             weights = _views(flat, params)
         torch._foreach_copy_(params, weights)  # to nearest (exact after stochastic rounding)
+
+    def _store(self, low: list[torch.Tensor], fp32: list[torch.Tensor]) -> None:
+        """fp32 moments back into their bf16 storage: stochastically where the weights are rounded so in software
+        (the same generator, so a resumed run draws the same), else to nearest (one foreach pass)."""
+        if self.generator is None:
+            torch._foreach_copy_(low, fp32)
+            return
+        for dst, src in zip(low, fp32, strict=True):
+            dst.copy_(stochastic_round_bf16(src, self.generator))
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -4,7 +4,7 @@ the capacity and warns within 10% of it (torch-free).
 Per worker (one NeuronCore or GPU), on the most loaded pipeline stage:
 - weights and gradients: the stage's parameters / TP, at 2 bytes each in bf16, 4 in fp32 and bf16-mixed (fp32
   master weights, autocast in the forward); / DP as well under FSDP;
-- AdamW: two fp32 moments, 8 bytes a parameter, / DP under ZeRO-1 or FSDP;
+- AdamW: two moments, 8 bytes a parameter in fp32 or 4 in bf16 (optim.state_dtype), / DP under ZeRO-1 or FSDP;
 - activations of the micro-batches a stage holds at once (1: no pipeline; under 1F1B and interleaved schedules
   min(PP, micro-batches) on the first stage; GPipe: all of them), per token and layer ACT_ELEMENTS(h, f) elements
   of the activation dtype with none or selective checkpointing (selective recomputes the attention core, which
@@ -95,7 +95,7 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     sharded = dp if lay.fsdp else 1
     weights = params * weight_bytes / sharded
     grads = params * weight_bytes / sharded
-    moments = 8.0
+    moments = 4.0 if r.optim.state_dtype == "bf16" else 8.0
     if lay.zero1 and r.stack == "xla-nxd" and dtype == "bf16":
         moments += 4 + 4  # torch-xla's ZeRO-1 keeps fp32 master and gradient shards of bf16 parameters
     optimizer = params * moments / (dp if lay.zero1 or lay.fsdp else 1)
