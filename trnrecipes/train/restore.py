@@ -157,7 +157,8 @@ def restore_training_state(
         key = "data.sources" if isinstance(num_docs, list) else "data.path"
         if not (allows(allowed, key) or allows(allowed, "data.path")):
             raise CheckpointError(
-                f"{path}: trained on corpora of {saved_docs} documents, but {key} now has {num_docs}: its data"
+                f"{path}: trained on {'corpora' if isinstance(num_docs, list) else 'a corpus'} of {saved_docs}"
+                f" documents, but {key} now has {num_docs}: its data"
                 f" position would index other documents. Restore the corpus, or name {key} in"
                 " checkpoint.allow_changes to go on with this one (its stream then starts afresh)"
             )
