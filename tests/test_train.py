@@ -36,9 +36,12 @@ def run(name: str, tmp_path: Path, *overrides: str, steps: int = 25):
 @pytest.mark.parametrize("name", ["pythia-tiny", "neox-tiny", "llama2-tiny"])
 def test_tiny_recipes_learn_the_demo_corpus(name: str, tmp_path: Path):
     result, _ = run(name, tmp_path, "train.val_every=25", "train.log_every=5", steps=40)
-    first, last = result.losses[0], sum(result.losses[-5:]) / 5
-    assert last < first - 1.5, result.losses  # nats: from uniform over the vocabulary to clearly better
-    assert result.val_losses[40] < first - 1.0
+    # nats below the first step's (uniform over the vocabulary): the mean of the last 10 steps, since which documents
+    # the last batches hold moves a 5-step mean by about +-0.3 (llama2-tiny's 4096-id vocabulary starts lowest), and
+    # the held-out loss, which no data order moves
+    first, last = result.losses[0], sum(result.losses[-10:]) / 10
+    assert last < first - 1.25, result.losses
+    assert result.val_losses[40] < first - 1.25
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41))
     assert {"loss", "grad_norm", "lr", "tokens_per_s", "seq_per_s", "mfu", "tokens_per_dollar"} <= set(records[0])
