@@ -13,8 +13,12 @@ holds stages p, p + pp, ...).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from trnrecipes.config.stacks import sdk_version
+
+if TYPE_CHECKING:
+    from trnrecipes.config.families import ModelSection
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 BUBBLE_WARNING = 0.10  # plan warns when the pipeline idles more than this fraction of ideal step time
@@ -146,3 +150,13 @@ def neuron_pipeline_problem(neuron_sdk: str, schedule: str, virtual_stages: int)
             " schedule only (no GPipe, no interleaving); use layout.pp_schedule=1f1b on backend neuron"
         )
     return None
+
+
+def stage_params(m: ModelSection, stage: Stage) -> int:
+    """Parameters a pipeline stage holds, unsharded: its layers, plus the embedding on the first stage and the final
+    norm and head on the last (recipes/<family>/spec.py)."""
+    return (
+        len(stage.layers) * m.layer_params()
+        + (m.embedding_params() if stage.first else 0)
+        + (m.norm_head_params() if stage.last else 0)
+    )

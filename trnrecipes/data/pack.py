@@ -93,6 +93,8 @@ class PackedStream:
         self.source, self.doc_ids, self.sample_len = source, as_doc_ids(doc_ids), seq_len + 1
         self.seed, self.dp_rank, self.dp_size, self.shuffle = seed, dp_rank, dp_size, shuffle
         self.start, self.index = start or StreamPosition(), index
+        # This rank's documents in every epoch (the same count whatever the shuffle): what _after compares with.
+        self.docs_per_epoch = len(RankOrder(self.doc_ids, None, dp_rank, dp_size))
 
     def order(self, epoch: int) -> RankOrder:
         """This rank's documents for `epoch`, in reading order (evaluated per block, never listed)."""
@@ -141,7 +143,7 @@ class PackedStream:
                 yield sample, nxt
 
     def _after(self, epoch: int, doc: int, samples: int) -> StreamPosition:
-        if doc + 1 < len(self.order(epoch)):  # O(1): the order is not drawn
+        if doc + 1 < self.docs_per_epoch:  # no order drawn: a sample ending on a boundary costs nothing
             return StreamPosition(epoch, doc + 1, 0, samples)
         return StreamPosition(epoch + 1, 0, 0, samples)
 

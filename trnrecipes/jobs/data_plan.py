@@ -16,6 +16,7 @@ from pathlib import Path
 
 from trnrecipes.config.sections import Recipe
 from trnrecipes.data.sources import data_path
+from trnrecipes.plan.report import si
 
 SAMPLE_DOCS = 256
 BYTES_PER_TOKEN = 4.0  # without a tokenizer at hand: about what BPE tokenizers give on English text
@@ -71,16 +72,10 @@ def format_data_plan(plans: list[SourcePlan], max_steps: int, width: int = 11) -
         elif p.epochs is None:
             epochs = "epochs unknown (the corpus or tokenizer cannot be read from here; sbatch's data check says why)"
         else:
-            epochs = f"{'' if p.exact else '~'}{p.epochs:,.2f} epochs of {'' if p.exact else '~'}{_si(p.corpus_tokens)}"
+            about = "" if p.exact else "~"
+            epochs = f"{about}{p.epochs:,.2f} epochs of {about}{si(p.corpus_tokens)} tokens"
         lines.append(f"{'':<{width}}  {p.share:6.1%}  {p.tokens:>14,} tokens  {epochs}  {p.path}")
     return lines
-
-
-def _si(value: float | None) -> str:
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if value is not None and value >= scale:
-            return f"{value / scale:.3g}{unit} tokens"
-    return f"{value:,.0f} tokens"
 
 
 def _corpus_tokens(source, tokenizer: str, repo_root: Path) -> tuple[float, bool] | None:

@@ -14,7 +14,13 @@ from dataclasses import asdict, dataclass
 from trnrecipes.config.cluster import Instance, get_instance
 from trnrecipes.config.families import ModelSection
 from trnrecipes.config.sections import Recipe, RecipeError
-from trnrecipes.config.stages import BUBBLE_WARNING, Stage, bubble_fraction, pipeline_stages, schedule_problem
+from trnrecipes.config.stages import (
+    BUBBLE_WARNING,
+    bubble_fraction,
+    pipeline_stages,
+    schedule_problem,
+    stage_params,
+)
 from trnrecipes.plan.memory import memory_plan
 from trnrecipes.plan.run_model import run_model
 
@@ -113,16 +119,6 @@ def param_count(m: ModelSection) -> int:
 def flops_per_token(m: ModelSection, seq_len: int) -> int:
     """Training FLOPs per token (recipes/<family>/spec.py; PaLM appendix B: 6N + 12 L H Q T)."""
     return m.flops_per_token(seq_len)
-
-
-def stage_params(m: ModelSection, stage: Stage) -> int:
-    """Parameters a pipeline stage holds, unsharded: its layers, plus the embedding on the first stage and the final
-    norm and head on the last (recipes/<family>/spec.py)."""
-    return (
-        len(stage.layers) * m.layer_params()
-        + (m.embedding_params() if stage.first else 0)
-        + (m.norm_head_params() if stage.last else 0)
-    )
 
 
 def pipeline_plan(r: Recipe, layout: Layout) -> dict[str, object]:

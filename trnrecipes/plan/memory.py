@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from trnrecipes.config.cluster import get_instance
 from trnrecipes.config.sections import Recipe
-from trnrecipes.config.stages import pipeline_stages
+from trnrecipes.config.stages import pipeline_stages, stage_params
 
 GIB = 2**30
 LOGIT_BYTES = 5.2  # a token's bytes per vocab entry in the loss phase (bf16 logits, fp32 copy, its gradient): fitted
@@ -86,10 +86,9 @@ def memory_plan(r: Recipe, dp: int, grad_accum: int) -> MemoryPlan:
 def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     m, lay, b = r.model, r.layout, r.batch
     tp = lay.tp
-    first, last = any(s.first for s in stages), any(s.last for s in stages)
+    last = any(s.last for s in stages)
     layers = sum(len(s.layers) for s in stages)
-    params = (layers * m.layer_params() + (m.embedding_params() if first else 0)
-              + (m.norm_head_params() if last else 0)) / tp  # fmt: skip
+    params = sum(stage_params(m, s) for s in stages) / tp
     dtype = r.precision.dtype
     weight_bytes = 2 if dtype == "bf16" else 4
     sharded = dp if lay.fsdp else 1

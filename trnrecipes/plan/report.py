@@ -8,11 +8,12 @@ from trnrecipes.plan.memory import MemoryPlan, format_memory
 from trnrecipes.plan.run_model import run_model_rows
 
 
-def _si(value: float) -> str:
+def si(value: float, digits: int = 3) -> str:
+    """1.23G, 45.6k: `digits` significant digits and a unit (plan, the step line, the data plan)."""
     for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(value) >= scale:
-            return f"{value / scale:.3g}{unit}"
-    return f"{value:.3g}"
+            return f"{value / scale:.{digits}g}{unit}"
+    return f"{value:.{digits}g}"
 
 
 def format_plan(p: dict[str, object], recipe: Recipe | None = None) -> str:
@@ -29,8 +30,8 @@ def format_plan(p: dict[str, object], recipe: Recipe | None = None) -> str:
             f"micro-batch {p['micro_batch']} x grad-accum {p['grad_accum']} x DP {p['dp']}"
             f" = {p['global_batch']} sequences x {p['seq_len']} = {p['tokens_per_step']:,} tokens/step",
         ),
-        ("parameters", f"{p['params']:,} ({_si(p['params'])})"),
-        ("FLOPs/token", f"{p['flops_per_token']:,} ({_si(p['flops_per_token'])}; 6N + 12*L*H*Q*T)"),
+        ("parameters", f"{p['params']:,} ({si(p['params'])})"),
+        ("FLOPs/token", f"{p['flops_per_token']:,} ({si(p['flops_per_token'])}; 6N + 12*L*H*Q*T)"),
         ("peak", f"{p['peak_tflops']:,.0f} BF16 TFLOPS; {priced}"),
     ]
     if "tokens_per_s" in p:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from trnrecipes.data.arrow import atomic_output
 from trnrecipes.files.run_files import METRICS, METRICS_DROPPED
+from trnrecipes.plan.report import si
 
 
 class SpikeDetector:
@@ -237,7 +238,7 @@ def progress_line(r: dict, max_steps: int) -> str:
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.2f}%")
     if "tokens_seen" in r:
-        parts.append(f"{_si(r['tokens_seen'])} tokens")
+        parts.append(f"{si(r['tokens_seen'], 4)} tokens")
     if "elapsed_s" in r:
         eta = r.get("eta_s")
         parts.append(f"{duration(r['elapsed_s'])} elapsed, ETA {duration(eta) if eta is not None else '--'}")
@@ -252,13 +253,6 @@ def duration(seconds: float) -> str:
     days, s = divmod(s, 86400)
     clock = f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
     return f"{days}d {clock.zfill(8)}" if days else clock
-
-
-def _si(value: float) -> str:
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if value >= scale:
-            return f"{value / scale:.4g}{unit}"
-    return f"{value:.0f}"
 
 
 class Clock:
