@@ -15,9 +15,10 @@ from conftest import REPO
 from test_data import ListDocuments, random_docs, take
 
 from trnrecipes.data.arrow import ArrowDocuments, ArrowTexts, write_table
-from trnrecipes.data.blend import BlendedStream, BlendPosition, position_from_dict, restart_position
+from trnrecipes.data.blend import BlendPosition, position_from_dict, restart_position
 from trnrecipes.data.order import Permutation, PermutedRange, derive_key
 from trnrecipes.data.pack import PackedStream, StreamPosition, split_documents
+from trnrecipes.data.sources import OpenedSource, data_stream
 from trnrecipes.data.tokenizer import load_tokenizer
 
 GPT2 = REPO / "data/tokenizers/gpt2"
@@ -122,12 +123,10 @@ def test_a_multi_batch_arrow_corpus_is_read_in_place_and_reads_as_one_batch(tmp_
 
 
 def blend(sources, weights, seq_len=15, seed=0, dp_rank=0, dp=1, start: BlendPosition | None = None):
-    starts = start.sources if start else [None] * len(sources)
-    streams = [
-        PackedStream(ListDocuments(d), np.arange(len(d)), seq_len, seed, dp_rank, dp, True, s, index=k)
-        for k, (d, s) in enumerate(zip(sources, starts, strict=True))
-    ]  # as data_stream builds them; fmt: skip
-    return BlendedStream(streams, weights, start.samples if start else 0)
+    """The trainer's blend (data_stream) over documents given as token arrays."""
+    opened = [OpenedSource(f"s{k}", w, ListDocuments(d), np.arange(len(d)), np.arange(0))
+              for k, (d, w) in enumerate(zip(sources, weights, strict=True))]  # fmt: skip
+    return data_stream(opened, "train", seq_len, seed, dp_rank, dp, start)
 
 
 def source_of(sample: np.ndarray, offsets: list[int]) -> int:

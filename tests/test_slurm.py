@@ -241,17 +241,25 @@ def test_pre_timeout_signal_saves_requeues_and_resumes_bitwise(slurm_env, refere
     assert_same_run(run, reference["run"])
 
 
-def test_a_crash_mid_run_is_requeued_and_resumes_bitwise(slurm_env, reference, tmp_path):
-    """Rank 1 (node2) is killed (SIGKILL) after step 25, once: the job requeues itself, resumes from step 20 and ends
-    where the uninterrupted run did."""
+def crash_at_step_25(env: dict[str, str], slurm_env: dict[str, str], tmp_path: Path) -> tuple[Path, str, dict, str]:
+    """A 2-node run checkpointing every 10 steps whose rank 1 (node2) is SIGKILLed after step 25, once, submitted
+    with `env`: (run dir, job id, its final job info, its log), the job having completed."""
     job, run = tmp_path / "job", tmp_path / "run"
     render(job, run, overrides=f"{SMALL} checkpoint.every_steps=10")
     crashed = tmp_path / "crashed"
-    job_id = submit({**slurm_env, "TRNRECIPES_CRASH_ONCE": f"{crashed}:25:1"}, str(job / "run.sbatch"))
+    job_id = submit({**env, "TRNRECIPES_CRASH_ONCE": f"{crashed}:25:1"}, str(job / "run.sbatch"))
     log = job / "logs" / f"{NAME}-{job_id}.out"
     info = wait_done(slurm_env, job_id, log, timeout=420)
-    assert info["Restarts"] == "1" and info["ExitCode"] == "0:0" and crashed.read_text().strip() == "25"
-    out = log.read_text()
+    assert info["ExitCode"] == "0:0" and crashed.read_text().strip() == "25"
+    return run, job_id, info, log.read_text()
+
+
+def test_a_crash_mid_run_is_requeued_and_resumes_bitwise(slurm_env, reference, tmp_path):
+    """Rank 1 (node2) is killed (SIGKILL) after step 25, once: the job requeues itself, resumes from step 20 and ends
+    where the uninterrupted run did."""
+    run, job_id, info, out = crash_at_step_25(slurm_env, slurm_env, tmp_path)
+    job = tmp_path / "job"
+    assert info["Restarts"] == "1"
     first, second = out.split(f"run job {job_id} restart 1:")
     assert "training exited with status 0" not in first
     assert re.search(rf"training failed \(exit status \d+\): requeueing job {job_id} \(failure requeue 1 of 3\)", first)
@@ -293,15 +301,9 @@ def test_on_hyperpod_its_auto_resume_restarts_a_crashed_step_and_the_job_is_not_
     """slurm.hyperpod null (auto) with the marker present: the training step runs under srun --auto-resume=1 (the health
     check and pre-flight do not), rank 1 is killed after step 25, the stand-in restarts the step once, training
     resumes from step 20 in the same job (no requeue) and ends where the uninterrupted run did."""
-    job, run = tmp_path / "job", tmp_path / "run"
-    render(job, run, overrides=f"{SMALL} checkpoint.every_steps=10")
     env, calls = hyperpod_env(slurm_env, tmp_path)
-    crashed = tmp_path / "crashed"
-    job_id = submit({**env, "TRNRECIPES_CRASH_ONCE": f"{crashed}:25:1"}, str(job / "run.sbatch"))
-    log = job / "logs" / f"{NAME}-{job_id}.out"
-    info = wait_done(slurm_env, job_id, log, timeout=420)
-    assert info["Restarts"] == "0" and info["ExitCode"] == "0:0" and crashed.read_text().strip() == "25"
-    out = log.read_text()
+    run, _, info, out = crash_at_step_25(env, slurm_env, tmp_path)
+    assert info["Restarts"] == "0"
     assert "SageMaker HyperPod (slurm.hyperpod null:" in out and "exists)" in out
     assert "requeueing" not in out and f"resuming from {run}/checkpoints/step_20 (step 20)" in out
     resumed = [line for line in calls.read_text().splitlines() if "--auto-resume=1" in line]
