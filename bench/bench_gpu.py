@@ -8,11 +8,18 @@ What it measures, per row, each row in a process of its own (so its peak memory 
                  accumulation forward/backward, gradient clipping (global norm 1.0), our AdamW (bf16 weights with no
                  fp32 master copy, updates rounded to nearest; --stochastic-rounding for the recipe's software
                  stochastic rounding). train.compile=false.
-  ours-compile   the same with train.compile=true.
+  ours-compile   the same with train.compile=true (the blocks and, since it compiles, the optimizer step).
+  ours-compile-bf16-state
+                 the same with optim.state_dtype=bf16: AdamW's moments in bf16 (4 bytes a parameter less), as
+                 torch's AdamW keeps them for bf16 parameters.
   hf             transformers LlamaForCausalLM with the same config and the same weights (converted by
                  recipes/llama2/hf.py), SDPA attention, use_cache off, weights in the same dtype, torch.optim.AdamW
                  (fused=True on cuda, foreach elsewhere), torch.nn.utils.clip_grad_norm_ (1.0, as ours), eager.
   hf-compile     the same with model = torch.compile(model).
+  optimizer      the optimizer step alone over the model's parameters (bf16 weights, the same random gradients every
+                 step, the lr set every step as the trainer does): ours eager, ours compiled (as under
+                 train.compile), ours compiled with bf16 moments, and torch.optim.AdamW fused (its fastest; the
+                 hf rows' optimizer). Printed as milliseconds and as ours-compiled / torch-fused (target <= 1.5x).
 Not quite like for like, in transformers' favour: torch's AdamW keeps its moments in the parameters' dtype (bf16 here),
 ours in fp32 (8 bytes more per parameter, and more optimizer traffic).
 No row checkpoints activations except ours (`--activation-checkpointing`, selective as shipped). train.compile left
@@ -48,8 +55,9 @@ The H100 table (Llama-2-7B width, 4 layers = 1.07B parameters, seq 4096, micro-b
 (or `python3 bench/bench_gpu.py ...` from a copy of the repository on a machine whose python3 has torch,
 transformers and PyYAML: see REPO below), which is, spelled out: --device cuda --hidden 4096 --layers 4 --heads 32
 --ffn 11008 --vocab 32000 --seq 4096 --micro-batch 2 --accum 4 --dtype bf16 --warmup 3 --steps 10
---rows ours,ours-compile,hf,hf-compile --activation-checkpointing selective (and --peak-tflops 989 on an H100 SXM,
-read from the device name).
+--rows ours,ours-compile,ours-compile-bf16-state,hf,hf-compile,optimizer --activation-checkpointing selective (and
+--peak-tflops 989 on an H100 SXM, read from the device name). The whole 7B (32 layers, micro-batch 1 x accum 4):
+    .venv/bin/python bench/bench_gpu.py --preset 7b --json runs/bench_gpu_7b.json
 CPU smoke test, under a minute (tests/test_bench_gpu.py runs it with --rows ours,ours-compile,hf); aot_eager spares
 the compiled rows inductor's C++ build:
     .venv/bin/python bench/bench_gpu.py --tiny --compile-backend aot_eager
@@ -66,6 +74,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 from bench_model import rss_mib  # bench/ is on sys.path: this script runs from it
 
@@ -78,9 +87,18 @@ if REPO not in sys.path:
 ROWS = {
     "ours": "trnrecipes Trainer.train_step, train.compile=false",
     "ours-compile": "trnrecipes Trainer.train_step, train.compile=true",
+    "ours-compile-bf16-state": "the same, optim.state_dtype=bf16",
     "hf": "transformers LlamaForCausalLM + torch AdamW, eager",
     "hf-compile": "transformers + torch.compile(model)",
+    "optimizer": "the optimizer step alone: ours eager / compiled / compiled bf16 state, torch fused",
 }
+OURS_ROWS = ("ours", "ours-compile", "ours-compile-bf16-state")  # the Trainer's rows
+# The optimizer row's variants: (name, our AdamW's compile, our state dtype); torch's fused AdamW is timed after them.
+OPTIMIZERS = (
+    ("ours-eager", False, "fp32"),
+    ("ours-compiled", True, "fp32"),
+    ("ours-compiled-bf16-state", True, "bf16"),
+)
 BASE_RECIPE = "llama2-tiny"  # everything the shape arguments do not set (optimizer, seed) comes from it
 # Dense bf16 tensor-core peak per GPU, TFLOP/s (NVIDIA's data sheets; the sparse figures are twice these). The first
 # name that is a substring of torch.cuda.get_device_name() wins, so the more specific names come first.
@@ -93,6 +111,8 @@ DEFAULTS = dict(
     hidden=4096, layers=4, heads=32, kv_heads=None, ffn=11008, vocab=32000, seq=4096,
     micro_batch=2, accum=4, steps=10, warmup=3, dtype="bf16", device="cuda",
 )  # fmt: skip
+# --preset 7b: Llama-2-7B whole (32 layers, 6.74B parameters) at the batch an 80 GB GPU holds (the issue's table).
+PRESETS = {"default": {}, "7b": dict(layers=32, micro_batch=1, accum=4)}
 # --tiny: a CPU smoke test in seconds (explicit arguments still win).
 TINY = dict(
     hidden=64, layers=2, heads=4, kv_heads=None, ffn=172, vocab=512, seq=64,
@@ -105,7 +125,7 @@ def recipe_overrides(args, row: str | None) -> list[str]:
     """The overrides turning BASE_RECIPE into this benchmark's single-device recipe for a row (None: validation)."""
     cuda = args.device == "cuda"
     # transformers' rows never checkpoint; the weights their process builds ours from do not depend on it.
-    checkpointing = args.activation_checkpointing if row in (None, "ours", "ours-compile") else "none"
+    checkpointing = args.activation_checkpointing if row is None or row in OURS_ROWS else "none"
     over = [
         f"model.vocab_size={args.vocab}",
         f"model.hidden_size={args.hidden}",
@@ -131,7 +151,9 @@ def recipe_overrides(args, row: str | None) -> list[str]:
         "cluster.nodes=1",
     ]
     if row is not None:
-        over.append(f"train.compile={'true' if row == 'ours-compile' else 'false'}")
+        over.append(f"train.compile={'true' if row.startswith('ours-compile') else 'false'}")
+    if row == "ours-compile-bf16-state":
+        over.append("optim.state_dtype=bf16")
     return over
 
 
@@ -241,6 +263,9 @@ def worker(args, row: str) -> None:
         if cuda:
             torch.cuda.synchronize()
 
+    if row == "optimizer":
+        optimizer_worker(args, recipe, device, sync)
+        return
     if row.startswith("ours"):
 
         class BenchTrainer(Trainer):
@@ -371,6 +396,70 @@ def worker(args, row: str) -> None:
     )
 
 
+def optimizer_worker(args, recipe, device, sync) -> None:
+    """The optimizer row: each optimizer of OPTIMIZERS, then torch's fused AdamW, over the same parameters (the
+    model's, built by the trainer's code and materialized on the device) and gradients, timed like the steps of the
+    other rows (--warmup untimed steps, compilation included, then the median of --steps)."""
+    import torch
+
+    from trnrecipes.backends import make_backend
+    from trnrecipes.optim.adamw import AdamW
+    from trnrecipes.optim.schedule import lr_at
+    from trnrecipes.parallel.dims import ParallelDims
+    from trnrecipes.train.build import build_model_shard
+
+    backend = make_backend(recipe.cluster.backend, 0)
+    model = build_model_shard(recipe, dims=ParallelDims(recipe, backend), backend=backend)
+    params = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator(device=device).manual_seed(0)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32).mul_(1e-3).to(p.dtype)
+    o = recipe.optim
+    made = [
+        (
+            name,
+            lambda c=compiled, d=dtype: AdamW(
+                params,
+                replace(o, state_dtype=d),
+                stochastic_rounding=args.stochastic_rounding,
+                compile_backend=args.compile_backend if c else None,
+            ),
+        )
+        for name, compiled, dtype in OPTIMIZERS
+    ]
+    fused = {"fused": True} if args.device == "cuda" else {"foreach": True}
+    torch_name = "torch-fused" if args.device == "cuda" else "torch-foreach"
+    made.append(
+        (
+            torch_name,
+            lambda: torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **fused),
+        )
+    )
+    timings = {}
+    for name, make in made:
+        opt = make()
+        times = []
+        for i in range(args.warmup + args.steps):
+            sync()
+            start = time.perf_counter()
+            if isinstance(opt, AdamW):
+                opt.set_lr(lr_at(i, o))
+            else:
+                opt.param_groups[0]["lr"] = lr_at(i, o)
+            opt.step()
+            sync()
+            times.append(time.perf_counter() - start)
+        timings[name] = statistics.median(times[args.warmup :])
+        del opt
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    emit(
+        "optimizer",
+        {"row": "optimizer", "median_s": timings, "params": sum(p.numel() for p in params), "reference": torch_name},
+    )
+
+
 def _cycle(items):
     while True:
         yield from items
@@ -438,10 +527,28 @@ def run_row(args, row: str) -> dict | None:
         )
     if check is not None and not check["ok"]:
         raise SystemExit(f"{row}: the loss check failed; stopping (its message is above)")
-    if done.returncode != 0 or "result" not in found:
+    result = found.get("result", found.get("optimizer"))
+    if done.returncode != 0 or result is None:
         print(f"error: {row}: the worker failed (exit {done.returncode}); its stderr is above", flush=True)
         return None
-    return {**found["result"], "check": check}
+    return {**result, "check": check}
+
+
+def print_optimizer(r: dict) -> dict[str, float]:
+    """The optimizer row's line: each optimizer's median step, and each of ours against torch's (target: compiled
+    <= 1.5x torch's fused AdamW)."""
+    times, reference = r["median_s"], r["reference"]
+    print(
+        f"optimizer step over {fmt_params(r['params'])} parameters (median): "
+        + ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in times.items())
+    )
+    ratios = {name: t / times[reference] for name, t in times.items() if name != reference}
+    for name, ratio in ratios.items():
+        line = f"optimizer {name}/{reference}: {ratio:.2f}x step time"
+        if name.startswith("ours-compiled"):
+            line += f" (target <= 1.5x: {'met' if ratio <= 1.5 else 'not met'})"
+        print(line)
+    return ratios
 
 
 def parse_args(argv=None):
@@ -484,13 +591,20 @@ def parse_args(argv=None):
         default="inductor",
         help="torch.compile backend for every compiled row (default inductor; e.g. aot_eager for fast smoke tests)",
     )
+    parser.add_argument(
+        "--preset",
+        choices=tuple(PRESETS),
+        default="default",
+        help="default: Llama-2-7B width, 4 layers, micro-batch 2 x accum 4; 7b: all 32 layers, micro-batch 1 x"
+        " accum 4 (explicit arguments win)",
+    )
     parser.add_argument("--tiny", action="store_true", help="a CPU smoke-test preset (explicit arguments win)")
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     parser.add_argument("--worker", choices=list(ROWS), help=argparse.SUPPRESS)
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
-    preset = TINY if args.tiny else DEFAULTS
+    preset = TINY if args.tiny else {**DEFAULTS, **PRESETS[args.preset]}
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -564,11 +678,15 @@ def main(argv=None) -> int:
         flush=True,
     )
     results: dict[str, dict] = {}
+    optimizer: dict | None = None
     failed: list[str] = []
     for row in args.rows:
         r = run_row(args, row)
         if r is None:
             failed.append(row)
+            continue
+        if row == "optimizer":
+            optimizer = r
             continue
         median_s = statistics.median(r["step_s"])
         r["tokens_per_s"] = tokens_per_step / median_s
@@ -597,7 +715,7 @@ def main(argv=None) -> int:
             " first-step loss: ours averages over b x s targets, transformers over b x (s - 1))"
         )
     ratios = {}
-    for ours in ("ours", "ours-compile"):
+    for ours in OURS_ROWS:
         for hf in ("hf", "hf-compile"):
             if ours in results and hf in results:
                 o, h = results[ours], results[hf]
@@ -611,6 +729,8 @@ def main(argv=None) -> int:
                     met = ratios[key]["tokens_per_s"] >= 1.05 and ratios[key]["peak"] <= 1.0
                     line += f" (target >= 1.05x tokens/s at <= 1.00x memory: {'met' if met else 'not met'})"
                 print(line)
+    if optimizer is not None:
+        ratios["optimizer"] = print_optimizer(optimizer)
     if args.json:
         out = {
             "device": args.device,
@@ -623,6 +743,7 @@ def main(argv=None) -> int:
             "flops_per_token": fpt,
             "tokens_per_step": tokens_per_step,
             "rows": results,
+            "optimizer": optimizer,
             "failed": failed,
             "ratios": ratios,
         }

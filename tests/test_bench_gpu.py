@@ -84,13 +84,62 @@ def test_bench_gpu_runs_each_row_after_its_loss_check(tmp_path):
     assert "ours-compile/hf" in result["ratios"]
 
 
+@pytest.mark.slow
+def test_bench_gpu_runs_the_bf16_state_row_and_the_optimizer_step_alone(tmp_path):
+    """The rows the compiled optimizer brought: ours-compile with bf16 moments (its loss check, the table, the ratios)
+    and the optimizer step alone, ours eager / compiled / compiled with bf16 moments against torch's AdamW."""
+    out = tmp_path / "result.json"
+    done = bench(
+        "--tiny", "--rows", "ours-compile-bf16-state,hf,optimizer", "--steps", "2",
+        "--compile-backend", "aot_eager", "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = {m["row"]: m for m in TABLE_ROW.finditer(done.stdout)}
+    assert list(table) == ["ours-compile-bf16-state", "hf"], done.stdout
+    assert [m["row"] for m in CHECK.finditer(done.stdout)] == ["ours-compile-bf16-state", "hf"]
+    assert re.search(r"^ours-compile-bf16-state/hf: [\d.]+x tokens/s", done.stdout, re.M), done.stdout
+    timed = re.search(r"^optimizer step over ([\d.]+)M parameters \(median\): (.*)$", done.stdout, re.M)
+    assert timed, done.stdout
+    names = [part.rsplit(" ", 2)[0] for part in timed[2].split(", ")]
+    assert names == ["ours-eager", "ours-compiled", "ours-compiled-bf16-state", "torch-foreach"]
+    for name in names[:-1]:
+        line = rf"^optimizer {name}/torch-foreach: [\d.]+x step time"
+        assert re.search(
+            line + (r" \(target <= 1.5x: (met|not met)\)$" if "compiled" in name else "$"), done.stdout, re.M
+        )
+    result = json.loads(out.read_text())
+    assert list(result["rows"]) == ["ours-compile-bf16-state", "hf"] and result["failed"] == []
+    assert set(result["optimizer"]["median_s"]) == set(names)
+    assert all(t > 0 for t in result["optimizer"]["median_s"].values())
+    assert result["optimizer"]["params"] == pytest.approx(float(timed[1]) * 1e6, rel=0.05)  # printed to 2 decimals
+    assert set(result["ratios"]["optimizer"]) == set(names[:-1])
+    assert result["rows"]["ours-compile-bf16-state"]["graphs"] >= 2  # the blocks and the optimizer step
+
+
+def test_the_7b_preset_is_the_whole_model_at_the_batch_an_80gb_gpu_holds():
+    from trnrecipes.plan.layout import param_count
+
+    bench_gpu = load_bench()
+    args = bench_gpu.parse_args(["--preset", "7b"])
+    assert (args.layers, args.micro_batch, args.accum, args.seq, args.hidden) == (32, 1, 4, 4096, 4096)
+    assert round(param_count(bench_gpu.make_recipe(args, "ours").model) / 1e9, 2) == 6.74
+    assert bench_gpu.parse_args(["--preset", "7b", "--layers", "8"]).layers == 8  # explicit arguments win
+    bf16_state = bench_gpu.make_recipe(args, "ours-compile-bf16-state")
+    assert bf16_state.optim.state_dtype == "bf16" and bf16_state.train.compile
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--seq", "0"], "--seq must be >= 2 (the loss needs a next token), not 0"),
         (["--seq", "abc"], "argument --seq: invalid int value: 'abc'"),
         (["--accum", "0"], "--accum must be >= 1, not 0"),
-        (["--rows", "ours,gpt2"], "--rows: unknown row(s) ['gpt2']; valid: ours, ours-compile, hf, hf-compile"),
+        (
+            ["--rows", "ours,gpt2"],
+            "--rows: unknown row(s) ['gpt2']; valid: ours, ours-compile, ours-compile-bf16-state, hf, hf-compile,"
+            " optimizer",
+        ),
+        (["--preset", "70b"], "argument --preset: invalid choice: '70b'"),
         (["--rows", "hf,hf"], "--rows names a row twice: hf,hf"),
         (["--peak-tflops", "0"], "--peak-tflops must be > 0, not 0.0"),
         (["--stochastic-rounding"], "--stochastic-rounding needs --dtype bf16"),

@@ -26,7 +26,6 @@ from trnrecipes.backends import make_backend
 from trnrecipes.backends.neuron_native import NeuronNativeBackend
 from trnrecipes.config.recipe import load_recipe
 from trnrecipes.config.sections import RecipeError
-from trnrecipes.optim.adamw import rounding_generator
 from trnrecipes.parallel.compile import is_compiled
 from trnrecipes.plan.layout import compute_layout
 from trnrecipes.train.loop import Trainer
@@ -89,8 +88,6 @@ assert (backend.dist_backend, backend.mesh_device_type) == ("cpu:gloo,neuron:neu
 assert (backend.compile_backend, backend.compiles_by_default, backend.rounds_stochastically) == ("neuron", False, False)
 with torch.autocast(backend.device.type, dtype=torch.bfloat16):  # the trainer's bf16-mixed autocast
     pass
-from trnrecipes.optim.adamw import rounding_generator
-assert rounding_generator(backend.device, 1) is None  # no generator registered for it: the default RNG, no crash
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -107,7 +104,7 @@ def native_on_cpu(monkeypatch):
 
 
 @pytest.mark.slow
-def test_train_compile_compiles_blocks_with_the_backends_compiler_and_never_recompiles(tmp_path: Path, native_on_cpu):
+def test_train_compile_compiles_blocks_and_optimizer_with_the_backend_no_recompile(tmp_path: Path, native_on_cpu):
     counter = CompileCounterWithBackend("aot_eager")  # stands in for backend="neuron"
     native_on_cpu.setattr(NeuronNativeBackend, "compile_backend", counter)
     torch._dynamo.reset()
@@ -126,7 +123,8 @@ def test_train_compile_compiles_blocks_with_the_backends_compiler_and_never_reco
         step(0)
         trainer.validate()
         warm = counter.frame_count
-        assert warm >= 1  # the blocks went through the backend this class names
+        assert trainer.optimizer.compiled_update is not None
+        assert warm >= 2  # the blocks and the optimizer step went through the backend this class names
         with torch.compiler.set_stance("fail_on_recompile"):
             step(1)
             trainer.validate()
@@ -147,12 +145,6 @@ def test_unset_train_compile_stays_eager_and_bf16_rounds_in_software(native_on_c
     model = torch.nn.Linear(4, 4).to(torch.bfloat16)
     optimizer = backend.make_optimizer(model, recipe, types.SimpleNamespace(zero1=False, tp_rank=0))
     assert optimizer.stochastic_rounding
-
-
-def test_stochastic_rounding_has_its_own_seeded_generator_where_the_device_has_one():
-    draws = [torch.rand(4, generator=rounding_generator(torch.device("cpu"), 7)) for _ in range(2)]
-    assert torch.equal(*draws)  # seeded: a resumed run restores the state and draws on
-    assert rounding_generator(torch.device("xla", 0), 7) is None  # lazy tensors take the device's default RNG
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ spike detector, plots."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -11,7 +12,8 @@ import torch
 
 from trnrecipes.config.sections import OptimConfig
 from trnrecipes.optim import adamw
-from trnrecipes.optim.adamw import AdamW, no_decay_params, stochastic_round_bf16
+from trnrecipes.optim.adamw import AdamW, no_decay_params
+from trnrecipes.optim.rounding import stochastic_round_bf16
 from trnrecipes.optim.schedule import lr_at
 from trnrecipes.parallel.sharding import chunk_range
 from trnrecipes.train.monitor import SpikeDetector
@@ -22,7 +24,8 @@ LOUD = OptimConfig(lr=2e-2, min_lr=2e-3, warmup_steps=3, decay_steps=20, weight_
 
 
 class OldLoopAdamW(AdamW):
-    """AdamW.step as it was before the multi-tensor rewrite: ~15 small ops per parameter. The reference for it."""
+    """AdamW.step as it was before the multi-tensor rewrite: ~15 small ops per parameter. The reference for it (with
+    the moments' updates written as one rounding per op, as adamw_update has them since the step compiles)."""
 
     @torch.no_grad()
     def step(self) -> None:
@@ -35,8 +38,8 @@ class OldLoopAdamW(AdamW):
             if p.grad is None:
                 continue
             param, grad = self._mine(p, i), self._mine(p.grad, i).float()
-            m.lerp_(grad, 1 - beta1)
-            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            m.mul_(beta1).add_(grad * (1 - beta1))
+            v.mul_(beta2).add_(grad * grad * (1 - beta2))
             update = (v / bias2).sqrt_().add_(self.eps).reciprocal_().mul_(m).mul_(step_size)
             decay = self.weight_decay and id(p) not in self.no_decay
             if param.dtype == torch.float32:
@@ -48,10 +51,7 @@ class OldLoopAdamW(AdamW):
             if decay:
                 master.mul_(1 - self.lr * self.weight_decay)
             master.sub_(update)
-            if self.stochastic_rounding:
-                param.copy_(stochastic_round_bf16(master, self.generator))
-            else:
-                param.copy_(master)
+            param.copy_(master)
 
 
 SHAPES = [(16, 8), (16,), (4, 16), (4,), (1, 5), (7, 3, 2), (33, 9)]
@@ -111,7 +111,8 @@ def test_adamw_equals_torch_adamw_in_fp32():
         ours.zero_grad()
         theirs.zero_grad()
     for a, b, s in zip(model.parameters(), reference.parameters(), start, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+        # torch rounds the moments' updates as lerp/addcmul (FMAs on CPU), ours op by op: a few ulps over 30 steps
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
         assert not torch.allclose(a, s, rtol=1e-3, atol=0)  # every parameter moved: the comparison means something
 
 
@@ -195,27 +196,42 @@ def test_stochastic_rounding_in_the_step_picks_a_neighbour_of_the_fp32_result():
     assert torch.equal(rtn, master.to(torch.bfloat16).float()) and not torch.equal(got, rtn)
 
 
-def test_stochastic_rounding_is_reproducible_and_resumes_from_the_generator_state():
-    def make(seed: int, params=None) -> AdamW:
-        params = params or make_params([torch.bfloat16, torch.float32] * 3 + [torch.bfloat16])
-        return AdamW(params, LOUD, no_decay={id(params[1])}, stochastic_rounding=True, seed=seed)
+def test_stochastic_rounding_is_reproducible_and_resumes_from_the_checkpointed_state_alone():
+    """The noise is a hash of (seed, step, element): a new optimizer loaded from a state dict (weights, moments, step
+    count: no generator state) rounds on exactly as the uninterrupted one; bf16 moments are rounded so too."""
 
-    a, b, other = make(0), make(0), make(1)
-    for opt in (a, b, other):
-        run(opt, range(10))
-    assert_bitwise_equal(a.params, b.params)
-    assert any(not torch.equal(x, y) for x, y in zip(a.params, other.params, strict=True))  # the seed matters
-    # a checkpoint after 4 steps (weights, moments, step count, the generator's state), resumed by a new optimizer
-    first = make(0)
-    run(first, range(4))
-    saved = {k: [t.clone() for t in v] if isinstance(v, list) else v.clone() for k, v in first.state_dict().items()}
-    rng = first.generator.get_state()
-    resumed = make(7, params=clone(first.params))
-    resumed.load_state_dict(saved)
-    resumed.generator.set_state(rng)
-    run(resumed, range(4, 10))
-    assert_bitwise_equal(resumed.params, a.params)
-    assert_bitwise_equal(resumed.exp_avg + resumed.exp_avg_sq, a.exp_avg + a.exp_avg_sq)
+    def make(seed: int, params=None, state_dtype: str = "fp32") -> AdamW:
+        params = params or make_params([torch.bfloat16, torch.float32] * 3 + [torch.bfloat16])
+        cfg = dataclasses.replace(LOUD, state_dtype=state_dtype)
+        return AdamW(params, cfg, no_decay={id(params[1])}, stochastic_rounding=True, seed=seed)
+
+    for state_dtype in ("fp32", "bf16"):
+        a, b, other = make(0, state_dtype=state_dtype), make(0, state_dtype=state_dtype), make(1)
+        for opt in (a, b, other):
+            run(opt, range(10))
+        assert_bitwise_equal(a.params, b.params)
+        assert any(not torch.equal(x, y) for x, y in zip(a.params, other.params, strict=True))  # the seed matters
+        first = make(0, state_dtype=state_dtype)
+        run(first, range(4))
+        saved = {k: [t.clone() for t in v] if isinstance(v, list) else v.clone() for k, v in first.state_dict().items()}
+        resumed = make(0, params=clone(first.params), state_dtype=state_dtype)
+        torch.manual_seed(99)  # the global RNG plays no part
+        resumed.load_state_dict(saved)
+        run(resumed, range(4, 10))
+        assert_bitwise_equal(resumed.params, a.params)
+        assert_bitwise_equal(resumed.exp_avg + resumed.exp_avg_sq, a.exp_avg + a.exp_avg_sq)
+
+
+def test_stochastic_rounding_noise_does_not_depend_on_how_a_group_is_cut_into_passes(monkeypatch):
+    """Eager steps cut a group into chunks (passes); the noise follows each element's place in its group, so one pass
+    or many give the same bits."""
+    results = []
+    for chunk_numel in (1 << 16, 40):
+        monkeypatch.setattr(adamw, "_CPU_CHUNK_NUMEL", chunk_numel)
+        opt = AdamW(make_params([torch.bfloat16] * len(SHAPES)), LOUD, stochastic_rounding=True, seed=5)
+        run(opt, range(3))
+        results.append(opt.params)
+    assert_bitwise_equal(*results)
 
 
 def test_no_decay_option_exempts_norms_and_biases():
@@ -239,11 +255,10 @@ def test_schedule_warmup_then_cosine_to_min_lr():
 
 
 def test_stochastic_rounding_is_unbiased_and_nearest_is_not():
-    gen = torch.Generator().manual_seed(0)
     # values between bf16 neighbours, where round-to-nearest always goes the same way
     x = torch.tensor([1.0 + 2**-9, 0.3 + 1e-4, -2.7183, 1e-3 + 1e-7], dtype=torch.float32)
     n = 200_000
-    samples = stochastic_round_bf16(x.repeat(n, 1), gen).float()
+    samples = stochastic_round_bf16(x.repeat(n, 1), seed=3, step=7).float()
     mean = samples.mean(0)
     assert torch.all(((mean - x) / x).abs() < 3e-5), (mean - x) / x
     nearest = x.to(torch.bfloat16).float()

@@ -109,6 +109,7 @@ def test_the_trainer_compiles_blocks_under_train_compile_and_learns_the_same(tmp
         trainer = Trainer(load_recipe("llama2-tiny", overrides=over))
         try:
             assert all(is_compiled(b) for b in trainer.model.layers) == (flag == "true")
+            assert (trainer.optimizer.compiled_update is not None) == (flag == "true")  # the step compiles with them
             result = trainer.run()
         finally:
             trainer.close()

@@ -108,8 +108,10 @@ class Backend:
     # ------------------------------------------------------------------ the step
     def make_optimizer(self, model: nn.Module, recipe: Recipe, dims: ParallelDims):
         """AdamW over the model's trained parameters; under ZeRO-1 (dims.zero1) each DP rank keeps moments for, and
-        updates, only its rows of each parameter (trnrecipes.optim.adamw)."""
-        from trnrecipes.optim.adamw import AdamW, no_decay_params, rounding_seed
+        updates, only its rows of each parameter (trnrecipes.optim.adamw). Where train.compile compiles the blocks,
+        the optimizer step is compiled too: one graph per parameter group."""
+        from trnrecipes.optim.adamw import AdamW, no_decay_params
+        from trnrecipes.optim.rounding import rounding_seed
 
         params = [p for p in model.parameters() if p.requires_grad]
         rows = [dims.zero1_rows(local_tensor(p).shape[0]) for p in params] if dims.zero1 else None
@@ -121,6 +123,7 @@ class Backend:
             stochastic_rounding=p.stochastic_rounding and p.dtype == "bf16" and not self.rounds_stochastically,
             seed=rounding_seed(recipe.train.seed, dims),
             rows=rows,
+            compile_backend=self.compile_backend if self.compiles(recipe) else None,
         )
 
     def optimizer_step(self, optimizer, dims: ParallelDims) -> None:

@@ -288,11 +288,9 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         raise OSError(code, os.strerror(code), str(path)) from err
 
 
-def rng_state(sr_generator: torch.Generator | None) -> dict[str, torch.Tensor]:
-    state = {"torch_cpu": torch.get_rng_state()}
-    if sr_generator is not None:
-        state["stochastic_rounding"] = sr_generator.get_state()
-    return state
+def rng_state() -> dict[str, torch.Tensor]:
+    # Stochastic rounding needs no state here: its noise is a hash of the step count (trnrecipes/optim/rounding.py).
+    return {"torch_cpu": torch.get_rng_state()}
 
 
 PRUNING = re.compile(r"^\.prune-step_\d+$")  # a step dir renamed for deletion: gone from view in one rename
@@ -395,5 +393,5 @@ def snapshot(
         files[stage_shards_file(dims.pp_rank, dims.pp)] = stage_dims
     if dims.tp_rank == 0 and dims.pp_rank == 0 and position is not None:
         files[data_file(dims.dp_rank)] = position.to_dict()
-    files[rng_file(dims.rank)] = rng_state(optimizer.generator)
+    files[rng_file(dims.rank)] = rng_state()
     return files

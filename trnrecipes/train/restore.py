@@ -79,10 +79,10 @@ def load(
     return TrainState(model, optimizer, int(path.name.split("_")[1]), position)
 
 
-def set_rng_state(state: dict[str, torch.Tensor], sr_generator: torch.Generator | None) -> None:
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    # Checkpoints written before the rounding noise became a hash of the step (trnrecipes/optim/rounding.py) also
+    # hold a "stochastic_rounding" generator state: nothing draws from it any more.
     torch.set_rng_state(state["torch_cpu"])
-    if sr_generator is not None and "stochastic_rounding" in state:
-        sr_generator.set_state(state["stochastic_rounding"])
 
 
 def full_shape(p: torch.Tensor, tp: int, dim: int | None) -> tuple[int, ...]:
@@ -147,7 +147,7 @@ def restore_training_state(
     # Rank r restores its RNG only where it is the same place in the same layout (the same stages and ZeRO-1 rows):
     # its stochastic-rounding stream then meets the same parameters it would have met uninterrupted.
     if saved_layout == (dims.pp, dims.dp, dims.tp, dims.world) and saved_place == (stage_layers, dims.zero1, dims.fsdp):
-        set_rng_state(load_tensors(path / rng_file(dims.rank)), optimizer.generator)
+        set_rng_state(load_tensors(path / rng_file(dims.rank)))
     why = "checkpoint.allow_changes changed the data order" if data_order_changed else None
     order = state.get("data_order", 1)  # checkpoints before order.py did not record it: version 1
     if why is None and order != DATA_ORDER:

@@ -1,0 +1,74 @@
+"""Stochastic rounding fp32 -> bf16 with counter-based noise: a hash of (seed, step, stream, element), no generator.
+
+Why a hash and not torch.randint with a seeded generator (what this was until the optimizer step was compiled):
+- A generator argument breaks torch.compile's graph (dynamo does not trace torch.Generator), so the compiled step
+  graph-broke and recompiled per parameter group; a hash is a few integer ops that compile into the same kernel as
+  the update (torch.compile, torch-xla and TorchNeuron's backend alike).
+- The noise is a pure function of the step count, so a resumed run draws what an uninterrupted one would with no
+  generator state in the checkpoint, and eager and compiled steps round bitwise alike.
+- It is keyed by each element's place in its parameter group (not by chunk), so how the eager step cuts a group into
+  passes does not change the noise.
+
+The hash is the 32-bit integer mixer of Thomas Mueller (two multiply-xorshift rounds, good avalanche), evaluated in
+int64 with every product below 2^59, so nothing relies on signed overflow wrapping (undefined in C, not promised by
+every compiler backend). The low 16 bits of the mix are the noise added to the 16 bits bf16 drops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # < 2^27: a 32-bit value times it stays below 2^59
+_GOLDEN = 0x9E3779B  # spreads the high word of a counter past 2^32 (groups over 4G elements: a 7B model at TP 1)
+
+# Streams of one parameter group: the weights and, with optim.state_dtype bf16, the two moments.
+WEIGHTS, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
+
+
+def mix32(x):
+    """A bijection of [0, 2^32), for Python ints and int64 tensors alike."""
+    x = (((x >> 16) ^ x) * _MUL) & _M32
+    x = (((x >> 16) ^ x) * _MUL) & _M32
+    return (x >> 16) ^ x
+
+
+def stream_constant(seed: int, group: int, stream: int) -> int:
+    """The step-independent half of a stream's key: one per (seed, parameter group, stream)."""
+    return mix32(mix32(seed & _M32) ^ ((group * 3 + stream) & _M32))
+
+
+def stream_key(step_count: torch.Tensor, constant: int) -> torch.Tensor:
+    """The key of a stream at a step (an int64 0-dim tensor on the step count's device): the step count stays a
+    tensor, so a traced or compiled graph takes it as input data and every step runs the same graph."""
+    return mix32(mix32(step_count.to(torch.int64)) ^ constant)
+
+
+def noise16(numel: int, start: int, key: torch.Tensor) -> torch.Tensor:
+    """int32 noise in [0, 2^16) for the elements start .. start + numel - 1 of a stream."""
+    counter = torch.arange(start, start + numel, dtype=torch.int64, device=key.device)
+    x = (counter & _M32) ^ ((counter >> 32) * _GOLDEN & _M32) ^ key
+    return (mix32(x) & 0xFFFF).to(torch.int32)
+
+
+def round_flat_(flat: torch.Tensor, start: int, key: torch.Tensor) -> torch.Tensor:
+    """fp32 `flat` (1-D) rounded stochastically to values bf16 holds exactly, in place; returns it. Adding noise
+    uniform in [0, 2^16) to the 16 bits bf16 drops and truncating rounds up with probability equal to the distance
+    from the lower neighbour, so E[round(x)] = x; the result's low 16 bits are zero, so a copy to bf16 is exact."""
+    bits = flat.view(torch.int32)
+    bits.add_(noise16(flat.numel(), start, key)).bitwise_and_(-65536)  # -65536 == 0xFFFF0000
+    return flat
+
+
+def stochastic_round_bf16(x: torch.Tensor, seed: int = 0, step: int = 0) -> torch.Tensor:
+    """fp32 -> bf16, rounded stochastically with the noise of stream (seed, group 0, weights) at `step`."""
+    key = stream_key(torch.tensor(step, device=x.device), stream_constant(seed, 0, WEIGHTS))
+    flat = x.detach().float().flatten().clone()
+    return round_flat_(flat, 0, key).view(x.shape).to(torch.bfloat16)
+
+
+def rounding_seed(seed: int, dims) -> int:
+    """Seed of the stochastic-rounding noise: one per TP rank, the same on every DP replica. The replicas apply the
+    same averaged update to the same weights; different noise would round them apart, and nothing re-syncs them.
+    (Under ZeRO-1 each row is rounded by one rank and then shared, so the replicas agree either way.)"""
+    return seed + dims.tp_rank
