@@ -29,6 +29,8 @@ CASES: list[tuple[str, int, str]] = [
     ("pythia-tiny", 1, ""), ("pythia-tiny", 2, ""),
     ("llama2-tiny", 1, ""), ("llama2-tiny", 2, ""),
     ("bert-base-cls", 1, ""), ("m5-encoder-mlp", 1, ""), ("m5-encoder-mlp", 2, ""),
+    ("llama3.1-8b", 32, ""), ("llama3.1-70b", 32, ""), ("llama3.1-8b-trn2", 4, ""), ("llama3.1-70b-trn2", 8, ""),
+    ("llama3.1-tiny", 1, ""),
 ]  # fmt: skip
 
 

@@ -59,6 +59,8 @@ def refused(overrides: list[str] | str, nodes: int | None = None, recipe: str = 
 def recipe_with(key: str) -> str:
     """RECIPE, or for a model key its family lacks, the tiny recipe of a family that has it."""
     field = key.removeprefix("model.")
+    if field.startswith("rope_scaling."):  # a nested section, set in the Llama 3.1 recipes only
+        return "llama3.1-tiny"
     if field == key or field in {f.name for f in dataclasses.fields(load_recipe(RECIPE).model)}:
         return RECIPE
     return next(f"{n}-tiny" for n, s in FAMILIES.items() if field in {f.name for f in dataclasses.fields(s.config)})

@@ -16,6 +16,14 @@ from trnrecipes.models import build_model
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
+def save_random(model, path) -> None:
+    """Weights drawn N(0, 0.1) (transformers' init leaves norms at one and biases at zero), saved as HF saves them."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+
+
 def tiny_hf_dir(path, family: str):
     torch.manual_seed(0)
     if family == "neox":
@@ -30,10 +38,7 @@ def tiny_hf_dir(path, family: str):
             intermediate_size=96, max_position_embeddings=64,
         )  # fmt: skip
         model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.1)
-    model.save_pretrained(path)
+    save_random(model, path)
     # A real (word-level) tokenizer, so the tokenizer files travel through both conversions.
     vocab = {f"w{i}": i for i in range(63)} | {"[UNK]": 63}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))

@@ -70,10 +70,17 @@ def test_spec_part_counts_equal_the_models_parts_on_the_meta_device(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_numeric_field_has_a_bound(name):
-    spec = FAMILIES[name]
-    hints = typing.get_type_hints(spec.config)
-    numeric = {n for n, tp in hints.items() if tp in (int, float) or set(typing.get_args(tp)) & {int, float}}
-    assert sorted(spec.bounds) == sorted(numeric)
+    def numeric(cls, prefix: str = "") -> set[str]:
+        found = set()
+        for n, tp in typing.get_type_hints(cls).items():
+            nested = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
+            if nested:  # a section of the model's (model.rope_scaling): its fields, dotted
+                found |= numeric(nested[0], f"{prefix}{n}.")
+            elif tp in (int, float) or set(typing.get_args(tp)) & {int, float}:
+                found.add(prefix + n)
+        return found
+
+    assert sorted(FAMILIES[name].bounds) == sorted(numeric(FAMILIES[name].config))
 
 
 @pytest.mark.parametrize("name", NAMES)

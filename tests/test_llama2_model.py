@@ -31,7 +31,16 @@ SHAPES = [
 VOCAB, LAYERS, SEQ = 256, 2, 24
 
 
-def hf_model(hidden, heads, kv, ffn, theta, attn="eager", seed=0):
+# Llama 3.1's rope scaling at a toy context: with head_dim 16 and theta 500,000 the wavelengths run from 6 to 6e5
+# positions, so an original context of 32 puts some below high_freq_wavelen (8: kept), some between (smoothed) and the
+# rest above low_freq_wavelen (32: divided by the factor).
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}  # fmt: skip
+
+
+def hf_model(hidden, heads, kv, ffn, theta, attn="eager", seed=0, rope=None):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB,
@@ -42,7 +51,7 @@ def hf_model(hidden, heads, kv, ffn, theta, attn="eager", seed=0):
         num_key_value_heads=kv,
         max_position_embeddings=64,
         rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": theta},
         initializer_range=0.1,  # larger than 0.02 so attention is far from uniform and the test has teeth
         attn_implementation=attn,
     )
@@ -87,6 +96,61 @@ def test_logits_match_hf_both_ways(hidden, heads, kv, ffn, theta):
     fresh.load_state_dict(back, strict=True)
     with torch.no_grad():
         torch.testing.assert_close(fresh(tokens).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_llama3_rope_scaling_matches_hf_logits_loss_and_hidden_states():
+    """Llama 3.1's shape in small: GQA 8/2, theta 500,000 with rope_type llama3 (every frequency regime in use: see
+    LLAMA3_ROPE), an untied head. Logits, the loss and every hidden state equal transformers'; plain RoPE would not."""
+    hf = hf_model(128, 8, 2, 200, 500000.0, rope=LLAMA3_ROPE)
+    ours, args = ours_from_hf(hf)
+    assert args.rope_scaling is not None and args.rope_scaling.original_max_seq_len == 32
+    assert (args.rotary_base, args.rope_scaling.factor) == (500000.0, 8.0)
+    tokens = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(tokens, labels=tokens, output_hidden_states=True)
+        x = ours.embed(tokens)
+        states = [x]
+        for layer in ours.layers:
+            x = layer(x)
+            states.append(x)
+        states[-1] = ours.norm(x)  # transformers' last hidden state is after the final norm
+        labels = torch.cat([tokens[:, 1:], torch.full((2, 1), -100)], dim=1)
+        loss = ours(tokens, labels=labels)
+        logits = ours(tokens)
+    assert len(ref.hidden_states) == len(states)
+    for got, want in zip(states, ref.hidden_states, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref.loss, rtol=1e-6, atol=1e-6)
+    plain, _ = ours_from_hf(hf_model(128, 8, 2, 200, 500000.0))  # the same weights (seed 0), no rope scaling
+    with torch.no_grad():
+        assert max_rel_err(plain(tokens), ref.logits) > 1e-3  # the scaling is what made them equal
+    back = state_dict_to_hf(ours.state_dict(), args)
+    assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())  # to-hf: bit-exact
+
+
+def test_llama3_config_json_as_meta_ships_it_and_as_transformers_5_writes_it():
+    """Meta's Llama 3.1 config.json (transformers 4: rope_scaling + top-level rope_theta) and transformers 5's
+    (rope_parameters) read as the same model; ours writes both spellings, and transformers reads ours back."""
+    meta = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "hidden_act": "silu",
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000,
+        "eos_token_id": 128001, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    args = args_from_hf_config(meta)
+    assert (args.vocab_size, args.num_kv_heads, args.rotary_base, args.max_seq_len) == (128256, 8, 500000.0, 131072)
+    assert args.rope_scaling.original_max_seq_len == 8192 and args.rope_scaling.high_freq_factor == 4.0
+    assert args.param_count() == 8_030_261_248  # Llama 3.1 8B, as Meta gives it
+    written = hf_config_from_args(args)
+    assert (written["bos_token_id"], written["eos_token_id"]) == (128000, 128001)
+    cfg = transformers.LlamaConfig(**written)
+    assert cfg.rope_parameters["rope_type"] == "llama3" and cfg.rope_parameters["factor"] == 8.0
+    assert args_from_hf_config(cfg.to_dict()) == args
+    assert args_from_hf_config({k: v for k, v in written.items() if k != "rope_parameters"}) == args
 
 
 def test_matches_hf_sdpa_attention_too():
@@ -138,6 +202,11 @@ def test_config_round_trip_through_transformers():
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "linear"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "without .'low_freq_factor'"),
+        (
+            {"rope_parameters": {**LLAMA3_ROPE, "low_freq_factor": 4.0}},
+            "high_freq_factor 4.0 must be above low_freq_factor 4.0",
+        ),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
         ({"head_dim": 32}, "head_dim"),
     ],

@@ -129,6 +129,30 @@ def install_fake_nxd(
         def __init__(self, *args, input_is_parallel=False, **kwargs):
             super().__init__(*args, input_is_parallel=input_is_parallel, **kwargs)
 
+    class GQAQKVColumnParallelLinear(nn.Module):
+        """NxD 2.29's (src/neuronx_distributed/modules/qkv_linear.py): its constructor's arguments and defaults, the
+        local sizes it allocates (q: output_sizes[0] / tp rows, k and v: output_sizes[1] * kv_size_multiplier / tp
+        each) in one fused weight_qkv [q | k | v] tagged as a column-parallel weight, and a forward returning
+        (q, k, v); not its collectives (the KV-group gradient sum)."""
+
+        def __init__(self, input_size, output_sizes, bias=True, gather_output=True, dtype=torch.float32, device=None,
+                     init_method=None, sequence_parallel_enabled=False, keep_master_weight=False,
+                     kv_size_multiplier=1, fuse_qkv=True, reduce_dtype=torch.float32):  # fmt: skip
+            super().__init__()
+            assert tp % kv_size_multiplier == 0 and (output_sizes[1] * kv_size_multiplier) % tp == 0
+            self.q_out, self.kv_out = output_sizes[0] // tp, output_sizes[1] * kv_size_multiplier // tp
+            self.weight_qkv = nn.Parameter(torch.empty(self.q_out + 2 * self.kv_out, input_size, dtype=dtype))
+            tag(self.weight_qkv, 0)
+            built.append({"layer": "GQAQKVColumnParallelLinear", "dtype": dtype, "reduce_dtype": reduce_dtype,
+                          "init_method": init_method, "output_sizes": output_sizes, "bias": bias,
+                          "gather_output": gather_output, "kv_size_multiplier": kv_size_multiplier,
+                          "fuse_qkv": fuse_qkv, "sp": (sequence_parallel_enabled, None)})  # fmt: skip
+            if init_method is not None:
+                init_method(self.weight_qkv)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight_qkv).split([self.q_out, self.kv_out, self.kv_out], -1)
+
     class ParallelEmbedding(nn.Embedding):
         def __init__(self, num_embeddings, embedding_dim, *, init_method=None, dtype=torch.float32):
             super().__init__(num_embeddings // tp, embedding_dim, dtype=dtype)
@@ -198,6 +222,8 @@ def install_fake_nxd(
             initialize_model_parallel=initialize_model_parallel,
             calls=state_calls,
         ),
+        "neuronx_distributed.modules": {},
+        "neuronx_distributed.modules.qkv_linear": dict(GQAQKVColumnParallelLinear=GQAQKVColumnParallelLinear),
         "neuronx_distributed.parallel_layers.grads": dict(
             bucket_allreduce_gradients=bucket_allreduce_gradients,
             clip_grad_norm=clip_grad_norm,

@@ -1,6 +1,7 @@
 """Run under torchrun (or alone) by tests/test_train.py: a few optimizer steps of a tiny recipe on FIXED micro-batches
-through the real Trainer, saving the averaged full gradients of the first step, the grad norms and the final weights
-(and, per rank, that rank's own weights in OUT.rankN).
+through the real Trainer, saving the averaged full gradients of the first step, the losses, the grad norms and the
+final weights
+(and, per rank, that rank's own weights in OUT.rankN, as plain local tensors in OUT.rankN.local).
 
     python tests/train_worker.py OUT.pt RECIPE [k=v ...]      (TRAIN_WORKER_STEPS optimizer steps, default 3)
 Micro-batch i of a step is the same for every layout: a DP rank takes its contiguous share of the step's batches.
@@ -15,7 +16,8 @@ import sys
 import torch
 
 from trnrecipes.config.recipe import load_recipe
-from trnrecipes.parallel.dims import full_tensor
+from trnrecipes.parallel.dims import local_tensor
+from trnrecipes.parallel.kv_replication import layouts, stored_full
 from trnrecipes.plan.layout import compute_layout
 from trnrecipes.train.loop import Trainer
 
@@ -36,19 +38,24 @@ def main() -> None:
     out, name, *overrides = sys.argv[1:]
     trainer = Trainer(load_recipe(name, overrides=overrides), run_dir=None)
     grad_accum = compute_layout(trainer.recipe).grad_accum
-    first_grads, norms = {}, []
+    first_grads, norms, losses = {}, [], []
     for step, mine in enumerate(fixed_steps(trainer, 3)):
-        trainer.accumulate(iter(mine), grad_accum)
+        losses.append(float(trainer.accumulate(iter(mine), grad_accum)))  # this rank's (DP 1: the step's) mean loss
         norms.append(float(trainer.reduce_and_clip()))
-        if step == 0:
-            first_grads = {n: full_tensor(p.grad).detach().clone() for n, p in trainer.model.named_parameters()}
+        if step == 0:  # in the stored layout: replicated KV heads once (trnrecipes/parallel/kv_replication.py)
+            replicated = layouts(trainer.model)
+            first_grads = {
+                n: stored_full(p.grad, replicated.get(n)).detach().clone() for n, p in trainer.model.named_parameters()
+            }
         trainer.optimizer_step(step)
     params = trainer.full_state_dict()  # a collective under TP: every rank takes part
     if trainer.dims.rank == 0:
-        torch.save({"grads": first_grads, "norms": norms, "params": params}, out)
+        torch.save({"grads": first_grads, "norms": norms, "losses": losses, "params": params}, out)
     # Every rank's own weights too: DP replicas must end up bitwise equal.
     local = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     torch.save(local, f"{out}.rank{trainer.dims.rank}")
+    own = {n: local_tensor(p).detach().clone() for n, p in trainer.model.named_parameters()}  # plain: TP shards
+    torch.save(own, f"{out}.rank{trainer.dims.rank}.local")
     moments = sum(m.numel() for m in trainer.optimizer.exp_avg + trainer.optimizer.exp_avg_sq)
     params_numel = sum(p.numel() for p in local.values())
     json.dump({"moments": moments, "params": params_numel}, open(f"{out}.rank{trainer.dims.rank}.json", "w"))

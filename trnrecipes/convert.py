@@ -154,10 +154,11 @@ def to_hf(ckpt: Path, out: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         save_file(family.hf.state_dict_to_hf(state, args), tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(family.hf.hf_config_from_args(args), indent=2) + "\n")
         recipe_tokenizer = REPO_ROOT / recipe.data.tokenizer  # recipe paths are relative to the checkout
         if tokenizer_dir is None and recipe_tokenizer.is_dir():
             tokenizer_dir = recipe_tokenizer
+        config = family.hf.hf_config_from_args(args) | _special_ids(tokenizer_dir)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for f in _tokenizer_files(tokenizer_dir) if tokenizer_dir else []:
             shutil.copy2(f, tmp / f.name)
         # read back just after writing (from the page cache): the sha256 a reuse is checked against
@@ -170,6 +171,21 @@ def to_hf(ckpt: Path, out: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _special_ids(tokenizer_dir: Path | None) -> dict[str, int]:
+    """bos_token_id / eos_token_id of the tokenizer that travels with the export (generation stops at its eos), where
+    it names them; the family's defaults stand otherwise."""
+    if tokenizer_dir is None or not (tokenizer_dir / "tokenizer.json").is_file():
+        return {}
+    from trnrecipes.data.tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        tok = load_tokenizer(tokenizer_dir)
+    except TokenizerError:  # e.g. no eos_token named: the export copies the files as they are
+        return {}
+    ids = {"eos_token_id": tok.eos_id, "bos_token_id": tok.bos_id}
+    return {k: v for k, v in ids.items() if v is not None}
 
 
 def _tokenizer_files(directory: Path) -> list[Path]:

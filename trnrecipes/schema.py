@@ -157,6 +157,9 @@ def _convert(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        arms = [a for a in args if a is not type(None)]
+        if len(arms) == 1 and dataclasses.is_dataclass(arms[0]) and isinstance(value, dict):
+            return _convert_dataclass(arms[0], value, where, problems)  # a section or null: its own field's errors
         for arg in args:
             if arg is type(None):
                 continue

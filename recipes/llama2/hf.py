@@ -8,6 +8,9 @@ from __future__ import annotations
 import torch
 
 from .model import Llama2Args
+from .spec import RopeScaling
+
+LLAMA3_VOCAB = 128256  # Llama 3's tiktoken-style BPE: 128,000 tokens and 256 reserved special ones
 
 # HF keeps rotary inverse frequencies as non-persistent buffers; older checkpoints saved them anyway.
 _HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
@@ -18,6 +21,31 @@ def _rope_theta(cfg: dict) -> float:
     if "rope_theta" in params:  # transformers >= 5 writes it here
         return float(params["rope_theta"])
     return float(cfg.get("rope_theta", 10000.0))  # transformers 4 and original Llama 2 config.json
+
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_scaling(cfg: dict) -> tuple[RopeScaling | None, list[str]]:
+    """The RoPE scaling of a config.json: None (default RoPE) or Llama 3's, from transformers 5's rope_parameters or
+    4.x's rope_scaling (what Meta's Llama 3.1 config.json has); problems for any other kind."""
+    for key in ("rope_parameters", "rope_scaling"):  # 5.x and 4.x spellings
+        rope = cfg.get(key) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "default":
+            continue
+        if rope_type != "llama3":
+            return None, [f"{key} with rope_type {rope_type!r} (supported: 'default', 'llama3')"]
+        if missing := [k for k in _LLAMA3_KEYS if k not in rope]:
+            return None, [f"{key} of rope_type 'llama3' without {missing}"]
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_seq_len=int(rope["original_max_position_embeddings"]),
+        )
+        return scaling, scaling.problems()
+    return None, []
 
 
 def args_from_hf_config(cfg: dict) -> Llama2Args:
@@ -32,11 +60,8 @@ def args_from_hf_config(cfg: dict) -> Llama2Args:
             problems.append(f"{key}=true (projections have no bias here)")
     if cfg.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {cfg['hidden_act']!r} (need 'silu')")
-    for key in ("rope_parameters", "rope_scaling"):  # 5.x and 4.x spellings
-        rope = cfg.get(key) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            problems.append(f"{key} with rope_type {rope_type!r} (only default RoPE is supported)")
+    scaling, scaling_problems = _rope_scaling(cfg)
+    problems += scaling_problems
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim")
     if head_dim is not None and head_dim * heads != hidden:
@@ -52,6 +77,7 @@ def args_from_hf_config(cfg: dict) -> Llama2Args:
         ffn_hidden_size=cfg["intermediate_size"],
         max_seq_len=cfg.get("max_position_embeddings", 2048),
         rotary_base=_rope_theta(cfg),
+        rope_scaling=scaling,
         norm_eps=cfg.get("rms_norm_eps", 1e-6),  # LlamaConfig's default when the key is absent
         init_std=cfg.get("initializer_range", 0.02),
     )
@@ -60,6 +86,17 @@ def args_from_hf_config(cfg: dict) -> Llama2Args:
 def hf_config_from_args(args: Llama2Args) -> dict:
     """A config.json dict that transformers.LlamaConfig(**d) (5.x, and 4.x) reads back as this model."""
     theta = float(args.rotary_base)
+    rope = {"rope_type": "default", "rope_theta": theta}
+    scaling = args.rope_scaling
+    if scaling is not None:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": theta,
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_seq_len,
+        }
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -75,14 +112,17 @@ def hf_config_from_args(args: Llama2Args) -> dict:
         "initializer_range": args.init_std,
         "rms_norm_eps": args.norm_eps,
         # transformers 5 reads rope_parameters (and prefers it over a top-level rope_theta); 4.x reads rope_theta.
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_parameters": rope,
         "rope_theta": theta,
+        **({"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}} if scaling is not None else {}),
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
         "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
+        # Llama 2's tokenizer's; Llama 3's (128000, 128001) where the vocabulary is its: `convert to-hf` writes
+        # the ids of the checkpoint's own tokenizer over these when it has one.
+        "bos_token_id": 128000 if args.vocab_size == LLAMA3_VOCAB else 1,
+        "eos_token_id": 128001 if args.vocab_size == LLAMA3_VOCAB else 2,
         "dtype": "float32",  # transformers 5 name; it warns that torch_dtype is deprecated
     }
 

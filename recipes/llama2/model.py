@@ -1,4 +1,5 @@
-"""Llama 2 in plain single-device PyTorch, numerically equal to Hugging Face's LlamaForCausalLM.
+"""Llama 2 (and Llama 3.1: rope_scaling) in plain single-device PyTorch, numerically equal to Hugging Face's
+LlamaForCausalLM.
 
 The projections are fused (qkv, gate_up) with row layouts chosen so that a contiguous row shard of size
 out/tp holds whole KV groups / whole FFN units for any tp that divides num_kv_heads / ffn_hidden_size. The
@@ -12,6 +13,8 @@ and sets `head_loss` for a tensor-parallel head. `args.activation_checkpointing`
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,7 +22,7 @@ from torch import nn
 from recipes.common.attention import CoreAttention
 from recipes.common.init import Init, init_full, standard_init_rules
 from recipes.common.loss import fused_head_loss
-from recipes.llama2.spec import Llama2Config
+from recipes.llama2.spec import Llama2Config, RopeScaling
 
 Llama2Args = Llama2Config  # the recipe's model section is the model's arguments: one definition of the fields
 
@@ -37,13 +40,37 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device, dtype: torch.dtype):
-    """cos/sin [seq, head_dim] for positions 0..seq-1, computed in float32 exactly as HF does.
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3's frequency scaling of RoPE's inverse frequencies, op for op as transformers' llama3 rope init
+    (modeling_rope_utils._compute_llama3_parameters), so the cos/sin tables are bitwise HF's."""
+    old_context = scaling.original_max_seq_len
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_cos_sin(
+    seq_len: int,
+    head_dim: int,
+    base: float,
+    device: torch.device,
+    dtype: torch.dtype,
+    scaling: RopeScaling | None = None,
+):
+    """cos/sin [seq, head_dim] for positions 0..seq-1, computed in float32 exactly as HF does (with Llama 3's
+    frequency scaling where the model has it).
 
     Recomputed every forward rather than cached in a buffer: it is tiny next to the model, and a buffer made at
     construction would be garbage after meta-device init + to_empty() unless every caller remembered to refill it.
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
     freqs = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -60,7 +87,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = args.head_dim
         self.q_per_kv = args.num_heads // args.num_kv_heads  # the same on every TP rank
-        self.rotary_base = args.rotary_base
+        self.rotary_base, self.rope_scaling = args.rotary_base, args.rope_scaling
         # Rows grouped per KV group g: [q heads of group g | k head g | v head g], so row shards keep whole groups.
         self.qkv = nn.Linear(args.hidden_size, (args.num_heads + 2 * args.num_kv_heads) * args.head_dim, bias=False)
         self.out = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=False)
@@ -76,7 +103,7 @@ class Attention(nn.Module):
         q = q.reshape(b, s, groups * qpk, hd).transpose(1, 2)  # query head g*qpk + j uses kv head g, as in HF
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [b, groups, s, hd]
 
-        cos, sin = rotary_cos_sin(s, hd, self.rotary_base, x.device, x.dtype)
+        cos, sin = rotary_cos_sin(s, hd, self.rotary_base, x.device, x.dtype, self.rope_scaling)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
 
@@ -118,7 +145,7 @@ class Llama2(nn.Module):
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.norm_eps)
-        self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)  # untied from embed, as in Llama 2
+        self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)  # untied from embed, as in Llama 2 and 3.1
         # No init here: construction on the meta device stays free. Callers run init_weights() (or load weights).
         # How forward turns the final hidden states into the loss: a plain function, not a module (no parameters,
         # no state dict entry). The parallelize step swaps in logits_loss when the head is tensor parallel.

@@ -11,7 +11,8 @@ from torch import nn
 
 from trnrecipes.backends.base import Backend
 from trnrecipes.config.sections import NodeError
-from trnrecipes.parallel.dims import full_tensor, local_tensor
+from trnrecipes.parallel import kv_replication
+from trnrecipes.parallel.dims import local_tensor
 from trnrecipes.parallel.fsdp import apply_fsdp, mesh_dim_placement, reshard
 from trnrecipes.parallel.pipeline import TorchPipeline, parameter_order
 
@@ -57,7 +58,10 @@ class TorchBackend(Backend):
     def tensor_parallel(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
         from trnrecipes.parallel.tensor import apply_tensor_parallel
 
+        layout = kv_replication.replicate_kv(model, dims.tp) if hasattr(model.args, "num_kv_heads") else None
         apply_tensor_parallel(model, dims.mesh["tp"], recipe.model.family, recipe.layout.sequence_parallel)
+        if layout is not None:  # TP wider than the KV heads: each KV head on tp / kv ranks
+            dims.kv_group = kv_replication.kv_groups(dims.mesh, dims.tp, layout)
 
     def parallelize(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
         super().parallelize(model, recipe, dims)
@@ -76,6 +80,8 @@ class TorchBackend(Backend):
         local_grads = _local_grads(model)
         if not dims.fsdp:  # FSDP's reduce-scatter has averaged them already
             dims.average_over_dp(local_grads)
+        if dims.kv_group is not None:  # replicated KV heads: each copy's gradient is its own query heads' share
+            kv_replication.sync_grads(model, dims.kv_group)
         grad_norm = self._global_norm(model, dims, grads=True)
         if max_norm > 0:
             scale = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
@@ -97,11 +103,14 @@ class TorchBackend(Backend):
         names = parameter_order(model)
         squares = torch.zeros(len(names), dtype=torch.float32, device=self.device)
         index = {name: i for i, name in enumerate(names)}
+        replicated = kv_replication.layouts(model)
         for name, p in model.named_parameters():
             t = p.grad if grads else p
             if t is not None:
                 # FSDP: this rank's rows only, summed over DP below (gathering each tensor would move the model).
-                squares[index[name]] = (local_tensor(t) if dims.fsdp else full_tensor(t)).float().pow(2).sum()
+                # a replicated KV head counts once
+                whole = local_tensor(t) if dims.fsdp else kv_replication.stored_full(t, replicated.get(name))
+                squares[index[name]] = whole.float().pow(2).sum()
         if dims.fsdp:
             _sum_fsdp_squares(squares, model, index, dims)
         dims.sum_over_pp(squares)  # each entry is non-zero on one stage only: the sum is exact

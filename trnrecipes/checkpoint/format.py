@@ -27,7 +27,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,7 +39,8 @@ from trnrecipes.config.families import FAMILIES
 from trnrecipes.config.recipe import read_recipe_file, recipe_from_dict
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.files.run_files import DONE, MANIFEST, STEP_DIR
-from trnrecipes.parallel.sharding import Region, shard_region
+from trnrecipes.parallel.kv_replication import KVReplication, from_description
+from trnrecipes.parallel.sharding import Region, chunk_range, shard_region
 from trnrecipes.schema import clipped, shown
 
 FORMAT = 2
@@ -282,6 +283,8 @@ class Shards:
     optim_dp: int  # DP slices of each TP rank's optimizer state (ZeRO-1), 1 without it
     dims: dict[str, int | None]  # tensor name -> the dim its TP shards split, or None
     stage: dict[str, int]  # tensor name -> the pipeline stage whose files hold it (0 without PP)
+    # tensor name -> how its rows replicate KV heads over TP (trnrecipes/parallel/kv_replication.py); most have none
+    kv: dict[str, KVReplication] = field(default_factory=dict)
 
 
 def _whole(path: Path, key: str, value: object, top: int) -> int:
@@ -299,6 +302,7 @@ def read_shards(path: Path) -> Shards:
     files = [SHARDS] if pp == 1 else [stage_shards_file(p, pp) for p in range(pp)]
     dims: dict[str, int | None] = {}
     stage: dict[str, int] = {}
+    kv: dict[str, KVReplication] = {}
     for p, name in enumerate(files):
         part = top if pp == 1 else read_json(path / name)
         part_dims = part.get("dims")
@@ -311,7 +315,17 @@ def read_shards(path: Path) -> Shards:
                     " share a tensor"
                 )
             dims[key], stage[key] = dim, p
-    return Shards(tp, pp, dp, dims, stage)
+        for key, value in (part.get("kv_replication") or {}).items():
+            try:
+                kv[key] = from_description(value)
+            except (TypeError, ValueError) as err:
+                raise CheckpointError(f"{path / name}: kv_replication of {key}: {clipped(err)}") from None
+            if kv[key].tp != tp or dims.get(key) != 0:
+                raise CheckpointError(
+                    f"{path / name}: kv_replication of {key} is for TP {kv[key].tp} split on dim 0, but the"
+                    f" checkpoint has TP {tp} and dim {shown(dims.get(key))}"
+                )
+    return Shards(tp, pp, dp, dims, stage, kv)
 
 
 class ShardReader:
@@ -368,6 +382,11 @@ class ShardReader:
                 f"{self.path / SHARDS}: {param} has shard dim {shown(dim)}, not a dim of {full_shape}"
             )
         want = Region(tuple(start), tuple(dest.shape))
+        if param in self.shards.kv:
+            covered = self._read_replicated(key, self.shards.kv[param], dest, want, full_shape)
+            if covered != want.numel:
+                raise CheckpointError(f"{self.path}: the saved rows of {key} do not cover {want} of {list(full_shape)}")
+            return
         covered = 0
         for t in range(self.tp) if dim is not None else [0]:  # a replicated tensor: every TP rank saved it whole
             for d in range(self.dp):
@@ -394,6 +413,51 @@ class ShardReader:
                 covered += part.numel
         if covered != want.numel:
             raise CheckpointError(f"{self.path}: the saved shards of {key} do not cover {want} of {list(full_shape)}")
+
+    def _read_replicated(
+        self, key: str, kv: KVReplication, dest: torch.Tensor, want: Region, full_shape: tuple[int, ...]
+    ) -> int:
+        """Fill `dest` (region `want` of the stored tensor) from files that hold each TP rank's rows of a
+        KV-replicated tensor (kv_replication.py): its query-head rows and its group's k/v rows, under ZeRO-1 a DP
+        slice of those; k/v taken from each group's first copy. Returns the elements filled."""
+        param = key.split(".", 1)[1] if self.prefix == "optim" else key
+        rest = tuple(full_shape[1:])
+        if full_shape[0] != kv.stored_rows:
+            raise CheckpointError(
+                f"{self.path / SHARDS}: {param} replicates {kv.kv_heads} KV heads of {kv.stored_group_rows} rows, not"
+                f" the {full_shape[0]} rows of this recipe's tensor: its weights do not fit this recipe's model"
+            )
+        covered = 0
+        for t in range(self.tp):
+            for d in range(self.dp):
+                held_start, held_stop = chunk_range(kv.local_rows, self.dp, d)
+                pieces = kv.row_pieces(t, held_start, held_stop)
+                if kv.holds_kv_copy(t):  # k/v rows come from the first copy
+                    pieces = [p for p in pieces if p[1] % kv.stored_group_rows < kv.q_per_kv * kv.head_dim]
+                file = self._file(param, t, d)
+                for in_file, stored_row, n in pieces:
+                    held = Region((stored_row, *[0] * len(rest)), (n, *rest))
+                    part = want.intersect(held)
+                    if part is None:
+                        continue
+                    rows = part.slices_within(held)
+                    rows = (slice(in_file + rows[0].start, in_file + rows[0].stop), *rows[1:])
+                    try:
+                        piece = self._handle(file).get_slice(key)
+                        if tuple(piece.get_shape()) != (held_stop - held_start, *rest):
+                            raise CheckpointError(
+                                f"{self.path / file}: {key} is {list(piece.get_shape())}, but TP rank {t} holds"
+                                f" {held_stop - held_start} of its rows: its weights do not fit this recipe's model"
+                            )
+                        values = piece[rows]
+                    except CheckpointError:
+                        raise
+                    except Exception as err:
+                        raise CheckpointError(f"{self.path / file}: cannot read {key} ({clipped(err)})") from None
+                    with torch.no_grad():
+                        dest[part.slices_within(want)].copy_(values)
+                    covered += part.numel
+        return covered
 
 
 def load_tensors(file: Path) -> dict[str, torch.Tensor]:
@@ -468,6 +532,10 @@ def consolidate(path: Path) -> dict[str, torch.Tensor]:
         for name, tensor in parts[0].items():
             if name in full:
                 raise CheckpointError(f"{path}: {name} is in more than one pipeline stage's weights")
+            if (kv := shards.kv.get(name)) is not None:  # each TP rank's rows of a replicated-KV tensor
+                full[name] = torch.empty((kv.stored_rows, *tensor.shape[1:]), dtype=tensor.dtype)
+                ShardReader(path, "model").read_into(name, full[name], tuple(full[name].shape), (0,) * tensor.dim())
+                continue
             dim = shards.dims.get(name)
             try:
                 full[name] = tensor if dim is None or shards.tp == 1 else torch.cat([t[name] for t in parts], dim=dim)

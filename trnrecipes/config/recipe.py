@@ -256,8 +256,11 @@ def model_bounds(family: str) -> dict[str, Bound]:
 
 
 def _field(r: Recipe, key: str) -> Any:
+    """The value at a dotted key; None where a section on the way is unset (model.rope_scaling without scaling)."""
     value: Any = r
     for part in key.split("."):
+        if value is None:
+            return None
         value = getattr(value, part)
     return value
 
@@ -310,6 +313,27 @@ def _data_problems(r: Recipe) -> list[str]:
     twice = sorted({p for p in paths if paths.count(p) > 1})
     if twice:
         problems.append(f"data.sources: {shown(twice[0])} is listed twice; give each corpus once, weighted")
+    return problems
+
+
+def kv_replication_problems(r: Recipe) -> list[str]:
+    """With TP wider than the KV heads (trnrecipes/parallel/kv_replication.py): what is not built with it yet."""
+    kv, tp = getattr(r.model, "num_kv_heads", None), r.layout.tp
+    if kv is None or tp <= kv:
+        return []
+    why = f"layout.tp {tp} over model.num_kv_heads {kv} replicates each KV head on {tp // kv} ranks"
+    problems = []
+    if r.cluster.backend == "xla":
+        problems.append(
+            f"{why}, which is built on cpu, cuda and neuron-native (DTensor) and on neuron (NxD's GQA QKV layer), not"
+            f" on plain torch-xla: use a layout.tp that divides {kv}"
+        )
+    for on, what in (
+        (r.layout.fsdp, "layout.fsdp"),
+        (r.precision.stochastic_rounding, "precision.stochastic_rounding"),
+    ):
+        if on:
+            problems.append(f"{why}, which is not built with {what} yet (the copies must stay bitwise equal)")
     return problems
 
 
@@ -386,6 +410,7 @@ def check_recipe(r: Recipe) -> list[str]:
         f"train.compile true with layout.tp {r.layout.tp}: compiled blocks with tensor-parallel DTensors fail in"
         " backward on the torch this was tested with (2.13); set train.compile false or layout.tp 1",
     )
+    problems += kv_replication_problems(r)
     problems += _data_problems(r)
     if FAMILIES[m.family].objective == "classification":
         problems += _classification_problems(r, nxd)

@@ -177,8 +177,9 @@ class ClusterConfig:
     price_per_hour: float | None = None  # None = the catalog's on-demand price
     python: str | None = None  # interpreter on the nodes; None = the TorchNeuron DLAMI's venv there, else <repo>/.venv
     # A measured or published throughput for this recipe and instance: `plan` gives the run's time and cost from it
-    # when no --seq-per-s is given (the recipe says where the number comes from).
+    # when no --seq-per-s is given, and shows throughput_source beside it (where the number comes from).
     tokens_per_s_per_node: float | None = None
+    throughput_source: str | None = None
     # Mean time between failures of one node: ~270 days from "The Llama 3 Herd of Models", section 3.3.4 (419
     # unexpected interruptions in 54 days on 2,048 nodes). `plan`'s failure model (trnrecipes.plan.run_model).
     node_mtbf_hours: float = 6480.0

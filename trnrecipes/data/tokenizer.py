@@ -40,6 +40,7 @@ class TextTokenizer:
     cls_id: int | None = None
     sep_id: int | None = None
     pad_id: int | None = None
+    bos_id: int | None = None  # tokenizer_config.json's bos_token (Llama 3: <|begin_of_text|>); not added by encode
 
     @property
     def engine(self) -> str:
@@ -81,7 +82,8 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
     backend.no_truncation()
     config = _read_json(path / "tokenizer_config.json")
     specials = {
-        key: _special_id(backend, config.get(key)) for key in ("eos_token", "sep_token", "cls_token", "pad_token")
+        key: _special_id(backend, config.get(key))
+        for key in ("eos_token", "sep_token", "cls_token", "pad_token", "bos_token")
     }
     # BERT's tokenizers name no eos_token: [SEP], which ends every sequence, stands in for it.
     eos_id = specials["eos_token"] if specials["eos_token"] is not None else specials["sep_token"]
@@ -99,6 +101,7 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
         cls_id=specials["cls_token"],
         sep_id=specials["sep_token"],
         pad_id=specials["pad_token"],
+        bos_id=specials["bos_token"],
     )
 
 

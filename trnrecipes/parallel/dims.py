@@ -62,6 +62,7 @@ class ParallelDims:
         # same dim-0 rows of each TP-local tensor as ZeRO-1's moments (trnrecipes.parallel.sharding).
         self.fsdp = recipe.layout.fsdp and self.dp > 1
         self.mesh = self.dp_group = self.pp_group = None
+        self.kv_group = None  # TP wider than the KV heads: the ranks sharing this rank's KV head (kv_replication.py)
         self.collectives_on_device = backend.collectives_on_device
         backend.init_process_groups(self)
 

@@ -82,6 +82,8 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
         ) from err
     tp = parallel_state.get_tensor_model_parallel_size()
     family_plan(family).check_tensor_parallel(model.args, tp)
+    kv_heads = getattr(model.args, "num_kv_heads", None)
+    replicated = kv_heads is not None and tp > kv_heads  # TP wider than the KV heads: NxD's GQA QKV layer
     # Under SP only the row-parallel linears use NxD's sequence-parallel mode (reduce-scatter of the output along the
     # sequence); see the hooks below for the gathers.
     sp = {"sequence_parallel_enabled": True, "sequence_dimension": 1} if sequence_parallel else {}
@@ -95,6 +97,11 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
 
     for spec in linear_specs(model, family):
         dtype = model.get_submodule(spec.name).weight.dtype
+        if replicated and spec.name.endswith(".attn.qkv"):
+            attn = model.get_submodule(spec.name.removesuffix(".qkv"))
+            attn.qkv = replicated_qkv(model.args, tp, dtype, layer_args(dtype))
+            attn.q_per_kv = model.args.num_heads // tp
+            continue
         if spec.kind == "column":
             new = layers.ColumnParallelLinear(
                 spec.in_features, spec.out_features, bias=spec.bias, gather_output=False, **layer_args(dtype)
@@ -148,6 +155,45 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
         if has_head:
             model.head.register_forward_pre_hook(gather_sequence)
     return model
+
+
+def replicated_qkv(args, tp: int, dtype: torch.dtype, layer_args: dict) -> nn.Module:
+    """An attention's qkv for TP wider than the KV heads: NxD's GQAQKVColumnParallelLinear with kv_size_multiplier
+    tp / num_kv_heads (neuronx-distributed 2.29, src/neuronx_distributed/modules/qkv_linear.py), as AWS's Llama 3
+    examples build it (fuse_qkv, kv_replicator = tp / 8). Each rank holds H / tp query heads and one copy of one KV
+    head in one fused weight [q | k | v], which is our model's fused layout for one local KV group, so the layer is
+    wrapped only to return that one output and to name its weight `weight` (parameter names and checkpoints stay
+    the plain model's). NxD sums the copies' gradients over their group in the layer's backward and, on trn1, tiles
+    the copies over the ranks (rank t: KV head t % kv; trnrecipes/parallel/kv_replication.py maps the rows)."""
+    from neuronx_distributed.modules.qkv_linear import GQAQKVColumnParallelLinear
+
+    from trnrecipes.parallel.kv_replication import ATTRIBUTE, KVReplication
+
+    class FusedQKV(GQAQKVColumnParallelLinear):
+        @property
+        def weight_qkv(self) -> nn.Parameter:
+            # NxD's code reads its fused weight by this name; it is registered as `weight` once built (below)
+            for name in ("weight", "weight_qkv"):
+                if self._parameters.get(name) is not None:
+                    return self._parameters[name]
+            raise AttributeError("weight_qkv")  # while NxD's __init__ registers it (register_parameter's hasattr)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat(super().forward(x), dim=-1)
+
+    hd, kv = args.head_dim, args.num_kv_heads
+    layer = FusedQKV(
+        args.hidden_size,
+        [args.num_heads * hd, kv * hd],
+        bias=False,
+        gather_output=False,
+        kv_size_multiplier=tp // kv,
+        fuse_qkv=True,
+        **layer_args,
+    )
+    layer._parameters["weight"] = layer._parameters.pop("weight_qkv")
+    setattr(layer, ATTRIBUTE, KVReplication(kv, tp // kv, args.num_heads // kv, hd, interleaved=True))
+    return layer
 
 
 # ---- what the step needs on Neuron besides the layers (the neuron backend, trnrecipes/backends/neuron_xla.py)

@@ -206,6 +206,7 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
     if seq_per_s is None and r.cluster.tokens_per_s_per_node is not None:
         seq_per_s = r.cluster.tokens_per_s_per_node * layout.nodes / r.batch.seq_len
         out["throughput_from"] = "cluster.tokens_per_s_per_node"
+        out["throughput_source"] = r.cluster.throughput_source
     elif seq_per_s is not None:
         out["throughput_from"] = "--seq-per-s"
     if seq_per_s is not None:

@@ -89,6 +89,9 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     last = any(s.last for s in stages)
     layers = sum(len(s.layers) for s in stages)
     params = sum(stage_params(m, s) for s in stages) / tp
+    kv = getattr(m, "num_kv_heads", None)
+    if kv is not None and tp > kv:  # each rank also holds a copy of one KV head (trnrecipes/parallel/kv_replication.py)
+        params += layers * 2 * m.head_dim * m.hidden_size * (1 - kv / tp)
     dtype = r.precision.dtype
     weight_bytes = 2 if dtype == "bf16" else 4
     sharded = dp if lay.fsdp else 1

@@ -39,6 +39,7 @@ def format_plan(p: dict[str, object], recipe: Recipe | None = None) -> str:
         rows += [
             ("throughput", f"{p['seq_per_s']:,.4g} seq/s = {p['tokens_per_s']:,.0f} tokens/s"
              f" ({p['tokens_per_s_per_node']:,.0f}/node, from {p['throughput_from']}); {p['step_time_s']:.2f} s/step"),
+            *([("source", p["throughput_source"])] if p.get("throughput_source") else []),
             ("MFU", f"{p['mfu']:.1%}"),
             ("cost", "n/a (no price known)" if p["dollars_per_step"] is None else f"${p['dollars_per_step']:.4f}/step; "
              + (f"{tpd:,.0f} tokens/$" if tpd is not None else "tokens/$ n/a (price 0)")),

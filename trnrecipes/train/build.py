@@ -22,6 +22,7 @@ from trnrecipes.config.sections import Recipe
 from trnrecipes.config.stages import pipeline_stages, rank_stages
 from trnrecipes.models import build_model
 from trnrecipes.parallel.dims import local_tensor
+from trnrecipes.parallel.kv_replication import layouts as kv_layouts
 from trnrecipes.parallel.pipeline import StagedModel
 from trnrecipes.parallel.sharding import shard_region
 
@@ -79,8 +80,17 @@ def fill_shards(
             f"{source or reader.path}: its weights do not fit this recipe's model"
             f" (missing {missing[:3]}, unexpected {extra[:3]})"
         )
+    replicated = kv_layouts(model)
     for name, p in model.named_parameters():
         local = local_tensor(p).data
+        if (kv := replicated.get(name)) is not None:  # TP wider than the KV heads: two row ranges of the stored tensor
+            for local_row, stored_row, n in kv.row_pieces(dims.tp_rank):
+                part, start = local[local_row : local_row + n], (stored_row, *[0] * (local.dim() - 1))
+                if reader is not None:
+                    reader.read_into(name, part, full_shapes[name], start)
+                else:
+                    fill_region(part, full_shapes[name], start, rules[name], seed, name)
+            continue
         rows = (dims.dp, dims.dp_rank) if dims.fsdp else ()  # FSDP: this DP rank's rows of the TP shard
         region = shard_region(full_shapes[name], shard_dim(p), dims.tp, dims.tp_rank, *rows)
         if tuple(local.shape) != region.size:  # the sharding rule and the parallel layers disagree: a bug, not input

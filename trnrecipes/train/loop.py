@@ -42,7 +42,9 @@ from trnrecipes.data.classify import ClassificationStream
 from trnrecipes.data.pack import Prefetcher, batches, split_documents
 from trnrecipes.data.sources import OpenedSource, data_stream, open_labelled, open_sources
 from trnrecipes.optim.schedule import lr_at
-from trnrecipes.parallel.dims import ParallelDims, full_tensor
+from trnrecipes.parallel.dims import ParallelDims
+from trnrecipes.parallel.kv_replication import layouts as kv_layouts
+from trnrecipes.parallel.kv_replication import stored_full
 from trnrecipes.plan.layout import compute_layout, plan
 from trnrecipes.schema import shown
 from trnrecipes.train.monitor import Clock, Metrics, SpikeDetector, progress_line
@@ -381,7 +383,8 @@ class Trainer:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """CPU weights with their TP shards gathered (under PP: this rank's stages only)."""
-        return {k: full_tensor(v).detach().cpu() for k, v in self.model.state_dict().items()}
+        replicated = kv_layouts(self.model)  # replicated KV heads: in the stored layout, each once
+        return {k: stored_full(v, replicated.get(k)).detach().cpu() for k, v in self.model.state_dict().items()}
 
     def save(self, step: int, position: DataPosition | None) -> None:
         """Copy this rank's state to host memory (the only part the step waits for) and hand it to the writer.

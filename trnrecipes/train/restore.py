@@ -22,7 +22,8 @@ from trnrecipes.config.sections import Recipe
 from trnrecipes.config.stages import pipeline_stages
 from trnrecipes.data.blend import DataPosition, position_from_dict, restart_position
 from trnrecipes.data.order import DATA_ORDER
-from trnrecipes.parallel.sharding import shard_region
+from trnrecipes.parallel.kv_replication import layouts as kv_layouts
+from trnrecipes.parallel.sharding import chunk_range, shard_region
 from trnrecipes.schema import clipped
 from trnrecipes.train.build import build_model_shard
 
@@ -108,7 +109,17 @@ def restore_moments(path: Path, model, optimizer, dims, shard_dim: Callable[[tor
     expected = {f"{key}.{name}" for name, _ in params for key in ("exp_avg", "exp_avg_sq")}
     if missing := sorted(expected - reader.names()):
         raise CheckpointError(f"{path}: no optimizer state for {missing[0]} ({len(missing)} missing)")
+    replicated = kv_layouts(model)
     for i, (name, p) in enumerate(params):
+        if (kv := replicated.get(name)) is not None:  # TP wider than the KV heads: two row ranges of the stored tensor
+            shape = (kv.stored_rows, *p.shape[1:])
+            # ZeRO-1 (ours or NxD's): this DP rank's rows of the local tensor, split as the files are
+            rows = chunk_range(kv.local_rows, dims.dp, dims.dp_rank) if dims.shards_moments else (0, kv.local_rows)
+            for local_row, stored_row, n in kv.row_pieces(dims.tp_rank, *rows):
+                start = (stored_row, *[0] * (len(shape) - 1))
+                for key, moments in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
+                    reader.read_into(f"{key}.{name}", moments[i][local_row : local_row + n], shape, start)
+            continue
         dim = shard_dim(p)
         shape = full_shape(p, dims.tp, dim)
         region = shard_region(shape, dim, dims.tp, dims.tp_rank, dims.dp if dims.shards_moments else 1, dims.dp_rank)
