@@ -211,49 +211,84 @@ def _nxd_rank(monkeypatch, recipe, rank: int, weights=None):
     return model, built
 
 
-@pytest.mark.parametrize("rank", range(4))
-def test_nxd_ranks_hold_the_heads_aws_converter_gives_them_and_attend_as_the_full_model(monkeypatch, rank):
-    """Rank t holds KV head t % kv and query heads block (t % kv) * r + t // kv (neuronx-distributed 2.29's
-    checkpoint_converter.py for trn1), drawn from the TP-1 init, under the plain parameter name; its core attention
-    gives those query heads' outputs of the full model."""
+def test_nxd_ranks_hold_the_heads_aws_converter_gives_them_and_together_compute_the_full_attention(monkeypatch):
+    """Rank t holds KV head t % kv, query heads block (t % kv) * r + t // kv and the o_proj columns of that block
+    (neuronx-distributed 2.29's checkpoint_converter.py for trn1), drawn from the TP-1 init, under the plain parameter
+    names, the fused weight tagged as NxD's split weights are; the ranks' attention outputs (each its o_proj's
+    partial sum) add up to the full model's."""
     from recipes.llama2.hf import state_dict_to_hf
 
     recipe = load_recipe("llama3.1-tiny", overrides=GQA)
     full = build_model(recipe.model)
     full.init_weights(seed=recipe.train.seed)
-    model, built = _nxd_rank(monkeypatch, recipe, rank)
-    (gqa,) = [b for b in built if b["layer"] == "GQAQKVColumnParallelLinear"][:1]
-    assert (gqa["output_sizes"], gqa["kv_size_multiplier"], gqa["fuse_qkv"], gqa["bias"]) == ([64, 16], 2, True, False)
-    assert gqa["gather_output"] is False and gqa["init_method"].__name__ == "_keep_uninitialized"
-    names = dict(model.named_parameters())
-    assert "layers.0.attn.qkv.weight" in names and not any("weight_qkv" in n for n in names)
-
     hf = state_dict_to_hf(full.state_dict(), recipe.model)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
     hd, n, kv, r = 8, 2, 2, 2
-    block, group = (rank % kv) * r + rank // kv, rank % kv
-    q = hf["model.layers.0.self_attn.q_proj.weight"][block * n * hd : (block + 1) * n * hd]
-    k = hf["model.layers.0.self_attn.k_proj.weight"][group * hd : (group + 1) * hd]
-    v = hf["model.layers.0.self_attn.v_proj.weight"][group * hd : (group + 1) * hd]
-    assert torch.equal(names["layers.0.attn.qkv.weight"].detach(), torch.cat([q, k, v]))
-
-    outputs = {}
-    for name, m in (("full", full), ("rank", model)):
-        m.layers[0].attn.core.register_forward_hook(lambda _m, _i, out, name=name: outputs.__setitem__(name, out))
+    total = torch.zeros(2, 16, 64)
+    for rank in range(4):
+        model, built = _nxd_rank(monkeypatch, recipe, rank)
+        (gqa, *_) = [b for b in built if b["layer"] == "GQAQKVColumnParallelLinear"]
+        assert (gqa["output_sizes"], gqa["kv_size_multiplier"], gqa["fuse_qkv"]) == ([64, 16], 2, True)
+        assert gqa["bias"] is False and gqa["gather_output"] is False
+        assert gqa["init_method"].__name__ == "_keep_uninitialized"
+        names = dict(model.named_parameters())
+        assert not any("weight_qkv" in name for name in names)
+        qkv, out = names["layers.0.attn.qkv.weight"], names["layers.0.attn.out.weight"]
+        assert qkv.tensor_model_parallel and qkv.partition_dim == 0  # the adapter tags what NxD left untagged
+        block, group = (rank % kv) * r + rank // kv, rank % kv
+        q = hf["model.layers.0.self_attn.q_proj.weight"][block * n * hd : (block + 1) * n * hd]
+        k = hf["model.layers.0.self_attn.k_proj.weight"][group * hd : (group + 1) * hd]
+        v = hf["model.layers.0.self_attn.v_proj.weight"][group * hd : (group + 1) * hd]
+        assert torch.equal(qkv.detach(), torch.cat([q, k, v]))
+        o = hf["model.layers.0.self_attn.o_proj.weight"][:, block * n * hd : (block + 1) * n * hd]
+        assert torch.equal(out.detach(), o)
         with torch.no_grad():
-            m.layers[0].attn(torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0)))
-    torch.testing.assert_close(outputs["rank"], outputs["full"][:, block * n : (block + 1) * n])
+            total += model.layers[0].attn(x)  # this rank's partial sum (the stand-in's row-parallel linear)
+    with torch.no_grad():
+        torch.testing.assert_close(total, full.layers[0].attn(x), rtol=1e-5, atol=1e-6)
 
 
-def test_nxd_ranks_read_their_rows_from_a_tp1_checkpoint(monkeypatch, tmp_path: Path):
+def test_nxd_refuses_kv_groups_other_than_the_tiled_order(monkeypatch):
+    import sys
+
+    recipe = load_recipe("llama3.1-tiny", overrides=GQA)
+    from test_neuron_parallel import install_fake_nxd, stand_in_dims
+
+    from trnrecipes.backends.neuron_xla import NeuronXlaBackend
+    from trnrecipes.train.build import build_model_shard
+
+    install_fake_nxd(monkeypatch, tp=4, rank=0)
+    state = sys.modules["neuronx_distributed.parallel_layers.parallel_state"]
+    monkeypatch.setattr(state, "get_kv_shared_group", lambda as_list=False: [[0, 1], [2, 3]])  # consecutive: trn2's
+    with pytest.raises(RuntimeError, match=re.escape("shares KV heads among TP ranks [[0, 1], [2, 3]]")):
+        build_model_shard(recipe, dims=stand_in_dims(tp=4), backend=NeuronXlaBackend("neuron", torch.device("cpu")))
+
+
+def test_nxd_ranks_read_their_rows_from_a_tp1_checkpoint_and_their_files_read_back(monkeypatch, tmp_path: Path):
+    """A TP-1 checkpoint read by the four NxD ranks; their own tensors, written as each rank's file with shards.json
+    as the writer describes them (kv_replication, tp_blocks), consolidate back into the TP-1 tensors."""
+    from safetensors.torch import save_file
+
     from trnrecipes.checkpoint import write_model_checkpoint
+    from trnrecipes.checkpoint.format import shard_file
+    from trnrecipes.parallel.kv_replication import describe, layouts, tp_block
 
     recipe = load_recipe("llama3.1-tiny", overrides=GQA)
     saved = build_model(recipe.model)
     saved.init_weights(seed=recipe.train.seed + 1)
     ckpt = write_model_checkpoint(tmp_path / "ckpt", saved.state_dict(), recipe)
-    layout = KVReplication(kv_heads=2, replicas=2, q_per_kv=4, head_dim=8, interleaved=True)
-    rows = []
+    names = ("layers.1.attn.qkv.weight", "layers.1.attn.out.weight")
+    out = tmp_path / "nxd"
+    out.mkdir()
     for rank in range(4):
         model, _ = _nxd_rank(monkeypatch, recipe, rank, weights=ckpt)
-        rows.append(model.get_parameter("layers.1.attn.qkv.weight").detach())
-    assert torch.equal(layout.unreplicate(torch.cat(rows)), saved.get_parameter("layers.1.attn.qkv.weight").detach())
+        save_file({k: model.get_parameter(k).detach().clone() for k in names}, out / shard_file("model", rank, 4))
+    shards = {"tp": 4, "pp": 1, "dims": {names[0]: 0, names[1]: 1}, "kv_replication": describe(layouts(model))}
+    shards |= {"tp_blocks": tp_block(model)}
+    assert shards["tp_blocks"]["layers.1.attn.out.weight"] == [0, 2, 1, 3]
+    shards["kv_replication"] = {k: v for k, v in shards["kv_replication"].items() if k in names}
+    shards["tp_blocks"] = {k: v for k, v in shards["tp_blocks"].items() if k in names}
+    (out / "shards.json").write_text(json.dumps(shards))
+    back = consolidate(out)
+    for name in names:
+        assert torch.equal(back[name], saved.get_parameter(name).detach()), name

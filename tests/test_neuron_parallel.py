@@ -141,8 +141,10 @@ def install_fake_nxd(
             super().__init__()
             assert tp % kv_size_multiplier == 0 and (output_sizes[1] * kv_size_multiplier) % tp == 0
             self.q_out, self.kv_out = output_sizes[0] // tp, output_sizes[1] * kv_size_multiplier // tp
+            kv_state["multiplier"] = kv_size_multiplier  # initialize_kv_group, called by the real constructor
+            # Untagged: NxD 2.29's initialize_weight_biases re-creates the fused weight (torch.cat of tagged views)
+            # as a new Parameter without tensor_model_parallel / partition_dim.
             self.weight_qkv = nn.Parameter(torch.empty(self.q_out + 2 * self.kv_out, input_size, dtype=dtype))
-            tag(self.weight_qkv, 0)
             built.append({"layer": "GQAQKVColumnParallelLinear", "dtype": dtype, "reduce_dtype": reduce_dtype,
                           "init_method": init_method, "output_sizes": output_sizes, "bias": bias,
                           "gather_output": gather_output, "kv_size_multiplier": kv_size_multiplier,
@@ -168,6 +170,20 @@ def install_fake_nxd(
         return input_
 
     state_calls: list[dict] = []
+    kv_state: dict[str, int] = {}
+
+    def get_kv_shared_group(as_list=False):
+        """trn1's KV-shared groups (parallel_state.arrange_kv_groups, NxD 2.29): the copies of a KV head on TP ranks
+        j, j + tp / r, j + 2 tp / r, ... of each TP group."""
+        assert as_list
+        kv = tp // kv_state["multiplier"]
+        return [[group[t] for t in range(tp) if t % kv == g] for group in tp_groups for g in range(kv)]
+
+    def set_tensor_model_parallel_attributes(tensor, is_parallel, dim, stride, num_partitions=-1, rank_ordering=None):
+        assert not hasattr(tensor, "tensor_model_parallel")  # NxD asserts the attributes are not set yet
+        tensor.tensor_model_parallel, tensor.partition_dim, tensor.partition_stride = is_parallel, dim, stride
+        tensor.num_partitions, tensor.rank_ordering = num_partitions, rank_ordering
+
     grad_calls: list[tuple] = []
 
     def initialize_model_parallel(
@@ -218,9 +234,13 @@ def install_fake_nxd(
             get_pipeline_model_parallel_size=lambda: pp,
             get_pipeline_model_parallel_rank=lambda: pp_rank,
             get_pipeline_model_parallel_group=lambda: "nxd-pp-group",
+            get_kv_shared_group=get_kv_shared_group,
             model_parallel_is_initialized=lambda: True,
             initialize_model_parallel=initialize_model_parallel,
             calls=state_calls,
+        ),
+        "neuronx_distributed.parallel_layers.utils": dict(
+            set_tensor_model_parallel_attributes=set_tensor_model_parallel_attributes
         ),
         "neuronx_distributed.modules": {},
         "neuronx_distributed.modules.qkv_linear": dict(GQAQKVColumnParallelLinear=GQAQKVColumnParallelLinear),

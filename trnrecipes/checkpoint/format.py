@@ -285,6 +285,12 @@ class Shards:
     stage: dict[str, int]  # tensor name -> the pipeline stage whose files hold it (0 without PP)
     # tensor name -> how its rows replicate KV heads over TP (trnrecipes/parallel/kv_replication.py); most have none
     kv: dict[str, KVReplication] = field(default_factory=dict)
+    # tensor name -> the block of its split dim each TP rank's file holds, where not the rank's own (NxD's tiled KV
+    # copies move the output projection's column blocks with the query heads)
+    blocks: dict[str, list[int]] = field(default_factory=dict)
+
+    def block(self, name: str, tp_rank: int) -> int:
+        return self.blocks[name][tp_rank] if name in self.blocks else tp_rank
 
 
 def _whole(path: Path, key: str, value: object, top: int) -> int:
@@ -303,6 +309,7 @@ def read_shards(path: Path) -> Shards:
     dims: dict[str, int | None] = {}
     stage: dict[str, int] = {}
     kv: dict[str, KVReplication] = {}
+    blocks: dict[str, list[int]] = {}
     for p, name in enumerate(files):
         part = top if pp == 1 else read_json(path / name)
         part_dims = part.get("dims")
@@ -325,7 +332,14 @@ def read_shards(path: Path) -> Shards:
                     f"{path / name}: kv_replication of {key} is for TP {kv[key].tp} split on dim 0, but the"
                     f" checkpoint has TP {tp} and dim {shown(dims.get(key))}"
                 )
-    return Shards(tp, pp, dp, dims, stage, kv)
+        for key, order in (part.get("tp_blocks") or {}).items():
+            if not isinstance(order, list) or sorted(order) != list(range(tp)) or dims.get(key) is None:
+                raise CheckpointError(
+                    f"{path / name}: tp_blocks of {key} must order the {tp} blocks of a split tensor,"
+                    f" got {shown(order)}"
+                )
+            blocks[key] = order
+    return Shards(tp, pp, dp, dims, stage, kv, blocks)
 
 
 class ShardReader:
@@ -390,7 +404,7 @@ class ShardReader:
         covered = 0
         for t in range(self.tp) if dim is not None else [0]:  # a replicated tensor: every TP rank saved it whole
             for d in range(self.dp):
-                held = shard_region(full_shape, dim, self.tp, t, self.dp, d)
+                held = shard_region(full_shape, dim, self.tp, self.shards.block(param, t), self.dp, d)
                 part = want.intersect(held)
                 if part is None:
                     continue
@@ -526,6 +540,7 @@ def consolidate(path: Path) -> dict[str, torch.Tensor]:
     stages, each tensor's TP shards concatenated. Training ranks read their shard with ShardReader."""
     shards = read_shards(path)
     full: dict[str, torch.Tensor] = {}
+    reader = ShardReader(path, "model")  # for tensors whose files hold each rank's rows of replicated KV heads
     for p in range(shards.pp):
         files = [shard_file("model", t, shards.tp, pp_rank=p, pp=shards.pp) for t in range(shards.tp)]
         parts = [load_tensors(path / file) for file in files]
@@ -534,11 +549,14 @@ def consolidate(path: Path) -> dict[str, torch.Tensor]:
                 raise CheckpointError(f"{path}: {name} is in more than one pipeline stage's weights")
             if (kv := shards.kv.get(name)) is not None:  # each TP rank's rows of a replicated-KV tensor
                 full[name] = torch.empty((kv.stored_rows, *tensor.shape[1:]), dtype=tensor.dtype)
-                ShardReader(path, "model").read_into(name, full[name], tuple(full[name].shape), (0,) * tensor.dim())
+                reader.read_into(name, full[name], tuple(full[name].shape), (0,) * tensor.dim())
                 continue
             dim = shards.dims.get(name)
             try:
-                full[name] = tensor if dim is None or shards.tp == 1 else torch.cat([t[name] for t in parts], dim=dim)
+                in_order = sorted(range(shards.tp), key=lambda t: shards.block(name, t))  # files by the block they hold
+                full[name] = (
+                    tensor if dim is None or shards.tp == 1 else torch.cat([parts[t][name] for t in in_order], dim=dim)
+                )
             except (KeyError, RuntimeError, IndexError, TypeError) as err:
                 raise CheckpointError(f"{path}: the TP shards of {name} do not fit together ({err})") from None
     if missing := sorted(set(shards.dims) - set(full)):

@@ -49,7 +49,7 @@ from trnrecipes.config.stages import pipeline_stages
 from trnrecipes.data.order import DATA_ORDER
 from trnrecipes.parallel.dims import local_tensor
 from trnrecipes.parallel.fsdp import tp_local
-from trnrecipes.parallel.kv_replication import describe
+from trnrecipes.parallel.kv_replication import describe, tp_block
 from trnrecipes.parallel.kv_replication import layouts as kv_layouts
 
 RANK_WAIT_S = 3600.0  # rank 0 waits this long for the other ranks' files before giving up on a checkpoint
@@ -375,8 +375,12 @@ def snapshot(
         dp_rank = dims.dp_rank if dims.shards_moments else 0
         files[shard_file("optim", dims.tp_rank, dims.tp, dp_rank, optim_dp, **stage)] = moments
     # TP wider than the KV heads: each rank saved its own rows; readers map them back (kv_replication.py)
-    replicated = describe(kv_layouts(model))
-    stage_dims = {"dims": shard_dims(model, shard_dim), **({"kv_replication": replicated} if replicated else {})}
+    replicated, blocks = describe(kv_layouts(model)), tp_block(model)
+    stage_dims = {
+        "dims": shard_dims(model, shard_dim),
+        **({"kv_replication": replicated} if replicated else {}),
+        **({"tp_blocks": blocks} if blocks else {}),  # NxD's tiled KV copies: which o_proj block each rank wrote
+    }
     if dims.rank == 0:
         files[SHARDS] = {"tp": dims.tp, "pp": dims.pp, "optim_dp": optim_dp, **(stage_dims if dims.pp == 1 else {})}
         files["state.json"] = {

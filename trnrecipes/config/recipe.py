@@ -323,6 +323,12 @@ def kv_replication_problems(r: Recipe) -> list[str]:
         return []
     why = f"layout.tp {tp} over model.num_kv_heads {kv} replicates each KV head on {tp // kv} ranks"
     problems = []
+    if r.cluster.backend == "neuron" and not r.cluster.instance.startswith("trn1"):
+        if stack_problem(r.cluster.instance, r.cluster.neuron_sdk) is None and r.stack == XLA_NXD:
+            problems.append(
+                f"{why}: NxD places the copies by platform, and only trn1's tiled order is built; on"
+                f" {r.cluster.instance} use a layout.tp that divides {kv}, or TorchNeuron (cluster.neuron_sdk 2.33)"
+            )
     if r.cluster.backend == "xla":
         problems.append(
             f"{why}, which is built on cpu, cuda and neuron-native (DTensor) and on neuron (NxD's GQA QKV layer), not"

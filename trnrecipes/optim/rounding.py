@@ -20,7 +20,6 @@ import torch
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2^27: a 32-bit value times it stays below 2^59
-_GOLDEN = 0x9E3779B  # spreads the high word of a counter past 2^32 (groups over 4G elements: a 7B model at TP 1)
 
 # Streams of one parameter group: the weights and, with optim.state_dtype bf16, the two moments.
 WEIGHTS, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
@@ -47,8 +46,10 @@ def stream_key(step_count: torch.Tensor, constant: int) -> torch.Tensor:
 def noise16(numel: int, start: int, key: torch.Tensor) -> torch.Tensor:
     """int32 noise in [0, 2^16) for the elements start .. start + numel - 1 of a stream."""
     counter = torch.arange(start, start + numel, dtype=torch.int64, device=key.device)
-    x = (counter & _M32) ^ ((counter >> 32) * _GOLDEN & _M32) ^ key
-    return (mix32(x) & 0xFFFF).to(torch.int32)
+    x = mix32((counter & _M32) ^ key)
+    if start + numel > 1 << 32:  # a group of over 4G elements (a 7B model at TP 1): the high word mixed in too
+        x = mix32(x ^ (counter >> 32))
+    return (x & 0xFFFF).to(torch.int32)
 
 
 def round_flat_(flat: torch.Tensor, start: int, key: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,10 @@ def stochastic_round_bf16(x: torch.Tensor, seed: int = 0, step: int = 0) -> torc
 
 
 def rounding_seed(seed: int, dims) -> int:
-    """Seed of the stochastic-rounding noise: one per TP rank, the same on every DP replica. The replicas apply the
-    same averaged update to the same weights; different noise would round them apart, and nothing re-syncs them.
-    (Under ZeRO-1 each row is rounded by one rank and then shared, so the replicas agree either way.)"""
-    return seed + dims.tp_rank
+    """Seed of the stochastic-rounding noise: one per TP rank and pipeline stage (their tensors differ: the same noise
+    at the same places of same-shaped layers would correlate their rounding), the same on every DP replica. The
+    replicas apply the same averaged update to the same weights; different noise would round them apart, and nothing
+    re-syncs them. Under ZeRO-1 or FSDP each row is rounded by one DP rank and then shared, so there each DP rank has
+    its own noise too (its rows' counters start at 0 like every other rank's)."""
+    dp_rank = dims.dp_rank if getattr(dims, "shards_moments", False) else 0
+    return seed + dims.tp_rank + (getattr(dims, "pp_rank", 0) << 12) + (dp_rank << 20)

@@ -36,6 +36,7 @@ from torch import nn
 from trnrecipes.parallel.dims import full_tensor, local_tensor
 
 ATTRIBUTE = "kv_replication"  # set on a replicated qkv Linear (modules outlive materialize's new Parameters)
+OUT_ATTRIBUTE = "kv_replication_out"  # set on the attention's output projection where its column blocks move with q
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,13 @@ class KVReplication:
                 pieces.append((a - start, stored + a - local, b - a))
         return pieces
 
+    def block(self, tp_rank: int) -> int:
+        """Which block of query heads (in stored order, H / tp heads each) TP rank `tp_rank` holds: its own index
+        when copies sit on consecutive ranks; on NxD's tiled order another, and the attention's output projection,
+        split by those heads' columns, holds the same block (AWS's checkpoint_converter.py permutes o_proj so)."""
+        group, j = self.place(tp_rank)
+        return group * self.replicas + j
+
     def holds_kv_copy(self, tp_rank: int) -> bool:
         """Whether this rank's k/v rows are a second (or later) copy: readers take them from the first."""
         return self.place(tp_rank)[1] > 0
@@ -126,13 +134,20 @@ def replicate_kv(model: nn.Module, tp: int) -> KVReplication | None:
     return layout
 
 
-def layouts(model: nn.Module) -> dict[str, KVReplication]:
-    """{parameter name: its KVReplication} of the model's replicated qkv weights (none without replication)."""
+def layouts(model: nn.Module, attribute: str = ATTRIBUTE) -> dict[str, KVReplication]:
+    """{parameter name: its KVReplication} of the model's replicated qkv weights (none without replication); with
+    OUT_ATTRIBUTE, of the output projections whose column blocks follow the query heads (NxD's tiled order)."""
     return {
         f"{name}.weight": layout
         for name, module in model.named_modules()
-        if (layout := getattr(module, ATTRIBUTE, None)) is not None
+        if (layout := getattr(module, attribute, None)) is not None
     }
+
+
+def tp_block(model: nn.Module) -> dict[str, list[int]]:
+    """{parameter name: the block of its split dim each TP rank holds} where that is not the rank's own index (the
+    output projections under NxD's tiled order): what shards.json records so readers find each block."""
+    return {name: [layout.block(t) for t in range(layout.tp)] for name, layout in layouts(model, OUT_ATTRIBUTE).items()}
 
 
 def stored_full(t: torch.Tensor, layout: KVReplication | None) -> torch.Tensor:

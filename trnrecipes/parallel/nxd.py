@@ -111,6 +111,12 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
                 spec.in_features, spec.out_features, bias=spec.bias, input_is_parallel=True, **layer_args(dtype), **sp
             )
         model.set_submodule(spec.name, new)
+    if replicated:  # NxD's tiled KV copies move each rank's query heads: its o_proj columns move with them
+        from trnrecipes.parallel.kv_replication import OUT_ATTRIBUTE
+
+        for i in layer_ids(model):
+            attn = model.get_submodule(f"layers.{i}.attn")
+            setattr(attn.out, OUT_ATTRIBUTE, attn.qkv.kv_replication)
     # A pipeline stage (trnrecipes.parallel.pipeline.StagedModel) holds the embedding on the first stage, the head last.
     has_embed, has_head = hasattr(model, "embed"), hasattr(model, "head")
     if has_embed:
@@ -161,11 +167,14 @@ def replicated_qkv(args, tp: int, dtype: torch.dtype, layer_args: dict) -> nn.Mo
     """An attention's qkv for TP wider than the KV heads: NxD's GQAQKVColumnParallelLinear with kv_size_multiplier
     tp / num_kv_heads (neuronx-distributed 2.29, src/neuronx_distributed/modules/qkv_linear.py), as AWS's Llama 3
     examples build it (fuse_qkv, kv_replicator = tp / 8). Each rank holds H / tp query heads and one copy of one KV
-    head in one fused weight [q | k | v], which is our model's fused layout for one local KV group, so the layer is
-    wrapped only to return that one output and to name its weight `weight` (parameter names and checkpoints stay
-    the plain model's). NxD sums the copies' gradients over their group in the layer's backward and, on trn1, tiles
-    the copies over the ranks (rank t: KV head t % kv; trnrecipes/parallel/kv_replication.py maps the rows)."""
+    head in one fused weight [q | k | v], our model's fused layout for one local KV group, so the layer is wrapped
+    only to return that one output and to name its weight `weight` (parameter names and checkpoints stay the plain
+    model's). NxD sums the copies' gradients over their group in the layer's backward and, on trn1, tiles the copies
+    over the ranks (rank t: KV head t % kv), so rank t's query heads are block (t % kv) * r + t // kv, not t: the
+    build fills qkv and o_proj (marked by apply_neuron_tensor_parallel) with that block, and checkpoints record it
+    (trnrecipes/parallel/kv_replication.py)."""
     from neuronx_distributed.modules.qkv_linear import GQAQKVColumnParallelLinear
+    from neuronx_distributed.parallel_layers.utils import set_tensor_model_parallel_attributes
 
     from trnrecipes.parallel.kv_replication import ATTRIBUTE, KVReplication
 
@@ -192,8 +201,33 @@ def replicated_qkv(args, tp: int, dtype: torch.dtype, layer_args: dict) -> nn.Mo
         **layer_args,
     )
     layer._parameters["weight"] = layer._parameters.pop("weight_qkv")
-    setattr(layer, ATTRIBUTE, KVReplication(kv, tp // kv, args.num_heads // kv, hd, interleaved=True))
+    if not getattr(layer.weight, "tensor_model_parallel", False):
+        # NxD 2.29's initialize_weight_biases replaces the fused weight by a new Parameter (torch.cat of the tagged
+        # q/k/v views) without the tags: its clip_grad_norm would count it on TP rank 0 only, and shard_dim is None
+        set_tensor_model_parallel_attributes(layer.weight, True, 0, 1, num_partitions=tp)
+    layout = KVReplication(kv, tp // kv, args.num_heads // kv, hd, interleaved=True)
+    check_kv_groups(layout)
+    setattr(layer, ATTRIBUTE, layout)
     return layer
+
+
+def check_kv_groups(layout) -> None:
+    """Refuse to train unless NxD's KV-shared groups (the ranks whose k/v gradients its layer sums) are the ranks
+    our mapping gives each KV head's copies (trn1's tiled order), in every TP group: else the gradients of different
+    heads would be summed, silently."""
+    from neuronx_distributed.parallel_layers import parallel_state
+
+    expected = {frozenset(t for t in range(layout.tp) if layout.place(t)[0] == g) for g in range(layout.kv_heads)}
+    tp_groups = parallel_state.get_tensor_model_parallel_replica_groups()
+    shared = [set(g) for g in parallel_state.get_kv_shared_group(as_list=True)]
+    for tp_group in tp_groups:
+        found = {frozenset(tp_group.index(r) for r in g) for g in shared if g <= set(tp_group)}
+        if found != expected:
+            raise RuntimeError(
+                f"neuronx-distributed shares KV heads among TP ranks {sorted(map(sorted, found))}, not the tiled order"
+                f" {sorted(map(sorted, expected))} this build maps checkpoints by (trn1's): not supported on this"
+                " platform or NxD version; use a layout.tp that divides model.num_kv_heads"
+            )
 
 
 # ---- what the step needs on Neuron besides the layers (the neuron backend, trnrecipes/backends/neuron_xla.py)

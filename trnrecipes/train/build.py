@@ -23,6 +23,7 @@ from trnrecipes.config.stages import pipeline_stages, rank_stages
 from trnrecipes.models import build_model
 from trnrecipes.parallel.dims import local_tensor
 from trnrecipes.parallel.kv_replication import layouts as kv_layouts
+from trnrecipes.parallel.kv_replication import tp_block
 from trnrecipes.parallel.pipeline import StagedModel
 from trnrecipes.parallel.sharding import shard_region
 
@@ -80,7 +81,7 @@ def fill_shards(
             f"{source or reader.path}: its weights do not fit this recipe's model"
             f" (missing {missing[:3]}, unexpected {extra[:3]})"
         )
-    replicated = kv_layouts(model)
+    replicated, blocks = kv_layouts(model), tp_block(model)
     for name, p in model.named_parameters():
         local = local_tensor(p).data
         if (kv := replicated.get(name)) is not None:  # TP wider than the KV heads: two row ranges of the stored tensor
@@ -92,7 +93,8 @@ def fill_shards(
                     fill_region(part, full_shapes[name], start, rules[name], seed, name)
             continue
         rows = (dims.dp, dims.dp_rank) if dims.fsdp else ()  # FSDP: this DP rank's rows of the TP shard
-        region = shard_region(full_shapes[name], shard_dim(p), dims.tp, dims.tp_rank, *rows)
+        block = blocks[name][dims.tp_rank] if name in blocks else dims.tp_rank  # NxD's tiled KV copies: o_proj
+        region = shard_region(full_shapes[name], shard_dim(p), dims.tp, block, *rows)
         if tuple(local.shape) != region.size:  # the sharding rule and the parallel layers disagree: a bug, not input
             raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the expected {region.size}")
         if reader is not None:

@@ -23,6 +23,7 @@ from trnrecipes.config.stages import pipeline_stages
 from trnrecipes.data.blend import DataPosition, position_from_dict, restart_position
 from trnrecipes.data.order import DATA_ORDER
 from trnrecipes.parallel.kv_replication import layouts as kv_layouts
+from trnrecipes.parallel.kv_replication import tp_block
 from trnrecipes.parallel.sharding import chunk_range, shard_region
 from trnrecipes.schema import clipped
 from trnrecipes.train.build import build_model_shard
@@ -109,7 +110,7 @@ def restore_moments(path: Path, model, optimizer, dims, shard_dim: Callable[[tor
     expected = {f"{key}.{name}" for name, _ in params for key in ("exp_avg", "exp_avg_sq")}
     if missing := sorted(expected - reader.names()):
         raise CheckpointError(f"{path}: no optimizer state for {missing[0]} ({len(missing)} missing)")
-    replicated = kv_layouts(model)
+    replicated, blocks = kv_layouts(model), tp_block(model)
     for i, (name, p) in enumerate(params):
         if (kv := replicated.get(name)) is not None:  # TP wider than the KV heads: two row ranges of the stored tensor
             shape = (kv.stored_rows, *p.shape[1:])
@@ -122,7 +123,8 @@ def restore_moments(path: Path, model, optimizer, dims, shard_dim: Callable[[tor
             continue
         dim = shard_dim(p)
         shape = full_shape(p, dims.tp, dim)
-        region = shard_region(shape, dim, dims.tp, dims.tp_rank, dims.dp if dims.shards_moments else 1, dims.dp_rank)
+        block = blocks[name][dims.tp_rank] if name in blocks else dims.tp_rank  # NxD's tiled KV copies: o_proj
+        region = shard_region(shape, dim, dims.tp, block, dims.dp if dims.shards_moments else 1, dims.dp_rank)
         reader.read_into(f"exp_avg.{name}", optimizer.exp_avg[i], shape, region.start)
         reader.read_into(f"exp_avg_sq.{name}", optimizer.exp_avg_sq[i], shape, region.start)
     optimizer.set_steps(int(optimizer_steps))
@@ -155,8 +157,9 @@ def restore_training_state(
         saved_place = (saved_split, bool(state.get("zero1", False)), bool(state.get("fsdp", False)))
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path / 'state.json'}: missing or bad entry ({err})") from None
-    # Rank r restores its RNG only where it is the same place in the same layout (the same stages and ZeRO-1 rows):
-    # its stochastic-rounding stream then meets the same parameters it would have met uninterrupted.
+    # Rank r restores its RNG only where it is the same place in the same layout (the same stages and ZeRO-1 rows),
+    # where the draws it makes on (dropout, if a family had it) meet what they would have met uninterrupted.
+    # Stochastic rounding draws nothing: its noise is a hash of the step (trnrecipes/optim/rounding.py).
     if saved_layout == (dims.pp, dims.dp, dims.tp, dims.world) and saved_place == (stage_layers, dims.zero1, dims.fsdp):
         set_rng_state(load_tensors(path / rng_file(dims.rank)))
     why = "checkpoint.allow_changes changed the data order" if data_order_changed else None
