@@ -13,7 +13,7 @@ import torch
 from trnrecipes.config.sections import OptimConfig
 from trnrecipes.optim import adamw
 from trnrecipes.optim.adamw import AdamW, no_decay_params
-from trnrecipes.optim.rounding import stochastic_round_bf16
+from trnrecipes.optim.rounding import WEIGHTS, round_flat_, stream_constant, stream_key
 from trnrecipes.optim.schedule import lr_at
 from trnrecipes.parallel.sharding import chunk_range
 from trnrecipes.train.monitor import SpikeDetector
@@ -258,7 +258,8 @@ def test_stochastic_rounding_is_unbiased_and_nearest_is_not():
     # values between bf16 neighbours, where round-to-nearest always goes the same way
     x = torch.tensor([1.0 + 2**-9, 0.3 + 1e-4, -2.7183, 1e-3 + 1e-7], dtype=torch.float32)
     n = 200_000
-    samples = stochastic_round_bf16(x.repeat(n, 1), seed=3, step=7).float()
+    key = stream_key(torch.tensor(7), stream_constant(3, 0, WEIGHTS))  # seed 3, step 7
+    samples = round_flat_(x.repeat(n, 1).flatten(), 0, key).view(n, -1).to(torch.bfloat16).float()
     mean = samples.mean(0)
     assert torch.all(((mean - x) / x).abs() < 3e-5), (mean - x) / x
     nearest = x.to(torch.bfloat16).float()

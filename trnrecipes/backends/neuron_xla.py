@@ -126,7 +126,6 @@ class Zero1Optimizer:
     Unlike our AdamW it keeps an fp32 master copy of bf16 weights (NxD's design); checkpoints hold the bf16 weights,
     so a resumed bf16 run rebuilds the masters from them (fp32 runs resume bitwise)."""
 
-    generator = None  # the hardware rounds; no software rounding noise to save
     rows = None  # NxD gathers the updated rows itself
 
     def __init__(self, optimizer):

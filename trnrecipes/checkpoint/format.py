@@ -39,7 +39,7 @@ from trnrecipes.config.families import FAMILIES
 from trnrecipes.config.recipe import read_recipe_file, recipe_from_dict
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.files.run_files import DONE, MANIFEST, STEP_DIR
-from trnrecipes.parallel.kv_replication import KVReplication, from_description
+from trnrecipes.parallel.kv_replication import KVReplication, block_of, from_description
 from trnrecipes.parallel.sharding import Region, chunk_range, shard_region
 from trnrecipes.schema import clipped, shown
 
@@ -290,7 +290,7 @@ class Shards:
     blocks: dict[str, list[int]] = field(default_factory=dict)
 
     def block(self, name: str, tp_rank: int) -> int:
-        return self.blocks[name][tp_rank] if name in self.blocks else tp_rank
+        return block_of(self.blocks, name, tp_rank)
 
 
 def _whole(path: Path, key: str, value: object, top: int) -> int:
@@ -397,7 +397,7 @@ class ShardReader:
             )
         want = Region(tuple(start), tuple(dest.shape))
         if param in self.shards.kv:
-            covered = self._read_replicated(key, self.shards.kv[param], dest, want, full_shape)
+            covered = self._read_replicated(key, param, self.shards.kv[param], dest, want, full_shape)
             if covered != want.numel:
                 raise CheckpointError(f"{self.path}: the saved rows of {key} do not cover {want} of {list(full_shape)}")
             return
@@ -429,12 +429,11 @@ class ShardReader:
             raise CheckpointError(f"{self.path}: the saved shards of {key} do not cover {want} of {list(full_shape)}")
 
     def _read_replicated(
-        self, key: str, kv: KVReplication, dest: torch.Tensor, want: Region, full_shape: tuple[int, ...]
+        self, key: str, param: str, kv: KVReplication, dest: torch.Tensor, want: Region, full_shape: tuple[int, ...]
     ) -> int:
         """Fill `dest` (region `want` of the stored tensor) from files that hold each TP rank's rows of a
         KV-replicated tensor (kv_replication.py): its query-head rows and its group's k/v rows, under ZeRO-1 a DP
         slice of those; k/v taken from each group's first copy. Returns the elements filled."""
-        param = key.split(".", 1)[1] if self.prefix == "optim" else key
         rest = tuple(full_shape[1:])
         if full_shape[0] != kv.stored_rows:
             raise CheckpointError(

@@ -88,11 +88,12 @@ def adamw_update(
     eps: float,
     rounding: tuple[int, int, int, int] | None,
 ) -> None:
-    """AdamW on tensors of one device and one dtype, in place: the eager step calls it per pass (a chunk of a group),
-    the compiled step once per group. `decayed`: per tensor, whether weight decay applies; `rounding`: None (round
-    bf16 to nearest) or (start, then the stream constants of weights, exp_avg, exp_avg_sq) for stochastic rounding,
-    `start` being the first element's place in its group (rounding.py). Moments may be bf16 (optim.state_dtype): then
-    they are updated in fp32 and stored rounded the way the weights are."""
+    """AdamW on tensors of one device and one dtype, in place: the eager step calls it per pass (a chunk of a group);
+    the compiled step calls adamw_update_per_tensor, its twin with the same arguments, once per group. `decayed`: per
+    tensor, whether weight decay applies; `rounding`: None (round bf16 to nearest) or (start, then the stream
+    constants of weights, exp_avg, exp_avg_sq) for stochastic rounding, `start` being the first element's place in
+    its group (rounding.py). Moments may be bf16 (optim.state_dtype): then they are updated in fp32 and stored rounded
+    the way the weights are."""
     beta1, beta2 = betas
     grads = _as_fp32(grads)
     low_ms, low_vs = (ms, vs) if ms[0].dtype != torch.float32 else (None, None)

@@ -61,13 +61,6 @@ def round_flat_(flat: torch.Tensor, start: int, key: torch.Tensor) -> torch.Tens
     return flat
 
 
-def stochastic_round_bf16(x: torch.Tensor, seed: int = 0, step: int = 0) -> torch.Tensor:
-    """fp32 -> bf16, rounded stochastically with the noise of stream (seed, group 0, weights) at `step`."""
-    key = stream_key(torch.tensor(step, device=x.device), stream_constant(seed, 0, WEIGHTS))
-    flat = x.detach().float().flatten().clone()
-    return round_flat_(flat, 0, key).view(x.shape).to(torch.bfloat16)
-
-
 def rounding_seed(seed: int, dims) -> int:
     """Seed of the stochastic-rounding noise: one per TP rank and pipeline stage (their tensors differ: the same noise
     at the same places of same-shaped layers would correlate their rounding), the same on every DP replica. The

@@ -144,6 +144,11 @@ def layouts(model: nn.Module, attribute: str = ATTRIBUTE) -> dict[str, KVReplica
     }
 
 
+def block_of(blocks: dict[str, list[int]], name: str, tp_rank: int) -> int:
+    """The block of tensor `name`'s split dim TP rank `tp_rank` holds, given tp_block's (or shards.json's) map."""
+    return blocks[name][tp_rank] if name in blocks else tp_rank
+
+
 def tp_block(model: nn.Module) -> dict[str, list[int]]:
     """{parameter name: the block of its split dim each TP rank holds} where that is not the rank's own index (the
     output projections under NxD's tiled order): what shards.json records so readers find each block."""

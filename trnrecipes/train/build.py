@@ -22,8 +22,8 @@ from trnrecipes.config.sections import Recipe
 from trnrecipes.config.stages import pipeline_stages, rank_stages
 from trnrecipes.models import build_model
 from trnrecipes.parallel.dims import local_tensor
+from trnrecipes.parallel.kv_replication import block_of, tp_block
 from trnrecipes.parallel.kv_replication import layouts as kv_layouts
-from trnrecipes.parallel.kv_replication import tp_block
 from trnrecipes.parallel.pipeline import StagedModel
 from trnrecipes.parallel.sharding import shard_region
 
@@ -93,7 +93,7 @@ def fill_shards(
                     fill_region(part, full_shapes[name], start, rules[name], seed, name)
             continue
         rows = (dims.dp, dims.dp_rank) if dims.fsdp else ()  # FSDP: this DP rank's rows of the TP shard
-        block = blocks[name][dims.tp_rank] if name in blocks else dims.tp_rank  # NxD's tiled KV copies: o_proj
+        block = block_of(blocks, name, dims.tp_rank)  # NxD's tiled KV copies move o_proj's blocks
         region = shard_region(full_shapes[name], shard_dim(p), dims.tp, block, *rows)
         if tuple(local.shape) != region.size:  # the sharding rule and the parallel layers disagree: a bug, not input
             raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the expected {region.size}")

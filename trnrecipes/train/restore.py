@@ -22,8 +22,8 @@ from trnrecipes.config.sections import Recipe
 from trnrecipes.config.stages import pipeline_stages
 from trnrecipes.data.blend import DataPosition, position_from_dict, restart_position
 from trnrecipes.data.order import DATA_ORDER
+from trnrecipes.parallel.kv_replication import block_of, tp_block
 from trnrecipes.parallel.kv_replication import layouts as kv_layouts
-from trnrecipes.parallel.kv_replication import tp_block
 from trnrecipes.parallel.sharding import chunk_range, shard_region
 from trnrecipes.schema import clipped
 from trnrecipes.train.build import build_model_shard
@@ -123,7 +123,7 @@ def restore_moments(path: Path, model, optimizer, dims, shard_dim: Callable[[tor
             continue
         dim = shard_dim(p)
         shape = full_shape(p, dims.tp, dim)
-        block = blocks[name][dims.tp_rank] if name in blocks else dims.tp_rank  # NxD's tiled KV copies: o_proj
+        block = block_of(blocks, name, dims.tp_rank)  # NxD's tiled KV copies move o_proj's blocks
         region = shard_region(shape, dim, dims.tp, block, dims.dp if dims.shards_moments else 1, dims.dp_rank)
         reader.read_into(f"exp_avg.{name}", optimizer.exp_avg[i], shape, region.start)
         reader.read_into(f"exp_avg_sq.{name}", optimizer.exp_avg_sq[i], shape, region.start)
