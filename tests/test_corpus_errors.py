@@ -21,6 +21,7 @@ from trnrecipes.data.arrow import ArrowDocuments, read_arrow, read_table, to_arr
 from trnrecipes.data.classify import read_labels
 from trnrecipes.data.pack import PackedStream, Prefetcher
 from trnrecipes.infer import read_row_labels, read_rows
+from trnrecipes.jobs.corpus_check import corpus_problems
 from trnrecipes.jobs.render import render_job
 
 TEXTS = [f"document {i} about nothing in particular" for i in range(40)]
@@ -109,8 +110,9 @@ def test_sbatch_refuses_a_corpus_with_nulls(cli, tmp_path: Path):
     corpus, out = corpus_with_null(tmp_path / "nulls.arrow", row=7), tmp_path / "job"
     done = cli("sbatch", "--recipe", "llama2-tiny", "--nodes", "1", "--out", str(out), "--overrides",
                f"data.path={corpus}")  # fmt: skip
-    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert done.stderr.startswith(f"error: {corpus}: column 'text' has 1 null row(s), the first row 7;"), done.stderr
+    assert done.returncode == 2 and done.stderr.count("\n") == 2, done.stderr
+    problem = done.stderr.splitlines()[1]
+    assert problem.startswith(f"  data.path {corpus}: column 'text' has 1 null row(s), the first row 7;"), problem
     assert not out.exists()
     # A corpus that is not there yet (from this host: --no-data-check) is not opened: the job dir is written.
     done = cli("sbatch", "--recipe", "llama2-tiny", "--nodes", "1", "--out", str(out), "--no-data-check",
@@ -123,16 +125,22 @@ def test_sbatch_refuses_a_classification_holdout_with_nulls(cli, tmp_path: Path)
     done = cli("sbatch", "--recipe", "bert-tiny", "--nodes", "1", "--out", str(out), "--overrides",
                f"data.eval_path={holdout}")  # fmt: skip
     assert (
-        done.returncode == 2 and f"error: {holdout}: column 'text' has 1 null row(s), the first row 3;" in done.stderr
+        done.returncode == 2
+        and f"  data.eval_path {holdout}: column 'text' has 1 null row(s), the first row 3;" in done.stderr
     )
     assert not out.exists()
 
 
-def test_the_render_check_is_skipped_without_pyarrow(tmp_path: Path, monkeypatch):
-    recipe = load_recipe("llama2-tiny", nodes=1, overrides=f"data.path={corpus_with_null(tmp_path / 'n.arrow')}")
-    with pytest.raises(DataError, match="null"):
-        render_job(recipe, tmp_path / "job", "cmd")
+def test_the_render_check_says_it_was_skipped_without_pyarrow(tmp_path: Path, monkeypatch):
+    corpus = corpus_with_null(tmp_path / "n.arrow")
+    recipe = load_recipe("llama2-tiny", nodes=1, overrides=f"data.path={corpus}")
+    (problem,), notes = corpus_problems(recipe, REPO)
+    assert "null row(s)" in problem and notes == []
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if not installed: sbatch needs only the base deps
+    assert corpus_problems(recipe, REPO) == (
+        [],
+        [f"data.path {corpus}: its documents not checked (pyarrow is not installed here; the pre-flight checks them)"],
+    )
     assert "run.sbatch" in render_job(recipe, tmp_path / "job", "cmd").files
 
 

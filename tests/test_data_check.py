@@ -36,10 +36,11 @@ def test_a_missing_corpus_is_refused_naming_the_command_that_makes_it(cli, tmp_p
 
 
 def test_a_file_that_is_not_arrow_is_refused(cli, tmp_path):
-    (tmp_path / "corpus.arrow").write_text('{"text": "a JSONL file by the wrong name"}\n')
+    (tmp_path / "corpus.arrow").write_bytes(b"ARROW1\x00\x00 and then no Arrow at all")
     done, out = sbatch(cli, tmp_path, f"data.path={tmp_path / 'corpus.arrow'}")
-    assert done.returncode == 2 and not out.exists() and done.stderr.count("\n") == 1
+    assert done.returncode == 2 and not out.exists() and done.stderr.count("\n") == 2, done.stderr
     assert "corpus.arrow: not a readable Arrow IPC stream" in done.stderr  # pyarrow's check, where it is installed
+    (tmp_path / "corpus.arrow").write_text('{"text": "a JSONL file by the wrong name"}\n')
     recipe = load_recipe("llama2-tiny", overrides=f"data.path={tmp_path / 'corpus.arrow'}")
     (problem,) = data_problems(recipe, REPO)  # the light check, which needs no pyarrow
     assert "corpus.arrow is not an Arrow file (it starts with b'{\"text\":', not b'ARROW1' or a stream" in problem

@@ -68,7 +68,7 @@ def test_the_all_good_stand_in_passes_and_the_compile_job_goes_on(job, tmp_path)
         ("no devices", "no Neuron devices (no neuron-ls, no /dev/neuron*): not a Trainium node?"),
         ("no data", "data.path {data}: {data}.bin and {data}.idx missing; make it with `trnrecipes data preprocess"),
         ("no pyyaml", "pyyaml not installed in "),
-        ("run dir", "run dir {run}: {blocker} is not a directory "),
+        ("run dir", "run dir {run}: {blocker} is a file, not a directory; set run_dir"),
     ],
 )
 def test_each_failure_is_one_line_exit_2_and_nothing_in_the_run_dir(job, tmp_path, case, message):
@@ -140,7 +140,7 @@ def test_a_full_compile_cache_disk_is_refused(monkeypatch, tmp_path):
     real = doctor.shutil.disk_usage
     monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: real(p)._replace(free=2 * 2**30))
     monkeypatch.setattr(doctor, "stack_problems", lambda r, p: ([], []))
-    monkeypatch.setattr(doctor, "neuron_cores", lambda: (32, "stand-in"))
+    monkeypatch.setattr(doctor, "neuron_cores", lambda: (32, "stand-in", None))
     problems, _ = doctor.check(recipe, "compile", tmp_path / "run", node=True)
     problems = [p.removeprefix(doctor.NODE_FAULT) for p in problems]
     assert f"compile cache {tmp_path / 'cache'}: 2.0 GiB free at {tmp_path}, under 10 GiB: free space there" in problems

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -16,16 +17,17 @@ from trnrecipes.config.recipe import load_recipe
 from trnrecipes.jobs.render import CLASSIFICATION_SCRIPTS, SCRIPTS, render_job, render_warnings, write_job
 
 # Logs its argv; as `embed` it first publishes one chunk in OUT.parts/, then finishes (FAKE_FINISH) or runs until
-# stopped.
-FAKE_PYTHON = """#!/bin/bash
+# stopped. The pre-flight's probe of the job's Python (-c) runs the real one.
+FAKE_PYTHON = f"""#!/bin/bash
+if [[ "$1" == -c ]]; then exec {sys.executable} "$@"; fi
 out=""; prev=""
 for a in "$@"; do [[ "$prev" == --out ]] && out=$a; prev=$a; done
 if [[ "$3" == embed ]]; then
   mkdir -p "$out.parts"
   n=$(find "$out.parts" -name 'chunk_*.arrow' | wc -l)
-  [[ -n "${FAKE_NO_CHUNK:-}" ]] || : >"$out.parts/chunk_$n.arrow"
+  [[ -n "${{FAKE_NO_CHUNK:-}}" ]] || : >"$out.parts/chunk_$n.arrow"
   echo "$*" >>"$FAKE_LOG"
-  if [[ -n "${FAKE_FINISH:-}" ]]; then rm -r "$out.parts"; : >"$out"; exit 0; fi
+  if [[ -n "${{FAKE_FINISH:-}}" ]]; then rm -r "$out.parts"; : >"$out"; exit 0; fi
   exec sleep 60
 fi
 echo "$*" >>"$FAKE_LOG"

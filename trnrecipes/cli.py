@@ -579,14 +579,21 @@ def _plan(args: argparse.Namespace) -> int:
 def _storage_and_data(recipe, runs_root: str | None, skip: bool, refuse: bool) -> tuple[str, list[str]]:
     """The checkpoints line and the warnings for the data and the run dir's free space; with `refuse`, what would
     stop the job is a RecipeError instead. `skip` (--no-data-check): nothing is looked up on the file system."""
+    from trnrecipes.jobs.corpus_check import corpus_problems
     from trnrecipes.jobs.data_check import data_problems
     from trnrecipes.jobs.storage import run_dir_for, storage_report
 
     run_dir = run_dir_for(recipe, REPO_ROOT, runs_root)
+    # What a corpus holds is checked wherever its file is here, also with `skip` (a file not here is passed over).
+    problems, notes = corpus_problems(recipe, REPO_ROOT)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     if skip:
-        return storage_report(recipe, run_dir, look=False)[0], []
+        if refuse and problems:
+            raise RecipeError(f"{recipe.job_name} would fail on its data:\n  " + "\n  ".join(problems))
+        return storage_report(recipe, run_dir, look=False)[0], problems
     line, warning, error = storage_report(recipe, run_dir)
-    problems = data_problems(recipe, REPO_ROOT) + ([error] if error else [])
+    problems = data_problems(recipe, REPO_ROOT) + problems + ([error] if error else [])
     if refuse and problems:
         raise RecipeError(
             f"{recipe.job_name} would fail on its files (found from this host; --no-data-check, or nodatacheck=1 with"

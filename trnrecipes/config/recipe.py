@@ -12,6 +12,7 @@ import re
 import shlex
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,8 @@ def _clip(text: str, limit: int = 500) -> str:
 
 def recipe_from_dict(data: dict[str, Any], source: str) -> Recipe:
     """Typed and checked; `source` names the origin in error messages."""
+    if control := list(_with_control_characters(data)):
+        raise RecipeError(_problems(source, control))
     try:
         recipe = from_dict(Recipe, data)
     except SchemaError as err:
@@ -211,6 +214,19 @@ def recipe_from_dict(data: dict[str, Any], source: str) -> Recipe:
     if problems:
         raise RecipeError(_problems(source, problems))
     return recipe
+
+
+def _with_control_characters(node: Any, key: str = "") -> Iterator[str]:
+    """A problem for each text value holding a newline, tab or other control character: a run_dir or data path with
+    one would be cut in two by the scripts and by every tool that reads a line at a time."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _with_control_characters(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _with_control_characters(v, f"{key}[{i}]")
+    elif isinstance(node, str) and re.search(r"[\x00-\x1f\x7f]", node):
+        yield f"{key} {shown(node)} contains a control character (newline, tab, ...): give it on one line"
 
 
 def _problems(source: str, problems: list[str]) -> str:

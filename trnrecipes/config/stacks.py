@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from trnrecipes.config.cluster import INSTANCES
 
@@ -181,3 +182,18 @@ def neuron_stack(instance: str, sdk: str) -> NeuronStack:
     if problem is not None or stack is None:
         raise ValueError(problem or f"cluster.neuron_sdk {sdk!r}: no stack")
     return stack
+
+
+def default_python(recipe, repo_root: Path, scoring: bool = False) -> str | Path:
+    """The interpreter the scripts run (TRNRECIPES_PYTHON overrides it at submit time): cluster.python, else on a
+    Neuron stack the virtualenv of that SDK's Deep Learning AMI (SDK_RELEASES), else (cpu,
+    cuda, xla) the checkout's .venv. `scoring` (eval.sbatch, infer.sbatch): on a Neuron stack the checkout's .venv,
+    whatever cluster.python says, since scoring runs on the host CPU with lm-eval and transformers pins that a Neuron
+    venv must not take."""
+    if recipe.cluster.backend == "neuron" and scoring:
+        return repo_root / ".venv" / "bin" / "python"
+    if recipe.cluster.python:
+        return recipe.cluster.python
+    if recipe.cluster.backend == "neuron":
+        return dlami_python(recipe.cluster.neuron_sdk)
+    return repo_root / ".venv" / "bin" / "python"

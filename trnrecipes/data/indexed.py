@@ -57,7 +57,7 @@ def preprocess(
     """Tokenize every document of `inputs` into out_prefix.bin/.idx. Returns (stats, tokens written)."""
     indexed_dataset = _megatron()
     np_dtype = token_dtype(tokenizer.vocab_size, dtype)
-    stats, total = ConversionStats(), 0
+    stats, total, top = ConversionStats(), 0, -1
     docs = read_documents(inputs, text_field, on_bad_utf8, stats, progress)
     out_prefix = Path(out_prefix)
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -68,12 +68,14 @@ def preprocess(
             for ids in tokenizer.encode_batch(texts):
                 doc = np.append(ids, tokenizer.eos_id)
                 builder.add_document(doc, [len(doc)])  # numpy is fine: it calls numpy.array(doc, dtype)
+                top = max(top, int(doc.max()))
                 total += len(doc)
                 stats.documents += 1
         builder.finalize(f"{tmp_prefix}.idx")
         if stats.documents == 0:
             raise DataError(f"no documents in {', '.join(map(str, inputs))}: every input was empty")
-        write_tokenized_with(tmp_prefix, tokenizer.path)  # sbatch refuses a blend of other tokenizers' ids
+        # sbatch refuses a blend of other tokenizers' ids, and ids past model.vocab_size
+        write_tokenized_with(tmp_prefix, tokenizer.path, max_token_id=top)
         os.replace(f"{tmp_prefix}{TOKENIZED_WITH}", f"{out_prefix}{TOKENIZED_WITH}")
         os.replace(f"{tmp_prefix}.bin", f"{out_prefix}.bin")  # .bin first: a reader opens the .idx
         os.replace(f"{tmp_prefix}.idx", f"{out_prefix}.idx")
@@ -101,8 +103,9 @@ def _blocks(docs: Iterator[str], size: int, stats: ConversionStats) -> Iterator[
 class IndexedDocuments:
     """Pre-tokenized documents of a .bin/.idx pair, memory-mapped by megatron-core."""
 
-    def __init__(self, prefix: Path):
+    def __init__(self, prefix: Path, vocab_size: int | None = None):
         prefix = Path(prefix)
+        self.vocab_size = vocab_size  # a stored id at or above it is refused when its document is read
         for suffix in (".bin", ".idx"):
             if not Path(f"{prefix}{suffix}").is_file():
                 raise DataError(
@@ -133,5 +136,14 @@ class IndexedDocuments:
         for d in doc_ids:
             first, last = int(self.doc_starts[d]), int(self.doc_starts[d + 1])
             seqs = [self.dataset[i] for i in range(first, last)]
-            out.append(np.concatenate(seqs).astype(np.int64) if seqs else np.empty(0, np.int64))
+            ids = np.concatenate(seqs).astype(np.int64) if seqs else np.empty(0, np.int64)
+            if self.vocab_size is not None and ids.size and int(ids.max()) >= self.vocab_size:
+                # On the host, before the embedding: on a device the lookup would fail on every rank, or read past
+                # the table, and the job would be taken for a node failure.
+                raise DataError(
+                    f"{self.path}.bin: document {d} holds token id {int(ids.max()):,}, at or above model.vocab_size"
+                    f" {self.vocab_size:,}: made by another tokenizer? Re-make it with `trnrecipes data preprocess`"
+                    " and this model's tokenizer"
+                )
+            out.append(ids)
         return out

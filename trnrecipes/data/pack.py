@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from trnrecipes.data import DataError
+from trnrecipes.data.holdout import held_out
 from trnrecipes.data.order import EPOCH, DocIds, Permutation, RankOrder, as_doc_ids, derive_key, split
 
 TOKENIZE_BLOCK = 64  # documents per encode_batch call
@@ -61,7 +62,7 @@ def split_documents(
         raise DataError(f"{source} has no documents")
     if not 0 <= val_fraction < 1:
         raise DataError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
-    n_val = max(1, round(val_fraction * num_docs)) if val_fraction > 0 else 0
+    n_val = held_out(num_docs, val_fraction)
     if n_val >= num_docs:
         raise DataError(
             f"{source} has {num_docs} document(s): too few to hold out {n_val} for validation"

@@ -3,6 +3,7 @@ and the tokenizer, for the trainer."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,15 +28,48 @@ class OpenedSource:
     val: object
 
 
-def open_sources(data, root: Path, seed: int) -> tuple[list[OpenedSource], object]:
-    """(every corpus of a recipe's data section, opened and split by `seed`; the tokenizer)."""
+def corpus_file(source, root: Path) -> Path:
+    """The file that is a corpus (data.path or one of data.sources): the Arrow file, or a Megatron pair's .bin."""
+    full = data_path(source.path, root)
+    return Path(f"{full}.bin") if source.format == "megatron" else full
+
+
+def same_corpus(sources, root: Path) -> tuple[int, int] | None:
+    """(i, j), i < j, where sources i and j are one file under two names (a link, a hard link, another spelling of
+    the path): each would be split with its own held-out documents, so what one holds out the other trains on."""
+    seen: dict[tuple[int, int], int] = {}
+    for j, source in enumerate(sources):
+        try:
+            info = os.stat(corpus_file(source, root))
+        except OSError:  # missing or unreachable: said where it is opened
+            continue
+        if (info.st_dev, info.st_ino) in seen:
+            return seen[info.st_dev, info.st_ino], j
+        seen[info.st_dev, info.st_ino] = j
+    return None
+
+
+def same_corpus_message(sources, i: int, j: int, root: Path) -> str:
+    return (
+        f"data.sources[{j}].path {sources[j].path} is data.sources[{i}].path {sources[i].path} under another name"
+        f" (the same file {corpus_file(sources[i], root).resolve()}): each name would be split with its own held-out"
+        " documents, so documents held out from one would be trained on from the other; give each corpus once,"
+        " weighted"
+    )
+
+
+def open_sources(data, root: Path, seed: int, vocab_size: int | None = None) -> tuple[list[OpenedSource], object]:
+    """(every corpus of a recipe's data section, opened and split by `seed`; the tokenizer). `vocab_size`: the
+    model's, which a stored token id must be below (Megatron files hold ids made elsewhere)."""
     from trnrecipes.data.pack import split_documents
     from trnrecipes.data.tokenizer import load_tokenizer
 
+    if twice := same_corpus(data.corpora(), root):
+        raise DataError(same_corpus_message(data.corpora(), *twice, root))
     tokenizer = load_tokenizer(data_path(data.tokenizer, root))
     opened = []
     for index, source in enumerate(data.corpora()):
-        documents = open_documents(source.format, source.path, tokenizer, source.text_field, root)
+        documents = open_documents(source.format, source.path, tokenizer, source.text_field, root, vocab_size)
         train, val = split_documents(documents.num_docs, data.val_fraction, seed, source=source.path, index=index)
         opened.append(OpenedSource(source.path, source.weight, documents, train, val))
     return opened, tokenizer
@@ -65,8 +99,9 @@ def open_corpus(fmt: str, path: str | Path, tokenizer_dir: str | Path, text_fiel
     return open_documents(fmt, path, tokenizer, text_field, root), tokenizer
 
 
-def open_documents(fmt: str, path: str | Path, tokenizer, text_field: str, root: Path):
-    """One corpus's documents, tokenized by `tokenizer` (Arrow) or as stored (Megatron .bin/.idx)."""
+def open_documents(fmt: str, path: str | Path, tokenizer, text_field: str, root: Path, vocab_size: int | None = None):
+    """One corpus's documents, tokenized by `tokenizer` (Arrow) or as stored (Megatron .bin/.idx, whose ids must be
+    below `vocab_size` where given)."""
     if fmt == "arrow":
         from trnrecipes.data.arrow import ArrowDocuments
 
@@ -74,7 +109,7 @@ def open_documents(fmt: str, path: str | Path, tokenizer, text_field: str, root:
     if fmt == "megatron":
         from trnrecipes.data.indexed import IndexedDocuments
 
-        return IndexedDocuments(data_path(path, root))
+        return IndexedDocuments(data_path(path, root), vocab_size)
     raise ValueError(f"unknown data format {fmt!r}; valid: arrow, megatron")
 
 

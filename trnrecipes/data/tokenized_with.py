@@ -16,17 +16,20 @@ def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
     return hashlib.sha256((Path(tokenizer_dir) / "tokenizer.json").read_bytes()).hexdigest()
 
 
-def write_tokenized_with(prefix: str | Path, tokenizer_dir: str | Path) -> Path:
-    """Record beside a .bin/.idx which tokenizer made it (read by tokenized_with)."""
+def write_tokenized_with(prefix: str | Path, tokenizer_dir: str | Path, max_token_id: int | None = None) -> Path:
+    """Record beside a .bin/.idx which tokenizer made it and its largest token id (read by tokenized_with; the
+    data check compares the id with model.vocab_size without reading the .bin)."""
     path = Path(f"{prefix}{TOKENIZED_WITH}")
     record = {"tokenizer": str(tokenizer_dir), "sha256": tokenizer_fingerprint(tokenizer_dir)}
+    if max_token_id is not None:
+        record["max_token_id"] = int(max_token_id)
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
 
 
 def tokenized_with(prefix: str | Path) -> dict | None:
-    """{tokenizer, sha256} of the tokenizer that made PREFIX.bin/.idx, or None where nothing recorded it (files
-    from Megatron's own preprocess_data.py, or from before this record)."""
+    """{tokenizer, sha256[, max_token_id]} of the tokenizer that made PREFIX.bin/.idx, or None where nothing
+    recorded it (files from Megatron's own preprocess_data.py, or from before this record)."""
     try:
         record = json.loads(Path(f"{prefix}{TOKENIZED_WITH}").read_text())
     except (OSError, ValueError):

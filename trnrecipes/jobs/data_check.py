@@ -15,6 +15,7 @@ from pathlib import Path
 from trnrecipes.config.sections import Recipe
 from trnrecipes.data.sources import data_path
 from trnrecipes.data.tokenized_with import tokenized_with, tokenizer_fingerprint
+from trnrecipes.files.reach import blocked
 
 ARROW_FILE_MAGIC = b"ARROW1"  # Arrow IPC file format: "ARROW1" + padding, at the start and the end
 ARROW_STREAM_MARKER = b"\xff\xff\xff\xff"  # Arrow IPC stream: each message starts with the continuation marker
@@ -70,8 +71,12 @@ def _sniff_arrow(path: Path) -> str | None:
     return f"is not an Arrow file (it starts with {head!r}, not {ARROW_FILE_MAGIC!r} or a stream's first message)"
 
 
-def _check_corpus(label: str, path: str, fmt: str, tokenizer: str, repo_root: Path) -> list[str]:
+def check_corpus_file(label: str, path: str, fmt: str, tokenizer: str, repo_root: Path) -> list[str]:
     full = data_path(path, repo_root)
+    files = [Path(f"{full}{ext}") for ext in (".bin", ".idx")] if fmt == "megatron" else [full]
+    for f in files:
+        if why := blocked(f):
+            return [f"{label} {path}: cannot be reached: {why}"]
     if fmt == "megatron":
         missing = [f"{full}{ext}" for ext in (".bin", ".idx") if not Path(f"{full}{ext}").is_file()]
         if missing:
@@ -97,7 +102,7 @@ def _check_tokenized_with(label: str, path: str, full: Path, tokenizer: str, rep
     model on other tokens' ids: in a blend, one source's ids would mean one thing and another's another."""
     made_by = tokenized_with(full)
     tok_file = data_path(tokenizer, repo_root) / "tokenizer.json"
-    if made_by is None or not tok_file.is_file():  # unrecorded (Megatron's own tool), or reported with the tokenizer
+    if made_by is None or blocked(tok_file) or not tok_file.is_file():  # unrecorded, or said with the tokenizer
         return []
     try:
         ours = tokenizer_fingerprint(tok_file.parent)
@@ -137,6 +142,8 @@ def _check_tokenizer(recipe: Recipe, repo_root: Path) -> list[str]:
     path = recipe.data.tokenizer
     full = data_path(path, repo_root)
     tok_file = full / "tokenizer.json"
+    if why := blocked(tok_file):
+        return [f"data.tokenizer {path}: cannot be reached: {why}"]
     if not tok_file.is_file():
         where = f"{full} does not exist" if not full.exists() else f"{full} has no tokenizer.json"
         return [f"data.tokenizer {path}: {where}; {_made_by(path, 'tokenizer')}"]
@@ -160,7 +167,7 @@ def data_problems(recipe: Recipe, repo_root: Path) -> list[str]:
     problems = []
     for i, source in enumerate(d.corpora()):
         label = f"data.sources[{i}].path" if d.sources else "data.path"
-        problems += _check_corpus(label, source.path, source.format, d.tokenizer, repo_root)
+        problems += check_corpus_file(label, source.path, source.format, d.tokenizer, repo_root)
     if d.eval_path:
-        problems += _check_corpus("data.eval_path", d.eval_path, "arrow", d.tokenizer, repo_root)
+        problems += check_corpus_file("data.eval_path", d.eval_path, "arrow", d.tokenizer, repo_root)
     return problems + _check_tokenizer(recipe, repo_root)

@@ -7,14 +7,12 @@ No torch import: `make ... sbatch` must stay instant.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -29,8 +27,7 @@ from trnrecipes.config.preemption import render_warnings as preemption_warnings
 from trnrecipes.config.preemption import signal_seconds
 from trnrecipes.config.recipe import is_plain_path
 from trnrecipes.config.sections import Recipe, RecipeError
-from trnrecipes.config.stacks import dlami_python
-from trnrecipes.data.sources import data_path
+from trnrecipes.config.stacks import default_python
 from trnrecipes.jobs.neuron_env import JOB_USER, backend_env
 from trnrecipes.jobs.storage import run_dir_for
 from trnrecipes.plan.eval_cost import CPU_CORES as EVAL_CPU_CORES
@@ -100,30 +97,6 @@ def render_warnings(recipe: Recipe) -> list[str]:
     return warnings
 
 
-CHECK_NOTICE_BYTES = 1 << 30  # check_corpus says what it is doing for corpora larger than this
-
-
-def check_corpus(recipe: Recipe, repo_root: Path = REPO_ROOT) -> None:
-    """Refuse an Arrow corpus whose text column is missing, not text, or has a null (trnrecipes.data.arrow
-    check_text_column): found now, not when the stream reaches the row hours into the run. Arrow's null counts make
-    it a read of the file's metadata, not of its texts. Skipped where the file is not there yet (it may be made
-    after rendering) and where pyarrow is not installed (`sbatch` needs only the base dependencies). The
-    classification holdout (data.eval_path, which eval.sbatch predicts on) is checked the same way."""
-    d = recipe.data
-    corpora = [(s.path, s.text_field) for s in d.corpora() if s.format == "arrow"]
-    corpora += [(d.eval_path, d.text_field)] if d.eval_path else []
-    found = [(data_path(p, repo_root), field) for p, field in corpora]
-    found = [(p, field) for p, field in found if p.is_file()]
-    if not found or importlib.util.find_spec("pyarrow") is None:
-        return
-    from trnrecipes.data.arrow import check_text_column
-
-    for path, text_field in found:
-        if path.stat().st_size > CHECK_NOTICE_BYTES:  # a walk over every record batch's header: seconds per TB
-            print(f"[trnrecipes] checking {path}'s text column for nulls ...", file=sys.stderr, flush=True)
-        check_text_column(path, text_field)
-
-
 def sbatch_command(recipe_arg: str, nodes: int, overrides: str = "", out: str = "") -> str:
     """The command that re-creates a job dir; printed at the top of every script."""
     argv = ["trnrecipes", "sbatch", "--recipe", recipe_arg, "--nodes", str(nodes)]
@@ -167,21 +140,6 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def default_python(recipe: Recipe, repo_root: Path, scoring: bool = False) -> str | Path:
-    """The interpreter the scripts run (TRNRECIPES_PYTHON overrides it at submit time): cluster.python, else on a
-    Neuron stack the virtualenv of that SDK's Deep Learning AMI (trnrecipes.config.stacks.SDK_RELEASES), else (cpu,
-    cuda, xla) the checkout's .venv. `scoring` (eval.sbatch, infer.sbatch): on a Neuron stack the checkout's .venv,
-    whatever cluster.python says, since scoring runs on the host CPU with lm-eval and transformers pins that a Neuron
-    venv must not take."""
-    if recipe.cluster.backend == "neuron" and scoring:
-        return repo_root / ".venv" / "bin" / "python"
-    if recipe.cluster.python:
-        return recipe.cluster.python
-    if recipe.cluster.backend == "neuron":
-        return dlami_python(recipe.cluster.neuron_sdk)
-    return repo_root / ".venv" / "bin" / "python"
-
-
 def cache_leader_nodes(layout: Layout) -> list[int]:
     """One node (SLURM_NODEID) per distinct set of pipeline stages: nodes holding the same stages compile the same
     graphs, so one of them copies its compile cache to the shared job dir instead of all writing it at once. Node n
@@ -203,14 +161,13 @@ def render_job(
     runs_root: str | None = None,
     memory_check: bool = True,
 ) -> Job:
-    """All files of a job dir as text. Paths are absolute so a script runs from anywhere, also under Slurm. A bad
-    corpus (check_corpus) is refused here, before anything is written. `runs_root` ($TRNRECIPES_RUNS, which the CLI
-    reads) holds the run dir when the recipe names none (trnrecipes.jobs.storage.run_dir_for)."""
+    """All files of a job dir as text. Paths are absolute so a script runs from anywhere, also under Slurm.
+    `runs_root` ($TRNRECIPES_RUNS, which the CLI reads) holds the run dir when the recipe names none
+    (trnrecipes.jobs.storage.run_dir_for)."""
     layout = compute_layout(recipe)
     estimate, dp_of = layout_memory(recipe)
     if memory_check and (problem := memory_problem(recipe, estimate, dp_of)):
         raise RecipeError(problem + "; --no-memory-check writes the job anyway (for a layout measured to fit)")
-    check_corpus(recipe, repo_root)
     job_dir = Path(os.path.abspath(job_dir))
     # The job dir appears in #SBATCH lines, which sbatch reads without a shell: no quoting can protect it.
     if not is_plain_path(str(job_dir)):

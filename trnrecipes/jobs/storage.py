@@ -18,6 +18,7 @@ from pathlib import Path
 
 from trnrecipes.config.preemption import checkpoint_bytes
 from trnrecipes.config.sections import Recipe
+from trnrecipes.files.reach import blocked
 from trnrecipes.files.run_files import CHECKPOINTS, STEP_DIR
 
 RUNS_ENV = "TRNRECIPES_RUNS"
@@ -56,6 +57,20 @@ def run_dir_problem(recipe: Recipe, runs_root: str | None) -> str | None:
     )
 
 
+def run_dir_blocker(run_dir: Path) -> str | None:
+    """Why the job could not make or use `run_dir`, or None: a symbolic link on the way (or the run dir itself)
+    that leads nowhere or into a loop, a directory this user cannot search, or a file where a directory goes.
+    run.sbatch's `mkdir -p` would otherwise fail after the nodes were allocated."""
+    for path in (*reversed(Path(os.path.abspath(run_dir)).parents), Path(os.path.abspath(run_dir))):
+        if why := blocked(path):
+            return why
+        if not os.path.exists(path):
+            return None  # the rest is made by the job
+        if not os.path.isdir(path):
+            return f"{path} is a file, not a directory"
+    return None
+
+
 def _nearest_existing(path: Path) -> Path:
     for candidate in (path, *path.parents):
         if candidate.exists():
@@ -67,11 +82,14 @@ def _held(run_dir: Path) -> int:
     """Bytes of the complete checkpoints already in the run dir (a resumed run's): they count toward its keep_last."""
     total = 0
     root = run_dir / CHECKPOINTS
-    if not root.is_dir():
-        return 0
-    for step in root.iterdir():
-        if STEP_DIR.fullmatch(step.name) and step.is_dir() and not step.is_symlink():
-            total += sum(f.stat().st_size for f in step.rglob("*") if f.is_file() and not f.is_symlink())
+    try:
+        if not root.is_dir():
+            return 0
+        for step in root.iterdir():
+            if STEP_DIR.fullmatch(step.name) and step.is_dir() and not step.is_symlink():
+                total += sum(f.stat().st_size for f in step.rglob("*") if f.is_file() and not f.is_symlink())
+    except OSError:  # a file pruned while counting, or one this user may not read: count what was seen
+        pass
     return total
 
 
@@ -88,9 +106,13 @@ def storage_report(recipe: Recipe, run_dir: Path, look: bool = True) -> tuple[st
     )
     if not look:
         return f"{line}; free space not checked (--no-data-check)", None, None
+    if why := run_dir_blocker(run_dir):
+        return line, None, f"run dir {run_dir}: {why}; choose another run_dir (or {RUNS_ENV})"
     anchor = _nearest_existing(run_dir)
     if anchor == Path(anchor.anchor):  # not even the run dir's top directory (/fsx) is there: another file system
         return f"{line}; free space unknown ({run_dir.parts[1]} is not there from this host)", None, None
+    if not os.access(anchor, os.W_OK | os.X_OK):
+        return line, None, f"run dir {run_dir}: {anchor} is not writable by this user; choose another run_dir"
     need = max(0, most - _held(run_dir))
     free = shutil.disk_usage(anchor).free
     line += f"; {_size(free)} free there"

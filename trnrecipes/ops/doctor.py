@@ -34,6 +34,7 @@ from trnrecipes import REPO_ROOT
 JOBS = ("compile", "run", "eval", "infer")
 COMPILE_CACHE_MIN_BYTES = 10 * 2**30  # a 70B model's NEFFs are a few GB; less free than this fails mid-compile
 NEURON_LS = ("neuron-ls", "/opt/aws/neuron/bin/neuron-ls")  # aws-neuronx-tools; PATH first
+MAX_CORES_PER_DEVICE = 64  # trn2's 8 physical cores a device; anything far beyond is not neuron-ls's JSON
 # What trnrecipes imports for each job (module -> the pip distribution that provides it).
 TRAIN_MODULES = {"yaml": "pyyaml", "numpy": "numpy", "pyarrow": "pyarrow", "safetensors": "safetensors",
                  "tokenizers": "tokenizers", "tiktoken": "tiktoken", "tqdm": "tqdm",
@@ -146,19 +147,54 @@ def module_problems(modules: dict[str, str], python: str, extra: str) -> list[st
     return [f"{', '.join(missing)} not installed in {python} (trnrecipes needs them here): {_install(python, extra)}"]
 
 
-def neuron_cores() -> tuple[int | None, str]:
-    """(NeuronCores on this node, how it was found); None when nothing tells."""
+def neuron_cores() -> tuple[int | None, str, str | None]:
+    """(NeuronCores on this node, how it was found, what is wrong with neuron-ls's answer); cores None when nothing
+    tells."""
     tool = next((t for t in (shutil.which(NEURON_LS[0]), NEURON_LS[1]) if t and os.access(t, os.X_OK)), None)
     if tool:
         try:
             done = subprocess.run([tool, "--json-output"], capture_output=True, text=True, timeout=60)
-            devices = json.loads(done.stdout) if done.returncode == 0 else None
-            if isinstance(devices, list):
-                return sum(int(d.get("nc_count", 0)) for d in devices if isinstance(d, dict)), f"{tool} -j"
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            pass
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return None, f"{tool} -j", f"{tool} -j could not be run ({err}); check aws-neuronx-tools on this node"
+        if done.returncode != 0:
+            said = (done.stderr.strip().splitlines() or ["nothing"])[-1][:200]
+            return None, f"{tool} -j", f"{tool} -j failed (exit {done.returncode}): {said}"
+        cores = _count_cores(done.stdout)
+        if cores is None:
+            return (
+                None,
+                f"{tool} -j",
+                (
+                    f"{tool} -j printed {_shown(done.stdout)}, not its JSON list of devices with an nc_count each;"
+                    " check aws-neuronx-tools on this node"
+                ),
+            )
+        return cores, f"{tool} -j", None
     devices = sorted(Path("/dev").glob("neuron[0-9]*"))
-    return (None, "no neuron-ls") if not devices else (None, f"{len(devices)} /dev/neuron* device(s), no neuron-ls")
+    return (
+        (None, "no neuron-ls", None)
+        if not devices
+        else (None, f"{len(devices)} /dev/neuron* device(s), no neuron-ls", None)
+    )
+
+
+def _count_cores(text: str) -> int | None:
+    """The NeuronCores in neuron-ls's JSON (a list of devices, each with a whole nc_count), or None."""
+    try:
+        devices = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(devices, list) or not all(isinstance(d, dict) for d in devices):
+        return None
+    counts = [d.get("nc_count") for d in devices]
+    if not all(type(c) is int and 0 <= c <= MAX_CORES_PER_DEVICE for c in counts):
+        return None
+    return sum(counts)
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    text = text.strip()
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 def _writable_ancestor(path: Path) -> tuple[Path, bool]:
@@ -169,13 +205,16 @@ def _writable_ancestor(path: Path) -> tuple[Path, bool]:
 
 
 NODE_FAULT = "[node] "  # a problem of this node (devices, disk), which another node would not have
+NOTE = "note: "  # a note printed on its own line: what could not be checked here
 
 
 def check(recipe, job: str, run_dir: Path, node: bool, python: str | None = None) -> tuple[list[str], list[str]]:
     """(problems, notes) for this interpreter (`python`: its name as the job gives it, a venv's bin/python that may
     be a link or a wrapper) and host."""
     from trnrecipes.config.families import family_spec
+    from trnrecipes.jobs.corpus_check import corpus_problems
     from trnrecipes.jobs.data_check import data_problems
+    from trnrecipes.jobs.storage import run_dir_blocker
 
     python = python or sys.executable
     stack = recipe.stack
@@ -193,12 +232,18 @@ def check(recipe, job: str, run_dir: Path, node: bool, python: str | None = None
             modules["megatron.core"] = "megatron-core"
         problems += module_problems(modules, python, _extra(stack))
         problems += data_problems(recipe, REPO_ROOT)
-        anchor, ok = _writable_ancestor(run_dir)
-        if not ok or not anchor.is_dir():
-            problems.append(
-                f"run dir {run_dir}: {anchor} is not a directory {os.environ.get('USER', 'this user')} can write to;"
-                " set run_dir (or TRNRECIPES_RUNS) to shared storage you can write"
-            )
+        content, unchecked = corpus_problems(recipe, REPO_ROOT)
+        problems += content
+        notes += [f"{NOTE}{line}" for line in unchecked]
+        if why := run_dir_blocker(run_dir):
+            problems.append(f"run dir {run_dir}: {why}; set run_dir (or TRNRECIPES_RUNS) to storage you can write")
+        else:
+            anchor, ok = _writable_ancestor(run_dir)
+            if not ok or not anchor.is_dir():
+                problems.append(
+                    f"run dir {run_dir}: {anchor} is not a directory {os.environ.get('USER', 'this user')} can write"
+                    " to; set run_dir (or TRNRECIPES_RUNS) to shared storage you can write"
+                )
     else:
         modules = CLASSIFY_MODULES if classify or job == "infer" else EVAL_MODULES
         problems += module_problems(modules, python, "eval" if modules is EVAL_MODULES else "train")
@@ -210,9 +255,11 @@ def check(recipe, job: str, run_dir: Path, node: bool, python: str | None = None
                 " Neuron SDK's venv (cluster.python)"
             )
     if node and recipe.cluster.backend == "neuron" and job in ("compile", "run"):
-        cores, how = neuron_cores()
+        cores, how, bad = neuron_cores()
         need = recipe.workers_per_node
-        if cores is None and "device(s)" not in how:
+        if bad:
+            problems.append(bad)
+        elif cores is None and "device(s)" not in how:
             problems.append(
                 f"{NODE_FAULT}no Neuron devices ({how}, no /dev/neuron*): not a Trainium node? check the partition"
             )
@@ -239,14 +286,55 @@ def _job_dir_value(config: Path, name: str, job: str = "run") -> str | None:
     script = config.parent / f"{job}.sbatch"
     if not script.is_file():
         return None
-    for line in script.read_text().splitlines():
+    for line in script.read_text(errors="replace").splitlines():
         if line.startswith(f"{name}="):
-            words = shlex.split(line.split("=", 1)[1])
+            try:
+                words = shlex.split(line.split("=", 1)[1])
+            except ValueError as err:  # a value with a newline (written before recipes refused one)
+                raise ValueError(f"{script}: its {name}= line cannot be read ({err}); re-create the job dir") from None
             return words[0] if words else None
     return None
 
 
+# Run by the job's Python in the checkout: what it is, and that it imports this trnrecipes.
+PROBE = "import sys, trnrecipes; print('trnrecipes-python %d.%d' % sys.version_info[:2], trnrecipes.__file__)"
+
+
+def python_problem(python: str) -> str | None:
+    """Why `python` cannot run the job's trnrecipes (not a Python, older than 3.10, cannot import it), or None."""
+    try:
+        done = subprocess.run([python, "-c", PROBE], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"the job's Python {python} cannot be run ({err})"
+    found = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("trnrecipes-python ")]
+    if not found:
+        said = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["nothing"]
+        return (
+            f"the job's Python {python} is not a Python that imports trnrecipes from {REPO_ROOT} (exit"
+            f" {done.returncode}, it printed {_shown(said[0])}); set cluster.python (or TRNRECIPES_PYTHON) to a"
+            " Python 3.10+ interpreter"
+        )
+    if tuple(int(x) for x in found[0].split(".")) < (3, 10):
+        return (
+            f"the job's Python {python} is Python {found[0]}; trnrecipes needs 3.10 or newer: set cluster.python (or"
+            " TRNRECIPES_PYTHON) to one"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0 ready, 2 bad input (never requeued), 1 a fault of this node alone. A failure of the check itself is
+    bad input's 2, never 1: run.sbatch would requeue the job into the same failure."""
+    host = _host()
+    try:
+        return _preflight(argv, host)
+    except Exception as err:
+        text = (str(err).strip().splitlines() or [""])[0][:300]
+        print(f"error: {host}: the pre-flight could not finish: {type(err).__name__}: {text}", flush=True)
+        return 2
+
+
+def _preflight(argv: list[str] | None, host: str) -> int:
     parser = argparse.ArgumentParser(prog="trnrecipes doctor", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a job dir's recipe.yaml")
     parser.add_argument("--job", choices=JOBS, default="run", help="which script's needs to check (default run)")
@@ -255,44 +343,59 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", help="this interpreter as the job names it (the scripts pass it; then no re-run)")
     parser.add_argument("--bad-nodes-file", help="append this node's name here when it fails on a node fault")
     args = parser.parse_args(argv)
-    host = _host()
-    if importlib.util.find_spec("yaml") is None:
+    # Every path from the caller's directory: the check may re-run itself in the checkout.
+    config = Path(os.path.abspath(args.config))
+    bad_nodes_file = os.path.abspath(args.bad_nodes_file) if args.bad_nodes_file else None
+    if importlib.util.find_spec("yaml") is None:  # what reading a recipe needs beyond the standard library
         named = args.python or sys.executable
         print(f"error: {host}: pyyaml not installed in {named}: {shlex.quote(named)} -m pip install 'pyyaml>=6'")
         return 2
     from trnrecipes.config.recipe import read_recipe_file, recipe_from_dict
     from trnrecipes.config.sections import RecipeError
-    from trnrecipes.jobs.render import default_python
+    from trnrecipes.config.stacks import default_python
     from trnrecipes.jobs.storage import run_dir_for
 
-    config = Path(args.config)
     try:
         recipe = recipe_from_dict(read_recipe_file(config), str(config))
-    except RecipeError as err:
+        python = os.environ.get("TRNRECIPES_PYTHON") or _job_dir_value(config, "PYTHON", args.job)
+        run_dir = args.run_dir or _job_dir_value(config, "RUN_DIR")
+    except (RecipeError, ValueError) as err:
         print(f"error: {host}: {err}")
         return 2
-    python = os.environ.get("TRNRECIPES_PYTHON") or _job_dir_value(config, "PYTHON", args.job)
     python = python or str(default_python(recipe, REPO_ROOT, scoring=args.job in ("eval", "infer")))
-    run_dir = Path(args.run_dir or _job_dir_value(config, "RUN_DIR") or run_dir_for(recipe, REPO_ROOT, None))
+    python = os.path.abspath(python) if os.sep in python else python  # the re-run below starts in the checkout
+    run_dir = Path(os.path.abspath(run_dir)) if run_dir else run_dir_for(recipe, REPO_ROOT, None)
     if args.python is None and os.path.abspath(python) != os.path.abspath(sys.executable):
         if not os.access(python, os.X_OK):  # a login node: the job's interpreter is the one to check
             print(f"error: {host}: the job's Python {python} does not exist here; {_fix_python(recipe)}")
             return 2
+        if problem := python_problem(python):
+            print(f"error: {host}: {problem}")
+            return 2
         argv = ["--config", str(config), "--job", args.job, "--run-dir", str(run_dir), "--python", python]
         argv += ["--node"] if args.node else []
-        return subprocess.run([python, "-m", "trnrecipes.ops.doctor", *argv], cwd=REPO_ROOT).returncode
+        argv += ["--bad-nodes-file", bad_nodes_file] if bad_nodes_file else []
+        code = subprocess.run([python, "-m", "trnrecipes.ops.doctor", *argv], cwd=REPO_ROOT).returncode
+        if code not in (0, 1, 2):
+            print(f"error: {host}: the pre-flight under {python} ended with exit {code}, not a verdict")
+            return 2
+        return code
     problems, notes = check(recipe, args.job, run_dir, args.node, args.python)
     for problem in problems:
         print(f"error: {host}: {problem.removeprefix(NODE_FAULT)}", flush=True)
     if problems and all(p.startswith(NODE_FAULT) for p in problems):  # this node's fault alone: 1, not bad input
-        if args.bad_nodes_file:
-            with open(args.bad_nodes_file, "a") as f:
+        if bad_nodes_file:
+            with open(bad_nodes_file, "a") as f:
                 f.write(os.environ.get("SLURMD_NODENAME", host) + "\n")
         return 1
     if problems:
         return 2
+    for note in notes:
+        if note.startswith(NOTE):
+            print(f"{NOTE}{host}: {note.removeprefix(NOTE)}", flush=True)
     devices = "" if args.node else "; devices not checked off the nodes (each job checks its own)"
-    print(f"[doctor] {host}: {args.job} ok: {', '.join(notes)}{devices}", flush=True)
+    found = ", ".join(n for n in notes if not n.startswith(NOTE))
+    print(f"[doctor] {host}: {args.job} ok: {found}{devices}", flush=True)
     return 0
 
 

@@ -229,7 +229,7 @@ class Trainer:
             train, val = split_documents(documents.num_docs, d.val_fraction, seed, source=d.path)
             self.sources = [OpenedSource(d.path, 1.0, documents, train, val)]
         else:
-            self.sources, self.tokenizer = open_sources(d, REPO_ROOT, seed)
+            self.sources, self.tokenizer = open_sources(d, REPO_ROOT, seed, self.recipe.model.vocab_size)
         for i, s in enumerate(self.sources):  # found now, not after the model is built and restored
             if len(s.train) < self.dims.dp:
                 name = f"data.sources[{i}] {s.path}" if d.sources else f"data.path {s.path}"

@@ -1,0 +1,169 @@
+"""What a corpus holds, checked before a job is submitted (sbatch), by the pre-flight (doctor) and by plan: enough
+documents for the split and the data-parallel ranks, text in every row, token ids the model's embedding has, and
+no corpus of a blend twice under two names. Each finding is one line naming the file and what would be valid.
+
+Only file metadata is read: Megatron's .idx header, Arrow's record batch headers (with pyarrow; without it, one
+line says the corpus was not checked), and a .bin of at most SCAN_BIN_BYTES scanned for its largest token id where
+no tokenizer record says it (with numpy). Torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from trnrecipes.config.sections import Recipe
+from trnrecipes.data.holdout import fewest_documents, held_out
+from trnrecipes.data.sources import data_path, same_corpus, same_corpus_message
+from trnrecipes.data.tokenized_with import tokenized_with
+from trnrecipes.jobs.data_check import check_corpus_file
+from trnrecipes.plan.layout import compute_layout
+
+SCAN_BIN_BYTES = 2 * 10**9  # a .bin without a tokenizer record is scanned for its largest id up to this size
+CHECK_NOTICE_BYTES = 1 << 30  # say what is being checked for files larger than this (seconds per TB)
+# megatron-core's DType codes -> (numpy dtype name, bytes)
+MEGATRON_DTYPES = {1: ("uint8", 1), 2: ("int8", 1), 3: ("int16", 2), 4: ("int32", 4), 5: ("int64", 8),
+                   6: ("float64", 8), 7: ("float32", 4), 8: ("uint16", 2)}  # fmt: skip
+MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
+
+
+@dataclass(frozen=True)
+class MegatronHeader:
+    dtype: str  # numpy dtype name of the token ids
+    itemsize: int
+    sequences: int
+    documents: int  # megatron-core stores one more document index than documents
+
+
+def megatron_header(idx: Path) -> MegatronHeader | None:
+    """The .idx header megatron-core's IndexedDatasetBuilder writes; None if it is not one (data_check says why)."""
+    with open(idx, "rb") as f:
+        raw = f.read(MEGATRON_HEADER.size)
+    if len(raw) < MEGATRON_HEADER.size:
+        return None
+    magic, _, code, sequences, doc_indices = MEGATRON_HEADER.unpack(raw)
+    if magic != b"MMIDIDX\x00\x00" or code not in MEGATRON_DTYPES or doc_indices < 1:
+        return None
+    return MegatronHeader(*MEGATRON_DTYPES[code], sequences, doc_indices - 1)
+
+
+def corpus_problems(recipe: Recipe, repo_root: Path) -> tuple[list[str], list[str]]:
+    """(problems, notes): what would fail the run after its allocation, and what could not be checked from here.
+    Files that are missing or unreadable are left to data_check, which names them."""
+    d = recipe.data
+    dp = compute_layout(recipe).dp
+    sources = d.corpora()
+    problems, notes = [], []
+    if twice := same_corpus(sources, repo_root):
+        problems.append(same_corpus_message(sources, *twice, repo_root))
+    for i, s in enumerate(sources):
+        label = f"data.sources[{i}].path {s.path}" if d.sources else f"data.path {s.path}"
+        full = data_path(s.path, repo_root)
+        if check_corpus_file(label, s.path, s.format, d.tokenizer, repo_root):  # missing, unreadable: said there
+            continue
+        try:
+            count = _documents(s, full, label, recipe, problems, notes)
+        except OSError as err:
+            problems.append(f"{label}: cannot be read ({err.strerror or err})")
+            continue
+        if count is not None:
+            problems += _count_problems(label, count, recipe, dp)
+    if d.eval_path:
+        label = f"data.eval_path {d.eval_path}"
+        if not check_corpus_file(label, d.eval_path, "arrow", d.tokenizer, repo_root):
+            _arrow_documents(data_path(d.eval_path, repo_root), d.text_field, label, problems, notes)
+    return problems, notes
+
+
+def _documents(s, full: Path, label: str, recipe: Recipe, problems: list[str], notes: list[str]) -> int | None:
+    if s.format == "megatron":
+        header = megatron_header(Path(f"{full}.idx"))
+        if header is None:
+            return None
+        problems += _token_id_problems(label, full, header, recipe.model.vocab_size, notes)
+        return header.documents
+    return _arrow_documents(full, s.text_field, label, problems, notes)
+
+
+def _arrow_documents(path: Path, text_field: str, label: str, problems: list[str], notes: list[str]) -> int | None:
+    """Rows of an Arrow corpus, with its text column checked (present, text, no nulls); None if not known."""
+    if importlib.util.find_spec("pyarrow") is None:
+        notes.append(f"{label}: its documents not checked (pyarrow is not installed here; the pre-flight checks them)")
+        return None
+    from trnrecipes.data import DataError
+    from trnrecipes.data.arrow import ArrowTexts
+
+    if path.stat().st_size > CHECK_NOTICE_BYTES:  # a walk over every record batch's header
+        print(f"[trnrecipes] checking {path}'s documents ...", file=sys.stderr, flush=True)
+    try:
+        return len(ArrowTexts(path, text_field))
+    except DataError as err:
+        problems.append(f"{label}: {str(err).removeprefix(f'{path}: ')}")
+        return None
+
+
+def _count_problems(label: str, count: int, recipe: Recipe, dp: int) -> list[str]:
+    """Enough documents: after the validation split, one to train on per data-parallel rank, and one to validate
+    on when validation is on (data.val_fraction > 0); under FSDP one to validate on per rank too."""
+    f = recipe.data.val_fraction
+    val = held_out(count, f)
+    train, need = count - val, fewest_documents(dp, f)
+    if count == 0:
+        return [f"{label}: has no documents; a corpus needs at least {need} at this layout"]
+    if train < dp:
+        split = f"; data.val_fraction {f} holds out {val} for validation, leaving {train} to train on" if f else ""
+        return [
+            f"{label}: {count} document(s){split}, but each of the {dp} data-parallel ranks reads its own: it needs"
+            f" at least {need} documents" + (" (or data.val_fraction=0)" if f and count >= dp else "")
+        ]
+    if recipe.layout.fsdp and 0 < val < dp:  # FSDP's forward gathers over DP: every rank runs validation
+        return [
+            f"{label}: data.val_fraction {f} holds out {val} validation document(s) for {dp} data-parallel ranks;"
+            " under layout.fsdp each rank needs one: raise data.val_fraction"
+        ]
+    return []
+
+
+def _token_id_problems(label: str, prefix: Path, header: MegatronHeader, vocab: int, notes: list[str]) -> list[str]:
+    """Token ids at or above model.vocab_size would index past the embedding on every rank: from the tokenizer
+    record `data preprocess` writes, else by scanning a .bin of at most SCAN_BIN_BYTES."""
+    record = tokenized_with(prefix)
+    top = record.get("max_token_id") if record else None
+    how = "as its tokenizer record says"
+    bin_path = Path(f"{prefix}.bin")
+    if not isinstance(top, int) or isinstance(top, bool):
+        if record is not None:  # made by data.tokenizer (data_check refuses another one): its ids fit (checked)
+            return []
+        size = bin_path.stat().st_size
+        if size > SCAN_BIN_BYTES:
+            notes.append(
+                f"{label}: token ids not checked against model.vocab_size ({size / 1e9:.0f} GB .bin without a"
+                " tokenizer record; training refuses the first document with an id past the vocabulary)"
+            )
+            return []
+        if importlib.util.find_spec("numpy") is None:
+            notes.append(f"{label}: token ids not checked against model.vocab_size (numpy is not installed here)")
+            return []
+        top = _largest_id(bin_path, header)
+        how = "found in it"
+    if top is None or top < vocab:
+        return []
+    return [
+        f"{label}: token id {top:,} ({how}) is at or above model.vocab_size {vocab:,}: made by another tokenizer than"
+        f" this model's? Re-make it with `trnrecipes data preprocess --tokenizer <this model's tokenizer>` or set"
+        f" model.vocab_size above {top:,}"
+    ]
+
+
+def _largest_id(bin_path: Path, header: MegatronHeader) -> int | None:
+    import numpy as np
+
+    size = bin_path.stat().st_size
+    if size == 0 or size % header.itemsize:
+        return None
+    tokens = np.memmap(bin_path, dtype=header.dtype, mode="r")
+    step = 1 << 26  # 64M ids at a time: bounded memory, whatever the file
+    return int(max(tokens[i : i + step].max() for i in range(0, len(tokens), step)))
