@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from trnrecipes.config.sections import Recipe
 from trnrecipes.plan.memory import MemoryPlan, format_memory
-from trnrecipes.plan.run_model import run_model_rows
+from trnrecipes.plan.run_model import figure, run_model_rows
 
 
 def si(value: float, digits: int = 3) -> str:
@@ -37,12 +37,15 @@ def format_plan(p: dict[str, object], recipe: Recipe | None = None) -> str:
     if "tokens_per_s" in p:
         tpd = p["tokens_per_dollar"]
         rows += [
-            ("throughput", f"{p['seq_per_s']:,.4g} seq/s = {p['tokens_per_s']:,.0f} tokens/s"
-             f" ({p['tokens_per_s_per_node']:,.0f}/node, from {p['throughput_from']}); {p['step_time_s']:.2f} s/step"),
+            ("throughput", f"{p['seq_per_s']:,.4g} seq/s = {figure(p['tokens_per_s'])} tokens/s"
+             f" ({figure(p['tokens_per_s_per_node'])}/node, from {p['throughput_from']});"
+             f" {figure(p['step_time_s'], 2)} s/step"),
             *([("source", p["throughput_source"])] if p.get("throughput_source") else []),
-            ("MFU", f"{p['mfu']:.1%}"),
-            ("cost", "n/a (no price known)" if p["dollars_per_step"] is None else f"${p['dollars_per_step']:.4f}/step; "
-             + (f"{tpd:,.0f} tokens/$" if tpd is not None else "tokens/$ n/a (price 0)")),
+            ("MFU", f"{p['mfu']:.1%}" + (" (over 100%: more than the instance's peak; check the throughput)"
+                                         if p["mfu"] > 1 else "")),
+            ("cost", "n/a (no price known)" if p["dollars_per_step"] is None else
+             f"${figure(p['dollars_per_step'], 4 if p['dollars_per_step'] < 100 else 0)}/step; "
+             + (f"{figure(tpd)} tokens/$" if tpd is not None else "tokens/$ n/a (price 0)")),
         ]  # fmt: skip
     if recipe is not None:
         rows += run_model_rows(p, recipe)
