@@ -3,12 +3,16 @@ Young/Daly interval, and the 128-node Llama 2 post's automatic-vs-manual recover
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import pytest
+from conftest import run_cli
 
 from trnrecipes.config.preemption import checkpoint_bytes
 from trnrecipes.config.recipe import load_recipe
+from trnrecipes.config.sections import RecipeError
 from trnrecipes.plan.layout import plan
 from trnrecipes.plan.report import format_plan
 from trnrecipes.plan.run_model import MANUAL_RESPONSE_H, utilisation
@@ -103,3 +107,44 @@ def test_a_save_comes_at_most_once_a_step():
     p = plan(load_recipe("llama2-7b", nodes=128, overrides="checkpoint.every_minutes=1e-300"))
     assert p["checkpoint_interval_s"] == pytest.approx(p["step_time_s"])
     assert 0 < p["utilisation"] < 0.02 and p["expected_run_hours"] is not None
+
+
+@pytest.mark.parametrize(
+    ("args", "refusal"),
+    [
+        (["--overrides", "cluster.tokens_per_s_per_node=1e308"],
+         "cluster.tokens_per_s_per_node: must be in [0.001, 1e+12], got 1e+308"),
+        (["--overrides", "slurm.checkpoint_write_gbps=1e-300"],
+         "slurm.checkpoint_write_gbps: must be >= 0.001, got 1e-300"),
+        (["--seq-per-s", "1e308"],
+         "error: --seq-per-s 1e+308: valid from 3.13e-05 to 3.12e+10 sequences/s on 128 node(s) at batch.seq_len 4096"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("form", ["text", "--json"])
+def test_absurd_throughputs_and_write_speeds_are_refused_in_a_line(args, refusal, form):
+    done = run_cli("plan", "--recipe", "llama2-7b", "--nodes", "128", "--no-data-check", *args,
+                   *([form] if form == "--json" else []))  # fmt: skip
+    out = done.stdout + done.stderr
+    # was: ZeroDivisionError, OverflowError, or 300-digit seconds and steps
+    assert done.returncode == 2 and refusal in done.stderr and "Traceback" not in out, out
+    assert done.stdout == "" and len(done.stderr.splitlines()) <= 2  # one problem (under the recipe's name)
+    assert not re.search(r"\binf\b|Infinity|\bnan\b|NaN|[0-9,]{30}", out), out
+
+
+def test_figures_near_the_bounds_stay_finite_in_json():
+    done = run_cli("plan", "--recipe", "llama2-7b", "--nodes", "128", "--no-data-check", "--json",
+                   "--seq-per-s", "3e10", "--overrides", "slurm.checkpoint_write_gbps=1e-3")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in the plan's JSON")
+
+    p = json.loads(done.stdout, parse_constant=refuse)
+    assert p["expected_run_hours"] is not None and p["checkpoint_warning"].startswith("saves take")
+
+
+def test_values_each_in_bounds_whose_figures_overflow_together_are_refused():
+    both = "cluster.tokens_per_s_per_node=1e12 cluster.price_per_hour=1e-300"  # tokens/$ past 1e308
+    r = load_recipe("llama2-7b", nodes=128, overrides=both)
+    with pytest.raises(RecipeError, match=r"^the plan's tokens_per_dollar overflow a float at these values"):
+        plan(r)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from trnrecipes import REPO_ROOT
-from trnrecipes.config.recipe import known_recipes, load_recipe, parse_nodes
+from trnrecipes.config.recipe import FIELD_BOUNDS, known_recipes, load_recipe, parse_nodes
 from trnrecipes.config.sections import RecipeError
 from trnrecipes.files.outputs import check_output, check_outputs
 from trnrecipes.files.run_files import run_dir_of
@@ -556,8 +556,9 @@ def _plan(args: argparse.Namespace) -> int:
     from trnrecipes.plan.report import format_plan
 
     recipe = load_recipe(args.recipe, args.nodes, args.overrides)
-    if args.price is not None and not 0 <= args.price < math.inf:  # also refuses nan
-        raise RecipeError(f"--price must be a finite number >= 0, got {args.price}")
+    price_bound = FIELD_BOUNDS["cluster.price_per_hour"]
+    if args.price is not None and not price_bound.holds(args.price):  # also refuses nan
+        raise RecipeError(f"--price must be a finite number {price_bound} (USD per node-hour), got {args.price:g}")
     if args.seq_per_s is not None and not 0 < args.seq_per_s < math.inf:
         raise RecipeError(f"--seq-per-s must be a finite number > 0, got {args.seq_per_s}")
     result = plan(recipe, seq_per_s=args.seq_per_s, price_per_hour=args.price)

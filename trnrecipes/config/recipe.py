@@ -256,12 +256,16 @@ FIELD_BOUNDS: dict[str, Bound] = {
     "data.val_fraction": FRACTION,
     "checkpoint.every_steps": POSITIVE, "checkpoint.every_minutes": POSITIVE, "checkpoint.keep_last": POSITIVE,
     "compile.steps": POSITIVE,
-    "cluster.nodes": POSITIVE, "cluster.workers_per_node": POSITIVE, "cluster.price_per_hour": NON_NEGATIVE,
-    "cluster.tokens_per_s_per_node": POSITIVE, "cluster.node_mtbf_hours": POSITIVE,
-    "slurm.restart_minutes": NON_NEGATIVE,
+    "cluster.nodes": POSITIVE, "cluster.workers_per_node": POSITIVE,
+    # The run model's inputs (trnrecipes.plan.run_model), capped where a value can mean nothing and its products
+    # would overflow: a million $ a node-hour; a token in 17 minutes to a trillion a second per node (past any
+    # hardware: a 1M-parameter model at 6 EFLOP/s); a node failing once in 100,000 years ("never"); a restart of
+    # two years; a checkpoint written at 1 MB/s.
+    "cluster.price_per_hour": Bound(0, 1e6), "cluster.tokens_per_s_per_node": Bound(1e-3, 1e12),
+    "cluster.node_mtbf_hours": Bound(0, 1e9, low_open=True), "slurm.restart_minutes": Bound(0, 1e6),
     "eval.cpus": POSITIVE, "eval.mem_gb": NON_NEGATIVE, "eval.gpus": NON_NEGATIVE,
     "slurm.signal_seconds": Bound(60, 65535),  # Slurm: at least its 60 s resolution; sbatch --signal takes <= 65535
-    "slurm.checkpoint_write_gbps": POSITIVE,
+    "slurm.checkpoint_write_gbps": Bound(1e-3),
     "slurm.max_restarts": NON_NEGATIVE,
 }  # fmt: skip
 

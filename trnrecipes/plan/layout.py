@@ -9,10 +9,12 @@ No torch import: `plan` and `sbatch` use this.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from trnrecipes.config.cluster import Instance, get_instance
 from trnrecipes.config.families import ModelSection
+from trnrecipes.config.recipe import FIELD_BOUNDS
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.config.stages import (
     BUBBLE_WARNING,
@@ -210,8 +212,8 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
     elif seq_per_s is not None:
         out["throughput_from"] = "--seq-per-s"
     if seq_per_s is not None:
-        if seq_per_s <= 0:
-            raise RecipeError(f"--seq-per-s must be > 0, got {seq_per_s}")
+        if out["throughput_from"] == "--seq-per-s":
+            _check_seq_per_s(seq_per_s, layout)
         tokens_per_s = seq_per_s * r.batch.seq_len
         step_s = r.batch.global_batch / seq_per_s
         cluster_price = price * layout.nodes if price is not None else None
@@ -225,4 +227,22 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
             "tokens_per_dollar": tokens_per_s * 3600 / cluster_price if cluster_price else None,
         }
         out |= run_model(r, step_s, layout.nodes, cluster_price)
+    overflowed = [key for key, value in out.items() if isinstance(value, float) and not math.isfinite(value)]
+    if overflowed:  # the bounds keep each value sane; this names a combination of them that is not
+        raise RecipeError(
+            f"the plan's {', '.join(overflowed)} overflow a float at these values: give the throughput, price and"
+            " checkpoint settings of a real cluster"
+        )
     return out
+
+
+def _check_seq_per_s(seq_per_s: float, layout: Layout) -> None:
+    """--seq-per-s within the throughput per node a recipe may state (cluster.tokens_per_s_per_node's bound)."""
+    bound = FIELD_BOUNDS["cluster.tokens_per_s_per_node"]
+    per_node = seq_per_s * layout.seq_len / layout.nodes
+    if not bound.holds(per_node):
+        low, high = (edge * layout.nodes / layout.seq_len for edge in (bound.low, bound.high))
+        raise RecipeError(
+            f"--seq-per-s {seq_per_s:g}: valid from {low:.3g} to {high:.3g} sequences/s on {layout.nodes} node(s) at"
+            f" batch.seq_len {layout.seq_len} (a throughput per node {bound} tokens/s)"
+        )
