@@ -23,6 +23,7 @@ from conftest import REPO
 from safetensors.torch import load_file, save_file
 from tokenizers import BertWordPieceTokenizer
 
+import trnrecipes.infer
 from trnrecipes.cli import main
 from trnrecipes.data.classify import encode_texts
 from trnrecipes.data.tokenizer import load_tokenizer
@@ -234,6 +235,7 @@ def slow(tmp, path):
     time.sleep(0.05)
     publish(tmp, path)
 infer._publish = slow
+import trnrecipes.infer
 from trnrecipes.cli import main
 raise SystemExit(main(sys.argv[1:]))
 """
@@ -276,6 +278,74 @@ def test_embed_killed_halfway_resumes_to_the_uninterrupted_result(tiny, tmp_path
     assert len(resumed.column("embedding").to_numpy(zero_copy_only=False)[0]) == HIDDEN
 
 
+def files_under(root) -> dict[str, bytes]:
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def test_embed_never_removes_a_parts_dir_it_did_not_make(tiny, tmp_path, capsys):
+    """OUT.parts/ that embed did not create (no embed.json: a checkpoint copied there, or just an empty dir) is
+    refused in one line naming it, and every byte in it stays (was: filled, then removed whole with the rest)."""
+    out, parts = tmp_path / "e.arrow", tmp_path / "e.arrow.parts"
+    shutil.copytree(tiny["cls"], parts / "step_7")
+    argv = ["embed", "--ckpt", str(tiny["cls"]), "--in", str(tiny["root"] / "small.arrow"), "--out", str(out)]
+    for holds in ("a checkpoint", "nothing"):
+        before = files_under(tmp_path)
+        capsys.readouterr()
+        assert main(argv) == 2, holds
+        assert capsys.readouterr().err == (
+            f"error: {parts} exists and was not made by `trnrecipes embed` (no embed.json in it): embed removes its"
+            " work dir when done, so it uses none it did not make; move it away or choose another --out\n"
+        )
+        assert files_under(tmp_path) == before and parts.is_dir() and not out.exists()
+        shutil.rmtree(parts / "step_7", ignore_errors=True)
+
+
+def test_embed_refuses_its_parts_dir_holding_a_foreign_file_and_never_removes_one(tiny, tmp_path, monkeypatch, capsys):
+    """A killed embed's OUT.parts/ with a file someone put there is refused, its chunks and the file kept (they resume
+    once the file is moved out); a file put there while embed runs survives the end, only embed's files go."""
+    out, parts = tmp_path / "e.arrow", tmp_path / "e.arrow.parts"
+    argv = ["embed", "--ckpt", str(tiny["cls"]), "--in", str(tiny["root"] / "small.arrow"), "--out", str(out),
+            "--batch-size", "64", "--chunk-rows", "128"]  # fmt: skip
+    join = trnrecipes.infer._join
+
+    class Killed(Exception):
+        pass
+
+    def killed(*args):
+        raise Killed
+
+    with monkeypatch.context() as patch:  # killed just before the join, every chunk done
+        patch.setattr(trnrecipes.infer, "_join", killed)
+        with pytest.raises(Killed):
+            main(argv)
+    assert sorted(p.name for p in parts.iterdir()) == [".lock", *(f"chunk_00000{k}.arrow" for k in range(3)),
+                                                       "embed.json"]  # fmt: skip
+    (parts / "notes.txt").write_text("mine\n")
+    before = files_under(tmp_path)
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"error: {parts} holds files `trnrecipes embed` did not write (notes.txt): embed removes that dir when done;"
+        " move them out of it (its chunks then resume) or choose another --out\n"
+    )
+    assert files_under(tmp_path) == before and not out.exists()
+
+    (parts / "notes.txt").rename(tmp_path / "notes.txt")
+    dropped = []
+
+    def join_after_a_drop(parts_dir, *args):  # someone's file lands in OUT.parts/ while embed runs
+        (parts_dir / "later.txt").write_text("mine too\n")
+        dropped.append(parts_dir)
+        join(parts_dir, *args)
+
+    monkeypatch.setattr(trnrecipes.infer, "_join", join_after_a_drop)
+    assert main(argv) == 0 and dropped
+    said = capsys.readouterr().out
+    assert "3 of 3 chunks already done" in said
+    assert f"left {parts} in place: it holds files embed did not write (later.txt)" in said
+    assert sorted(p.name for p in parts.iterdir()) == ["later.txt"] and read_arrow_table(out).num_rows == tiny["n"]
+
+
 def test_refuses_language_models_and_bad_input(tiny, tmp_path, capsys):
     llama = tmp_path / "hf-llama"
     config = transformers.LlamaConfig(
@@ -312,6 +382,7 @@ def test_refuses_language_models_and_bad_input(tiny, tmp_path, capsys):
 def test_no_training_stack_is_imported(tiny, tmp_path):
     code = f"""
 import sys
+import trnrecipes.infer
 from trnrecipes.cli import main
 assert main(["predict", "--ckpt", {str(tiny["cls"])!r}, "--in", {str(tiny["root"] / "small.txt")!r},
              "--out", {str(tmp_path / "p.jsonl")!r}]) == 0

@@ -6,7 +6,8 @@ written whole to OUT.parts/ (temp file, then rename) with the sha256 of its rows
 made them (row count, checkpoint, settings): a run killed halfway through millions of rows resumes at the first
 missing chunk, a chunk whose rows' text has changed since is computed again, and one started with another row
 count, checkpoint or settings (or an input whose text matches no chunk done) is refused rather than mixing results.
-The last chunk done, they are joined into OUT and OUT.parts/ is removed.
+The last chunk done, they are joined into OUT and OUT.parts/ is removed. OUT.parts/ is embed's only if it made it
+(created whole with embed.json in it) and holds nothing else of anyone's: any other is refused, never removed.
 
 Every batch has one shape, [batch_size, seq_len]: the last is filled up with copies of its last row, whose outputs
 are dropped, so a compiler (XLA, Neuron) would build one graph. Nothing here imports the training stack (backends,
@@ -21,8 +22,8 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,9 @@ from trnrecipes.data.tokenizer import TextTokenizer, load_tokenizer
 TOKENIZE_ROWS = 4096  # rows tokenized at once by predict (the Rust tokenizer batches them over threads)
 EMBED_FORMAT = 2  # OUT.parts/embed.json's format; 2: each chunk carries the sha256 of its rows' text
 EMBED_JOB = "embed.json"
+LOCK = ".lock"
+CHUNK = re.compile(r"chunk_\d{6,}\.arrow")
+TEMP = re.compile(r"\.(embed\.json|chunk_\d{6,}\.arrow)\.\d+-[0-9a-f]{8}\.tmp")  # _atomic's, of a killed run
 ROWS_SHA256 = "trnrecipes.rows_sha256"  # a chunk's schema metadata: the sha256 of the text of its rows
 TEXT_CHANGED = "text changed"  # _chunk_problem's answer for a chunk embedded from rows whose text has changed since
 
@@ -314,6 +318,8 @@ def embed(
     parts = parts_path(out)
     if out.exists() and not parts.exists():
         raise RecipeError(f"{out} already exists; choose another --out, or remove it")
+    if parts.exists() or parts.is_symlink():
+        _check_ours(parts)  # before the checkpoint is read: refused in a second, not after loading the model
     opened = open_checkpoint(ckpt, log)
     text_field = text_field or opened[1].data.text_field
     texts = read_rows(inputs, text_field)
@@ -328,7 +334,7 @@ def embed(
     }
     rows = len(texts)
     spans = [(start, min(start + chunk_rows, rows)) for start in range(0, rows, chunk_rows)]
-    parts.mkdir(parents=True, exist_ok=True)
+    _make_parts(parts, job)
     with _locked(parts):
         made_from = _start_or_resume(parts, job)["input"].get("path")
         elsewhere = made_from != job["input"]["path"]  # a copy of the input resumes; a wrong --in must not
@@ -348,8 +354,69 @@ def embed(
                 _write_chunk(parts / _chunk_name(k), start, np.concatenate(pieces), hidden, digest)
                 bar.update(stop - start)
         _join(parts, len(spans), out, job)
-        shutil.rmtree(parts)  # under the lock: an embed started now finds OUT whole and no parts
+        _remove_parts(parts, log)  # under the lock: an embed started now finds OUT whole and no parts
     return job
+
+
+def _foreign(parts: Path) -> list[str]:
+    """The entries of `parts` that embed does not write: anything but its record, its lock, chunk files and the temp
+    files of its writes (regular files all, no links)."""
+    ours = (EMBED_JOB, LOCK)
+    return sorted(
+        e.name
+        for e in os.scandir(parts)
+        if not e.is_file(follow_symlinks=False)
+        or not (e.name in ours or CHUNK.fullmatch(e.name) or TEMP.fullmatch(e.name))
+    )
+
+
+def _check_ours(parts: Path) -> None:
+    """RecipeError unless `parts` is a work dir embed made: a directory (not a link) holding its record and nothing
+    but embed's own files. Embed removes its work dir when done, so it must never adopt one it did not make."""
+    if parts.is_symlink() or not parts.is_dir():
+        raise RecipeError(f"{parts} exists and is not a directory embed made; move it away or choose another --out")
+    if not (parts / EMBED_JOB).is_file():
+        raise RecipeError(
+            f"{parts} exists and was not made by `trnrecipes embed` (no {EMBED_JOB} in it): embed removes its work"
+            " dir when done, so it uses none it did not make; move it away or choose another --out"
+        )
+    if foreign := _foreign(parts):
+        raise RecipeError(
+            f"{parts} holds files `trnrecipes embed` did not write ({listed(foreign, limit=5)}): embed removes that"
+            " dir when done; move them out of it (its chunks then resume) or choose another --out"
+        )
+
+
+def _make_parts(parts: Path, job: dict) -> None:
+    """OUT.parts/ created whole, the job's record already in it (a temp dir renamed into place), so that a dir
+    without the record is never embed's; or, where one is already there, checked to be embed's."""
+    if not parts.exists():
+        parts.parent.mkdir(parents=True, exist_ok=True)
+        staging = parts.with_name(f".{parts.name}.{os.getpid()}-{secrets.token_hex(4)}")
+        staging.mkdir()  # not mkdtemp: its mode 0700 would stay on OUT.parts
+        with _atomic(staging / EMBED_JOB, "w") as f:
+            f.write(json.dumps(job, indent=2) + "\n")
+        try:
+            os.rename(staging, parts)  # fails if another embed made it first (its record in it: not empty)
+            return
+        except OSError:
+            (staging / EMBED_JOB).unlink()
+            staging.rmdir()
+            if not parts.exists():
+                raise
+    _check_ours(parts)
+
+
+def _remove_parts(parts: Path, log) -> None:
+    """Removes embed's files from `parts`, then `parts` itself if nothing else is in it (a file put there while embed
+    ran stays, and so does the dir)."""
+    foreign = _foreign(parts)
+    for name in sorted(set(os.listdir(parts)) - set(foreign)):
+        (parts / name).unlink()
+    if foreign:
+        log(f"[trnrecipes] left {parts} in place: it holds files embed did not write ({listed(foreign, limit=5)})")
+    else:
+        parts.rmdir()
 
 
 def _fingerprint(path: Path, texts: pa.Array) -> dict:
@@ -402,17 +469,12 @@ def _differences(saved: dict, job: dict) -> list[str]:
 
 
 def _start_or_resume(parts: Path, job: dict) -> dict:
-    """Record the job in a new OUT.parts, or check that the recorded one is this job; drop stale temp files. Returns
-    the recorded job."""
-    for stale in parts.glob(".*.tmp"):  # a killed run's half-written chunk: under the lock, nobody is writing it
-        stale.unlink()
+    """Check that the job OUT.parts records is this one (_make_parts wrote it in a new one); drop stale temp files.
+    Returns the recorded job."""
+    for stale in os.listdir(parts):  # a killed run's half-written chunk: under the lock, nobody is writing it
+        if TEMP.fullmatch(stale):
+            (parts / stale).unlink()
     record = parts / EMBED_JOB
-    if not record.exists():
-        if any(parts.glob("chunk_*.arrow")):
-            raise RecipeError(f"{parts} holds chunks but no {EMBED_JOB} saying what made them; remove {parts}")
-        with _atomic(record, "w") as f:
-            f.write(json.dumps(job, indent=2) + "\n")
-        return job
     try:
         saved = json.loads(record.read_text())
     except (OSError, ValueError) as err:
@@ -503,7 +565,7 @@ def _join(parts: Path, chunks: int, out: Path, job: dict) -> None:
 @contextlib.contextmanager
 def _locked(parts: Path):
     """One embed at a time per OUT: a second would race the first over the same chunks."""
-    with open(parts / ".lock", "w") as lock:
+    with open(parts / LOCK, "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
