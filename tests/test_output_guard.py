@@ -2,7 +2,7 @@
 
 The property: for every writing command and every kind of output (the input itself, a symbolic link to it, a hard
 link to it, the directory holding it, inside a checkpoint, inside a run dir's checkpoints/ (also where checkpoints/
-is a symbolic link), below a regular file, a fresh path), either the
+is a symbolic link), one of the run dir's own files, below a regular file, a fresh path), either the
 command refuses with one line and every byte under the test's directory (inputs, a real checkpoint) is as it was,
 or it succeeds and what changed lies within its outputs. Every (command, kind) pair is run, in a seeded random order
 of the kinds per command, so no draw of pairs can miss one. Kinds that always collide must be refused; a fresh
@@ -30,10 +30,12 @@ from tokenizers import BertWordPieceTokenizer
 from trnrecipes.checkpoint import verify, write_model_checkpoint
 from trnrecipes.cli import main
 from trnrecipes.config.recipe import load_recipe
+from trnrecipes.files.outputs import run_entry_around
+from trnrecipes.files.run_files import LOCK_FILE, RUN_ENTRIES
 from trnrecipes.models import build_model
 
 KINDS = ("same", "symlink", "hardlink", "holds_input", "in_checkpoint", "in_checkpoints", "in_linked_checkpoints",
-         "below_file", "fresh")  # fmt: skip
+         "run_file", "below_file", "fresh")  # fmt: skip
 COLLIDING = set(KINDS) - {"fresh"}
 # Kinds that are no clash for a command, so it may go ahead: preprocess writes OUT.bin, .idx and .tokenizer.json
 # beside what --out names; plot adds its PNGs to a directory (a run dir, the one holding it) and replaces nothing.
@@ -141,6 +143,9 @@ def output_of(kind: str, root: Path, c: Case, ckpt: Path) -> Path:
         os.replace(ckpt.parent, real)
         os.symlink(real, ckpt.parent)
         return ckpt.parent / name
+    if kind == "run_file":  # the run's metrics; a directory output or a prefix: in the run's TensorBoard dir
+        run = ckpt.parent.parent
+        return run / "metrics.jsonl" if not c.directory and "preprocess" not in c.argv else run / "tensorboard" / name
     if kind == "below_file":
         return root / "afile" / name
     return root / "fresh" / name
@@ -200,6 +205,66 @@ def test_a_writing_command_refuses_with_one_line_or_writes_only_its_output(
         assert code == 2, f"{command} --out {kind} was not refused"
     if kind == "fresh":
         assert code == 0, err
+
+
+@pytest.mark.parametrize("mark", ["lock", "step_dirs", "none"])
+def test_every_entry_of_a_run_dir_is_its_own_and_a_new_name_in_it_is_not(tmp_path, mark):
+    """A run dir is known by the lock every trainer leaves, or by checkpoints/ with step dirs; in one, each of its
+    entries (and what lies in them) is the run's, but for plot's plots/ to plot; a dir without those marks has none."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if mark == "lock":
+        (run / LOCK_FILE).write_text("")
+    elif mark == "step_dirs":
+        (run / "checkpoints/step_5").mkdir(parents=True)
+    for entry in (*RUN_ENTRIES, ".stop-4242", ".stop-4242.saved"):
+        for path, inside in ((run / entry, False), (run / entry / "x" / "out.arrow", True)):
+            assert run_entry_around(path) == (None if mark == "none" else (run / entry, inside)), path
+    assert run_entry_around(run / "plots" / "loss.png", allowed="plots") is None
+    for new in ("eval/step_5/results.json", "embeddings/q.arrow", "metrics.arrow", "stop-1"):
+        assert run_entry_around(run / new) is None
+
+
+def test_a_runs_metrics_and_other_own_files_are_refused_to_every_writing_command(tmp_path, capsys):
+    """A run killed before its first checkpoint (the lock and metrics.jsonl, no checkpoints/): `data to-arrow --out
+    RUN/metrics.jsonl` is refused in one line, the metrics kept (was: overwritten by an Arrow file); plot still
+    writes its default RUN/plots/."""
+    run, rows = tmp_path / "run", tmp_path / "rows.jsonl"
+    run.mkdir()
+    (run / LOCK_FILE).write_text("")
+    steps = [{"step": s, "loss": 5.0 - s / 10, "grad_norm": 1.0, "param_norm": 10.0} for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    rows.write_text(json.dumps({"text": "a few words"}) + "\n")
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    assert main(["data", "to-arrow", "--in", str(rows), "--out", str(run / "metrics.jsonl")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {run / 'metrics.jsonl'} would overwrite metrics.jsonl of the run dir {run}, one of the run's"
+        f" own files; give a new name in the run dir (e.g. {run / 'eval/metrics.jsonl'}) or a path outside it\n"
+    )
+    for argv in (["convert", "to-hf", "--ckpt", str(run), "--out", str(run / "tensorboard")],
+                 ["tokenizer", "from-gpt2", "--vocab", str(rows), "--merges", str(rows), "--out", str(run / "plots")],
+                 ["plot", str(run), "--out", str(run / "archived")]):  # fmt: skip
+        assert main(argv) == 2, argv
+        assert "of the run dir" in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+    assert main(["plot", str(run)]) == 0 and (run / "plots/loss.png").stat().st_size > 0
+
+
+def test_preprocess_refuses_a_prefix_that_names_a_directory(tmp_path, capsys):
+    """`--out dir/` or `--out dir` (it exists) would write dir/.bin and dir/.idx, hidden files: one line instead."""
+    rows, d = tmp_path / "rows.jsonl", tmp_path / "d"
+    rows.write_text(json.dumps({"text": "a few words"}) + "\n")
+    d.mkdir()
+    argv = ["data", "preprocess", "--in", str(rows), "--tokenizer", str(REPO / "data/tokenizers/gpt2"), "--out"]
+    for prefix in (f"{d}/", str(d), f"{tmp_path}/new/"):
+        assert main([*argv, prefix]) == 2, prefix
+        named = Path(prefix)
+        assert capsys.readouterr().err == (
+            f"error: --out {prefix} names a directory: the outputs would be hidden files in it ({named / '.bin'},"
+            f" {named / '.idx'}); give a prefix like {named / 'corpus'} (writes {named / 'corpus'}.bin, ...)\n"
+        )
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["d", "rows.jsonl"]
 
 
 def test_predict_into_an_existing_directory_is_one_line(checkpoints, tmp_path, capsys):

@@ -18,7 +18,7 @@ from pathlib import Path
 from trnrecipes import REPO_ROOT
 from trnrecipes.config.recipe import FIELD_BOUNDS, known_recipes, load_recipe, parse_nodes
 from trnrecipes.config.sections import RecipeError
-from trnrecipes.files.outputs import check_output, check_outputs
+from trnrecipes.files.outputs import check_output, check_outputs, check_prefix
 from trnrecipes.files.run_files import run_dir_of
 
 
@@ -340,8 +340,7 @@ def _preprocess(args: argparse.Namespace) -> int:
     from trnrecipes.data.tokenizer import load_tokenizer
 
     inputs = [Path(p) for p in args.inputs]
-    outputs = [f"{args.out}{suffix}" for suffix in (".bin", ".idx", TOKENIZED_WITH)]
-    check_outputs(outputs, inputs=[*inputs, args.tokenizer])
+    check_prefix(args.out, (".bin", ".idx", TOKENIZED_WITH), inputs=[*inputs, args.tokenizer])
     tok = load_tokenizer(args.tokenizer)
     stats, tokens = preprocess(inputs, tok, Path(args.out), args.text_field, args.dtype, args.on_bad_utf8)
     _report_conversion(stats, f"{args.out}.bin/.idx")
@@ -667,6 +666,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
+    from trnrecipes.files.run_files import PLOTS
     from trnrecipes.train.plot import plot_runs
 
     if len(args.run_dirs) > 2:
@@ -674,8 +674,8 @@ def _plot(args: argparse.Namespace) -> int:
     missing = [d for d in args.run_dirs if not (Path(d) / "metrics.jsonl").is_file()]
     if missing:
         raise RecipeError(f"no metrics.jsonl in {', '.join(missing)}: not a training run directory")
-    default = Path(args.run_dirs[0]) / "plots"
-    out = check_output(args.out or default, flag=_out_flag(args.out), directory=True)  # PNGs beside a run are fine
+    default = Path(args.run_dirs[0]) / PLOTS
+    out = check_output(args.out or default, flag=_out_flag(args.out), directory=True, run_entry=PLOTS)
     for path in plot_runs([Path(d) for d in args.run_dirs], out):
         print(f"wrote {path}")
     return 0

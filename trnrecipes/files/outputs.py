@@ -8,6 +8,11 @@ An output is refused, with one line naming it and why, when it
 - is or lies inside a checkpoint (a directory with our manifest.json) or inside a run dir's checkpoints/: a file the
   manifest does not list makes the checkpoint fail verification, and the next `train` would move it aside as
   unusable and resume from an older one; a step_N written there would pass for a checkpoint;
+- is or lies in another of a run dir's own files (run_files.RUN_ENTRIES: metrics.jsonl, tensorboard/, archived/,
+  plots/ but for plot, the lock, the stop files): the run's record would be overwritten. A run dir is known by its
+  marks: the lock every trainer takes (kept after the run), or checkpoints/ holding step_N dirs. A new name in a
+  run dir (eval/, embeddings/) is fine;
+- (a prefix: preprocess's PREFIX.bin/.idx) names a directory, whose outputs would be hidden files in it;
 - sits below a regular file, or is a directory where a file is expected (or the reverse);
 - is itself a symbolic link. The rule everywhere in trnrecipes: nothing is written or deleted through a link (step
   dirs that are links are refused too), since the write would land where the command line does not say. Links
@@ -25,7 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from trnrecipes.config.sections import RecipeError
-from trnrecipes.files.run_files import CHECKPOINTS, LOCK_FILE, MANIFEST, STEP_DIR
+from trnrecipes.files.run_files import CHECKPOINTS, LOCK_FILE, MANIFEST, STEP_DIR, is_run_entry
 from trnrecipes.schema import shown
 
 MANIFEST_READ_LIMIT = 64 << 20  # a manifest.json larger than this is not one of ours (ours list file hashes)
@@ -36,10 +41,16 @@ class OutputError(RecipeError):
 
 
 def check_output(
-    out: str | Path, *, flag: str = "--out", inputs: Iterable[str | Path] = (), directory: bool = False
+    out: str | Path,
+    *,
+    flag: str = "--out",
+    inputs: Iterable[str | Path] = (),
+    directory: bool = False,
+    run_entry: str | None = None,
 ) -> Path:
     """`out` as a Path if a command may write it (a file, or with `directory` a directory), else OutputError.
-    `inputs`: what the command reads (files or directories); `flag` names the output in the message."""
+    `inputs`: what the command reads (files or directories); `flag` names the output in the message; `run_entry`:
+    the run dir entry that is the command's own output (plot's plots/), let through."""
     out = Path(out)
     named = f"{flag} {out}"
     if Path(os.path.normpath(out)).name in ("", ".", ".."):
@@ -79,6 +90,13 @@ def check_output(
         else:
             why = "only checkpoints belong there (training and eval take every step_N in it for one)"
         raise OutputError(f"{named} would write into {kind} {where}: {why}; write it outside, e.g. beside the run dir")
+    if found := run_entry_around(real, run_entry) or run_entry_around(Path(os.path.abspath(out)), run_entry):
+        entry, inside = found
+        raise OutputError(
+            f"{named} would {'write into' if inside else 'overwrite'} {entry.name} of the run dir {entry.parent}, one"
+            f" of the run's own files; give a new name in the run dir (e.g. {entry.parent / 'eval' / out.name}) or a"
+            " path outside it"
+        )
     return out
 
 
@@ -86,6 +104,20 @@ def check_outputs(outs: Iterable[str | Path], **kwargs) -> None:
     """check_output for each of a command's outputs (a file and its companion files)."""
     for out in outs:
         check_output(out, **kwargs)
+
+
+def check_prefix(
+    prefix: str, suffixes: tuple[str, ...], *, flag: str = "--out", inputs: Iterable[str | Path] = ()
+) -> None:
+    """check_output for each PREFIX+suffix a command writes (preprocess: PREFIX.bin, PREFIX.idx, ...), after refusing
+    a prefix that names a directory (an existing one, or one ending in '/'): the files would be hidden ones in it."""
+    if prefix.endswith(("/", os.sep)) or Path(prefix).is_dir():
+        hidden = ", ".join(f"{Path(prefix) / suffix}" for suffix in suffixes[:2])
+        raise OutputError(
+            f"{flag} {prefix} names a directory: the outputs would be hidden files in it ({hidden}); give a prefix"
+            f" like {Path(prefix) / 'corpus'} (writes {Path(prefix) / 'corpus'}{suffixes[0]}, ...)"
+        )
+    check_outputs([f"{prefix}{suffix}" for suffix in suffixes], flag=flag, inputs=inputs)
 
 
 def checkpoint_around(path: Path) -> tuple[str, Path] | None:
@@ -97,6 +129,21 @@ def checkpoint_around(path: Path) -> tuple[str, Path] | None:
         if d.name == CHECKPOINTS and _is_run_checkpoints(d):
             return "the run dir checkpoints", d
     return None
+
+
+def run_entry_around(path: Path, allowed: str | None = None) -> tuple[Path, bool] | None:
+    """(RUN_DIR/entry, whether `path` lies inside it) if `path` (absolute) is or lies in one of a run dir's own
+    entries other than `allowed`, else None. Only a parent of a path named like an entry is asked if it is a run dir."""
+    for d in (path, *path.parents):
+        if d.name != allowed and is_run_entry(d.name) and _is_run_dir(d.parent):
+            return d, d != path
+    return None
+
+
+def _is_run_dir(d: Path) -> bool:
+    """A trainer's run dir: it holds the lock every trainer takes (kept after the run), or checkpoints/ with step_N
+    dirs (a run dir copied without its hidden files)."""
+    return os.path.lexists(d / LOCK_FILE) or _is_run_checkpoints(d / CHECKPOINTS)
 
 
 def _not_a_directory_above(out: Path) -> str | None:

@@ -1,7 +1,7 @@
 """The names of what training writes into a run dir, torch-free: its checkpoints/ with one step_N dir per checkpoint,
-the files that make a directory a checkpoint, the lock a trainer holds, and its metrics. The checkpoint format
-(checkpoint/format.py), the run dir's keeper (train/run_dir.py) and the output guard (outputs.py) take them from here,
-so each name is written once and the guard needs no torch."""
+the files that make a directory a checkpoint, the lock a trainer holds, its metrics and the rest of RUN_ENTRIES.
+The checkpoint format (checkpoint/format.py), the run dir's keeper (train/run_dir.py), the monitor and the output
+guard (outputs.py) take them from here, so each name is written once and the guard needs no torch."""
 
 from __future__ import annotations
 
@@ -15,6 +15,18 @@ DONE = "done"  # written last: the checkpoint is whole
 LOCK_FILE = ".trnrecipes.lock"  # RUN_DIR/.trnrecipes.lock: rank 0 of the trainer that holds the run dir
 METRICS = "metrics.jsonl"  # RUN_DIR/metrics.jsonl: one record per step (train/monitor.py)
 METRICS_DROPPED = "metrics.dropped.jsonl"  # beside it: the records a resume took out of it (steps trained again)
+TENSORBOARD = "tensorboard"  # RUN_DIR/tensorboard/: the monitor's event files
+ARCHIVED = "archived"  # RUN_DIR/archived/<time>/: an earlier run's checkpoints and metrics (checkpoint.force_fresh)
+PLOTS = "plots"  # RUN_DIR/plots/: `trnrecipes plot`'s PNGs (its default --out)
+LOCK_CLAIM = LOCK_FILE + ".claim"  # beside the lock where the file system has no flock (train/run_dir.py)
+STOP_FILE = re.compile(r"^\.stop-")  # RUN_DIR/.stop-JOB[.saved]: run.sbatch's stop request and the trainer's answer
+# What a run dir holds of its own: the output guard refuses any other command's output that is or lies in one.
+RUN_ENTRIES = (CHECKPOINTS, METRICS, METRICS_DROPPED, TENSORBOARD, ARCHIVED, PLOTS, LOCK_FILE, LOCK_CLAIM)
+
+
+def is_run_entry(name: str) -> bool:
+    """Whether `name`, in a run dir, is one of the run's own files or directories (RUN_ENTRIES, the stop files)."""
+    return name in RUN_ENTRIES or STOP_FILE.match(name) is not None
 
 
 def run_dir_of(checkpoint: Path) -> Path | None:

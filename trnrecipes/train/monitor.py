@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from trnrecipes.data.arrow import atomic_output
-from trnrecipes.files.run_files import METRICS, METRICS_DROPPED
+from trnrecipes.files.run_files import METRICS, METRICS_DROPPED, TENSORBOARD
 from trnrecipes.plan.report import si
 
 
@@ -116,7 +116,7 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter
 
             purge = resumed_from + 1 + self.history_offset if mine else None  # hides the dropped steps' events
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
+            self.tb = SummaryWriter(str(run_dir / TENSORBOARD), purge_step=purge)
 
     def log(self, record: dict) -> None:
         if not self.enabled:

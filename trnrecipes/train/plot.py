@@ -8,6 +8,7 @@ from pathlib import Path
 
 from trnrecipes.config.sections import RecipeError
 from trnrecipes.files.outputs import check_output
+from trnrecipes.files.run_files import PLOTS
 
 PANELS = (("loss", "training loss"), ("grad_norm", "gradient L2 norm"), ("param_norm", "parameter L2 norm"))
 # Classification runs also log accuracy (training, per step) and val_accuracy: drawn when a run has them.
@@ -41,7 +42,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-        path = check_output(out / f"{key}.png", flag="plot")  # not through a link left there
+        path = check_output(out / f"{key}.png", flag="plot", run_entry=PLOTS)  # not through a link left there
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)

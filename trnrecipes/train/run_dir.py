@@ -24,7 +24,15 @@ from trnrecipes.checkpoint import CheckpointError, CheckpointReadError, verify_t
 from trnrecipes.checkpoint.format import STORAGE_ERRNOS, step_dirs
 from trnrecipes.checkpoint.writer import PRUNING
 from trnrecipes.config.sections import RecipeError
-from trnrecipes.files.run_files import CHECKPOINTS, LOCK_FILE, METRICS, METRICS_DROPPED
+from trnrecipes.files.run_files import (
+    ARCHIVED,
+    CHECKPOINTS,
+    LOCK_CLAIM,
+    LOCK_FILE,
+    METRICS,
+    METRICS_DROPPED,
+    TENSORBOARD,
+)
 from trnrecipes.schema import shown
 
 TEMP_DIR = re.compile(r"^\.step_\d+\.tmp$")  # a save in progress (trnrecipes.checkpoint.writer)
@@ -138,11 +146,11 @@ def settle_checkpoints(
 
 
 def _archive(run_dir: Path) -> Path:
-    archive = run_dir / "archived" / time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    archive = run_dir / ARCHIVED / time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     while archive.exists():
         archive = archive.with_name(archive.name + "+")
     archive.mkdir(parents=True)
-    for name in (CHECKPOINTS, METRICS, METRICS_DROPPED, "tensorboard"):
+    for name in (CHECKPOINTS, METRICS, METRICS_DROPPED, TENSORBOARD):
         if (run_dir / name).exists():
             os.replace(run_dir / name, archive / name)
     return archive
@@ -221,7 +229,7 @@ class RunDirLock:
         if self.use_flock:
             yield
             return
-        claim = self.path.with_name(LOCK_FILE + ".claim")
+        claim = self.path.with_name(LOCK_CLAIM)
         deadline = time.monotonic() + 120
         while True:
             try:
