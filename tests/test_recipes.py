@@ -162,6 +162,26 @@ def test_tensor_parallel_and_time_limits_are_checked_at_render_time(overrides, m
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("key", ["eval.time_limit", "slurm.time_limit"])
+def test_a_time_limit_slurm_reads_as_none_is_refused(key):
+    """Slurm takes a zero --time as no limit at all: the job would run unbounded (and, for training, never get its
+    pre-timeout signal). Each zero spelling of [D-]HH:MM:SS is refused naming the key; other spellings Slurm knows
+    (minutes, MM:SS, UNLIMITED) are not the recipe's format."""
+    for zero in ("00:00:00", "0:00:00", "0-00:00:00", "0-0:00:00", "0000-00:00:00"):
+        with pytest.raises(RecipeError) as err:
+            load_recipe("pythia-tiny", overrides=f"{key}={zero}")
+        assert str(err.value).splitlines()[1:] == [
+            f"  {key} {zero} is zero, which Slurm reads as no time limit: give the limit as [D-]HH:MM:SS (e.g."
+            f" 04:00:00), or leave {key} unset for the partition's"
+        ], zero
+    for other in ("0", "0:0", "00:00", "UNLIMITED", "infinite", "-1"):
+        with pytest.raises(RecipeError, match=f"{key} '{other}': expected \\[D-\\]HH:MM:SS"):
+            load_recipe("pythia-tiny", overrides=f"{key}={other}")
+    section, field = key.split(".")
+    recipe = load_recipe("pythia-tiny", overrides=f"{key}=2-00:00:00")
+    assert getattr(getattr(recipe, section), field) == "2-00:00:00"
+
+
 def test_null_override_clears_an_optional_text_field():
     r = load_recipe("neox-tiny", overrides="slurm.partition=debug")
     assert r.slurm.partition == "debug"

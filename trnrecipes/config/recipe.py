@@ -493,15 +493,14 @@ def check_recipe(r: Recipe) -> list[str]:
             f"{section}.{key} {shown(value)}: use letters, digits, '.', '_' and '-' only (it goes into an #SBATCH"
             " line)",
         )
-    et = r.eval.time_limit
-    need(et is None or bool(_SLURM_TIME.fullmatch(et)), f"eval.time_limit {shown(et)}: expected [D-]HH:MM:SS")
+    problems += _time_limit_problems("eval.time_limit", r.eval.time_limit)
     need(
         _SLURM_WORD.fullmatch(r.name) is not None,
         f"name {shown(r.name)}: use letters, digits, '.', '_' and '-' only (it names the job and its directories)",
     )
     t = r.slurm.time_limit
-    need(t is None or bool(_SLURM_TIME.fullmatch(t)), f"slurm.time_limit {shown(t)}: expected [D-]HH:MM:SS")
-    if t is not None and _SLURM_TIME.fullmatch(t) and not problems:
+    problems += _time_limit_problems("slurm.time_limit", t)
+    if t is not None and not problems:
         lead = signal_seconds(r)
         need(
             _seconds(t) > lead + 300,
@@ -518,6 +517,21 @@ def _backend_words(r: Recipe, stack: str | None) -> str:
     if stack != XLA_NXD:
         return f"backend {r.cluster.backend}"
     return f"backend neuron on Neuron SDK {r.cluster.neuron_sdk} (torch-xla + neuronx-distributed)"
+
+
+def _time_limit_problems(key: str, value: str | None) -> list[str]:
+    """A Slurm --time value in the one spelling recipes take, [D-]HH:MM:SS, and not zero: Slurm reads a zero limit
+    (0, 00:00:00, 0-00:00:00) as none at all, so the job would run unbounded, with no pre-timeout signal."""
+    if value is None:
+        return []
+    if not _SLURM_TIME.fullmatch(value):
+        return [f"{key} {shown(value)}: expected [D-]HH:MM:SS"]
+    if _seconds(value) == 0:
+        return [
+            f"{key} {value} is zero, which Slurm reads as no time limit: give the limit as [D-]HH:MM:SS (e.g."
+            f" 04:00:00), or leave {key} unset for the partition's"
+        ]
+    return []
 
 
 def _seconds(time_limit: str) -> int:
