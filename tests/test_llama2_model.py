@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -193,6 +194,60 @@ def test_config_round_trip_through_transformers():
     # transformers 4 style (top-level rope_theta, no rope_parameters) reads the same.
     legacy = {k: v for k, v in hf_config_from_args(args).items() if k != "rope_parameters"}
     assert args_from_hf_config(legacy) == args
+
+
+def llama3(factor: float, original: int | None = 64, **more) -> dict:
+    """Llama 3's rope scaling dict; a key given None (original, rope_type) left out."""
+    rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    rope |= ({"original_max_position_embeddings": original} if original else {}) | more
+    return {k: v for k, v in rope.items() if v is not None}  # rope_type=None: without it
+
+
+# config.json's RoPE keys alone and disagreeing (transformers 4's rope_scaling and top-level rope_theta, 5's
+# rope_parameters), each read by ours as by transformers.
+ROPE_KEYS = {
+    "rope_theta alone": {"rope_theta": 123.0},
+    "rope_parameters alone": {"rope_parameters": {"rope_type": "default", "rope_theta": 77.0}},
+    "rope_scaling alone": {"rope_scaling": llama3(8.0)},
+    "rope_scaling alone, 4.x's 'type'": {"rope_scaling": {"type": "llama3", **llama3(8.0, rope_type=None)}},
+    "neither": {},
+    "rope_parameters' theta vs top-level": {"rope_theta": 500000.0,
+                                            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    "top-level theta vs rope_parameters'": {"rope_theta": 10000.0,
+                                            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    "top-level theta, rope_parameters without": {"rope_theta": 500000.0, "rope_parameters": {"rope_type": "default"}},
+    "rope_scaling llama3 vs rope_parameters default": {
+        "rope_theta": 5.0, "rope_scaling": llama3(8.0), "rope_parameters": {"rope_type": "default", "rope_theta": 9.0}},
+    "rope_scaling default vs rope_parameters llama3": {
+        "rope_scaling": {"rope_type": "default"}, "rope_parameters": llama3(32.0, rope_theta=9.0)},
+    "rope_scaling vs rope_parameters, both llama3": {
+        "rope_theta": 5.0, "rope_scaling": llama3(8.0, 64), "rope_parameters": llama3(32.0, 128, rope_theta=9.0)},
+    "rope_scaling's theta vs top-level": {"rope_theta": 5.0, "rope_scaling": llama3(8.0, rope_theta=11.0)},
+    "rope_scaling null": {"rope_scaling": None, "rope_parameters": llama3(32.0, rope_theta=9.0)},
+    "llama3 without original_max_position_embeddings": {
+        "original_max_position_embeddings": 128, "rope_parameters": llama3(8.0, None, rope_theta=3.0)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("keys", ROPE_KEYS.values(), ids=ROPE_KEYS.keys())
+def test_rope_keys_read_as_transformers_reads_them(keys, tmp_path):
+    """Where config.json's rope_theta, rope_scaling and rope_parameters disagree, transformers 5 takes a non-empty
+    rope_scaling whole over rope_parameters, and the chosen dict's rope_theta over the top-level one: so do we."""
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 256, **keys}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters
+    ours = args_from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    assert ours.rotary_base == theirs["rope_theta"]
+    if theirs["rope_type"] == "default":
+        assert ours.rope_scaling is None
+    else:
+        s = ours.rope_scaling
+        assert theirs["rope_type"] == s.type == "llama3"
+        assert (s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_seq_len) == tuple(
+            theirs[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        )
 
 
 @pytest.mark.parametrize(

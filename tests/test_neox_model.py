@@ -3,6 +3,7 @@ partial rotary, scaled init and activation checkpointing."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -59,6 +60,35 @@ def test_logits_equal_hf_in_both_directions(head_dim, rotary_pct, parallel):
         fresh = transformers.GPTNeoXForCausalLM(reference.config).eval()
         fresh.load_state_dict({("lm_head.weight" if k == "embed_out.weight" else k): v for k, v in back.items()})
         assert rel_err(fresh(tokens).logits, want) < 1e-5
+
+
+# config.json's RoPE keys alone and disagreeing: transformers 4's rotary_emb_base / rotary_pct and rope_scaling, 5's
+# rope_parameters; and a top-level rope_theta, which GPTNeoXConfig does not read.
+ROPE_KEYS = {
+    "rotary_emb_base and rotary_pct alone": {"rotary_emb_base": 5.0, "rotary_pct": 0.5},
+    "rope_parameters alone": {"rope_parameters": {"rope_type": "default", "rope_theta": 9.0,
+                                                  "partial_rotary_factor": 0.5}},
+    "rope_scaling alone": {"rope_scaling": {"rope_type": "default", "rope_theta": 7.0}},
+    "rope_parameters vs rotary_emb_base and rotary_pct": {
+        "rotary_emb_base": 5.0, "rotary_pct": 0.5, "rope_parameters": {"rope_type": "default", "rope_theta": 9.0}},
+    "rope_scaling vs rope_parameters": {"rope_scaling": {"rope_type": "default", "rope_theta": 7.0},
+                                        "rope_parameters": {"rope_type": "default", "rope_theta": 9.0,
+                                                            "partial_rotary_factor": 0.5}},
+    "rope_parameters vs an empty rope_scaling": {"rope_scaling": {}, "rope_parameters": {"rope_theta": 9.0}},
+    "top-level rope_theta vs rotary_emb_base": {"rope_theta": 3.0, "rotary_emb_base": 5.0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("keys", ROPE_KEYS.values(), ids=ROPE_KEYS.keys())
+def test_rope_keys_read_as_transformers_reads_them(keys, tmp_path):
+    """Where config.json's RoPE keys disagree, transformers 5 takes a non-empty rope_scaling whole over
+    rope_parameters, and the chosen dict's values over rotary_emb_base / rotary_pct: so do we."""
+    config = {"model_type": "gpt_neox", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 128, **keys}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters
+    ours = hf.args_from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    assert (ours.rotary_base, ours.rotary_pct) == (theirs["rope_theta"], theirs["partial_rotary_factor"])
 
 
 def test_state_dict_round_trip_is_exact():

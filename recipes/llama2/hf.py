@@ -16,36 +16,40 @@ LLAMA3_VOCAB = 128256  # Llama 3's tiktoken-style BPE: 128,000 tokens and 256 re
 _HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
 
 
-def _rope_theta(cfg: dict) -> float:
-    params = cfg.get("rope_parameters") or {}
-    if "rope_theta" in params:  # transformers >= 5 writes it here
-        return float(params["rope_theta"])
-    return float(cfg.get("rope_theta", 10000.0))  # transformers 4 and original Llama 2 config.json
-
-
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def _rope_scaling(cfg: dict) -> tuple[RopeScaling | None, list[str]]:
-    """The RoPE scaling of a config.json: None (default RoPE) or Llama 3's, from transformers 5's rope_parameters or
-    4.x's rope_scaling (what Meta's Llama 3.1 config.json has); problems for any other kind."""
-    for key in ("rope_parameters", "rope_scaling"):  # 5.x and 4.x spellings
-        rope = cfg.get(key) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type == "default":
-            continue
-        if rope_type != "llama3":
-            return None, [f"{key} with rope_type {rope_type!r} (supported: 'default', 'llama3')"]
-        if missing := [k for k in _LLAMA3_KEYS if k not in rope]:
-            return None, [f"{key} of rope_type 'llama3' without {missing}"]
-        scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_seq_len=int(rope["original_max_position_embeddings"]),
-        )
-        return scaling, scaling.problems()
-    return None, []
+def _rope(cfg: dict) -> tuple[str, dict]:
+    """The RoPE settings of a config.json as transformers 5 reads them (PreTrainedConfig.convert_rope_params_to_dict
+    and standardize_rope_params): a non-empty rope_scaling (4.x's key, Meta's Llama 3.1 config.json) replaces
+    rope_parameters whole, even where both are given and disagree; rope_theta comes from the chosen dict, else the
+    top-level rope_theta, else 10000; llama3's original_max_position_embeddings defaults to max_position_embeddings.
+    Returns the key it came from, for messages."""
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rope = dict(cfg.get(key) or {})
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] == "llama3":
+        rope.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+    return key, rope
+
+
+def _rope_scaling(key: str, rope: dict) -> tuple[RopeScaling | None, list[str]]:
+    """None (default RoPE) or Llama 3's scaling; problems for any other kind."""
+    rope_type = rope["rope_type"]
+    if rope_type == "default":
+        return None, []
+    if rope_type != "llama3":
+        return None, [f"{key} with rope_type {rope_type!r} (supported: 'default', 'llama3')"]
+    if missing := [k for k in _LLAMA3_KEYS if k not in rope]:
+        return None, [f"{key} of rope_type 'llama3' without {missing}"]
+    scaling = RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_seq_len=int(rope["original_max_position_embeddings"]),
+    )
+    return scaling, scaling.problems()
 
 
 def args_from_hf_config(cfg: dict) -> Llama2Args:
@@ -60,7 +64,8 @@ def args_from_hf_config(cfg: dict) -> Llama2Args:
             problems.append(f"{key}=true (projections have no bias here)")
     if cfg.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {cfg['hidden_act']!r} (need 'silu')")
-    scaling, scaling_problems = _rope_scaling(cfg)
+    rope_key, rope = _rope(cfg)
+    scaling, scaling_problems = _rope_scaling(rope_key, rope)
     problems += scaling_problems
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim")
@@ -76,7 +81,7 @@ def args_from_hf_config(cfg: dict) -> Llama2Args:
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         ffn_hidden_size=cfg["intermediate_size"],
         max_seq_len=cfg.get("max_position_embeddings", 2048),
-        rotary_base=_rope_theta(cfg),
+        rotary_base=float(rope["rope_theta"]),
         rope_scaling=scaling,
         norm_eps=cfg.get("rms_norm_eps", 1e-6),  # LlamaConfig's default when the key is absent
         init_std=cfg.get("initializer_range", 0.02),
@@ -111,7 +116,8 @@ def hf_config_from_args(args: Llama2Args) -> dict:
         "max_position_embeddings": args.max_seq_len,
         "initializer_range": args.init_std,
         "rms_norm_eps": args.norm_eps,
-        # transformers 5 reads rope_parameters (and prefers it over a top-level rope_theta); 4.x reads rope_theta.
+        # transformers 5 reads rope_parameters, but a rope_scaling beside it (4.x's spelling, written for 4.x) wins
+        # whole, its rope_theta taken from the top level: all three agree. 4.x reads rope_theta and rope_scaling.
         "rope_parameters": rope,
         "rope_theta": theta,
         **({"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}} if scaling is not None else {}),

@@ -15,7 +15,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_
 
 
 def args_from_hf_config(cfg: dict) -> NeoXArgs:
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    # As transformers 5 reads it (GPTNeoXConfig.convert_rope_params_to_dict): a non-empty rope_scaling replaces
+    # rope_parameters whole; rotary_emb_base and rotary_pct fill in what the chosen dict lacks (a top-level
+    # rope_theta or partial_rotary_factor is not read).
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ValueError(f"GPT-NeoX config: rope type {rope.get('rope_type') or rope.get('type')!r} is not supported")
     if cfg.get("tie_word_embeddings", False):
