@@ -16,7 +16,7 @@ LLAMA3_VOCAB = 128256  # Llama 3's tiktoken-style BPE: 128,000 tokens and 256 re
 _HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
 
 
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")  # original_max_position_embeddings has a default
 
 
 def _rope(cfg: dict) -> tuple[str, dict]:
