@@ -521,7 +521,7 @@ def _backend_words(r: Recipe, stack: str | None) -> str:
 
 def _time_limit_problems(key: str, value: str | None) -> list[str]:
     """A Slurm --time value in the one spelling recipes take, [D-]HH:MM:SS, and not zero: Slurm reads a zero limit
-    (0, 00:00:00, 0-00:00:00) as none at all, so the job would run unbounded, with no pre-timeout signal."""
+    (00:00:00, 0-00:00:00) as none at all, so the job would run unbounded, with no pre-timeout signal."""
     if value is None:
         return []
     if not _SLURM_TIME.fullmatch(value):
