@@ -614,7 +614,7 @@ def _sbatch(args: argparse.Namespace) -> int:
         sbatch_command,
         write_job,
     )
-    from trnrecipes.jobs.storage import run_dir_problem, runs_root_from_env
+    from trnrecipes.jobs.storage import node_local_warnings, run_dir_for, run_dir_problem, runs_root_from_env
     from trnrecipes.plan.layout import plan
     from trnrecipes.plan.report import format_plan
 
@@ -630,6 +630,8 @@ def _sbatch(args: argparse.Namespace) -> int:
     if problem := run_dir_problem(recipe, runs_root):
         raise RecipeError(problem)
     storage, warnings = _storage_and_data(recipe, runs_root, args.no_data_check, refuse=True)
+    run_dir = run_dir_for(recipe, REPO_ROOT, runs_root)
+    warnings += node_local_warnings(recipe, REPO_ROOT, job.job_dir, None if args.no_data_check else run_dir)
     for warning in [*render_warnings(recipe), *warnings]:
         print(f"warning: {warning}", file=sys.stderr)
     extra = {"provenance.json": provenance_json(provenance(job, command, find_recipe(args.recipe), args.overrides))}

@@ -54,6 +54,11 @@ INSTANCES: dict[str, Instance] = {
 }
 
 
+# Where a job runs on this machine (a laptop, CI, a loopback Slurm): a run dir in the checkout is the right default,
+# and what a cluster job is warned about (shared storage, the partition's time limit) does not apply.
+LOCAL_INSTANCES = ("local-cpu",)
+
+
 def get_instance(name: str) -> Instance:
     try:
         return INSTANCES[name]

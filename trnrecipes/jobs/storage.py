@@ -16,13 +16,14 @@ import os
 import shutil
 from pathlib import Path
 
+from trnrecipes.config.cluster import LOCAL_INSTANCES
 from trnrecipes.config.preemption import checkpoint_bytes
 from trnrecipes.config.sections import Recipe
 from trnrecipes.files.reach import blocked
 from trnrecipes.files.run_files import CHECKPOINTS, STEP_DIR
+from trnrecipes.jobs.mounts import SHARED_TYPES, mount_of, read_mountinfo
 
 RUNS_ENV = "TRNRECIPES_RUNS"
-LOCAL_INSTANCES = ("local-cpu",)  # where a run dir in the checkout is the right default
 LOCAL_LIMIT = 10 * 2**30  # more checkpoint bytes than this (10 GiB) do not belong in a checkout, on any instance
 
 
@@ -69,6 +70,47 @@ def run_dir_blocker(run_dir: Path) -> str | None:
         if not os.path.isdir(path):
             return f"{path} is a file, not a directory"
     return None
+
+
+def node_local_warnings(
+    recipe: Recipe, repo_root: Path, job_dir: Path, run_dir: Path | None, mountinfo: str | None = None
+) -> list[str]:
+    """A multi-node cluster job's checkout, job dir and run dir (None: not looked at, --no-data-check) on a file
+    system that is not a network or parallel one (jobs/mounts.py SHARED_TYPES): one warning per mount, naming its
+    type. A 1-node job is not judged: its node may be this host. Each place is judged by its nearest existing
+    directory, unless that is / (a /fsx not mounted here); nothing where there is no mountinfo (`mountinfo`: its
+    text, else this process's)."""
+    if recipe.cluster.nodes == 1 or recipe.cluster.instance in LOCAL_INSTANCES:
+        return []
+    text = read_mountinfo() if mountinfo is None else mountinfo
+    if text is None:
+        return []
+    places = {
+        f"the checkout {repo_root} (each node runs the job from it)": repo_root,
+        f"job dir {job_dir} (Slurm writes its logs/ there from the job's first node)": job_dir,
+        f"run dir {run_dir} (every node writes checkpoints there and resumes from them)": run_dir,
+    }
+    on: dict[tuple[str, str], list[str]] = {}
+    for what, path in places.items():
+        if path is None:
+            continue
+        path = Path(os.path.abspath(path))
+        anchor = _nearest_existing(path)
+        if anchor != path and anchor == Path(anchor.anchor):
+            continue
+        if (mount := mount_of(os.path.realpath(anchor), text)) and mount[1] not in SHARED_TYPES:
+            on.setdefault(mount, []).append(what)
+    warnings = []
+    for (point, kind), what in on.items():
+        named, verb, pronoun = (
+            (what[0], "is", "it") if len(what) == 1 else (f"{', '.join(what[:-1])} and {what[-1]}", "are", "them")
+        )
+        warnings.append(
+            f"{named} {verb} on {kind} (mounted at {point}), not a network or parallel file system (nfs, lustre, ...)"
+            f" that all {recipe.cluster.nodes} nodes of the job mount: put {pronoun} on the cluster's shared storage"
+            f" (a checkout there; --out; run_dir or {RUNS_ENV}), docs/jobs.md"
+        )
+    return warnings
 
 
 def _nearest_existing(path: Path) -> Path:
