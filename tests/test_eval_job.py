@@ -1,6 +1,7 @@
 """eval.sbatch (and infer.sbatch) take their Slurm header from the recipe's eval section, not training's: one
 process on a shared node by default, with its own partition, account, time, CPUs, memory and GPUs; on a Neuron
-instance sbatch's "next:" says what scoring there costs and where else to run it."""
+instance sbatch's "next:" says to score on a GPU node with `make eval` (eval.sbatch there would take days of the
+training node's CPUs), and offers eval.sbatch once eval.partition names another partition."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from golden import FAKE_REPO
 
 from trnrecipes.config.recipe import load_recipe
 from trnrecipes.jobs.render import render_job
-from trnrecipes.plan.eval_cost import eval_estimate, eval_mem_gb
+from trnrecipes.plan.eval_cost import eval_estimate, eval_mem_gb, eval_next_steps
 
 
 def sbatch_lines(script: str) -> list[str]:
@@ -46,33 +47,36 @@ def test_the_eval_section_sets_the_eval_jobs_header_only():
     assert "#SBATCH --partition=gpu" in sbatch_lines(cls["infer.sbatch"])
 
 
-def test_sbatch_says_what_eval_costs_on_trn1_and_where_else_to_run_it(cli, tmp_path):
-    out = tmp_path / "job"
+def test_on_trn1_the_next_step_is_make_eval_and_eval_sbatch_only_on_another_partition(cli, tmp_path):
+    out, run = tmp_path / "job", tmp_path / "run"
     done = cli("sbatch", "--recipe", "llama2-7b", "--nodes", "16", "--out", str(out), "--no-data-check",
-               "--overrides", shlex.quote(f"run_dir={tmp_path / 'run'}"))  # fmt: skip
+               "--overrides", shlex.quote(f"run_dir={run}") + " slurm.partition=trn1")  # fmt: skip
     assert done.returncode == 0, done.stderr
     estimate = eval_estimate(load_recipe("llama2-7b"))
     days = estimate["cpu_hours"] / 24
     assert 5 < days < 30 and estimate["gpu_hours"] < 3  # lower bounds: 8e7 tokens at 1 TFLOP/s vs 300 on an H100
-    lines = done.stdout.splitlines()
-    at = next(i for i, line in enumerate(lines) if "/eval.sbatch" in line)
+    steps = done.stdout[done.stdout.index("next:") :].splitlines()
+    # eval.sbatch would hold a trn1 node for days, scoring on its host CPUs: it is not a step to run
+    assert not [line for line in steps if line.startswith("  sbatch") and "eval.sbatch" in line]
+    at = next(i for i, line in enumerate(steps) if "make eval" in line)
+    assert steps[at].startswith(f"  make eval ckpt={run}   # when run.sbatch is done, on a GPU node (~1.0 h on 1 H100)")
     assert (
-        f"the whole table takes at least ~{days:,.0f} days, ~${estimate['cpu_cost']:,.0f} of trn1.32xlarge"
-        in lines[at + 1]
+        f"(lm-eval has no Neuron backend), at least ~{days:,.0f} days for the whole table,"
+        f" ~${estimate['cpu_cost']:,.0f} of trn1.32xlarge time" in steps[at + 1]
     )
-    assert "eval.partition=<a GPU partition> eval.gpus=1" in lines[at + 2] and "make eval ckpt=" in lines[at + 2]
-    elsewhere = cli(
-        "sbatch",
-        "--recipe",
-        "llama2-7b",
-        "--nodes",
-        "16",
-        "--out",
-        str(tmp_path / "gpu"),
-        "--no-data-check",
-        "--overrides",
-        shlex.quote(f"run_dir={tmp_path / 'run'}") + " eval.partition=gpu eval.gpus=1",
-    )
-    assert elsewhere.returncode == 0 and "lm-eval has no Neuron backend" not in elsewhere.stdout  # already elsewhere
-    cpu = cli("sbatch", "--recipe", "llama2-tiny", "--nodes", "1", "--out", str(tmp_path / "tiny"))
-    assert cpu.returncode == 0 and "lm-eval has no Neuron backend" not in cpu.stdout  # scoring on cpu: nothing to say
+    assert f"eval.gpus=1', then sbatch --dependency=afterok:$id {out}/eval.sbatch" in steps[at + 2]
+
+    def next_steps(overrides: str) -> list[str]:
+        return eval_next_steps(load_recipe("llama2-7b", 16, "slurm.partition=trn1 " + overrides), out, run)
+
+    assert next_steps("eval.partition=trn1 eval.gpus=1")[0].startswith(f"  make eval ckpt={run}")  # training's
+    eval_sbatch = f"  sbatch --dependency=afterok:$id {out}/eval.sbatch   # the 128-node Llama 2 post's eval table"
+    assert next_steps("eval.partition=gpu eval.gpus=1") == [f"{eval_sbatch}, on partition gpu"]
+    assert next_steps("eval.partition=cpu") == [
+        f"{eval_sbatch}, on partition cpu",
+        f"    # eval.gpus is 0: on CPUs the whole table takes at least ~{days:,.0f} days; --tasks / --limit for a"
+        " subset",
+    ]
+    cpu = cli("sbatch", "--recipe", "llama2-tiny", "--nodes", "1", "--out", str(tmp_path / "tiny"), "--no-data-check")
+    assert cpu.returncode == 0 and f"{eval_sbatch.replace(str(out), str(tmp_path / 'tiny'))}\n" in cpu.stdout
+    assert "make eval" not in cpu.stdout  # scoring on this machine's CPUs: nothing to say

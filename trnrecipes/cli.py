@@ -615,6 +615,7 @@ def _sbatch(args: argparse.Namespace) -> int:
         write_job,
     )
     from trnrecipes.jobs.storage import node_local_warnings, run_dir_for, run_dir_problem, runs_root_from_env
+    from trnrecipes.plan.eval_cost import eval_next_steps
     from trnrecipes.plan.layout import plan
     from trnrecipes.plan.report import format_plan
 
@@ -649,11 +650,7 @@ def _sbatch(args: argparse.Namespace) -> int:
         print(f"  sbatch --dependency=afterok:$id {job.job_dir}/eval.sbatch   # accuracy on data.eval_path (predict)")
         print(f"  INFER_IN=<file> sbatch {job.job_dir}/infer.sbatch   # embeddings from the newest checkpoint (embed)")
     else:
-        print(f"  sbatch --dependency=afterok:$id {job.job_dir}/eval.sbatch   # the 128-node Llama 2 post's eval table")
-        if recipe.cluster.backend == "neuron" and not (recipe.eval.gpus or recipe.eval.partition):
-            from trnrecipes.plan.eval_cost import eval_advice
-
-            print("\n".join(eval_advice(recipe)))
+        print("\n".join(eval_next_steps(recipe, job.job_dir, run_dir)))
     if nodes == 1:
         print(f"  or, without Slurm: bash {job.job_dir}/run.sbatch")
     return 0

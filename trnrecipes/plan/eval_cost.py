@@ -13,6 +13,8 @@ Generation is slower than its FLOPs (memory-bound), so these are lower bounds.
 from __future__ import annotations
 
 import math
+import shlex
+from pathlib import Path
 
 from trnrecipes.config.sections import Recipe
 
@@ -41,16 +43,27 @@ def eval_estimate(r: Recipe) -> dict[str, float | None]:
             "gpu_hours": flops / (GPU_TFLOPS * 1e12) / 3600}  # fmt: skip
 
 
-def eval_advice(r: Recipe) -> list[str]:
-    """The "next:" lines under eval.sbatch for an LM on a Neuron instance: its time and cost there, and elsewhere."""
+def eval_next_steps(r: Recipe, job_dir: Path, run_dir: Path) -> list[str]:
+    """The "next:" lines that evaluate a causal LM after run.sbatch. On a Neuron instance eval.sbatch would hold a
+    training node and score on its host CPUs (lm-eval has no Neuron backend), so the step is `make eval` on a GPU
+    node, and eval.sbatch is offered only where eval.partition names another partition than training's."""
+    eval_sbatch = f"  sbatch --dependency=afterok:$id {job_dir}/eval.sbatch   # the 128-node Llama 2 post's eval table"
+    if r.cluster.backend != "neuron":
+        return [eval_sbatch]
     e = eval_estimate(r)
     h = e["cpu_hours"]
+    on_cpus = f"at least ~{h:,.0f} h" if h < 48 else f"at least ~{h / 24:,.0f} days"
+    if r.eval.partition is not None and r.eval.partition != r.slurm.partition:
+        cpus_only = [f"    # eval.gpus is 0: on CPUs the whole table takes {on_cpus}; --tasks / --limit for a subset"]
+        return [f"{eval_sbatch}, on partition {r.eval.partition}", *(cpus_only if not r.eval.gpus else [])]
     gpus = max(1, math.ceil(2 * r.model.param_count() / 75e9))  # bf16 weights on 80 GB GPUs, room for the batch
-    when = f"{h:,.0f} h" if h < 48 else f"{h / 24:,.0f} days"
+    gpu_h, h100s = max(e["gpu_hours"], 0.1), "1 H100" if gpus == 1 else f"{gpus} H100s"
     cost = f", ~${e['cpu_cost']:,.0f} of {r.cluster.instance} time" if e["cpu_cost"] is not None else ""
     return [
-        f"    # on {r.cluster.instance} it scores on the host CPUs (lm-eval has no Neuron backend): the whole table"
-        f" takes at least ~{when}{cost}",
-        f"    # elsewhere: eval.partition=<a GPU partition> eval.gpus={gpus} (~{max(e['gpu_hours'], 0.1):,.1f} h on"
-        f" H100s), or `make eval ckpt=<run dir>` on a GPU machine, or pass --tasks / --limit for a subset",
+        f"  make eval ckpt={shlex.quote(str(run_dir))}   # when run.sbatch is done, on a GPU node (~{gpu_h:,.1f} h on"
+        f" {h100s}): the 128-node Llama 2 post's eval table; tasks= / limit= for a subset",
+        f"    # not eval.sbatch: on {r.cluster.instance} it scores on the host CPUs (lm-eval has no Neuron backend),"
+        f" {on_cpus} for the whole table{cost}",
+        f"    # as a Slurm job: --overrides 'eval.partition=<a GPU partition> eval.gpus={gpus}', then"
+        f" sbatch --dependency=afterok:$id {job_dir}/eval.sbatch",
     ]
