@@ -1,14 +1,18 @@
 """What `trnrecipes sbatch` says around the job dir it writes: a multi-node job's checkout, job dir or run dir on a
-file system the other nodes do not mount (found from /proc/self/mountinfo)."""
+file system the other nodes do not mount (found from /proc/self/mountinfo), the unset time limit once per job dir
+(not for local recipes), and what a re-render changes in recipe.yaml."""
 
 from __future__ import annotations
 
+import os
+import shlex
 from pathlib import Path
 
 import pytest
 
 from trnrecipes.config.recipe import load_recipe
-from trnrecipes.jobs.mounts import mount_of
+from trnrecipes.jobs.mounts import SHARED_TYPES, mount_of, read_mountinfo
+from trnrecipes.jobs.render import recipe_changes, render_warnings
 from trnrecipes.jobs.storage import node_local_warnings
 
 # A login node: its own disk at /, FSx for Lustre at /fsx with a local disk mounted inside it, EFS at a mount point
@@ -63,3 +67,51 @@ def test_a_multi_node_cluster_job_is_warned_of_each_local_file_system_it_uses(tm
     # a 1-node job (its node may be this host) and a local recipe (a loopback Slurm) are not judged
     for quiet in (load_recipe("llama2-7b", nodes=1), load_recipe("llama2-tiny", nodes=2)):
         assert node_local_warnings(quiet, root, root, root, mounts) == []
+
+
+def test_the_time_limit_warning_is_for_cluster_recipes_and_names_the_command_that_shows_the_partitions():
+    (trn1,) = render_warnings(load_recipe("llama2-smoke-trn1", overrides="slurm.partition=train"))
+    assert "to the partition's MaxTime or less (scontrol show partition train prints it as MaxTime=)" in trn1
+    (default,) = render_warnings(load_recipe("llama2-smoke-trn1"))
+    assert "(sinfo -o '%P %l' lists every partition's, the default one marked *)" in default
+    assert render_warnings(load_recipe("llama2-tiny")) == []  # runs here: no partition, no limit to set
+
+
+def test_recipe_changes_name_each_key_old_and_new_and_stop_after_ten():
+    old = "# Resolved recipe: x\nname: x\noptim: {lr: 0.001, betas: [0.9, 0.95]}\nslurm: {partition: null}\n"
+    new = "# Resolved recipe: y\nname: x\noptim: {lr: 0.0001, betas: [0.9, 0.99]}\nslurm: {partition: trn1}\n"
+    new += "run_dir: /fsx\n"
+    assert recipe_changes(old, new) == [
+        "optim.lr: 0.001 -> 0.0001",
+        "optim.betas: [0.9, 0.95] -> [0.9, 0.99]",
+        "slurm.partition: null -> 'trn1'",
+        "run_dir: (absent) -> '/fsx'",
+    ]
+    many = recipe_changes("".join(f"k{i}: 1\n" for i in range(13)), "".join(f"k{i}: 2\n" for i in range(13)))
+    assert many[:2] == ["k0: 1 -> 2", "k1: 1 -> 2"] and len(many) == 11 and many[-1] == "... and 3 more"
+
+
+def test_rerendering_a_job_dir_says_what_changed_and_warns_of_the_time_limit_once(cli, tmp_path):
+    out, run = tmp_path / "job", tmp_path / "run"
+    args = ["sbatch", "--recipe", "llama2-smoke-trn1", "--nodes", "2", "--out", str(out), "--overrides"]
+    first = cli(*args, shlex.quote(f"run_dir={run}") + " slurm.partition=trn1")
+    assert first.returncode == 0, first.stderr
+    assert "warning: slurm.time_limit is not set" in first.stderr and "scontrol show partition trn1" in first.stderr
+    mount = mount_of(os.path.realpath(tmp_path), read_mountinfo() or "")
+    if mount and mount[1] not in SHARED_TYPES:  # a test machine's /tmp: its own disk (ext4, overlay, tmpfs)
+        assert f"job dir {out} (Slurm writes its logs/ there" in first.stderr
+        assert f"run dir {run} (every node writes checkpoints" in first.stderr
+        assert f" are on {mount[1]} (mounted at {mount[0]}), not a network or parallel file system" in first.stderr
+    changed = shlex.quote(f"run_dir={run}") + " slurm.partition=trn1 optim.lr=1e-4 train.max_steps=300"
+    refused = cli(*args, changed, "--no-data-check")  # make ... sbatch over the job dir, without force=1
+    assert refused.returncode == 2 and "already holds a different recipe.yaml" in refused.stderr
+    assert "It would change:\n  optim.lr: 0.001 -> 0.0001\n  train.max_steps: 200 -> 300\n" in refused.stderr
+    assert "slurm.time_limit" not in refused.stderr  # said when the job dir was written
+    forced = cli(*args, changed, "--force", "--no-data-check")
+    assert forced.returncode == 0, forced.stderr
+    assert "replaced its recipe.yaml; what changed:\n  optim.lr: 0.001 -> 0.0001\n  train.max_steps: 200 -> 300\n" in (
+        forced.stdout
+    )
+    assert "slurm.time_limit" not in forced.stderr
+    again = cli(*args, changed, "--no-data-check")
+    assert again.returncode == 0 and "what changed" not in again.stdout  # the same recipe: nothing to say

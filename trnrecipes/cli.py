@@ -633,16 +633,18 @@ def _sbatch(args: argparse.Namespace) -> int:
     storage, warnings = _storage_and_data(recipe, runs_root, args.no_data_check, refuse=True)
     run_dir = run_dir_for(recipe, REPO_ROOT, runs_root)
     warnings += node_local_warnings(recipe, REPO_ROOT, job.job_dir, None if args.no_data_check else run_dir)
-    for warning in [*render_warnings(recipe), *warnings]:
+    for warning in [*render_warnings(recipe, job.job_dir), *warnings]:
         print(f"warning: {warning}", file=sys.stderr)
     extra = {"provenance.json": provenance_json(provenance(job, command, find_recipe(args.recipe), args.overrides))}
-    write_job(job, extra, force=args.force)
+    changes = write_job(job, extra, force=args.force)
     print(format_plan(plan(recipe), recipe))
     print(
         "\n".join(format_data_plan(data_plan(recipe, REPO_ROOT, look=not args.no_data_check), recipe.train.max_steps))
     )
     print(storage)
     print(f"\nwrote {job.job_dir}/: {', '.join(sorted(job.files | extra))}")
+    if changes:
+        print("replaced its recipe.yaml; what changed:\n" + "\n".join(f"  {line}" for line in changes))
     print("next:")
     print(f"  id=$(sbatch --parsable {job.job_dir}/compile.sbatch)")
     print(f"  id=$(sbatch --parsable --dependency=afterok:$id {job.job_dir}/run.sbatch)")

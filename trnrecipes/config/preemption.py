@@ -9,7 +9,9 @@ No torch import: `plan` and `sbatch` use this.
 from __future__ import annotations
 
 import math
+import shlex
 
+from trnrecipes.config.cluster import LOCAL_INSTANCES
 from trnrecipes.config.sections import Recipe
 
 # After the signal the trainer finishes the step it is in, validates if due, and copies its state to host memory
@@ -35,14 +37,21 @@ def signal_seconds(r: Recipe) -> int:
     return r.slurm.signal_seconds if r.slurm.signal_seconds is not None else derived_signal_seconds(r)
 
 
-def render_warnings(r: Recipe) -> list[str]:
-    """What `trnrecipes sbatch` prints to stderr: the job dir is still written."""
+def render_warnings(r: Recipe, time_limit_shown: bool = False) -> list[str]:
+    """What `trnrecipes sbatch` prints to stderr: the job dir is still written. The unset time limit is said for a
+    cluster job only, and not again where `time_limit_shown` (trnrecipes.jobs.render: once per job dir)."""
     warnings = []
-    if r.slurm.time_limit is None:
+    if r.slurm.time_limit is None and r.cluster.instance not in LOCAL_INSTANCES and not time_limit_shown:
+        # The partition's MaxTime is the most a job may ask for there; no fixed value suits every partition.
+        shows = (
+            f"scontrol show partition {shlex.quote(r.slurm.partition)} prints it as MaxTime="
+            if r.slurm.partition
+            else "sinfo -o '%P %l' lists every partition's, the default one marked *"
+        )
         warnings.append(
             "slurm.time_limit is not set: the job runs under the partition's limit, and Slurm sends the pre-timeout"
             " signal (save, then requeue) only if that limit is finite. Set slurm.time_limit to the partition's"
-            " MaxTime (sinfo -o '%P %l') or less, so the last minutes of training are saved"
+            f" MaxTime or less ({shows}), so the last minutes of training are saved (said once per job dir)"
         )
     need = derived_signal_seconds(r)
     if r.slurm.signal_seconds is not None and r.slurm.signal_seconds < need:

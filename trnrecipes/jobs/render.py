@@ -22,6 +22,7 @@ import jinja2
 import yaml
 
 from trnrecipes import REPO_ROOT, __version__
+from trnrecipes.config.cluster import LOCAL_INSTANCES
 from trnrecipes.config.families import family_spec
 from trnrecipes.config.preemption import render_warnings as preemption_warnings
 from trnrecipes.config.preemption import signal_seconds
@@ -69,13 +70,13 @@ def scripts(recipe: Recipe) -> tuple[str, ...]:
     return CLASSIFICATION_SCRIPTS if objective(recipe) == "classification" else SCRIPTS
 
 
-def render_warnings(recipe: Recipe) -> list[str]:
+def render_warnings(recipe: Recipe, job_dir: Path | None = None) -> list[str]:
     """What `trnrecipes sbatch` prints to stderr (the job dir is still written): the time-limit and signal checks
-    (trnrecipes.config.preemption), a memory estimate within 10% of the device's, and a classification recipe
-    without a holdout for eval.sbatch. That one is a
+    (trnrecipes.config.preemption; the unset time limit once per job dir), a memory estimate within 10% of the
+    device's, and a classification recipe without a holdout for eval.sbatch. That one is a
     warning, not an error: training does not need it (its validation split comes from data.val_fraction), and
     eval.sbatch can still be given a file when it is submitted."""
-    warnings = preemption_warnings(recipe)
+    warnings = preemption_warnings(recipe, time_limit_shown=job_dir is not None and _time_limit_shown(job_dir))
     if objective(recipe) == "classification" and recipe.data.eval_path is None:
         warnings.append(
             "data.eval_path is not set: eval.sbatch has no labelled holdout to score and stops saying so, unless it is"
@@ -95,6 +96,63 @@ def render_warnings(recipe: Recipe) -> list[str]:
             " may not fit. model.activation_checkpointing=full, layout.zero1 or a larger layout.tp leave room"
         )
     return warnings
+
+
+def _time_limit_shown(job_dir: Path) -> bool:
+    """Whether sbatch already warned of an unset slurm.time_limit in `job_dir`: the recipe.yaml it wrote there is a
+    cluster recipe without one (a new decision, such as unsetting a limit, is warned of again)."""
+    previous = _load_mapping(previous_recipe(job_dir) or "")
+    slurm, cluster = previous.get("slurm"), previous.get("cluster")
+    return (
+        isinstance(slurm, dict)
+        and slurm.get("time_limit") is None
+        and isinstance(cluster, dict)
+        and cluster.get("instance") not in LOCAL_INSTANCES
+    )
+
+
+def previous_recipe(job_dir: Path) -> str | None:
+    """The recipe.yaml an earlier `trnrecipes sbatch` wrote in `job_dir`, or None."""
+    if not is_job_dir(job_dir):
+        return None
+    try:
+        return (job_dir / "recipe.yaml").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def recipe_changes(old: str, new: str, most: int = 10) -> list[str]:
+    """One line per key whose value differs between two recipe.yaml texts, `key: old -> new`, at most `most` of
+    them and then how many more."""
+    before, after = _flat(_load_mapping(old)), _flat(_load_mapping(new))
+    keys = [k for k in dict.fromkeys([*before, *after]) if before.get(k, _ABSENT) != after.get(k, _ABSENT)]
+    lines = [f"{key}: {_shown_value(before, key)} -> {_shown_value(after, key)}" for key in keys[:most]]
+    return lines + ([f"... and {len(keys) - most} more"] if len(keys) > most else [])
+
+
+_ABSENT = object()
+
+
+def _load_mapping(text: str) -> dict:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _flat(data: dict, prefix: str = "") -> dict[str, object]:
+    flat: dict[str, object] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _shown_value(values: dict[str, object], key: str) -> str:
+    return "(absent)" if key not in values else "null" if values[key] is None else shown(values[key])
 
 
 def sbatch_command(recipe_arg: str, nodes: int, overrides: str = "", out: str = "") -> str:
@@ -225,11 +283,12 @@ def _git(*args: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
-def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> None:
+def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> list[str] | None:
     """Write the job dir. A new dir appears whole (temp dir + rename), with the logs/ dir Slurm's --output needs
     (sbatch does not create it). In an existing dir (logs of earlier runs, the compile cache copy) each file is
     replaced atomically; but queued and requeued jobs read recipe.yaml when they start, so a different recipe
-    replaces it only with force, and so do our files in a non-empty directory we did not write."""
+    replaces it only with force, and so do our files in a non-empty directory we did not write.
+    Returns what changed where a recipe.yaml of ours was replaced by a different one (recipe_changes), else None."""
     files = job.files | extra_files
     parent = job.job_dir.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -244,7 +303,7 @@ def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> Non
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return
+        return None
     if not job.job_dir.is_dir():
         raise RecipeError(f"{job.job_dir} exists and is not a directory; pass --out with a new or empty directory")
     if not force and any(job.job_dir.iterdir()) and not is_job_dir(job.job_dir):
@@ -254,12 +313,16 @@ def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> Non
             f"{job.job_dir} is not empty and is not a job dir `trnrecipes sbatch` wrote (no recipe.yaml of ours)"
             f"{replacing}; pass --out with a new or empty directory, or --force (make: force=1) to write into it"
         )
-    current = job.job_dir / "recipe.yaml"
-    if not force and current.exists() and current.read_text() != files["recipe.yaml"]:
-        raise RecipeError(
-            f"{job.job_dir} already holds a different recipe.yaml, which queued or requeued jobs of it read when"
-            " they start; pass --force (make: force=1) to replace it, or --out for a new job dir"
-        )
+    old = previous_recipe(job.job_dir)  # None: a new or empty dir, or one written with force
+    changes = None
+    if old is not None and old != files["recipe.yaml"]:
+        changes = recipe_changes(old, files["recipe.yaml"]) or ["no setting: only its first line (how it was made)"]
+        if not force:
+            raise RecipeError(
+                f"{job.job_dir} already holds a different recipe.yaml, which queued or requeued jobs of it read when"
+                " they start; pass --force (make: force=1) to replace it, or --out for a new job dir. It would"
+                " change:" + "".join(f"\n  {line}" for line in changes)
+            )
     (job.job_dir / "logs").mkdir(exist_ok=True)
     for name, text in files.items():
         fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", dir=job.job_dir)
@@ -269,6 +332,7 @@ def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> Non
             os.replace(tmp_name, job.job_dir / name)
         finally:
             Path(tmp_name).unlink(missing_ok=True)
+    return changes
 
 
 def is_job_dir(path: Path) -> bool:
