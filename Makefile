@@ -32,9 +32,10 @@ override tasks := $(value tasks)
 override limit := $(value limit)
 override baseline := $(value baseline)
 override n := $(value n)
-export recipe nodes out overrides force nodatacheck ckpt tasks limit baseline n
+override sdk := $(value sdk)
+export recipe nodes out overrides force nodatacheck ckpt tasks limit baseline n sdk
 
-.PHONY: help setup debian-tools data xla-venv sbatch eval plan demo demo-cls test lint format golden bench clean
+.PHONY: help setup debian-tools data xla-venv sbatch eval plan demo demo-cls test lint format golden bench clean wheels
 
 help:
 	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1] [nodatacheck=1]   write jobs/NAME-Nn/{compile,run,eval}.sbatch (+ infer.sbatch for bert recipes)"
@@ -45,6 +46,7 @@ help:
 	@echo "make test        lint + the whole test suite (unit, golden scripts, shellcheck, local launch)"
 	@echo "make golden      regenerate tests/golden/ after an intended template or recipe change"
 	@echo "make bench       benchmarks in bench/ (render, model vs transformers, data pipeline, checkpoint stall, host memory)"
+	@echo "make wheels sdk=2.26   fill wheels/neuron-2.26/ once: the job's nodes install from it what their Python lacks"
 	@echo "make setup       create .venv, install Debian tools (shellcheck), prepare the demo data (idempotent)"
 
 setup: $(STAMP) debian-tools data
@@ -99,6 +101,12 @@ debian-tools:
 sbatch: $(CORE_STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...']" >&2; exit 2; }
 	@$(PY) -m trnrecipes sbatch --recipe "$$recipe" --nodes "$$nodes" --out "$$out" --overrides "$$overrides" $${force:+--force} $${nodatacheck:+--no-data-check}
+
+# What a Neuron SDK's DLAMI venv lacks for trnrecipes, downloaded once into wheels/neuron-<sdk>/ on the shared file
+# system: every job script's first step installs from it, offline, what its node's Python lacks (docs/jobs.md).
+wheels: $(CORE_STAMP)
+	@[ -n "$$sdk" ] || { echo "usage: make wheels sdk=2.26   (the recipe's cluster.neuron_sdk)" >&2; exit 2; }
+	@$(PY) -m trnrecipes.ops.wheels --sdk "$$sdk"
 
 plan: $(CORE_STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N plan [overrides='k=v ...']" >&2; exit 2; }

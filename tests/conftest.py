@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/golden.py
 
 REPO = Path(__file__).resolve().parent.parent
+CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
 
 
 def run_cli(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -27,3 +29,23 @@ def run_cli(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> 
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(scope="session")
+def slurm_env(tmp_path_factory) -> dict[str, str]:
+    """Start the loopback cluster (tests/slurm/cluster.sh, installing Slurm if needed) once per session; the
+    environment for its clients (tests/test_slurm.py, tests/test_node_ready.py)."""
+    was_running = subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True, text=True).returncode == 0
+    done = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        pytest.fail(f"tests/slurm/cluster.sh start failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+    conf = re.search(r"^SLURM_CONF=(.+)$", done.stdout, re.M)
+    addr = re.search(r"^NODE_ADDR=(.+)$", done.stdout, re.M)
+    assert conf and addr, done.stdout + done.stderr
+    # Not the variables of a job this test might itself run in: only the test cluster's config.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TRNRECIPES_"))}
+    env["SLURM_CONF"] = conf.group(1)
+    env["NODE_ADDR"] = addr.group(1)
+    yield env
+    if not was_running:
+        subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, text=True, timeout=120)

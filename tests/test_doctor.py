@@ -67,7 +67,11 @@ def test_the_all_good_stand_in_passes_and_the_compile_job_goes_on(job, tmp_path)
         ("few cores", "16 NeuronCores ({ls} -j), the recipe runs 32 workers per node, one per core"),
         ("no devices", "no Neuron devices (no neuron-ls, no /dev/neuron*): not a Trainium node?"),
         ("no data", "data.path {data}: {data}.bin and {data}.idx missing; make it with `trnrecipes data preprocess"),
-        ("no pyyaml", "pyyaml not installed in "),
+        (
+            "no pyyaml",
+            "{python} lacks megatron-core, numpy, pyarrow, pyyaml, safetensors, tensorboard, tiktoken,"
+            " tokenizers, tqdm and there is no wheelhouse at",
+        ),
         ("run dir", "run dir {run}: {blocker} is a file, not a directory; set run_dir"),
     ],
 )
@@ -118,20 +122,32 @@ def test_the_run_script_checks_first_too_and_requeues_a_node_fault(job, tmp_path
     neuron_ls(tmp_path / "bin", devices=4, cores_per_device=2)  # a node short of cores
     run = run_script(job, "run.sbatch", python, tmp_path / "bin")
     assert run.returncode == 1 and "8 NeuronCores" in errors(run)[0]
-    assert "the pre-flight failed on a node (exit 1) (the health check names " in run.stdout + run.stderr
+    assert "the pre-flight failed on a node (exit 1) (the pre-flight names " in run.stdout + run.stderr
     assert "(not under Slurm: nothing to requeue)" in run.stdout + run.stderr  # under Slurm: requeued without it
 
 
 def test_doctor_on_a_login_node_checks_the_jobs_interpreter(job, tmp_path):
+    """Without the DLAMI venv (a login node), the files are checked from this Python and one line says what only
+    the nodes check and which AMI they need."""
     missing = run_cli("doctor", "--config", str(job / "recipe.yaml"))
-    assert missing.returncode == 2 and missing.stdout.count("\n") == 1
-    assert "the job's Python /opt/aws_neuronx_venv_pytorch_2_8_nxd_training/bin/python does not exist here" in (
-        missing.stdout
-    )
+    assert missing.returncode == 0 and missing.stdout.count("\n") == 2, missing.stdout + missing.stderr
+    note, ok = missing.stdout.splitlines()
+    assert note.endswith(
+        "the job's Python /opt/aws_neuronx_venv_pytorch_2_8_nxd_training/bin/python is not on this host (it is the"
+        " venv of the Deep Learning AMI Neuron (Ubuntu 22.04) with Neuron SDK 2.26, the AMI the job's trn1.32xlarge"
+        " nodes need (trn1 trains on SDK 2.21-2.28, trn2/trn3 on 2.33); set cluster.python (or TRNRECIPES_PYTHON) if"
+        " its interpreter is elsewhere); its packages, neuron_parallel_compile and the NeuronCores are checked on"
+        " every node when the job starts"
+    ) and note.startswith("note: ")
+    assert ok.endswith("run ok: data, tokenizer, run dir and checkpoint space; devices not checked off the nodes"
+                       " (each job checks its own)")  # fmt: skip
     python = standin_venv(tmp_path / "venv", SDK)
     done = run_cli("doctor", "--config", str(job / "recipe.yaml"), env={"TRNRECIPES_PYTHON": str(python)})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "run ok: python " in done.stdout and "devices not checked off the nodes" in done.stdout
+    (tmp_path / "data/wiki.idx").unlink()  # what a login node without the DLAMI still checks
+    gone = run_cli("doctor", "--config", str(job / "recipe.yaml"))
+    assert gone.returncode == 2 and "wiki.idx missing" in gone.stdout
 
 
 def test_a_full_compile_cache_disk_is_refused(monkeypatch, tmp_path):

@@ -58,7 +58,7 @@ def test_a_job_python_without_jinja2_is_told_what_is_missing_not_crashed(tmp_pat
     assert done.returncode == 2, out
     assert "Traceback" not in out and "ModuleNotFoundError" not in out
     assert errors(done) and all(f"not installed in {python}" in line for line in errors(done)), out
-    assert "requeue" not in out and not (tmp_path / "run").exists()
+    assert "requeueing" not in out and not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("fake", ["/bin/true", "/bin/echo"])

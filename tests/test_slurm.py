@@ -18,12 +18,11 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
-from conftest import REPO, run_cli
+from conftest import run_cli
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
 MAX_STEPS = 60
 # Quick on 2 cores: one worker per emulated node (DP 2), 32-token sequences. The reference and the preempted run
 # differ only in run_dir.
@@ -32,25 +31,6 @@ SMALL = ("cluster.workers_per_node=1 batch.seq_len=32 batch.global_batch=4 batch
          f"train.val_every=1000 train.max_steps={MAX_STEPS} checkpoint.every_steps=50 eval.cpus=2")  # fmt: skip
 NAME = "llama2-tiny-2n"
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-
-
-@pytest.fixture(scope="module")
-def slurm_env(tmp_path_factory) -> dict[str, str]:
-    """Start the loopback cluster (installing Slurm if needed); the environment for its clients."""
-    was_running = subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True, text=True).returncode == 0
-    done = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        pytest.fail(f"tests/slurm/cluster.sh start failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
-    conf = re.search(r"^SLURM_CONF=(.+)$", done.stdout, re.M)
-    addr = re.search(r"^NODE_ADDR=(.+)$", done.stdout, re.M)
-    assert conf and addr, done.stdout + done.stderr
-    # Not the variables of a job this test might itself run in: only the test cluster's config.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TRNRECIPES_"))}
-    env["SLURM_CONF"] = conf.group(1)
-    env["NODE_ADDR"] = addr.group(1)
-    yield env
-    if not was_running:
-        subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, text=True, timeout=120)
 
 
 def slurm(env: dict[str, str], *cmd: str) -> subprocess.CompletedProcess[str]:

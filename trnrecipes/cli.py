@@ -266,6 +266,15 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--run-dir", help="default: the RUN_DIR the job dir's run.sbatch names")
     sub.add_argument("--node", action="store_true", help="on a job's node: also the devices and compile-cache space")
 
+    sub = verb(
+        "wheels",
+        _wheels,
+        "fill wheels/neuron-<sdk>/ (shared storage) with what a Neuron SDK's DLAMI venv lacks for trnrecipes: every"
+        " job's first step installs from it, offline, what its node lacks (make wheels sdk=2.26)",
+    )
+    sub.add_argument("--sdk", required=True, help="the recipe's cluster.neuron_sdk, e.g. 2.26")
+    sub.add_argument("--out", help="default: wheels/neuron-<sdk> in the checkout")
+
     sub = verb("health", _health, "device sanity and collective checks (run.sbatch runs it before training)")
     sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
     sub.add_argument("--collectives", action="store_true", help="also check and time all-gather/reduce/scatter")
@@ -281,6 +290,12 @@ def _doctor(args: argparse.Namespace) -> int:
 
     argv = ["--config", args.config, "--job", args.job, *(["--run-dir", args.run_dir] if args.run_dir else [])]
     return doctor(argv + (["--node"] if args.node else []))
+
+
+def _wheels(args: argparse.Namespace) -> int:
+    from trnrecipes.ops.wheels import main as wheels
+
+    return wheels(["--sdk", args.sdk, *(["--out", args.out] if args.out else [])])
 
 
 def _out_flag(given: str | None) -> str:
@@ -615,6 +630,7 @@ def _sbatch(args: argparse.Namespace) -> int:
         write_job,
     )
     from trnrecipes.jobs.storage import node_local_warnings, run_dir_for, run_dir_problem, runs_root_from_env
+    from trnrecipes.jobs.wheelhouse import wheels_problem
     from trnrecipes.plan.eval_cost import eval_next_steps
     from trnrecipes.plan.layout import plan
     from trnrecipes.plan.report import format_plan
@@ -633,7 +649,8 @@ def _sbatch(args: argparse.Namespace) -> int:
     storage, warnings = _storage_and_data(recipe, runs_root, args.no_data_check, refuse=True)
     run_dir = run_dir_for(recipe, REPO_ROOT, runs_root)
     warnings += node_local_warnings(recipe, REPO_ROOT, job.job_dir, None if args.no_data_check else run_dir)
-    for warning in [*render_warnings(recipe, job.job_dir), *warnings]:
+    wheels = wheels_problem(recipe, REPO_ROOT)
+    for warning in [*render_warnings(recipe, job.job_dir), *warnings, *([wheels] if wheels else [])]:
         print(f"warning: {warning}", file=sys.stderr)
     extra = {"provenance.json": provenance_json(provenance(job, command, find_recipe(args.recipe), args.overrides))}
     changes = write_job(job, extra, force=args.force)

@@ -56,6 +56,9 @@ STACKS: dict[str, NeuronStack] = {
 }
 
 
+UBUNTU_22, UBUNTU_24 = "Deep Learning AMI Neuron (Ubuntu 22.04)", "Deep Learning AMI Neuron (Ubuntu 24.04)"
+
+
 @dataclass(frozen=True)
 class SdkRelease:
     """What one Neuron SDK release ships for training, as AWS publishes it: the Deep Learning AMI virtualenv the job
@@ -64,6 +67,7 @@ class SdkRelease:
     venvs: tuple[str, ...]  # the DLAMI virtualenvs (the first is the default), newest OS image first
     packages: dict[str, tuple[str, ...]]  # distribution -> allowed version prefixes
     source: str
+    amis: tuple[str, ...] = (UBUNTU_22,)  # the DLAMI holding each of `venvs`, by AWS's name for it
 
 
 def _xla(torch_neuronx: str, cc: str, nxd: str, venvs: tuple[str, ...], source: str) -> SdkRelease:
@@ -81,6 +85,7 @@ def _xla(torch_neuronx: str, cc: str, nxd: str, venvs: tuple[str, ...], source: 
             "neuronx-distributed": (f"{nxd}.",),
         },
         source,
+        (UBUNTU_24, UBUNTU_22) if len(venvs) == 2 else (UBUNTU_22,),
     )
 
 
@@ -109,6 +114,7 @@ SDK_RELEASES: dict[tuple[int, int], SdkRelease] = {
         ("/opt/aws_neuronx_venv_torch_neuronx_2_14_0",),
         {"torch": ("2.14.", "2.13."), "torch-neuronx": ("2.14.3.", "2.13.3."), "neuronx-cc": ("2.28.",)},
         "awsdocs-neuron v2.33.0",
+        ("Deep Learning AMI Neuron torch-neuronx 2.14.0",),
     ),
 }
 

@@ -31,6 +31,7 @@ from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.config.stacks import default_python
 from trnrecipes.jobs.neuron_env import JOB_USER, backend_env
 from trnrecipes.jobs.storage import run_dir_for
+from trnrecipes.jobs.wheelhouse import job_wheels
 from trnrecipes.plan.eval_cost import CPU_CORES as EVAL_CPU_CORES
 from trnrecipes.plan.eval_cost import eval_mem_gb
 from trnrecipes.plan.layout import Layout, compute_layout, layout_memory, rank_coords
@@ -244,6 +245,7 @@ def render_job(
         "run_dir": run_dir_for(recipe, repo_root, runs_root),
         "python": default_python(recipe, repo_root),
         "eval_python": default_python(recipe, repo_root, scoring=True),
+        "wheels": job_wheels(recipe, repo_root),
         "stack": recipe.stack,
         "env_rows": backend_env(recipe, job_dir),
         "signal_seconds": signal_seconds(recipe),

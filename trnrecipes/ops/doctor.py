@@ -49,7 +49,8 @@ IMPORT_NAMES = {"torch": "torch", "torch-xla": "torch_xla", "torch-neuronx": "to
 
 
 def _host() -> str:
-    return socket.gethostname().split(".")[0]
+    """This node as Slurm names it (what an exclusion names), else its short host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
 
 
 def _extra(stack: str) -> str:
@@ -205,38 +206,50 @@ def _writable_ancestor(path: Path) -> tuple[Path, bool]:
 
 
 NODE_FAULT = "[node] "  # a problem of this node (devices, disk), which another node would not have
+# A problem of this node's job Python (its packages, its Neuron stack): one node's, or every node's (the recipe's
+# SDK is not the cluster's). With --node, exit NOT_READY; the job script tells the two apart across its nodes.
+NODE_PYTHON = "[python] "
+NOT_READY = 4
 NOTE = "note: "  # a note printed on its own line: what could not be checked here
 
 
-def check(recipe, job: str, run_dir: Path, node: bool, python: str | None = None) -> tuple[list[str], list[str]]:
+def check(
+    recipe, job: str, run_dir: Path, node: bool, python: str | None = None, here: bool = True
+) -> tuple[list[str], list[str]]:
     """(problems, notes) for this interpreter (`python`: its name as the job gives it, a venv's bin/python that may
-    be a link or a wrapper) and host."""
+    be a link or a wrapper) and host. `here` False: the job's Python is not on this host (a login node without the
+    DLAMI): the files are checked from this Python, its packages are left to the nodes."""
     from trnrecipes.config.families import family_spec
     from trnrecipes.jobs.corpus_check import corpus_problems
     from trnrecipes.jobs.data_check import data_problems
-    from trnrecipes.jobs.storage import run_dir_blocker
+    from trnrecipes.jobs.storage import run_dir_blocker, storage_report
 
     python = python or sys.executable
     stack = recipe.stack
     classify = family_spec(recipe.model.family).objective == "classification"
-    problems, notes = [], [f"python {python}"]
+    problems, notes = [], [f"python {python}" if here else f"{NOTE}{not_here(recipe, python)}"]
+    mine = NODE_PYTHON if node else ""  # on a job's node: this node's Python, perhaps not the others'
     if job in ("compile", "run"):
-        if recipe.cluster.backend == "neuron":
+        if not here:
+            pass
+        elif recipe.cluster.backend == "neuron":
             found_problems, found = stack_problems(recipe, python)
-            problems += found_problems
+            problems += [mine + p for p in found_problems]
             notes += found
         else:
-            problems += module_problems({"torch": "torch"}, python, "train")
+            problems += [mine + p for p in module_problems({"torch": "torch"}, python, "train")]
         modules = dict(TRAIN_MODULES)
         if any(s.format == "megatron" for s in recipe.data.corpora()):
             modules["megatron.core"] = "megatron-core"
-        problems += module_problems(modules, python, _extra(stack))
+        problems += [mine + p for p in module_problems(modules, python, _extra(stack))] if here else []
         problems += data_problems(recipe, REPO_ROOT)
         content, unchecked = corpus_problems(recipe, REPO_ROOT)
         problems += content
         notes += [f"{NOTE}{line}" for line in unchecked]
         if why := run_dir_blocker(run_dir):
             problems.append(f"run dir {run_dir}: {why}; set run_dir (or TRNRECIPES_RUNS) to storage you can write")
+        elif (room := storage_report(recipe, run_dir)[2]) is not None:
+            problems.append(room)  # not enough free space for keep_last checkpoints there
         else:
             anchor, ok = _writable_ancestor(run_dir)
             if not ok or not anchor.is_dir():
@@ -244,15 +257,15 @@ def check(recipe, job: str, run_dir: Path, node: bool, python: str | None = None
                     f"run dir {run_dir}: {anchor} is not a directory {os.environ.get('USER', 'this user')} can write"
                     " to; set run_dir (or TRNRECIPES_RUNS) to shared storage you can write"
                 )
-    else:
+    elif here:
         modules = CLASSIFY_MODULES if classify or job == "infer" else EVAL_MODULES
         problems += module_problems(modules, python, "eval" if modules is EVAL_MODULES else "train")
-    if job == "compile" and stack == "xla-nxd":
+    if job == "compile" and stack == "xla-nxd" and here:
         beside = Path(python).parent / "neuron_parallel_compile"
         if not (beside.is_file() or shutil.which("neuron_parallel_compile")):
             problems.append(
-                f"neuron_parallel_compile is neither beside {python} nor on PATH: torch-neuronx provides it; use the"
-                " Neuron SDK's venv (cluster.python)"
+                f"{mine}neuron_parallel_compile is neither beside {python} nor on PATH: torch-neuronx provides it;"
+                " use the Neuron SDK's venv (cluster.python)"
             )
     if node and recipe.cluster.backend == "neuron" and job in ("compile", "run"):
         cores, how, bad = neuron_cores()
@@ -365,51 +378,64 @@ def _preflight(argv: list[str] | None, host: str) -> int:
     python = python or str(default_python(recipe, REPO_ROOT, scoring=args.job in ("eval", "infer")))
     python = os.path.abspath(python) if os.sep in python else python  # the re-run below starts in the checkout
     run_dir = Path(os.path.abspath(run_dir)) if run_dir else run_dir_for(recipe, REPO_ROOT, None)
+    here = True
     if args.python is None and os.path.abspath(python) != os.path.abspath(sys.executable):
-        if not os.access(python, os.X_OK):  # a login node: the job's interpreter is the one to check
-            print(f"error: {host}: the job's Python {python} does not exist here; {_fix_python(recipe)}")
-            return 2
-        if problem := python_problem(python):
+        if not os.access(python, os.X_OK):  # a login node without the DLAMI: check the files from this Python
+            here = False
+        elif problem := python_problem(python):
             print(f"error: {host}: {problem}")
             return 2
         argv = ["--config", str(config), "--job", args.job, "--run-dir", str(run_dir), "--python", python]
         argv += ["--node"] if args.node else []
         argv += ["--bad-nodes-file", bad_nodes_file] if bad_nodes_file else []
-        code = subprocess.run([python, "-m", "trnrecipes.ops.doctor", *argv], cwd=REPO_ROOT).returncode
-        if code not in (0, 1, 2):
-            print(f"error: {host}: the pre-flight under {python} ended with exit {code}, not a verdict")
-            return 2
-        return code
-    problems, notes = check(recipe, args.job, run_dir, args.node, args.python)
+        if here:
+            code = subprocess.run([python, "-m", "trnrecipes.ops.doctor", *argv], cwd=REPO_ROOT).returncode
+            if code not in (0, 1, 2, NOT_READY):
+                print(f"error: {host}: the pre-flight under {python} ended with exit {code}, not a verdict")
+                return 2
+            return code
+    problems, notes = check(recipe, args.job, run_dir, args.node, args.python or (python if not here else None), here)
     for problem in problems:
-        print(f"error: {host}: {problem.removeprefix(NODE_FAULT)}", flush=True)
+        print(f"error: {host}: {problem.removeprefix(NODE_FAULT).removeprefix(NODE_PYTHON)}", flush=True)
     if problems and all(p.startswith(NODE_FAULT) for p in problems):  # this node's fault alone: 1, not bad input
         if bad_nodes_file:
             with open(bad_nodes_file, "a") as f:
                 f.write(os.environ.get("SLURMD_NODENAME", host) + "\n")
         return 1
+    if problems and all(p.startswith((NODE_FAULT, NODE_PYTHON)) for p in problems):
+        return NOT_READY  # this node's Python: the script knows whether the other nodes' pass
     if problems:
         return 2
     for note in notes:
         if note.startswith(NOTE):
             print(f"{NOTE}{host}: {note.removeprefix(NOTE)}", flush=True)
     devices = "" if args.node else "; devices not checked off the nodes (each job checks its own)"
-    found = ", ".join(n for n in notes if not n.startswith(NOTE))
+    found = ", ".join(n for n in notes if not n.startswith(NOTE)) or "data, tokenizer, run dir and checkpoint space"
     print(f"[doctor] {host}: {args.job} ok: {found}{devices}", flush=True)
     return 0
+
+
+def not_here(recipe, python: str) -> str:
+    """The note for a job Python that is not on this host: what only the job's nodes check, and where it comes from."""
+    return (
+        f"the job's Python {python} is not on this host ({_fix_python(recipe)}); its packages"
+        + (", neuron_parallel_compile and the NeuronCores" if recipe.cluster.backend == "neuron" else "")
+        + " are checked on every node when the job starts"
+    )
 
 
 def _fix_python(recipe) -> str:
     if recipe.cluster.backend == "neuron":
         from trnrecipes.config.stacks import SDK_RELEASES, sdk_version
 
-        venvs = SDK_RELEASES[sdk_version(recipe.cluster.neuron_sdk)].venvs
-        here = [f"{v}/bin/python" for v in venvs[1:] if os.access(f"{v}/bin/python", os.X_OK)]
+        release = SDK_RELEASES[sdk_version(recipe.cluster.neuron_sdk)]
+        here = [f"{v}/bin/python" for v in release.venvs[1:] if os.access(f"{v}/bin/python", os.X_OK)]
         if here:  # the release's other DLAMI (Ubuntu 22.04 beside 24.04) is the one on this host
             return f"this host has SDK {recipe.cluster.neuron_sdk}'s other DLAMI venv: set cluster.python={here[0]}"
         return (
-            f"it is Neuron SDK {recipe.cluster.neuron_sdk}'s Deep Learning AMI venv: run on that DLAMI, or set"
-            " cluster.python (or TRNRECIPES_PYTHON) to the interpreter that has the Neuron SDK"
+            f"it is the venv of the {release.amis[0]} with Neuron SDK {recipe.cluster.neuron_sdk}, the AMI the job's"
+            f" {recipe.cluster.instance} nodes need (trn1 trains on SDK 2.21-2.28, trn2/trn3 on 2.33); set"
+            " cluster.python (or TRNRECIPES_PYTHON) if its interpreter is elsewhere"
         )
     return "make it with `make setup` in the checkout, or set cluster.python (or TRNRECIPES_PYTHON)"
 

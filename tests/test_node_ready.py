@@ -1,0 +1,114 @@
+"""Every node of a job makes its own job Python ready, under the loopback Slurm: each emulated node's job Python is a
+wrapper keyed on SLURMD_NODENAME. A node whose Python lacks PyYAML and tokenizers installs them from the job's
+wheelhouse (trnrecipes/ops/ready.py) and the job trains; a node whose Neuron stack is another SDK's while the other
+nodes' is right is a node fault (requeued without it); every node's the same is bad input (exit 2, no requeue)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli
+from neuron_standin import neuron_ls, standin_venv
+from test_slurm import SMALL, job_info, slurm, submit, wait_done
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+LACKING = ("yaml", "_yaml", "tokenizers")  # modules node2's Python lacks: PyYAML's and tokenizers'
+
+
+def per_node_python(path: Path, pythons: dict[str, Path], default: Path) -> Path:
+    """A job Python that is `pythons[node]` on that emulated node, `default` elsewhere."""
+    cases = "".join(f'  {node}) exec {python} "$@" ;;\n' for node, python in pythons.items())
+    path.write_text(f'#!/bin/sh\ncase "$SLURMD_NODENAME" in\n{cases}  *) exec {default} "$@" ;;\nesac\n')
+    path.chmod(0o755)
+    return path
+
+
+def python_lacking(root: Path, modules: tuple[str, ...]) -> Path:
+    """A real venv that sees this venv's packages but `modules` (a .pth to a view of symbolic links), with its own
+    site-packages for what gets installed into it."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    site = next(Path(p) for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
+    view = root / "view"
+    view.mkdir()
+    for entry in site.iterdir():
+        name = entry.name.split("-")[0].split(".")[0].lower()
+        if name not in modules and name not in ("pyyaml", "tokenizers") and not entry.name.endswith(".pth"):
+            (view / entry.name).symlink_to(entry)
+    own = next((root / "lib").glob("python3*/site-packages"))
+    (own / "view.pth").write_text(f"{view}\n")
+    return root / "bin" / "python"
+
+
+def test_a_node_lacking_packages_installs_them_from_the_wheelhouse_and_the_job_trains(slurm_env, tmp_path):
+    lock = tmp_path / "lock.txt"  # what node2 lacks, at this venv's versions, for this Python and machine
+    lock.write_text(
+        f"# python: {sys.version_info[0]}.{sys.version_info[1]}\n# platform: manylinux_2_36_x86_64\n"
+        f"pyyaml=={importlib.metadata.version('pyyaml')}\ntokenizers=={importlib.metadata.version('tokenizers')}\n"
+    )
+    wheels = tmp_path / "wheels"
+    made = subprocess.run([sys.executable, "-m", "trnrecipes.ops.wheels", "--lock", str(lock), "--out", str(wheels)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert made.returncode == 0 and len(list(wheels.glob("*.whl"))) == 2, made.stdout + made.stderr
+    lacking = python_lacking(tmp_path / "node2-venv", LACKING)
+    assert subprocess.run([lacking, "-c", "import yaml"], capture_output=True).returncode != 0
+    python = per_node_python(tmp_path / "python", {"node2": lacking}, Path(sys.executable))
+    job, run = tmp_path / "job", tmp_path / "run"
+    done = run_cli("sbatch", "--recipe", "llama2-tiny", "--nodes", "2", "--out", str(job), "--overrides",
+                   f"{SMALL} train.max_steps=3 run_dir={run} cluster.python={python}")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    job_id = submit({**slurm_env, "TRNRECIPES_WHEELS": str(wheels)}, str(job / "run.sbatch"))
+    log = job / "logs" / f"llama2-tiny-2n-{job_id}.out"
+    info = wait_done(slurm_env, job_id, log, timeout=300)
+    out = log.read_text()
+    assert info["Restarts"] == "0" and "step 3/3" in out, out[-3000:]
+    assert f"[ready] node2: installed pyyaml, tokenizers into {python} from {wheels}" in out
+    assert "[ready] node1" not in out  # nothing lacking there: nothing installed
+    assert subprocess.run([lacking, "-c", "import yaml, tokenizers"], capture_output=True).returncode == 0
+
+
+def neuron_job(tmp_path: Path, python: Path) -> tuple[Path, dict[str, str]]:
+    """pythia-70m on 2 trn1 nodes over a stand-in Megatron corpus, with a stand-in neuron-ls on PATH."""
+    prefix = tmp_path / "data/wiki"
+    prefix.parent.mkdir()
+    Path(f"{prefix}.bin").write_bytes(b"")
+    Path(f"{prefix}.idx").write_bytes(b"MMIDIDX\x00\x00")
+    job = tmp_path / "job"
+    done = run_cli("sbatch", "--recipe", "pythia-70m", "--nodes", "2", "--out", str(job), "--no-data-check",
+                   "--overrides", f"data.path={prefix} run_dir={tmp_path / 'run'} cluster.python={python}")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    neuron_ls(tmp_path / "bin", devices=16, cores_per_device=2)
+    return job, {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize("wrong", [("node2",), ("node1", "node2", "node3")])
+def test_a_wrong_neuron_stack_on_one_node_is_a_node_fault_and_on_every_node_bad_input(slurm_env, tmp_path, wrong):
+    right = standin_venv(tmp_path / "sdk-2.26", "2.26")
+    other = standin_venv(tmp_path / "sdk-2.27", "2.26", {"torch-neuronx": "2.8.0.2.11.0"})  # SDK 2.27's build
+    python = per_node_python(tmp_path / "python", dict.fromkeys(wrong, other), right)
+    job, env = neuron_job(tmp_path, python)
+    job_id = submit({**slurm_env, **env}, str(job / "run.sbatch"))
+    log = job / "logs" / f"pythia-70m-2n-{job_id}.out"
+    if len(wrong) == 1:  # requeued without node2; then nothing here can run Neuron: stop it there
+        deadline = time.monotonic() + 180
+        while f"excluded node(s) node2 from job {job_id}" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+            time.sleep(0.5)
+        info = job_info(slurm_env, job_id)
+        slurm(slurm_env, "scancel", job_id)
+        out = log.read_text()
+        assert info["ExcNodeList"] == "node2", info
+        assert "torch-neuronx 2.8.0.2.11.0 in " in out and "that is Neuron SDK 2.27's" in out
+        requeued = f"the pre-flight failed on a node (exit 1) (the pre-flight names node2): requeueing job {job_id}"
+        assert requeued in out
+        return
+    info = wait_done(slurm_env, job_id, log, state="FAILED", timeout=180)
+    out = log.read_text()
+    assert info["Restarts"] == "0" and info["ExitCode"] == "2:0", out[-3000:]
+    assert f"the job's Python {python} is not ready on any of its 2 node(s)" in out
+    assert "requeueing" not in out and not (job / "logs" / f"{job_id}.failures").exists()
