@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 
 import pytest
@@ -79,3 +81,41 @@ def test_make_demo_cls_trains_the_tiny_classifier_and_scores_it_with_its_eval_sb
     assert found, done.stdout[-2000:]
     summary = json.loads((REPO / "runs/demo-cls/eval/predictions.summary.json").read_text())
     assert summary["rows"] == 3708 and summary["accuracy"] == pytest.approx(float(found[1]), abs=5e-4)
+
+
+# What the README's "First run on a cluster" quotes of each command's output: (command, text). Each must be in the
+# README as written and in what the command prints on a login node (no DLAMI venv, no wheelhouse yet).
+FIRST_RUN_QUOTES = (
+    ("sbatch", "parallelism  TP 8 x PP 1 x DP 4"),
+    ("sbatch", "/jobs/llama2-smoke-trn1-1n/: compile.sbatch, eval.sbatch, provenance.json, recipe.yaml, run.sbatch"),
+    ("sbatch", "make eval ckpt="),
+    ("sbatch", "scontrol show partition train"),
+    ("sbatch", "make wheels sdk=2.26"),
+    (
+        "doctor",
+        "is not on this host (it is the venv of the Deep Learning AMI Neuron (Ubuntu 22.04) with Neuron SDK 2.26",
+    ),
+    ("doctor", "run ok: data, tokenizer, run dir and checkpoint space"),
+)
+
+
+def test_the_first_run_section_quotes_what_its_commands_print(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## First run on a cluster") : readme.index("Then the real recipe:")]
+    command = "make recipe=llama2-smoke-trn1 nodes=1 sbatch overrides='slurm.partition=train'"
+    assert (
+        command in section and ".venv/bin/trnrecipes doctor --config jobs/llama2-smoke-trn1-1n/recipe.yaml" in section
+    )
+    env = {**os.environ, "TRNRECIPES_RUNS": str(tmp_path / "runs")}
+    shutil.rmtree(REPO / "jobs/llama2-smoke-trn1-1n", ignore_errors=True)  # a first run: what it warns of once
+    sbatch = subprocess.run(["bash", "-c", f"{command} force=1"], cwd=REPO, capture_output=True, text=True, env=env,
+                            timeout=300)  # fmt: skip
+    assert sbatch.returncode == 0, sbatch.stdout[-2000:] + sbatch.stderr[-2000:]
+    doctor = subprocess.run([str(REPO / ".venv/bin/trnrecipes"), "doctor", "--config",
+                             "jobs/llama2-smoke-trn1-1n/recipe.yaml"], cwd=REPO, capture_output=True, text=True,
+                            env=env, timeout=300)  # fmt: skip
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    printed = {"sbatch": sbatch.stdout + sbatch.stderr, "doctor": doctor.stdout + doctor.stderr}
+    for step, quote in FIRST_RUN_QUOTES:
+        assert " ".join(quote.split()) in " ".join(section.split()), f"the README no longer quotes {quote!r}"
+        assert quote in printed[step], f"{step} no longer prints {quote!r}:\n{printed[step][-3000:]}"
