@@ -5,9 +5,11 @@ makes it and writing nothing; `--no-data-check` (make: nodatacheck=1) skips it; 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from conftest import REPO
 
@@ -140,3 +142,42 @@ def test_the_vocabulary_size_counts_unigram_lists_and_added_tokens_past_the_voca
     spec = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}}, "added_tokens": [{"id": 9, "content": "<pad>"}]}
     added.write_text(json.dumps(spec))
     assert tokenizer_vocab_size(added) == 10  # the largest id + 1: id 9 must fit the embedding
+
+
+@pytest.mark.parametrize(
+    ("head", "kind"),
+    [(b'{"text": "a raw record"}\n', "JSON (lines)"), (b"PAR1\x00\x00", "Parquet"),
+     (b"\x1f\x8b\x08\x00", "gzip-compressed (.jsonl.gz?)"), (b"\x28\xb5\x2f\xfd\x00", "zstd-compressed (.jsonl.zst?)")],
+)  # fmt: skip
+def test_a_raw_corpus_named_as_data_path_is_told_to_be_converted(cli, tmp_path, head, kind):
+    raw = tmp_path / "corpus.jsonl"
+    raw.write_bytes(head)
+    done, out = sbatch(cli, tmp_path, f"data.path={raw}")
+    assert done.returncode == 2 and not out.exists(), done.stderr
+    assert (
+        f"data.path {raw}: {raw} is {kind}, not Arrow: convert it with `trnrecipes data to-arrow --in {raw} --out"
+        f" {tmp_path / 'corpus.arrow'}` and name that in data.path" in done.stderr
+    )
+
+
+def test_many_epochs_and_a_small_tokenizer_are_warned_of_by_sbatch_and_plan(cli, tmp_path):
+    corpus = tmp_path / "small.arrow"
+    table = pa.table({"text": pa.array([f"a short document number {i}" for i in range(40)], pa.large_string())})
+    with pa.OSFile(str(corpus), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    overrides = f"data.path={corpus} model.vocab_size=16384 run_dir={tmp_path / 'run'}"
+    done, _ = sbatch(cli, tmp_path, overrides)
+    planned = cli("plan", "--recipe", "llama2-tiny", "--nodes", "1", "--overrides", overrides)
+    for run in (done, planned):
+        assert run.returncode == 0, run.stderr
+        assert re.search(
+            rf"warning: {corpus}: train.max_steps 100 reads it [\d,]+ times .* the model would memorise"
+            r" it\. Use a bigger corpus, or train.max_steps <= \d+ for 10 epochs",
+            run.stderr,
+        ), run.stderr
+        assert (
+            "warning: data.tokenizer data/tokenizers/demo-sp: 4,096 ids, under half of model.vocab_size 16,384: the"
+            " other 12,288 rows of the embedding would never be trained" in run.stderr
+        )
+    quiet = cli("plan", "--recipe", "llama2-tiny", "--nodes", "1")  # the shipped recipe: neither
+    assert "memorise" not in quiet.stderr and "under half" not in quiet.stderr

@@ -595,7 +595,8 @@ def _storage_and_data(recipe, runs_root: str | None, skip: bool, refuse: bool) -
     """The checkpoints line and the warnings for the data and the run dir's free space; with `refuse`, what would
     stop the job is a RecipeError instead. `skip` (--no-data-check): nothing is looked up on the file system."""
     from trnrecipes.jobs.corpus_check import corpus_problems
-    from trnrecipes.jobs.data_check import data_problems
+    from trnrecipes.jobs.data_check import data_problems, tokenizer_warnings
+    from trnrecipes.jobs.data_plan import data_plan, epoch_warnings
     from trnrecipes.jobs.storage import run_dir_for, storage_report
 
     run_dir = run_dir_for(recipe, REPO_ROOT, runs_root)
@@ -614,7 +615,8 @@ def _storage_and_data(recipe, runs_root: str | None, skip: bool, refuse: bool) -
             f"{recipe.job_name} would fail on its files (found from this host; --no-data-check, or nodatacheck=1 with"
             " make, skips this where the cluster's file system is not mounted):\n  " + "\n  ".join(problems)
         )
-    return line, problems + ([warning] if warning else [])
+    advice = tokenizer_warnings(recipe, REPO_ROOT) + epoch_warnings(data_plan(recipe, REPO_ROOT), recipe)
+    return line, problems + ([warning] if warning else []) + advice
 
 
 def _sbatch(args: argparse.Namespace) -> int:

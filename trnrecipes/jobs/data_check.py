@@ -21,6 +21,9 @@ ARROW_FILE_MAGIC = b"ARROW1"  # Arrow IPC file format: "ARROW1" + padding, at th
 ARROW_STREAM_MARKER = b"\xff\xff\xff\xff"  # Arrow IPC stream: each message starts with the continuation marker
 MEGATRON_IDX_MAGIC = b"MMIDIDX\x00\x00"  # megatron-core's IndexedDataset .idx header
 BRING_YOUR_DATA = "docs/data.md, 'Bring your data'"
+# Raw corpora by their first bytes: what `data to-arrow` reads (or will), named when a recipe points at one.
+RAW_KINDS = ((b"PAR1", "Parquet"), (b"\x1f\x8b", "gzip-compressed (.jsonl.gz?)"),
+             (b"\x28\xb5\x2f\xfd", "zstd-compressed (.jsonl.zst?)"))  # fmt: skip
 # What `make setup` prepares offline (trnrecipes.data.demo and .corpora; a test holds these to their lists).
 DEMO_FILES = ("data/demo/pythondocs.arrow", "data/tokenizers/gpt2", "data/tokenizers/demo-sp")
 CLASSIFICATION_FILES = (
@@ -68,6 +71,15 @@ def _sniff_arrow(path: Path) -> str | None:
         return f"cannot be read ({err.strerror or err})"
     if head.startswith(ARROW_FILE_MAGIC) or head.startswith(ARROW_STREAM_MARKER):
         return None
+    kind = next((name for magic, name in RAW_KINDS if head.startswith(magic)), None)
+    if kind is None and head[:1] in (b"{", b"["):
+        kind = "JSON (lines)"
+    if kind:  # a corpus as users hold it, named by a recipe before it was converted
+        return (
+            f"is {kind}, not Arrow: convert it with `trnrecipes data to-arrow --in {path} --out"
+            f" {path.with_suffix('.arrow') if path.suffix != '.arrow' else path.with_name(path.stem + '-text.arrow')}`"
+            f" and name that in data.path ({BRING_YOUR_DATA})"
+        )
     return f"is not an Arrow file (it starts with {head!r}, not {ARROW_FILE_MAGIC!r} or a stream's first message)"
 
 
@@ -158,6 +170,26 @@ def _check_tokenizer(recipe: Recipe, repo_root: Path) -> list[str]:
             f" past the embedding; use this model's tokenizer, or a model.vocab_size of at least {size:,}"
         ]
     return []
+
+
+def tokenizer_warnings(recipe: Recipe, repo_root: Path) -> list[str]:
+    """A tokenizer with fewer than half of model.vocab_size ids: most of the embedding would never be trained (likely
+    another model's tokenizer). Padding the table to a multiple (Llama's 32,000 -> 32,768) is fine."""
+    tok_file = data_path(recipe.data.tokenizer, repo_root) / "tokenizer.json"
+    if blocked(tok_file) or not tok_file.is_file():
+        return []  # said by data_problems
+    try:
+        size = tokenizer_vocab_size(tok_file)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return []
+    limit = recipe.model.vocab_size
+    if size * 2 >= limit:
+        return []
+    return [
+        f"data.tokenizer {recipe.data.tokenizer}: {size:,} ids, under half of model.vocab_size {limit:,}: the other"
+        f" {limit - size:,} rows of the embedding would never be trained. This model's tokenizer, or model.vocab_size"
+        f" {size:,} (or that rounded up to a multiple of 64 or 128)"
+    ]
 
 
 def data_problems(recipe: Recipe, repo_root: Path) -> list[str]:

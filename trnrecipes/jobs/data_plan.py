@@ -58,6 +58,25 @@ def data_plan(recipe: Recipe, repo_root: Path, look: bool = True) -> list[Source
     return plans
 
 
+MANY_EPOCHS = 10  # more passes over a corpus than this in one run: a warning (memorised, not learned)
+
+
+def epoch_warnings(plans: list[SourcePlan], recipe: Recipe) -> list[str]:
+    """A warning for each corpus the run would read more than MANY_EPOCHS times over train.max_steps."""
+    out = []
+    for p in plans:
+        epochs = p.epochs
+        if epochs is not None and epochs > MANY_EPOCHS:
+            fewer = max(1, int(recipe.train.max_steps * MANY_EPOCHS / epochs))
+            out.append(
+                f"{p.path}: train.max_steps {recipe.train.max_steps:,} reads it {epochs:,.0f} times (its training split"
+                f" is {'' if p.exact else '~'}{si(p.corpus_tokens)} tokens): the model would memorise it. Use a bigger"
+                f" corpus{', a smaller weight' if len(plans) > 1 else ''}, or train.max_steps <= {fewer:,} for"
+                f" {MANY_EPOCHS} epochs"
+            )
+    return out
+
+
 def format_data_plan(plans: list[SourcePlan], max_steps: int, width: int = 11) -> list[str]:
     """Lines in the plan summary's column: one per corpus."""
     head = f"{'data':<{width}}  " + (
