@@ -60,3 +60,22 @@ def neuron_ls(bin_dir: Path, devices: int, cores_per_device: int) -> Path:
 
 def env_with(bin_dir: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", **extra}
+
+
+def megatron_corpus(prefix: Path, documents: int = 200) -> Path:
+    """A small real Megatron .bin/.idx (megatron-core's builder): enough documents for the DP ranks of a few trn1
+    nodes, ids well inside every recipe's vocabulary. Returns the prefix."""
+    import warnings
+
+    import numpy as np
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for i in range(documents):
+        doc = np.array([1 + i % 97, 2, 3, 0], dtype=np.uint16)
+        builder.add_document(doc, [len(doc)])
+    builder.finalize(f"{prefix}.idx")
+    return prefix

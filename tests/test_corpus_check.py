@@ -169,3 +169,33 @@ def test_a_run_dir_that_is_a_broken_link_is_refused_at_sbatch_and_by_the_doctor(
     assert doctor.returncode == 2, doctor.stdout + doctor.stderr
     (line,) = [x for x in doctor.stdout.splitlines() if x.startswith("error:")]
     assert f"run dir {run}: {why}" in line
+
+
+def test_a_megatron_pair_megatron_core_could_not_read_is_refused_before_allocation(tmp_path):
+    """A truncated .idx, float ids, a .bin cut mid-id, a negative id: each passed sbatch, then failed on every rank."""
+    good = megatron(tmp_path / "good", [[1, 2, 3]] * 40)
+    cases = {}
+    cut = tmp_path / "cut"
+    Path(f"{cut}.bin").write_bytes(Path(f"{good}.bin").read_bytes())
+    Path(f"{cut}.idx").write_bytes(Path(f"{good}.idx").read_bytes()[:-9])
+    cases[cut] = f"{cut}.idx is truncated: "
+    floats = tmp_path / "floats"
+    Path(f"{floats}.bin").write_bytes(Path(f"{good}.bin").read_bytes())
+    raw = bytearray(Path(f"{good}.idx").read_bytes())
+    raw[17] = 6  # megatron-core's DType code for float64
+    Path(f"{floats}.idx").write_bytes(bytes(raw))
+    cases[floats] = "dtype code 6 is not one of the integer token dtypes megatron-core writes"
+    odd = tmp_path / "odd"
+    Path(f"{odd}.bin").write_bytes(Path(f"{good}.bin").read_bytes() + b"\x00")
+    Path(f"{odd}.idx").write_bytes(Path(f"{good}.idx").read_bytes())
+    cases[odd] = f"{odd}.bin holds 481 bytes, not a whole number of int32 ids"
+    negative = megatron(tmp_path / "negative", [[1, -5, 3]] + [[1, 2, 3]] * 39)
+    cases[negative] = "token id -5 in "
+    for prefix, expected in cases.items():
+        recipe = load_recipe("llama2-tiny", overrides=f"data.format=megatron data.path={prefix}")
+        problems, _ = corpus_problems(recipe, REPO)
+        assert len(problems) == 1 and expected in problems[0], (prefix.name, problems)
+    assert corpus_problems(load_recipe("llama2-tiny", overrides=f"data.format=megatron data.path={good}"), REPO) == (
+        [],
+        [],
+    )

@@ -45,7 +45,7 @@ def test_a_file_that_is_not_arrow_is_refused(cli, tmp_path):
     (tmp_path / "corpus.arrow").write_text('{"text": "a JSONL file by the wrong name"}\n')
     recipe = load_recipe("llama2-tiny", overrides=f"data.path={tmp_path / 'corpus.arrow'}")
     (problem,) = data_problems(recipe, REPO)  # the light check, which needs no pyarrow
-    assert "corpus.arrow is not an Arrow file (it starts with b'{\"text\":', not b'ARROW1' or a stream" in problem
+    assert "corpus.arrow is JSON (lines), not Arrow: convert it with `trnrecipes data to-arrow --in " in problem
 
 
 def test_megatron_data_needs_both_files_and_the_index_header(tmp_path):

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, run_cli
-from neuron_standin import env_with, neuron_ls, standin_venv
+from neuron_standin import env_with, megatron_corpus, neuron_ls, standin_venv
 
 from trnrecipes.config.recipe import load_recipe
-from trnrecipes.jobs import data_check
 from trnrecipes.ops import doctor
 
 SDK = "2.26"  # pythia-70m's
@@ -23,10 +22,7 @@ SDK = "2.26"  # pythia-70m's
 @pytest.fixture
 def job(tmp_path: Path) -> Path:
     """pythia-70m on one trn1 node (Neuron SDK 2.26), its data a stand-in Megatron pair, its run dir under tmp."""
-    prefix = tmp_path / "data/wiki"
-    prefix.parent.mkdir()
-    Path(f"{prefix}.bin").write_bytes(b"")
-    Path(f"{prefix}.idx").write_bytes(data_check.MEGATRON_IDX_MAGIC)
+    prefix = megatron_corpus(tmp_path / "data/wiki")
     out = tmp_path / "job"
     overrides = f"data.path={prefix} run_dir={tmp_path / 'runs/p'}"
     done = run_cli("sbatch", "--recipe", "pythia-70m", "--nodes", "1", "--out", str(out), "--overrides", overrides)
@@ -70,7 +66,7 @@ def test_the_all_good_stand_in_passes_and_the_compile_job_goes_on(job, tmp_path)
         (
             "no pyyaml",
             "{python} lacks megatron-core, numpy, pyarrow, pyyaml, safetensors, tensorboard, tiktoken,"
-            " tokenizers, tqdm and there is no wheelhouse at",
+            " tokenizers, tqdm; no wheelhouse at",
         ),
         ("run dir", "run dir {run}: {blocker} is a file, not a directory; set run_dir"),
     ],
@@ -122,7 +118,7 @@ def test_the_run_script_checks_first_too_and_requeues_a_node_fault(job, tmp_path
     neuron_ls(tmp_path / "bin", devices=4, cores_per_device=2)  # a node short of cores
     run = run_script(job, "run.sbatch", python, tmp_path / "bin")
     assert run.returncode == 1 and "8 NeuronCores" in errors(run)[0]
-    assert "the pre-flight failed on a node (exit 1) (the pre-flight names " in run.stdout + run.stderr
+    assert "the pre-flight failed on some of the job's nodes (the pre-flight names " in run.stdout + run.stderr
     assert "(not under Slurm: nothing to requeue)" in run.stdout + run.stderr  # under Slurm: requeued without it
 
 

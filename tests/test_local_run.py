@@ -108,15 +108,11 @@ def test_neuron_compile_job_stops_when_graphs_failed_to_compile(tmp_path):
     """neuron_parallel_compile caches a failed graph as failed and later runs skip it: compile.sbatch must fail on
     its summary instead of handing that cache to run.sbatch. A stand-in for the tool prints AWS's summary line; the
     job's Python is a stand-in Neuron SDK 2.26 venv (tests/neuron_standin.py), so the pre-flight passes."""
-    from neuron_standin import neuron_ls, standin_venv
+    from neuron_standin import megatron_corpus, neuron_ls, standin_venv
 
-    from trnrecipes.jobs.data_check import MEGATRON_IDX_MAGIC
-
-    job, corpus = tmp_path / "job", tmp_path / "wiki"
-    Path(f"{corpus}.bin").write_bytes(b"")
-    Path(f"{corpus}.idx").write_bytes(MEGATRON_IDX_MAGIC)
+    job, corpus = tmp_path / "job", megatron_corpus(tmp_path / "wiki")
     overrides = f"run_dir={tmp_path / 'run'} data.path={corpus}"
-    rendered = run_cli("sbatch", "--recipe", "pythia6.9b", "--nodes", "1", "--no-data-check", "--out", str(job),
+    rendered = run_cli("sbatch", "--recipe", "pythia-70m", "--nodes", "1", "--no-data-check", "--out", str(job),
                        "--overrides", overrides)  # fmt: skip
     assert rendered.returncode == 0, rendered.stderr
     bin_dir = tmp_path / "bin"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, run_cli
-from neuron_standin import neuron_ls, standin_venv
+from neuron_standin import megatron_corpus, neuron_ls, standin_venv
 from test_slurm import SMALL, job_info, slurm, submit, wait_done
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -74,10 +74,7 @@ def test_a_node_lacking_packages_installs_them_from_the_wheelhouse_and_the_job_t
 
 def neuron_job(tmp_path: Path, python: Path) -> tuple[Path, dict[str, str]]:
     """pythia-70m on 2 trn1 nodes over a stand-in Megatron corpus, with a stand-in neuron-ls on PATH."""
-    prefix = tmp_path / "data/wiki"
-    prefix.parent.mkdir()
-    Path(f"{prefix}.bin").write_bytes(b"")
-    Path(f"{prefix}.idx").write_bytes(b"MMIDIDX\x00\x00")
+    prefix = megatron_corpus(tmp_path / "data/wiki")
     job = tmp_path / "job"
     done = run_cli("sbatch", "--recipe", "pythia-70m", "--nodes", "2", "--out", str(job), "--no-data-check",
                    "--overrides", f"data.path={prefix} run_dir={tmp_path / 'run'} cluster.python={python}")  # fmt: skip
@@ -104,11 +101,70 @@ def test_a_wrong_neuron_stack_on_one_node_is_a_node_fault_and_on_every_node_bad_
         out = log.read_text()
         assert info["ExcNodeList"] == "node2", info
         assert "torch-neuronx 2.8.0.2.11.0 in " in out and "that is Neuron SDK 2.27's" in out
-        requeued = f"the pre-flight failed on a node (exit 1) (the pre-flight names node2): requeueing job {job_id}"
-        assert requeued in out
+        requeued = "the pre-flight failed on some of the job's nodes (the pre-flight names node2): requeueing job"
+        assert f"{requeued} {job_id}" in out
         return
     info = wait_done(slurm_env, job_id, log, state="FAILED", timeout=180)
     out = log.read_text()
     assert info["Restarts"] == "0" and info["ExitCode"] == "2:0", out[-3000:]
-    assert f"the job's Python {python} is not ready on any of its 2 node(s)" in out
+    assert "the pre-flight fails on every node of the job (above): bad input, not a node fault; not requeued" in out
     assert "requeueing" not in out and not (job / "logs" / f"{job_id}.failures").exists()
+
+
+@pytest.mark.parametrize(
+    ("codes", "exit_code", "named"),
+    [
+        ({"node1": 0, "node2": 0}, 0, ""),  # ready everywhere
+        ({"node1": 0, "node2": 2}, 0, "node2"),  # data missing on one node only (a mount): that node's
+        ({"node1": 4, "node2": 0}, 0, "node1"),  # one node's Python
+        ({"node1": 137, "node2": 0}, 0, "node1"),  # a crash on one node
+        ({"node1": 2, "node2": 2}, 2, None),  # the same on every node: bad input, never requeued
+        ({"node1": 4, "node2": 2}, 2, None),
+        ({"node1": 1, "node2": 1}, 0, "node1\nnode2"),  # devices on every node: run.sbatch's majority rule says
+        ({}, 0, ""),  # nobody answered (the step did not start): a fault of the moment
+    ],
+)
+def test_the_scripts_verdict_over_the_nodes_pre_flights(tmp_path, codes, exit_code, named):
+    """The rendered preflight_verdict, run by bash over one file a node as the nodes write them."""
+    job = tmp_path / "job"
+    done = run_cli("sbatch", "--recipe", "llama2-tiny", "--nodes", "2", "--out", str(job), "--no-data-check",
+                   "--overrides", f"{SMALL} run_dir={tmp_path / 'run'}")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    script = (job / "run.sbatch").read_text()
+    verdict = script[script.index("preflight_verdict() {") : script.index("\n}\n", script.index("preflight_verdict"))]
+    verdicts = tmp_path / "verdicts"
+    verdicts.mkdir()
+    for node, code in codes.items():
+        (verdicts / node).write_text(f"{code}\n")
+    probe = (
+        f'set -euo pipefail\nNNODES=2\nPREFLIGHT_RC=7\n{verdict}\n}}\npreflight_verdict "$1"\necho "rc=$PREFLIGHT_RC"\n'
+    )
+    run = subprocess.run(["bash", "-c", probe, "verdict", str(verdicts)], capture_output=True, text=True)
+    assert run.returncode == exit_code, run.stdout + run.stderr
+    if exit_code == 2:
+        assert "the pre-flight fails on every node of the job" in run.stderr
+        return
+    failed = verdicts / "failed-nodes"
+    assert run.stdout.strip() == f"rc={1 if named or not codes else 0}"
+    assert (failed.read_text().strip() if failed.exists() else "") == named
+
+
+def test_ready_says_why_in_one_line_and_never_crashes(tmp_path, capsys):
+    """A wheelhouse record that is not one, no wheelhouse and no lock, another Python's wheels: exit 4, one line."""
+    from trnrecipes.ops import ready
+
+    lacking = {"module_that_is_not_installed_here": "not-installed-dist"}
+    wheels = tmp_path / "neuron-2.99"
+    wheels.mkdir()
+    (wheels / "wheels.json").write_text("[]")
+    why = ready.make_ready(wheels, "py", lacking)
+    assert why == (
+        f"py lacks not-installed-dist; no wheelhouse at {wheels}, and no wheel lock for this SDK: install"
+        " requirements/neuron.txt into it on every node (docs/jobs.md, 'The job's Python'), or bake it into the AMI"
+    )
+    (wheels / "wheels.json").write_text('{"python": "2.7"}')
+    assert "the wheels in" in ready.make_ready(wheels, "py", lacking) and "are for Python 2.7" in ready.make_ready(
+        wheels, "py", lacking
+    )
+    assert ready.make_ready(wheels, "py", {"json": "json"}) is None  # nothing lacking: nothing read, nothing done
+    assert ready.main(["--wheels", str(tmp_path / "nowhere")]) == 0  # this venv lacks nothing of TRAIN_MODULES

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, run_cli
-from neuron_standin import env_with, neuron_ls, standin_venv
+from neuron_standin import env_with, megatron_corpus, neuron_ls, standin_venv
 
 NOBODY = 65534
 SETPRIV = Path("/usr/bin/setpriv")
@@ -94,10 +94,7 @@ def test_relative_paths_name_the_callers_files_not_the_checkouts(tmp_path):
     ],
 )
 def test_neuron_ls_output_that_is_not_its_json_is_named_exit_2(tmp_path, printed, shown):
-    prefix = tmp_path / "data/wiki"  # a stand-in Megatron pair: the data check passes
-    prefix.parent.mkdir()
-    Path(f"{prefix}.bin").write_bytes(b"")
-    Path(f"{prefix}.idx").write_bytes(b"MMIDIDX\x00\x00")
+    prefix = megatron_corpus(tmp_path / "data/wiki")
     job = render(tmp_path, "pythia-70m", f"data.path={prefix}")
     python = standin_venv(tmp_path / "venv", "2.26")
     tool = neuron_ls(tmp_path / "bin", devices=16, cores_per_device=2)

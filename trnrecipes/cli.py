@@ -600,14 +600,11 @@ def _storage_and_data(recipe, runs_root: str | None, skip: bool, refuse: bool) -
     from trnrecipes.jobs.storage import run_dir_for, storage_report
 
     run_dir = run_dir_for(recipe, REPO_ROOT, runs_root)
-    # What a corpus holds is checked wherever its file is here, also with `skip` (a file not here is passed over).
+    if skip:
+        return storage_report(recipe, run_dir, look=False)[0], []
     problems, notes = corpus_problems(recipe, REPO_ROOT)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    if skip:
-        if refuse and problems:
-            raise RecipeError(f"{recipe.job_name} would fail on its data:\n  " + "\n  ".join(problems))
-        return storage_report(recipe, run_dir, look=False)[0], problems
     line, warning, error = storage_report(recipe, run_dir)
     problems = data_problems(recipe, REPO_ROOT) + problems + ([error] if error else [])
     if refuse and problems:

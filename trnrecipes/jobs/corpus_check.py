@@ -19,7 +19,7 @@ from trnrecipes.config.sections import Recipe
 from trnrecipes.data.holdout import fewest_documents, held_out
 from trnrecipes.data.sources import data_path, same_corpus, same_corpus_message
 from trnrecipes.data.tokenized_with import tokenized_with
-from trnrecipes.jobs.data_check import check_corpus_file
+from trnrecipes.jobs.data_check import MEGATRON_IDX_MAGIC, check_corpus_file
 from trnrecipes.plan.layout import compute_layout
 
 SCAN_BIN_BYTES = 2 * 10**9  # a .bin without a tokenizer record is scanned for its largest id up to this size
@@ -27,7 +27,7 @@ CHECK_NOTICE_BYTES = 1 << 30  # say what is being checked for files larger than 
 # megatron-core's DType codes -> (numpy dtype name, bytes)
 MEGATRON_DTYPES = {1: ("uint8", 1), 2: ("int8", 1), 3: ("int16", 2), 4: ("int32", 4), 5: ("int64", 8),
                    6: ("float64", 8), 7: ("float32", 4), 8: ("uint16", 2)}  # fmt: skip
-MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
+MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document indices
 
 
 @dataclass(frozen=True)
@@ -38,21 +38,29 @@ class MegatronHeader:
     documents: int  # megatron-core stores one more document index than documents
 
 
-def megatron_header(idx: Path) -> MegatronHeader | None:
-    """The .idx header megatron-core's IndexedDatasetBuilder writes; None if it is not one (data_check says why)."""
+def megatron_header(idx: Path) -> MegatronHeader | str | None:
+    """The .idx header megatron-core's IndexedDatasetBuilder writes, or what is wrong with it (None: not a Megatron
+    index at all, which data_check says)."""
+    size = idx.stat().st_size
     with open(idx, "rb") as f:
         raw = f.read(MEGATRON_HEADER.size)
+    if not raw.startswith(MEGATRON_IDX_MAGIC):
+        return None
     if len(raw) < MEGATRON_HEADER.size:
-        return None
-    magic, _, code, sequences, doc_indices = MEGATRON_HEADER.unpack(raw)
-    if magic != b"MMIDIDX\x00\x00" or code not in MEGATRON_DTYPES or doc_indices < 1:
-        return None
+        return f"{idx} is truncated: {size} bytes, less than the {MEGATRON_HEADER.size} of its header"
+    _, _, code, sequences, doc_indices = MEGATRON_HEADER.unpack(raw)
+    if code not in MEGATRON_DTYPES or MEGATRON_DTYPES[code][0].startswith("float"):
+        return f"{idx}: dtype code {code} is not one of the integer token dtypes megatron-core writes"
+    need = MEGATRON_HEADER.size + 12 * sequences + 8 * doc_indices  # lengths int32, pointers int64, documents int64
+    if doc_indices < 1 or size < need:
+        return f"{idx} is truncated: {size:,} bytes, but its {sequences:,} sequences and documents need {need:,}"
     return MegatronHeader(*MEGATRON_DTYPES[code], sequences, doc_indices - 1)
 
 
-def corpus_problems(recipe: Recipe, repo_root: Path) -> tuple[list[str], list[str]]:
+def corpus_problems(recipe: Recipe, repo_root: Path, scan: bool = True) -> tuple[list[str], list[str]]:
     """(problems, notes): what would fail the run after its allocation, and what could not be checked from here.
-    Files that are missing or unreadable are left to data_check, which names them."""
+    Files that are missing or unreadable are left to data_check, which names them. `scan` False: no .bin is read
+    for its token ids (the pre-flight on each node leaves that to sbatch and to training)."""
     d = recipe.data
     dp = compute_layout(recipe).dp
     sources = d.corpora()
@@ -65,7 +73,7 @@ def corpus_problems(recipe: Recipe, repo_root: Path) -> tuple[list[str], list[st
         if check_corpus_file(label, s.path, s.format, d.tokenizer, repo_root):  # missing, unreadable: said there
             continue
         try:
-            count = _documents(s, full, label, recipe, problems, notes)
+            count = _documents(s, full, label, recipe, problems, notes, scan)
         except OSError as err:
             problems.append(f"{label}: cannot be read ({err.strerror or err})")
             continue
@@ -78,12 +86,19 @@ def corpus_problems(recipe: Recipe, repo_root: Path) -> tuple[list[str], list[st
     return problems, notes
 
 
-def _documents(s, full: Path, label: str, recipe: Recipe, problems: list[str], notes: list[str]) -> int | None:
+def _documents(
+    s, full: Path, label: str, recipe: Recipe, problems: list[str], notes: list[str], scan: bool
+) -> int | None:
     if s.format == "megatron":
         header = megatron_header(Path(f"{full}.idx"))
-        if header is None:
+        if not isinstance(header, MegatronHeader):
+            problems += [f"{label}: {header}; re-make it with `trnrecipes data preprocess`"] if header else []
             return None
-        problems += _token_id_problems(label, full, header, recipe.model.vocab_size, notes)
+        size = Path(f"{full}.bin").stat().st_size
+        if size % header.itemsize:
+            problems.append(f"{label}: {full}.bin holds {size:,} bytes, not a whole number of {header.dtype} ids")
+            return None
+        problems += _token_id_problems(label, full, header, recipe.model.vocab_size, notes, scan)
         return header.documents
     return _arrow_documents(full, s.text_field, label, problems, notes)
 
@@ -127,15 +142,17 @@ def _count_problems(label: str, count: int, recipe: Recipe, dp: int) -> list[str
     return []
 
 
-def _token_id_problems(label: str, prefix: Path, header: MegatronHeader, vocab: int, notes: list[str]) -> list[str]:
-    """Token ids at or above model.vocab_size would index past the embedding on every rank: from the tokenizer
-    record `data preprocess` writes, else by scanning a .bin of at most SCAN_BIN_BYTES."""
+def _token_id_problems(
+    label: str, prefix: Path, header: MegatronHeader, vocab: int, notes: list[str], scan: bool
+) -> list[str]:
+    """Token ids at or above model.vocab_size (or below 0) would index past the embedding on every rank: from the
+    tokenizer record `data preprocess` writes, else by scanning a .bin of at most SCAN_BIN_BYTES."""
     record = tokenized_with(prefix)
     top = record.get("max_token_id") if record else None
     how = "as its tokenizer record says"
     bin_path = Path(f"{prefix}.bin")
     if not isinstance(top, int) or isinstance(top, bool):
-        if record is not None:  # made by data.tokenizer (data_check refuses another one): its ids fit (checked)
+        if record is not None or not scan:  # made by data.tokenizer (data_check refuses another one): its ids fit
             return []
         size = bin_path.stat().st_size
         if size > SCAN_BIN_BYTES:
@@ -147,8 +164,12 @@ def _token_id_problems(label: str, prefix: Path, header: MegatronHeader, vocab: 
         if importlib.util.find_spec("numpy") is None:
             notes.append(f"{label}: token ids not checked against model.vocab_size (numpy is not installed here)")
             return []
-        top = _largest_id(bin_path, header)
+        if size > CHECK_NOTICE_BYTES:
+            print(f"[trnrecipes] reading {bin_path}'s token ids ...", file=sys.stderr, flush=True)
+        low, top = _id_range(bin_path, header)
         how = "found in it"
+        if low is not None and low < 0:
+            return [f"{label}: token id {low:,} in {bin_path}: negative ids are not token ids; corrupt?"]
     if top is None or top < vocab:
         return []
     return [
@@ -158,12 +179,11 @@ def _token_id_problems(label: str, prefix: Path, header: MegatronHeader, vocab: 
     ]
 
 
-def _largest_id(bin_path: Path, header: MegatronHeader) -> int | None:
+def _id_range(bin_path: Path, header: MegatronHeader) -> tuple[int | None, int | None]:
+    """(smallest, largest) token id in a .bin, read 64M ids at a time (bounded memory, whatever the file)."""
     import numpy as np
 
-    size = bin_path.stat().st_size
-    if size == 0 or size % header.itemsize:
-        return None
-    tokens = np.memmap(bin_path, dtype=header.dtype, mode="r")
-    step = 1 << 26  # 64M ids at a time: bounded memory, whatever the file
-    return int(max(tokens[i : i + step].max() for i in range(0, len(tokens), step)))
+    tokens = np.memmap(bin_path, dtype=header.dtype, mode="r") if bin_path.stat().st_size else np.empty(0)
+    step = 1 << 26
+    parts = [(int(tokens[i : i + step].min()), int(tokens[i : i + step].max())) for i in range(0, len(tokens), step)]
+    return (min(p[0] for p in parts), max(p[1] for p in parts)) if parts else (None, None)

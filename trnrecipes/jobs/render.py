@@ -246,6 +246,7 @@ def render_job(
         "python": default_python(recipe, repo_root),
         "eval_python": default_python(recipe, repo_root, scoring=True),
         "wheels": job_wheels(recipe, repo_root),
+        "megatron": any(c.format == "megatron" for c in recipe.data.corpora()),  # the ready step installs its reader
         "stack": recipe.stack,
         "env_rows": backend_env(recipe, job_dir),
         "signal_seconds": signal_seconds(recipe),

@@ -39,7 +39,12 @@ def wheels_problem(recipe: Recipe, repo_root: Path) -> str | None:
     sdk = recipe.cluster.neuron_sdk
     lock, where = lock_path(sdk, repo_root), wheels_dir(sdk, repo_root)
     if not lock.is_file():
-        return None  # no lock for this SDK: its nodes are made ready by hand (docs/jobs.md)
+        locked = ", ".join(sorted(f.stem.removeprefix("neuron-") for f in lock.parent.glob("neuron-*.txt")))
+        return (
+            f"Neuron SDK {sdk} has no wheel lock (locked: {locked}): the job cannot make its nodes ready; install"
+            " requirements/neuron.txt into the DLAMI venv on every node yourself, or bake it into the AMI"
+            " (docs/jobs.md, 'The job's Python')"
+        )
     fill = f"`make wheels sdk={sdk}` (once, on a host with the package registry) fills it"
     try:
         record = json.loads((where / RECORD).read_text())

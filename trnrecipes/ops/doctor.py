@@ -6,12 +6,13 @@ real job would otherwise find after its nodes were allocated:
   (trnrecipes.config.stacks.SDK_RELEASES) and importable, plus what trnrecipes needs for this job;
 - neuron_parallel_compile beside the interpreter or on PATH (compile.sbatch on torch-xla + NxD);
 - with --node: the NeuronCores the recipe expects per node (neuron-ls, else /dev/neuron*);
-- the data and tokenizer (trnrecipes.jobs.data_check), the run dir writable (never created here), and room for the
-  compile cache on the node.
+- the data and tokenizer (trnrecipes.jobs.data_check, corpus_check), the run dir writable (never created here) with
+  room for the checkpoints, and room for the compile cache on the node.
 
-Each failure is one line naming the thing, what was found and the command that fixes it; any failure exits 2, which
-the job scripts treat as bad input (no requeue). Only the standard library is imported at the top, so that a
-missing PyYAML is reported like any other missing package.
+Each failure is one line naming the thing, what was found and the command that fixes it. Exit 2 bad input; with
+--node, 1 for a fault of this node alone (devices, disk) and NOT_READY (4) for this node's job Python: the job
+script tells a node's fault from bad input by whether every node fails (docs/jobs.md, 'Exit codes'). Only the
+standard library is imported at the top, so that a missing PyYAML is reported like any other missing package.
 """
 
 from __future__ import annotations
@@ -241,22 +242,21 @@ def check(
         modules = dict(TRAIN_MODULES)
         if any(s.format == "megatron" for s in recipe.data.corpora()):
             modules["megatron.core"] = "megatron-core"
-        problems += [mine + p for p in module_problems(modules, python, _extra(stack))] if here else []
+        lacking = module_problems(modules, python, _extra(stack)) if here else []
+        if lacking and not node and (wheels := _wheelhouse(recipe)):  # each node installs them when the job starts
+            notes.append(
+                f"{NOTE}{lacking[0].split(' (')[0]}: each node installs them from {wheels} when the job starts"
+            )
+        else:
+            problems += [mine + p for p in lacking]
         problems += data_problems(recipe, REPO_ROOT)
-        content, unchecked = corpus_problems(recipe, REPO_ROOT)
+        content, unchecked = corpus_problems(recipe, REPO_ROOT, scan=not node)  # a scan: once, not on every node
         problems += content
         notes += [f"{NOTE}{line}" for line in unchecked]
         if why := run_dir_blocker(run_dir):
             problems.append(f"run dir {run_dir}: {why}; set run_dir (or TRNRECIPES_RUNS) to storage you can write")
         elif (room := storage_report(recipe, run_dir)[2]) is not None:
-            problems.append(room)  # not enough free space for keep_last checkpoints there
-        else:
-            anchor, ok = _writable_ancestor(run_dir)
-            if not ok or not anchor.is_dir():
-                problems.append(
-                    f"run dir {run_dir}: {anchor} is not a directory {os.environ.get('USER', 'this user')} can write"
-                    " to; set run_dir (or TRNRECIPES_RUNS) to shared storage you can write"
-                )
+            problems.append(room)  # not writable, or not room for keep_last checkpoints there
     elif here:
         modules = CLASSIFY_MODULES if classify or job == "infer" else EVAL_MODULES
         problems += module_problems(modules, python, "eval" if modules is EVAL_MODULES else "train")
@@ -294,6 +294,16 @@ def check(
     return problems, notes
 
 
+def _wheelhouse(recipe) -> str | None:
+    """The job's wheelhouse when it is there and current (its nodes install from it what they lack), else None."""
+    from trnrecipes.jobs.wheelhouse import RECORD, job_wheels, wheels_problem
+
+    wheels = job_wheels(recipe, REPO_ROOT)
+    if not wheels or wheels_problem(recipe, REPO_ROOT) or not (Path(wheels) / RECORD).is_file():
+        return None
+    return wheels
+
+
 def _job_dir_value(config: Path, name: str, job: str = "run") -> str | None:
     """NAME=... as rendered into the job dir's JOB.sbatch beside recipe.yaml (the run dir, the interpreter)."""
     script = config.parent / f"{job}.sbatch"
@@ -319,7 +329,7 @@ def python_problem(python: str) -> str | None:
         done = subprocess.run([python, "-c", PROBE], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"the job's Python {python} cannot be run ({err})"
-    found = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("trnrecipes-python ")]
+    found = [line.split(" ", 1)[1] for line in done.stdout.splitlines() if line.startswith("trnrecipes-python ")]
     if not found:
         said = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["nothing"]
         return (
@@ -327,9 +337,15 @@ def python_problem(python: str) -> str | None:
             f" {done.returncode}, it printed {_shown(said[0])}); set cluster.python (or TRNRECIPES_PYTHON) to a"
             " Python 3.10+ interpreter"
         )
-    if tuple(int(x) for x in found[0].split(".")) < (3, 10):
+    version, imported = found[0].split(" ", 1) if " " in found[0] else (found[0], "")
+    if imported and Path(imported).resolve().parent.parent != REPO_ROOT:
         return (
-            f"the job's Python {python} is Python {found[0]}; trnrecipes needs 3.10 or newer: set cluster.python (or"
+            f"the job's Python {python} imports trnrecipes from {Path(imported).parent}, not from the checkout"
+            f" {REPO_ROOT}: uninstall that copy from it (pip uninstall trnrecipes)"
+        )
+    if tuple(int(x) for x in version.split(".")) < (3, 10):
+        return (
+            f"the job's Python {python} is Python {version}; trnrecipes needs 3.10 or newer: set cluster.python (or"
             " TRNRECIPES_PYTHON) to one"
         )
     return None
@@ -354,15 +370,13 @@ def _preflight(argv: list[str] | None, host: str) -> int:
     parser.add_argument("--run-dir", help="the run dir (default: as the job dir's run.sbatch names it)")
     parser.add_argument("--node", action="store_true", help="also this node's devices and compile-cache space")
     parser.add_argument("--python", help="this interpreter as the job names it (the scripts pass it; then no re-run)")
-    parser.add_argument("--bad-nodes-file", help="append this node's name here when it fails on a node fault")
     args = parser.parse_args(argv)
     # Every path from the caller's directory: the check may re-run itself in the checkout.
     config = Path(os.path.abspath(args.config))
-    bad_nodes_file = os.path.abspath(args.bad_nodes_file) if args.bad_nodes_file else None
     if importlib.util.find_spec("yaml") is None:  # what reading a recipe needs beyond the standard library
         named = args.python or sys.executable
         print(f"error: {host}: pyyaml not installed in {named}: {shlex.quote(named)} -m pip install 'pyyaml>=6'")
-        return 2
+        return NOT_READY if args.node else 2
     from trnrecipes.config.recipe import read_recipe_file, recipe_from_dict
     from trnrecipes.config.sections import RecipeError
     from trnrecipes.config.stacks import default_python
@@ -370,24 +384,29 @@ def _preflight(argv: list[str] | None, host: str) -> int:
 
     try:
         recipe = recipe_from_dict(read_recipe_file(config), str(config))
-        python = os.environ.get("TRNRECIPES_PYTHON") or _job_dir_value(config, "PYTHON", args.job)
+        given = os.environ.get("TRNRECIPES_PYTHON")  # the caller's: from the caller's directory
+        python = given or _job_dir_value(config, "PYTHON", args.job)  # the scripts': from the checkout, where they run
         run_dir = args.run_dir or _job_dir_value(config, "RUN_DIR")
     except (RecipeError, ValueError) as err:
         print(f"error: {host}: {err}")
         return 2
     python = python or str(default_python(recipe, REPO_ROOT, scoring=args.job in ("eval", "infer")))
-    python = os.path.abspath(python) if os.sep in python else python  # the re-run below starts in the checkout
+    if os.sep in python:  # the re-run below starts in the checkout
+        python = os.path.abspath(python) if given else str(REPO_ROOT / python)
     run_dir = Path(os.path.abspath(run_dir)) if run_dir else run_dir_for(recipe, REPO_ROOT, None)
     here = True
     if args.python is None and os.path.abspath(python) != os.path.abspath(sys.executable):
-        if not os.access(python, os.X_OK):  # a login node without the DLAMI: check the files from this Python
-            here = False
+        outside = REPO_ROOT not in Path(os.path.abspath(python)).parents  # the checkout's .venv is on every node
+        if not os.access(python, os.X_OK) and not args.node and outside:
+            here = False  # a login node without the DLAMI: the files from this Python, the rest on the nodes
+        elif not os.access(python, os.X_OK):
+            print(f"error: {host}: the job's Python {python} does not exist here; {_fix_python(recipe)}")
+            return NOT_READY if args.node else 2
         elif problem := python_problem(python):
             print(f"error: {host}: {problem}")
-            return 2
+            return NOT_READY if args.node else 2
         argv = ["--config", str(config), "--job", args.job, "--run-dir", str(run_dir), "--python", python]
         argv += ["--node"] if args.node else []
-        argv += ["--bad-nodes-file", bad_nodes_file] if bad_nodes_file else []
         if here:
             code = subprocess.run([python, "-m", "trnrecipes.ops.doctor", *argv], cwd=REPO_ROOT).returncode
             if code not in (0, 1, 2, NOT_READY):
@@ -398,9 +417,6 @@ def _preflight(argv: list[str] | None, host: str) -> int:
     for problem in problems:
         print(f"error: {host}: {problem.removeprefix(NODE_FAULT).removeprefix(NODE_PYTHON)}", flush=True)
     if problems and all(p.startswith(NODE_FAULT) for p in problems):  # this node's fault alone: 1, not bad input
-        if bad_nodes_file:
-            with open(bad_nodes_file, "a") as f:
-                f.write(os.environ.get("SLURMD_NODENAME", host) + "\n")
         return 1
     if problems and all(p.startswith((NODE_FAULT, NODE_PYTHON)) for p in problems):
         return NOT_READY  # this node's Python: the script knows whether the other nodes' pass

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,15 +50,30 @@ def download(lock: Path, out: Path, sdk: str | None = None) -> Path:
     python, platform = header(lock, "python"), header(lock, "platform")
     if not python or not platform:
         raise SystemExit(f"error: {lock} names no '# python:' and '# platform:' lines")
-    out.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-            "--python-version", python, *platform_flags(platform), "-r", str(lock), "-d", str(out)]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if done.returncode != 0:
-        said = (done.stderr.strip().splitlines() or ["nothing"])[-1]
-        raise SystemExit(f"error: pip download of {lock} (Python {python}, {platform}) failed: {said}")
-    record = {"sdk": sdk, "python": python, "platform": platform, "lock": str(lock), "lock_sha256": lock_digest(lock)}
-    (out / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    if out.exists() and any(out.iterdir()) and not (out / RECORD).is_file():
+        raise SystemExit(f"error: {out} holds files this command did not make; give --out a new or empty directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Into a new directory, which then replaces the old one whole: no wheel of another lock stays behind, and the
+    # nodes never see a half-filled wheelhouse.
+    fresh = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        argv = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                "--python-version", python, *platform_flags(platform), "-r", str(lock), "-d", str(fresh)]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode != 0:
+            said = (done.stderr.strip().splitlines() or ["nothing"])[-1]
+            raise SystemExit(f"error: pip download of {lock} (Python {python}, {platform}) failed: {said}")
+        record = {"sdk": sdk, "python": python, "platform": platform, "lock": str(lock),
+                  "lock_sha256": lock_digest(lock)}  # fmt: skip
+        (fresh / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+        fresh.chmod(0o755)
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        if out.exists():
+            out.rename(old)
+        fresh.rename(out)
+        shutil.rmtree(old, ignore_errors=True)  # the wheelhouse this command made before (its record says so)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
     return out
 
 
