@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,16 @@ def _megatron():
     # megatron.core's package import warns about missing Apex / Transformer Engine, irrelevant to token files.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from megatron.core.datasets import indexed_dataset
+        try:
+            from megatron.core.datasets import indexed_dataset
+        except ModuleNotFoundError as err:  # a login-node install (pyproject's login extra) has neither
+            missing = "megatron-core" if (err.name or "").startswith("megatron") else err.name
+            raise DataError(
+                f"Megatron .bin/.idx files are written and read with megatron-core, which imports torch: {missing} is"
+                f" not installed in {sys.executable}. Run this with the job's Python (srun on a node: its venv has"
+                " requirements/neuron.txt) or the full install (make setup with Python 3.11+), or use an Arrow corpus"
+                " instead (`trnrecipes data to-arrow`; training tokenizes it)"
+            ) from None
     return indexed_dataset
 
 

@@ -69,6 +69,13 @@ def _install(python: str, what: str) -> str:
             f"{py} -m pip freeze --exclude-editable > /tmp/venv.txt && {py} -m pip install -c /tmp/venv.txt -r {reqs}"
             " on every node (srun --ntasks-per-node=1)"
         )
+    if sys.version_info < (3, 11):  # check() runs under the job's Python; .[train] and .[eval] pin for 3.11+
+        version = ".".join(map(str, sys.version_info[:2]))
+        return (
+            f"{python} is Python {version}, and the {what} install needs 3.11 or 3.12: run make setup where one is"
+            " found (make setup python=PATH names it), or set cluster.python (or TRNRECIPES_PYTHON) to a Python that"
+            " has them"
+        )
     return f"{py} -m pip install -e {shlex.quote(str(REPO_ROOT))}'[{what}]'"
 
 
