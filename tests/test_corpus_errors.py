@@ -175,7 +175,7 @@ def test_predict_rows_are_non_blank_lines_numbered_from_0_in_every_message(tmp_p
     txt = write_lines(tmp_path / "t.txt", ["first", "", "   ", "second"])
     assert read_rows(txt, "text").to_pylist() == ["first", "second"]  # as jsonl: a blank line is no row
     jsonl = write_lines(tmp_path / "r.jsonl", ['{"text": "a", "label": 0}', "", '{"text": "b"}', '{"text": null}'])
-    with pytest.raises(DataError, match=r"r\.jsonl: row 2 \(line 4\): field 'text' is NoneType, not text"):
+    with pytest.raises(DataError, match=r"r\.jsonl: row 2 \(line 4\): field 'text' is null"):
         read_rows(jsonl, "text")
     with pytest.raises(DataError, match=r"r\.jsonl: row 1 \(line 3\): no 'label' \(other rows have one\)"):
         read_row_labels(jsonl, "label", 2, required=False)

@@ -178,17 +178,20 @@ def test_to_arrow_errors_name_the_problem_and_write_nothing(tmp_path: Path, json
     with pytest.raises(DataError, match=r"no field 'body' \(has: text, id\)"):
         to_arrow([jsonl], out, text_field="body", progress=False)
     (tmp_path / "table.csv").write_text("text\nhello\n")
-    with pytest.raises(DataError, match=r"table.csv: unknown input type; expected .*\.json, .*\.md, \.rst or a dir"):
+    with pytest.raises(
+        DataError,
+        match=r"table.csv: unknown input type; expected .jsonl, .json .*, .txt, .md, .rst .*, a directory, or -",
+    ):
         to_arrow([tmp_path / "table.csv"], out, progress=False)
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match="no documents"):
         to_arrow([tmp_path / "empty.jsonl"], out, progress=False)
     (tmp_path / "bad.txt").write_bytes(b"good line\nbad \xff\xfe line\nanother good\n")
-    with pytest.raises(DataError, match=r"bad.txt:2: undecodable UTF-8"):
-        to_arrow([tmp_path / "bad.txt"], out, on_bad_utf8="fail", progress=False)
+    with pytest.raises(DataError, match=r"bad.txt:2: invalid UTF-8 \(.*\); --on-bad-record skip skips such records"):
+        to_arrow([tmp_path / "bad.txt"], out, progress=False)  # an error unless skipped
     assert not out.exists() and not list(tmp_path.glob(".o.arrow*"))  # no partial output left behind
-    stats = to_arrow([tmp_path / "bad.txt"], out, progress=False)
-    assert stats.skipped_bad_utf8 == 1 and stats.bad_examples == [f"{tmp_path / 'bad.txt'}:2"]
+    stats = to_arrow([tmp_path / "bad.txt"], out, on_bad_record="skip", progress=False)
+    assert stats.rejected == 1 and '"line": 2, "reason": "invalid UTF-8' in Path(f"{out}.rejects.jsonl").read_text()
     assert read_arrow(out).to_pylist() == ["good line", "another good"]
     with pytest.raises(DataError, match="no column 'body'; its columns: text"):
         read_arrow(out, "body")

@@ -37,8 +37,9 @@ from trnrecipes.models import build_model
 KINDS = ("same", "symlink", "hardlink", "holds_input", "in_checkpoint", "in_checkpoints", "in_linked_checkpoints",
          "run_file", "below_file", "fresh")  # fmt: skip
 COLLIDING = set(KINDS) - {"fresh"}
-# Kinds that are no clash for a command, so it may go ahead: preprocess writes OUT.bin, .idx and .tokenizer.json
-# beside what --out names; plot adds its PNGs to a directory (a run dir, the one holding it) and replaces nothing.
+# Kinds that are no clash for a command, so it may go ahead: preprocess writes OUT.bin, .idx, .tokenizer.json and
+# .rejects.jsonl beside what --out names; plot adds its PNGs to a directory (a run dir, the one holding it) and
+# replaces nothing.
 NO_CLASH = {"preprocess": {"same", "symlink", "hardlink", "holds_input"}, "plot": {"same", "holds_input"}}
 
 
@@ -104,12 +105,14 @@ def case(command: str, root: Path, ckpt: Path) -> Case:
         return Case(argv, ckpt, True)
     if command == "to-hf":
         return Case(["convert", "to-hf", "--ckpt", str(ckpt)], ckpt, True)
-    if command == "to-arrow":
-        return Case(["data", "to-arrow", "--in", str(rows)], rows, False, ext=".arrow")
+    if command == "to-arrow":  # skip: the list of rejected records beside the output is written (and guarded) too
+        return Case(["data", "to-arrow", "--in", str(rows), "--on-bad-record", "skip"], rows, False,
+                    lambda out: [out, Path(f"{out}.rejects.jsonl")], ".arrow")  # fmt: skip
     if command == "preprocess":
         tokenizer = str(REPO / "data/tokenizers/gpt2")
-        return Case(["data", "preprocess", "--in", str(rows), "--tokenizer", tokenizer], rows, False,
-                    lambda out: [Path(f"{out}{suffix}") for suffix in (".bin", ".idx", ".tokenizer.json")])  # fmt: skip
+        suffixes = (".bin", ".idx", ".tokenizer.json", ".rejects.jsonl")
+        return Case(["data", "preprocess", "--in", str(rows), "--tokenizer", tokenizer, "--on-bad-record", "skip"],
+                    rows, False, lambda out: [Path(f"{out}{suffix}") for suffix in suffixes])  # fmt: skip
     if command == "sbatch":
         recipe = root / "in/recipe.yaml"
         return Case(["sbatch", "--recipe", str(recipe), "--nodes", "1"], recipe, True)

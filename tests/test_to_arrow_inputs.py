@@ -83,13 +83,16 @@ def test_bad_inputs_are_one_line_and_leave_no_output(tmp_path, capsys, case):
             (source / split).mkdir(parents=True)
             (source / split / "dataset_info.json").write_text("{}")
         (source / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
-        expected = f"error: {source} is a datasets DatasetDict (splits: test, train); give one split's directory"
+        expected = f"error: {source} is a datasets DatasetDict (splits: test, train); --split NAME takes one"
     elif case == "mixed splits":  # a Hub download: the held-out splits must not leak into training
         source = tmp_path / "hub"
         (source / "data").mkdir(parents=True)
         for name in ("train-00000-of-00001", "test-00000-of-00001", "validation-00000-of-00001"):
             pq.write_table(pa.table({"text": [name]}), source / "data" / f"{name}.parquet")
-        expected = f"error: {source} holds the Parquet shards of several splits (test, train, validation); give one"
+        expected = (
+            f"error: {source} holds files of 3 splits (test: 1 file, train: 1 file, validation: 1 file); --split NAME"
+            " takes one of them, e.g. --split train\n"
+        )
     else:
         pq.write_table(pa.table({"text": ["a"]}), source)
         extra = ["--batch-rows", "0"]

@@ -150,10 +150,19 @@ def _parser() -> argparse.ArgumentParser:
     data = verb("data", None, "corpora: raw or labelled text -> Arrow, text -> Megatron .bin/.idx, the prepared data")
     actions = data.add_subparsers(required=True, metavar="ACTION")
     sub = actions.add_parser(
-        "to-arrow", help="jsonl[.gz] / txt / parquet / text dir / datasets.save_to_disk dir -> one Arrow file"
+        "to-arrow",
+        help="JSON lines (.jsonl/.json, .gz, .zst, standard input) / txt / parquet / arrow / directories of them /"
+        " datasets.save_to_disk dir -> one Arrow file",
     )
     sub.set_defaults(handler=_to_arrow)
-    sub.add_argument("--in", dest="inputs", required=True, nargs="+", help="input file(s) or directories")
+    sub.add_argument(
+        "--in",
+        dest="inputs",
+        required=True,
+        nargs="+",
+        help="input files or directories (walked recursively, in sorted path order), in command-line order; - reads"
+        " JSON lines from standard input",
+    )
     sub.add_argument("--out", required=True, help="output .arrow file")
     sub.add_argument(
         "--label-field",
@@ -166,14 +175,14 @@ def _parser() -> argparse.ArgumentParser:
         help="rows per record batch (default 1048576; converting holds one batch in memory, about twice; training"
         " reads the batches in place, memory-mapped, and keeps a small object per batch)",
     )
-    _text_args(sub)
+    _text_args(sub, rejects="OUT.rejects.jsonl")
     sub = actions.add_parser("preprocess", help="tokenize into Megatron/NeMo PREFIX.bin + PREFIX.idx (EOS appended)")
     sub.set_defaults(handler=_preprocess)
     sub.add_argument("--in", dest="inputs", required=True, nargs="+", help="input file(s) or dirs (as to-arrow)")
     sub.add_argument("--tokenizer", required=True, help="tokenizer directory (tokenizer.json)")
     sub.add_argument("--out", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
     sub.add_argument("--dtype", default="auto", help="token dtype: auto (uint16 if the vocab fits), uint16, int32")
-    _text_args(sub)
+    _text_args(sub, rejects="PREFIX.rejects.jsonl")
     sub = actions.add_parser("prepare-demo", help="the demo corpus and tokenizers under data/ (make setup runs it)")
     sub.set_defaults(handler=_prepare_demo)
     sub = actions.add_parser(
@@ -189,7 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--in", dest="inputs", required=True, nargs="+", help="input file(s) or dirs (as to-arrow)")
     sub.add_argument("--vocab-size", required=True, type=int, help="vocabulary size, e.g. 32000")
     sub.add_argument("--out", required=True, help="output tokenizer directory")
-    _text_args(sub)
+    _text_args(sub, rejects=None)
     sub = actions.add_parser("from-gpt2", help="GPT-2 BPE from vocab (encoder.json) and merges (vocab.bpe) files")
     sub.set_defaults(handler=_tokenizer_from_gpt2)
     sub.add_argument("--vocab", required=True, help="encoder.json / vocab.json")
@@ -303,11 +312,46 @@ def _out_flag(given: str | None) -> str:
     return "--out" if given else "the default --out"
 
 
-def _text_args(sub: argparse.ArgumentParser) -> None:
+def _text_args(sub: argparse.ArgumentParser, rejects: str | None) -> None:
+    """The flags of every verb that reads raw text: the field, the split, and what a bad record does."""
     sub.add_argument("--text-field", default="text", help="JSON field / column holding the text (default: text)")
     sub.add_argument(
-        "--on-bad-utf8", choices=["skip", "fail"], default="skip", help="undecodable bytes: skip and count, or fail"
+        "--split",
+        metavar="NAME",
+        help="read only this split's files (train, validation, test, or a data/NAME-00000-of-00001.* name) of a corpus"
+        " in the Hugging Face Hub's layout or a datasets DatasetDict; needed when the inputs hold several",
     )
+    listed = f" and list each one's place and reason in {rejects}" if rejects else " and count it"
+    sub.add_argument(
+        "--on-bad-record",
+        choices=["error", "skip"],
+        help="a record that cannot be used (malformed JSON, a missing or null text, a null row, invalid UTF-8):"
+        f" error (the default) stops at the first, naming its file and line or row; skip: leave it out{listed}",
+    )
+    sub.add_argument(
+        "--max-bad-records",
+        type=int,
+        metavar="N",
+        help="with --on-bad-record skip: stop with an error once more than N bad records are met",
+    )
+    sub.add_argument(
+        "--on-bad-utf8", choices=["skip", "fail"], help="deprecated: --on-bad-record skip, or error (for fail)"
+    )
+
+
+def _bad_record_policy(args: argparse.Namespace) -> str:
+    """--on-bad-record, from it or the deprecated --on-bad-utf8 (saying so in a note)."""
+    from trnrecipes.data.bad_records import bad_record_policy
+
+    policy, note = bad_record_policy(args.on_bad_record, args.on_bad_utf8, args.max_bad_records)
+    if note:
+        print(note, file=sys.stderr)
+    return policy
+
+
+def _read_paths(given: list[str], files: list) -> list[str | Path]:
+    """What a conversion reads, for the output guard: the paths given (not -, standard input) and the files found."""
+    return [p for p in given if p != "-"] + [f.path for f in files if f.path is not None]
 
 
 def _infer_args(sub: argparse.ArgumentParser, batch_size: int) -> None:
@@ -322,43 +366,54 @@ def _infer_args(sub: argparse.ArgumentParser, batch_size: int) -> None:
     sub.add_argument("--threads", type=int, metavar="N", help="CPU threads for torch (default: torch's choice)")
 
 
-def _report_conversion(stats, out: str) -> None:
-    print(f"wrote {out}: {stats.documents} documents", end="")
-    skipped = [(stats.skipped_empty, "empty"), (stats.skipped_bad_utf8, "undecodable UTF-8")]
-    print("".join(f", skipped {n} {why}" for n, why in skipped if n))
-    if stats.bad_examples:
-        print(f"  undecodable: {', '.join(stats.bad_examples)}{' ...' if stats.skipped_bad_utf8 > 5 else ''}")
+def _report_conversion(stats, out: str, policy: str, rejects: Path) -> None:
+    skipped = f", skipped {stats.skipped_empty} empty" if stats.skipped_empty else ""
+    if policy == "skip":
+        skipped += f", rejected {stats.rejected} bad record{'' if stats.rejected == 1 else 's'} (listed in {rejects})"
+    print(f"wrote {out}: {stats.documents} documents{skipped}")
 
 
 def _to_arrow(args: argparse.Namespace) -> int:
     from trnrecipes.data.arrow import to_arrow
+    from trnrecipes.data.bad_records import rejects_of
+    from trnrecipes.data.inputs import find_inputs
 
-    inputs = [Path(p) for p in args.inputs]
-    check_output(args.out, inputs=inputs)
+    policy = _bad_record_policy(args)
+    files = find_inputs(args.inputs, args.split)
+    rejects = rejects_of(args.out)
+    check_output(args.out, inputs=_read_paths(args.inputs, files))
+    check_output(rejects, flag="the rejects file", inputs=_read_paths(args.inputs, files))
     stats = to_arrow(
-        inputs,
+        files,
         Path(args.out),
         args.text_field,
-        args.on_bad_utf8,
+        policy,
         label_field=args.label_field,
         batch_rows=args.batch_rows,
+        max_bad_records=args.max_bad_records,
     )
-    _report_conversion(stats, args.out)
+    _report_conversion(stats, args.out, policy, rejects)
     if args.label_field:
         print(f"  {args.label_field}: " + ", ".join(f"{c}: {n:,}" for c, n in sorted(stats.labels.items())))
     return 0
 
 
 def _preprocess(args: argparse.Namespace) -> int:
+    from trnrecipes.data.bad_records import rejects_of
     from trnrecipes.data.indexed import preprocess
+    from trnrecipes.data.inputs import REJECTS_SUFFIX, find_inputs
     from trnrecipes.data.tokenized_with import TOKENIZED_WITH
     from trnrecipes.data.tokenizer import load_tokenizer
 
-    inputs = [Path(p) for p in args.inputs]
-    check_prefix(args.out, (".bin", ".idx", TOKENIZED_WITH), inputs=[*inputs, args.tokenizer])
+    policy = _bad_record_policy(args)
+    files = find_inputs(args.inputs, args.split)
+    suffixes = (".bin", ".idx", TOKENIZED_WITH, REJECTS_SUFFIX)
+    check_prefix(args.out, suffixes, inputs=[*_read_paths(args.inputs, files), args.tokenizer])
     tok = load_tokenizer(args.tokenizer)
-    stats, tokens = preprocess(inputs, tok, Path(args.out), args.text_field, args.dtype, args.on_bad_utf8)
-    _report_conversion(stats, f"{args.out}.bin/.idx")
+    stats, tokens = preprocess(
+        files, tok, Path(args.out), args.text_field, args.dtype, policy, max_bad_records=args.max_bad_records
+    )
+    _report_conversion(stats, f"{args.out}.bin/.idx", policy, rejects_of(args.out))
     print(f"  {tokens:,} tokens ({tok.engine} engine, EOS {tok.eos_id} after each document)")
     return 0
 
@@ -386,16 +441,28 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
     import tempfile
 
     from trnrecipes.data.arrow import read_arrow, to_arrow
+    from trnrecipes.data.inputs import find_inputs
     from trnrecipes.data.tokenizer import check_replaceable, load_tokenizer, train_sentencepiece
 
-    check_replaceable(check_output(args.out, inputs=args.inputs, directory=True))
+    policy = _bad_record_policy(args)
+    files = find_inputs(args.inputs, args.split)
+    check_replaceable(check_output(args.out, inputs=_read_paths(args.inputs, files), directory=True))
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.arrow"
-        to_arrow([Path(p) for p in args.inputs], corpus, args.text_field, args.on_bad_utf8, progress=False)
+        stats = to_arrow(
+            files,
+            corpus,
+            args.text_field,
+            policy,
+            progress=False,
+            max_bad_records=args.max_bad_records,
+            list_rejects=False,
+        )
         lines = (line for doc in read_arrow(corpus).to_pylist() for line in doc.splitlines())
         train_sentencepiece(lines, args.vocab_size, Path(args.out))
     tok = load_tokenizer(args.out)
-    print(f"wrote {args.out}: sentencepiece BPE, {tok.vocab_size} ids, eos {tok.eos_id}")
+    rejected = f" (skipped {stats.rejected} bad records of its text)" if policy == "skip" else ""
+    print(f"wrote {args.out}: sentencepiece BPE, {tok.vocab_size} ids, eos {tok.eos_id}{rejected}")
     return 0
 
 

@@ -39,16 +39,9 @@ from trnrecipes.config.families import FAMILIES, family_spec
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.convert import checkpoint_source
 from trnrecipes.data import DataError, listed
-from trnrecipes.data.arrow import (
-    JSON_LINES,
-    TEXT_FILE_SUFFIXES,
-    class_id,
-    parse_record,
-    read_arrow,
-    read_row_lines,
-    read_table,
-)
+from trnrecipes.data.arrow import class_id, parse_record, read_arrow, read_row_lines, read_table
 from trnrecipes.data.classify import attention_mask, encode_texts, read_labels
+from trnrecipes.data.inputs import JSON_LINES, TEXT_FILE_SUFFIXES
 from trnrecipes.data.tokenizer import TextTokenizer, load_tokenizer
 
 TOKENIZE_ROWS = 4096  # rows tokenized at once by predict (the Rust tokenizer batches them over threads)
@@ -155,7 +148,8 @@ def read_rows(path: Path, text_field: str) -> pa.Array:
         texts = pa.array((line for _, line in read_row_lines(path)), pa.large_string())
     else:
         raise DataError(
-            f"input {path}: unknown type; expected .arrow, .jsonl[.gz], .json or .txt, .md, .rst (a row a line)"
+            f"input {path}: unknown type; expected .arrow, .jsonl or .json (also .gz, .zst) or .txt, .md, .rst (a row"
+            " a line)"
         )
     if len(texts) == 0:
         raise DataError(f"input {path} has no rows")

@@ -4,9 +4,10 @@ writer makes them. The trainer reads them in place (ArrowTexts: a document id ma
 batches' cumulative lengths), so a rank's memory holds no copy of the corpus, only the memory-mapped pages the OS
 can drop.
 
-Inputs: .jsonl / .jsonl.gz (one JSON object per line), .txt (one document per line), .parquet files or a directory
-of Parquet shards, a directory saved by `datasets.save_to_disk` (data-*.arrow streams; a DatasetDict: one split's
-directory), or a directory of .txt / .rst.txt / .md files (one document each).
+Inputs (inputs.py finds them): JSON lines (.jsonl, .json, also .gz or .zst; standard input), .txt (a document a
+line), .parquet and .arrow files, directories of them (walked in sorted path order), a directory saved by
+`datasets.save_to_disk`, or a directory of .txt / .md / .rst files (a document each). A record that cannot be used is
+an error naming its place, or skipped and listed (bad_records.py).
 
 Labelled text for classification (`label_field`): every record of a jsonl or Arrow input must carry a class id
 (class_id: the one rule, which predict applies too), written as an int64 column beside the text (what
@@ -19,26 +20,27 @@ A text column with a null is refused when it is opened (Arrow's null counts say 
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
+import sys
 import tempfile
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 import numpy as np
 import pyarrow as pa
 
 from trnrecipes.data import DataError, listed
+from trnrecipes.data.bad_records import BadRecords, rejects_of
+from trnrecipes.data.inputs import InputFile, find_inputs, input_names
 from trnrecipes.schema import clipped, shown
 
-TEXT_FILE_SUFFIXES = (".txt", ".md", ".rst")
-JSON_LINES = (".jsonl", ".jsonl.gz", ".json")  # one JSON record a line
-RECORD_FILE_SUFFIXES = (*JSON_LINES, ".arrow", ".parquet")  # files whose records can carry labels
 BATCH_DOCS = 1024  # documents read and converted at a time: small enough to stream, big enough to be cheap
 # Rows per record batch of a written corpus. The trainer keeps one small object per batch (ArrowTexts), so a billion
 # documents are ~1000 batches; a smaller corpus is one batch, as before (memory-mapped the same way either way).
@@ -51,31 +53,40 @@ Read = TypeVar("Read")
 class ConversionStats:
     documents: int = 0
     skipped_empty: int = 0
-    skipped_bad_utf8: int = 0
-    bad_examples: list[str] = field(default_factory=list)
+    rejected: int = 0  # bad records skipped (--on-bad-record skip)
     labels: Counter = field(default_factory=Counter)  # class id -> documents written (with a label_field)
 
 
 def to_arrow(
-    inputs: list[Path],
+    inputs: Sequence[str | Path | InputFile],
     out: Path,
     text_field: str = "text",
-    on_bad_utf8: str = "skip",
+    on_bad_record: str = "error",
     progress: bool = True,
     label_field: str | None = None,
     batch_rows: int | None = None,
+    max_bad_records: int | None = None,
+    split: str | None = None,
+    list_rejects: bool = True,
 ) -> ConversionStats:
     """Write every document of `inputs` to `out` (atomically: a temp file renamed at the end) in record batches of
     `batch_rows` (default ROWS_PER_BATCH); with `label_field`, each document's class id too, as an int64 column of
-    that name. Converting holds one batch in memory, about twice."""
+    that name. Converting holds one batch in memory, about twice. Bad records: `on_bad_record` (error or skip, up to
+    `max_bad_records`; skipped ones listed in OUT.rejects.jsonl, with `list_rejects`)."""
     if batch_rows is not None and batch_rows < 1:
         raise DataError(f"--batch-rows must be a positive whole number, got {batch_rows}")
     rows_per_batch = batch_rows or ROWS_PER_BATCH
     stats = ConversionStats()
-    records = read_records(inputs, text_field, on_bad_utf8, stats, progress, label_field)
+    bad = BadRecords(on_bad_record, max_bad_records, rejects_of(out) if list_rejects else None)
+    records = read_records(inputs, text_field, bad, progress, label_field, split)
     fields = [pa.field(text_field, pa.large_string())] + ([pa.field(label_field, pa.int64())] if label_field else [])
     schema = pa.schema(fields)
-    with atomic_output(out) as tmp, pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+    with (
+        atomic_output(out) as tmp,
+        rejects_listed(bad),
+        pa.OSFile(tmp, "wb") as sink,
+        pa.ipc.new_stream(sink, schema) as writer,
+    ):
         batch: list[tuple[str, int | None]] = []
         held: list[pa.RecordBatch] = []  # small batches, joined into one of rows_per_batch rows when written
         held_rows = 0
@@ -95,12 +106,18 @@ def to_arrow(
             _add_batch(held, schema, batch, stats)
         if held:
             _write_held(writer, schema, held)
+        stats.rejected = bad.count
         if stats.documents == 0:
-            raise DataError(
-                f"no documents in {', '.join(map(str, inputs))}: every input was empty"
-                f" ({stats.skipped_empty} empty, {stats.skipped_bad_utf8} with undecodable bytes)"
-            )
+            raise no_documents(inputs, stats, bad)
     return stats
+
+
+def no_documents(inputs: Sequence, stats: ConversionStats, bad: BadRecords) -> DataError:
+    first = f", the first {bad.first}" if bad.first else ""
+    return DataError(
+        f"no documents in {input_names(inputs)}: every record was empty or bad ({stats.skipped_empty} empty,"
+        f" {bad.count} bad records{first})"
+    )
 
 
 def _write_held(writer, schema: pa.Schema, held: list[pa.RecordBatch]) -> None:
@@ -145,6 +162,23 @@ def atomic_output(out: Path) -> Iterator[str]:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+@contextmanager
+def rejects_listed(bad: BadRecords) -> Iterator[None]:
+    """Under the skip policy, `bad` lists what it skips in a temp file renamed onto bad.rejects when the block ends
+    without an error, as the output is. Under error, a rejects file an earlier skip run left there is removed on
+    success: it described the output now replaced."""
+    if bad.rejects is None:
+        yield
+    elif bad.policy == "skip":
+        with atomic_output(bad.rejects) as tmp, open(tmp, "w", encoding="utf-8") as sink:
+            bad.sink = sink
+            yield
+    else:
+        yield
+        if bad.rejects.is_file():
+            bad.rejects.unlink()
 
 
 def _make_readable(path: str) -> None:
@@ -262,104 +296,57 @@ def read_table(path: Path) -> pa.Table:
 
 
 def read_documents(
-    inputs: list[Path], text_field: str, on_bad_utf8: str, stats: ConversionStats, progress: bool = True
+    inputs: Sequence[str | Path | InputFile],
+    text_field: str,
+    bad: BadRecords,
+    progress: bool = True,
+    split: str | None = None,
 ) -> Iterator[str]:
-    """Every document of `inputs` (jsonl[.gz], json, txt, arrow files; directories of text files; datasets
-    save_to_disk directories), decoded, counted in `stats`. The inputs are checked before any document is read, so
-    a bad one fails before the caller writes anything."""
-    return (text for text, _ in read_records(inputs, text_field, on_bad_utf8, stats, progress))
+    """Every document of `inputs` (as find_inputs finds them), decoded; a bad record is `bad`'s to refuse or skip,
+    when it is met. The inputs are found and checked before any document is read, so a missing or unknown one
+    fails before the caller writes anything."""
+    return (text for text, _ in read_records(inputs, text_field, bad, progress, split=split))
 
 
 def read_records(
-    inputs: list[Path],
+    inputs: Sequence[str | Path | InputFile],
     text_field: str,
-    on_bad_utf8: str,
-    stats: ConversionStats,
+    bad: BadRecords,
     progress: bool = True,
     label_field: str | None = None,
+    split: str | None = None,
 ) -> Iterator[tuple[str, int | None]]:
     """(text, class id) for every document of `inputs`, as read_documents; the class id is None without
     `label_field`, and with it every record must carry one (plain text files, which cannot, are refused)."""
-    if on_bad_utf8 not in ("skip", "fail"):
-        raise DataError(f"on_bad_utf8 must be 'skip' or 'fail', got {on_bad_utf8!r}")
     if label_field is not None and label_field == text_field:
         raise DataError(f"the label field and the text field are both {label_field!r}; they must be two columns")
-    files = [item for path in inputs for item in _expand(Path(path))]
+    files = find_inputs(inputs, split)
     if label_field is not None:
-        unlabelled = [str(f) for f, whole in files if whole or not f.name.endswith(RECORD_FILE_SUFFIXES)]
+        unlabelled = [f.name for f in files if f.kind in ("lines", "document")]
         if unlabelled:
             raise DataError(
                 f"{listed(unlabelled, 3)}: plain text carries no labels; --label-field {label_field} reads"
-                " .jsonl[.gz], .json, .arrow and .parquet files and datasets.save_to_disk directories"
+                " JSON lines, .arrow and .parquet files and datasets.save_to_disk directories"
             )
-    return _progress(_documents(files, text_field, on_bad_utf8, stats, label_field), progress, "documents")
-
-
-def _expand(path: Path) -> list[tuple[Path, bool]]:
-    """(file, whole): a file named on the command line is read by lines/records; files found in a directory of
-    text files are one document each."""
-    if not path.exists():
-        raise DataError(f"input {path} does not exist")
-    if path.is_file():
-        if not path.name.endswith((*RECORD_FILE_SUFFIXES, *TEXT_FILE_SUFFIXES)):
-            raise DataError(
-                f"{path}: unknown input type; expected .jsonl[.gz], .json, .arrow, .parquet,"
-                f" {', '.join(TEXT_FILE_SUFFIXES)} or a directory"
-            )
-        return [(path, False)]
-    saved = sorted(path.glob("data-*.arrow"))
-    if saved:  # datasets.save_to_disk
-        return [(f, False) for f in saved]
-    if (path / "dataset_dict.json").is_file():  # a DatasetDict.save_to_disk: one directory per split
-        splits = sorted(p.name for p in path.iterdir() if (p / "dataset_info.json").is_file())
-        raise DataError(
-            f"{path} is a datasets DatasetDict (splits: {listed(splits) or 'none'}); give one split's directory,"
-            f" e.g. {path / (splits[0] if splits else 'train')}"
-        )
-    shards = sorted(p for p in path.rglob("*.parquet") if p.is_file())
-    if shards:  # Parquet shards, as the Hugging Face Hub and Spark write them
-        splits = sorted({split for f in shards if (split := _split_of(f, path))})
-        if len(splits) > 1:  # train, test and validation together would leak the held-out sets into training
-            raise DataError(
-                f"{path} holds the Parquet shards of several splits ({listed(splits)}); give one split's files, e.g."
-                f" {next(f for f in shards if _split_of(f, path) == splits[-1])}"
-            )
-        return [(f, False) for f in shards]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(TEXT_FILE_SUFFIXES))
-    if not files:
-        raise DataError(
-            f"directory {path} holds no data-*.arrow (datasets.save_to_disk), no .parquet and no .txt/.md/.rst files"
-        )
-    return [(f, True) for f in files]
-
-
-SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")
-
-
-def _split_of(shard: Path, root: Path) -> str | None:
-    """The split a Parquet shard belongs to, by the Hub's naming (train-00000-of-00003.parquet, or a train/ folder)."""
-    stem = shard.name.split("-")[0].split(".")[0].lower()
-    if stem in SPLITS:
-        return stem
-    return next((part.lower() for part in shard.relative_to(root).parts[:-1] if part.lower() in SPLITS), None)
+    return _progress(_documents(files, text_field, bad, label_field), progress, "documents")
 
 
 def _documents(
-    files: list[tuple[Path, bool]], text_field: str, on_bad_utf8: str, stats: ConversionStats, label_field: str | None
+    files: list[InputFile], text_field: str, bad: BadRecords, label_field: str | None
 ) -> Iterator[tuple[str, int | None]]:
-    for f, whole in files:
-        if whole:
-            text = _decode(f.read_bytes(), f, on_bad_utf8, stats)
+    for f in files:
+        if f.kind == "document":
+            text = _decode(f.path.read_bytes(), f.name, None, bad)
             if text is not None:
                 yield text, None
-        elif f.name.endswith(JSON_LINES):
-            yield from _jsonl(f, text_field, on_bad_utf8, stats, label_field)
-        elif f.name.endswith(".arrow"):
-            yield from _saved_arrow(f, text_field, label_field)
-        elif f.name.endswith(".parquet"):
-            yield from _parquet(f, text_field, label_field)
+        elif f.kind.startswith("jsonl"):
+            yield from _jsonl(f, text_field, bad, label_field)
+        elif f.kind == "arrow":
+            yield from _arrow_rows(f, text_field, bad, label_field)
+        elif f.kind == "parquet":
+            yield from _parquet(f, text_field, bad, label_field)
         else:  # one document per line, like datasets' "text" loader
-            yield from ((text, None) for text in _lines(f, on_bad_utf8, stats))
+            yield from ((text, None) for text in _lines(f, bad))
 
 
 def class_id(value: object, where: str, label_field: str, num_labels: int | None = None) -> int:
@@ -379,135 +366,190 @@ def class_id(value: object, where: str, label_field: str, num_labels: int | None
     )
 
 
-def _decode(raw: bytes, where: object, on_bad_utf8: str, stats: ConversionStats) -> str | None:
+def _decode(raw: bytes, name: str, line: int | None, bad: BadRecords) -> str | None:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        if on_bad_utf8 == "fail":
-            raise DataError(f"{where}: undecodable UTF-8 ({err}); use --on-bad-utf8 skip to skip and count") from None
-        stats.skipped_bad_utf8 += 1
-        if len(stats.bad_examples) < 5:
-            stats.bad_examples.append(str(where))
+        bad.reject(name, f"invalid UTF-8 ({clipped(err)})", line=line)
         return None
 
 
-def _lines(f: Path, on_bad_utf8: str, stats: ConversionStats) -> Iterator[str]:
-    with open(f, "rb") as fh:
-        for i, raw in enumerate(fh, 1):
-            text = _decode(raw.rstrip(b"\r\n"), f"{f}:{i}", on_bad_utf8, stats)
+def _lines(f: InputFile, bad: BadRecords) -> Iterator[str]:
+    with open_lines(f.path) as fh:
+        for i, raw in enumerate(_read_lines(fh, f.name), 1):
+            text = _decode(raw.rstrip(b"\r\n"), f.name, i, bad)
             if text is not None:
                 yield text
 
 
-def _jsonl(
-    f: Path, text_field: str, on_bad_utf8: str, stats: ConversionStats, label_field: str | None
-) -> Iterator[tuple[str, int | None]]:
-    opener = gzip.open if f.name.endswith(".gz") else open
-    with opener(f, "rb") as fh:
-        for i, raw in enumerate(_read_lines(fh, f), 1):
-            line = _decode(raw, f"{f}:{i}", on_bad_utf8, stats)
+def _jsonl(f: InputFile, text_field: str, bad: BadRecords, label_field: str | None) -> Iterator[tuple[str, int | None]]:
+    with open_lines(f.path) as fh:
+        for i, raw in enumerate(_read_lines(fh, f.name), 1):
+            line = _decode(raw, f.name, i, bad)
             if line is None or not line.strip():
                 continue
-            record = parse_record(line, f"{f}:{i}", text_field)
+            record, problem = _parsed(line, text_field)
+            if problem is not None:
+                bad.reject(f.name, problem, line=i)
+                continue
             if label_field is None:
                 yield record[text_field], None
                 continue
+            where = f"{f.name}:{i}"
             if label_field not in record:
                 raise DataError(
-                    f"{f}:{i}: no label field {label_field!r} (has: {listed(record)}); with --label-field every"
+                    f"{where}: no label field {label_field!r} (has: {listed(record)}); with --label-field every"
                     " record needs one"
                 )
-            yield record[text_field], class_id(record[label_field], f"{f}:{i}", label_field)
+            yield record[text_field], class_id(record[label_field], where, label_field)
+
+
+def open_lines(path: Path | None) -> BinaryIO:
+    """A JSON-lines or text file opened for reading lines, decompressed by its name (.gz: gzip, .zst: zstd with
+    pyarrow's codec); None: standard input."""
+    if path is None:
+        return nullcontext(sys.stdin.buffer)
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.name.endswith(".zst"):
+        return io.BufferedReader(pa.input_stream(str(path), compression="zstd"), 1 << 20)
+    return open(path, "rb")
 
 
 def parse_record(line: str, where: str, text_field: str | None = None) -> dict:
     """One JSON line as a record (an object); with `text_field`, one holding text there. `where` names the line."""
-    try:
-        record = json.loads(line)
-    except ValueError as err:  # JSONDecodeError, and an integer too long for int()
-        raise DataError(f"{where}: not valid JSON ({clipped(err)})") from None
-    if text_field is None:
-        if not isinstance(record, dict):
-            raise DataError(f"{where}: a JSON {type(record).__name__}, not an object (a record)")
-        return record
-    if not isinstance(record, dict) or text_field not in record:
-        keys = listed(record) if isinstance(record, dict) else type(record).__name__
-        raise DataError(f"{where}: no field {text_field!r} (has: {keys}); choose one with --text-field")
-    if not isinstance(record[text_field], str):
-        raise DataError(f"{where}: field {text_field!r} is {type(record[text_field]).__name__}, not text")
+    record, problem = _parsed(line, text_field)
+    if problem is not None:
+        raise DataError(f"{where}: {problem}")
     return record
 
 
+def _parsed(line: str, text_field: str | None) -> tuple[dict, str | None]:
+    """(record, None), or (_, what is wrong with the line): not JSON, not an object, or (with `text_field`) without
+    text there."""
+    try:
+        record = json.loads(line)
+    except ValueError as err:  # JSONDecodeError, and an integer too long for int()
+        return {}, f"not valid JSON ({clipped(err)})"
+    if not isinstance(record, dict):
+        return {}, f"a JSON {type(record).__name__}, not an object (a record)"
+    if text_field is None:
+        return record, None
+    if text_field not in record:
+        return record, f"no field {text_field!r} (has: {listed(record)}); choose one with --text-field"
+    if record[text_field] is None:
+        return record, f"field {text_field!r} is null"
+    if not isinstance(record[text_field], str):
+        return record, f"field {text_field!r} is {type(record[text_field]).__name__}, not text"
+    return record, None
+
+
 def read_row_lines(f: Path) -> Iterator[tuple[str, str]]:
-    """(where, line) for each row of a line-based file (.jsonl[.gz], .json, .txt, ...) as predict and embed number
-    rows: a row is a non-blank line, counted from 0 in file order, and `where` names it "FILE: row N (line L)" (L:
-    the file's line, from 1, to find it in an editor). Undecodable UTF-8 fails, since skipping the line would shift
-    every row after it."""
+    """(where, line) for each row of a line-based file (.jsonl[.gz|.zst], .json, .txt, ...) as predict and embed
+    number rows: a row is a non-blank line, counted from 0 in file order, and `where` names it "FILE: row N (line L)"
+    (L: the file's line, from 1, to find it in an editor). Undecodable UTF-8 fails, since skipping the line would
+    shift every row after it."""
     row = 0
-    with (gzip.open if f.name.endswith(".gz") else open)(f, "rb") as fh:
-        for i, raw in enumerate(_read_lines(fh, f), 1):
+    with open_lines(f) as fh:
+        for i, raw in enumerate(_read_lines(fh, str(f)), 1):
             where = f"{f}: row {row} (line {i})"
             try:
                 line = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as err:
                 raise DataError(
                     f"{where}: undecodable UTF-8 ({clipped(err)}); re-encode the file as UTF-8, or read the Arrow"
-                    f" file `trnrecipes data to-arrow --in {f} --out NEW.arrow` writes without such lines"
+                    f" file `trnrecipes data to-arrow --in {f} --out NEW.arrow --on-bad-record skip` writes without"
+                    " such lines"
                 ) from None
             if line.strip():
                 yield where, line
                 row += 1
 
 
-def _read_lines(fh, f: Path) -> Iterator[bytes]:
-    """The lines of an open (possibly gzip) file; a corrupt or truncated gzip stream is a DataError naming `f`."""
+def _read_lines(fh, name: str) -> Iterator[bytes]:
+    """The lines of an open (possibly compressed) file; a corrupt or truncated stream is a DataError naming it."""
     try:
         yield from fh
     except (OSError, EOFError, zlib.error) as err:
-        what = "not a readable gzip file" if f.name.endswith(".gz") else "cannot be read"
-        raise DataError(f"{f}: {what} ({clipped(err)}); corrupt or truncated?") from None
+        compressed = "gzip" if name.endswith(".gz") else "zstd" if name.endswith(".zst") else None
+        what = f"not a readable {compressed} file" if compressed else "cannot be read"
+        raise DataError(f"{name}: {what} ({clipped(err)}); corrupt or truncated?") from None
 
 
-def _saved_arrow(f: Path, text_field: str, label_field: str | None) -> Iterator[tuple[str, int | None]]:
+def _arrow_rows(f: InputFile, text_field: str, bad: BadRecords, label_field: str | None):
+    """The rows of an Arrow IPC stream (datasets' data-*.arrow, ours) or file, memory-mapped."""
     try:
-        reader = pa.ipc.open_stream(pa.memory_map(str(f)))
-        yield from _rows(f, reader.schema.names, reader, text_field, label_field)
+        source = pa.memory_map(str(f.path))
+        try:
+            reader = pa.ipc.open_stream(source)
+            batches = iter(reader)
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_file(source)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        yield from _rows(f, reader.schema.names, batches, text_field, bad, label_field)
     except (pa.ArrowException, OSError) as err:
-        raise DataError(f"{f}: not a readable Arrow IPC stream ({clipped(err)}); corrupt or truncated?") from None
+        raise DataError(f"{f.name}: not a readable Arrow IPC stream ({clipped(err)}); corrupt or truncated?") from None
 
 
-def _parquet(f: Path, text_field: str, label_field: str | None) -> Iterator[tuple[str, int | None]]:
+def _parquet(f: InputFile, text_field: str, bad: BadRecords, label_field: str | None):
     import pyarrow.parquet as pq
 
     try:
-        source = pq.ParquetFile(f)
+        source = pq.ParquetFile(f.path)
         names = source.schema_arrow.names
         columns = [n for n in (text_field, label_field) if n is not None and n in names]
-        yield from _rows(f, names, source.iter_batches(batch_size=BATCH_DOCS, columns=columns), text_field, label_field)
+        batches = source.iter_batches(batch_size=BATCH_DOCS, columns=columns)
+        yield from _rows(f, names, batches, text_field, bad, label_field)
     except (pa.ArrowException, OSError) as err:
-        raise DataError(f"{f}: not a readable Parquet file ({clipped(err)}); corrupt or truncated?") from None
+        raise DataError(f"{f.name}: not a readable Parquet file ({clipped(err)}); corrupt or truncated?") from None
 
 
-def _rows(f: Path, names: list[str], batches, text_field: str, label_field: str | None):
-    """(text, class id) for the rows of a file's record batches; null texts are skipped, a null label refused."""
+@dataclass(frozen=True)
+class _Undecodable:
+    """A row's text that is not valid UTF-8, and why."""
+
+    reason: str
+
+
+def _rows(f: InputFile, names: list[str], batches, text_field: str, bad: BadRecords, label_field: str | None):
+    """(text, class id) for the rows of a file's record batches; a null or undecodable text is a bad record, a null
+    label refused."""
     for name in [text_field] + ([label_field] if label_field is not None else []):
         if name not in names:
-            raise DataError(f"{f} has no column {name!r}; its columns: {listed(names)}")
+            raise DataError(f"{f.name} has no column {name!r}; its columns: {listed(names)}")
     row = 0
     for batch in batches:
-        texts = batch.column(text_field).to_pylist()
+        texts = _texts(batch.column(text_field))
         labels = batch.column(label_field).to_pylist() if label_field is not None else [None] * len(texts)
         for text, label in zip(texts, labels, strict=True):
-            if text is not None and not isinstance(text, str):
-                raise DataError(f"{f}: row {row}: {text_field} is {type(text).__name__} {shown(text)}, not text")
-            if text is not None:
-                if label_field is None:
-                    yield text, None
-                elif label is None:
-                    raise DataError(f"{f}: row {row} has no {label_field!r} (null); every row needs a class id")
-                else:
-                    yield text, class_id(label, f"{f}: row {row}", label_field)
+            if text is None:
+                bad.reject(f.name, f"{text_field} is null", row=row)
+            elif isinstance(text, _Undecodable):
+                bad.reject(f.name, text.reason, row=row)
+            elif not isinstance(text, str):
+                raise DataError(f"{f.name}: row {row}: {text_field} is {type(text).__name__} {shown(text)}, not text")
+            elif label_field is None:
+                yield text, None
+            elif label is None:
+                raise DataError(f"{f.name}: row {row} has no {label_field!r} (null); every row needs a class id")
+            else:
+                yield text, class_id(label, f"{f.name}: row {row}", label_field)
             row += 1
+
+
+def _texts(column: pa.Array) -> list:
+    """A batch's texts as Python values, where one that is not valid UTF-8 stands as _Undecodable (found row by row:
+    the rare case)."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        texts: list = []
+        for value in column:
+            try:
+                texts.append(value.as_py())
+            except UnicodeDecodeError as err:
+                texts.append(_Undecodable(f"invalid UTF-8 ({clipped(err)})"))
+        return texts
 
 
 def _progress(items: Iterator, enabled: bool, unit: str) -> Iterator:

@@ -11,12 +11,14 @@ import os
 import struct
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from trnrecipes.data.arrow import ConversionStats, DataError, read_documents
+from trnrecipes.data.arrow import ConversionStats, DataError, no_documents, read_documents, rejects_listed
+from trnrecipes.data.bad_records import BadRecords, rejects_of
+from trnrecipes.data.inputs import InputFile
 from trnrecipes.data.tokenized_with import TOKENIZED_WITH, write_tokenized_with
 from trnrecipes.schema import clipped
 
@@ -55,40 +57,47 @@ def token_dtype(vocab_size: int, requested: str = "auto") -> type[np.number]:
 
 
 def preprocess(
-    inputs: list[Path],
+    inputs: Sequence[str | Path | InputFile],
     tokenizer,
     out_prefix: Path,
     text_field: str = "text",
     dtype: str = "auto",
-    on_bad_utf8: str = "skip",
+    on_bad_record: str = "error",
     progress: bool = True,
     block: int = 256,
+    max_bad_records: int | None = None,
+    split: str | None = None,
 ) -> tuple[ConversionStats, int]:
-    """Tokenize every document of `inputs` into out_prefix.bin/.idx. Returns (stats, tokens written)."""
+    """Tokenize every document of `inputs` into out_prefix.bin/.idx. Returns (stats, tokens written). Bad records
+    as to_arrow's, the skipped ones listed in out_prefix.rejects.jsonl; nothing is left under the final names unless
+    every file is complete."""
     indexed_dataset = _megatron()
     np_dtype = token_dtype(tokenizer.vocab_size, dtype)
     stats, total, top = ConversionStats(), 0, -1
-    docs = read_documents(inputs, text_field, on_bad_utf8, stats, progress)
+    bad = BadRecords(on_bad_record, max_bad_records, rejects_of(out_prefix))
+    docs = read_documents(inputs, text_field, bad, progress, split)
     out_prefix = Path(out_prefix)
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp_prefix = out_prefix.with_name(f".{out_prefix.name}.tmp{os.getpid()}")
     builder = indexed_dataset.IndexedDatasetBuilder(f"{tmp_prefix}.bin", dtype=np_dtype)
     try:
-        for texts in _blocks(docs, block, stats):
-            for ids in tokenizer.encode_batch(texts):
-                doc = np.append(ids, tokenizer.eos_id)
-                builder.add_document(doc, [len(doc)])  # numpy is fine: it calls numpy.array(doc, dtype)
-                top = max(top, int(doc.max()))
-                total += len(doc)
-                stats.documents += 1
-        builder.finalize(f"{tmp_prefix}.idx")
-        if stats.documents == 0:
-            raise DataError(f"no documents in {', '.join(map(str, inputs))}: every input was empty")
-        # sbatch refuses a blend of other tokenizers' ids, and ids past model.vocab_size
-        write_tokenized_with(tmp_prefix, tokenizer.path, max_token_id=top)
-        os.replace(f"{tmp_prefix}{TOKENIZED_WITH}", f"{out_prefix}{TOKENIZED_WITH}")
-        os.replace(f"{tmp_prefix}.bin", f"{out_prefix}.bin")  # .bin first: a reader opens the .idx
-        os.replace(f"{tmp_prefix}.idx", f"{out_prefix}.idx")
+        with rejects_listed(bad):
+            for texts in _blocks(docs, block, stats):
+                for ids in tokenizer.encode_batch(texts):
+                    doc = np.append(ids, tokenizer.eos_id)
+                    builder.add_document(doc, [len(doc)])  # numpy is fine: it calls numpy.array(doc, dtype)
+                    top = max(top, int(doc.max()))
+                    total += len(doc)
+                    stats.documents += 1
+            builder.finalize(f"{tmp_prefix}.idx")
+            stats.rejected = bad.count
+            if stats.documents == 0:
+                raise no_documents(inputs, stats, bad)
+            # sbatch refuses a blend of other tokenizers' ids, and ids past model.vocab_size
+            write_tokenized_with(tmp_prefix, tokenizer.path, max_token_id=top)
+            os.replace(f"{tmp_prefix}{TOKENIZED_WITH}", f"{out_prefix}{TOKENIZED_WITH}")
+            os.replace(f"{tmp_prefix}.bin", f"{out_prefix}.bin")  # .bin first: a reader opens the .idx
+            os.replace(f"{tmp_prefix}.idx", f"{out_prefix}.idx")
     finally:
         for suffix in (".bin", ".idx", TOKENIZED_WITH):
             if os.path.exists(f"{tmp_prefix}{suffix}"):

@@ -1,0 +1,319 @@
+"""`data to-arrow` and `data preprocess` read corpora as they ship (docs/data.md, "Inputs"): folders of JSON-lines
+shards walked in sorted order, .jsonl.zst, standard input, the Hub's split layout, each file once; and one policy for
+bad records (error where met, or skip listed in OUT.rejects.jsonl, up to --max-bad-records)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import REPO
+
+from trnrecipes.cli import main
+
+GPT2 = REPO / "data/tokenizers/gpt2"
+
+
+def lines(*records) -> bytes:
+    return b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in records)
+
+
+def docs(*texts: str) -> bytes:
+    return lines(*({"text": t} for t in texts))
+
+
+def write(path: Path, data: bytes) -> Path:
+    """`data` at `path`, compressed by its name (.gz, or .zst with pyarrow's zstd stream)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.name.endswith(".zst"):
+        with pa.output_stream(str(path), compression="zstd") as f:
+            f.write(data)
+    elif path.name.endswith(".gz"):
+        path.write_bytes(gzip.compress(data))
+    else:
+        path.write_bytes(data)
+    return path
+
+
+def parquet(path: Path, texts: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), path)
+    return path
+
+
+def texts_of(path: Path) -> list[str]:
+    return pa.ipc.open_stream(pa.memory_map(str(path))).read_all().column("text").to_pylist()
+
+
+def to_arrow(capsys, *argv: str | Path) -> tuple[int, str, str]:
+    """`trnrecipes data to-arrow ARGV` through the CLI's own entry: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    code = main(["data", "to-arrow", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def left_in(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def test_a_folder_of_shards_is_walked_in_sorted_path_order_and_gives_the_same_bytes(tmp_path, capsys):
+    def shards(root: Path, reverse: bool) -> Path:
+        made = [
+            ("b/2.jsonl", docs("b2")),
+            ("b/10.jsonl.zst", docs("b10-1", "b10-2")),  # 10 sorts before 2: shard numbers are zero-padded
+            ("a.jsonl.gz", docs("a")),
+            ("b/c/0.json", docs("bc0")),  # compared name by name: b/2.jsonl, then b/c/0.json
+            (".cache/x.jsonl", b"not read: hidden"),
+            ("README.md", b"not read: the folder holds records"),
+        ]
+        for name, data in reversed(made) if reverse else made:
+            write(root / name, data)
+        return root
+
+    one, other = shards(tmp_path / "one", False), shards(tmp_path / "other", True)
+    assert to_arrow(capsys, "--in", one, "--out", tmp_path / "one.arrow")[:2] == (
+        0,
+        f"wrote {tmp_path}/one.arrow: 5 documents\n",
+    )
+    assert texts_of(tmp_path / "one.arrow") == ["a", "b10-1", "b10-2", "b2", "bc0"]
+    assert to_arrow(capsys, "--in", other, "--out", tmp_path / "other.arrow")[0] == 0
+    assert (tmp_path / "one.arrow").read_bytes() == (tmp_path / "other.arrow").read_bytes()
+    # Files named on the command line are read in that order.
+    assert to_arrow(capsys, "--in", one / "b/2.jsonl", one / "a.jsonl.gz", "--out", tmp_path / "named.arrow")[0] == 0
+    assert texts_of(tmp_path / "named.arrow") == ["b2", "a"]
+
+
+def test_a_corrupt_zst_file_is_one_line_naming_it(tmp_path, capsys):
+    whole = write(tmp_path / "whole.jsonl.zst", docs(*[f"document {i}" for i in range(2000)]))
+    cut = tmp_path / "cut.jsonl.zst"
+    cut.write_bytes(whole.read_bytes()[:200])
+    code, _, err = to_arrow(capsys, "--in", cut, "--out", tmp_path / "o.arrow")
+    assert code == 2 and err.startswith(f"error: {cut}: not a readable zstd file (") and err.count("\n") == 1, err
+    assert left_in(tmp_path) == ["cut.jsonl.zst", "whole.jsonl.zst"]
+
+
+def test_standard_input_is_json_lines(tmp_path):
+    write(tmp_path / "more.jsonl", docs("from a file"))
+
+    def run(*argv: str, stdin: bytes) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "trnrecipes", "data", "to-arrow", *argv]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        return subprocess.run(command, input=stdin, capture_output=True, cwd=tmp_path, env=env, timeout=60)
+
+    done = run("--in", "-", "more.jsonl", "--out", "o.arrow", stdin=docs("piped 1", "piped 2"))
+    assert done.returncode == 0 and done.stdout == b"wrote o.arrow: 3 documents\n", done.stderr
+    assert texts_of(tmp_path / "o.arrow") == ["piped 1", "piped 2", "from a file"]
+    done = run("--in", "-", "--out", "bad.arrow", stdin=docs("fine") + b"{broken\n")
+    assert done.returncode == 2 and done.stderr.decode().startswith("error: <stdin>:2: not valid JSON ("), done.stderr
+    assert not (tmp_path / "bad.arrow").exists()
+
+
+@pytest.fixture
+def hub(tmp_path) -> Path:
+    """A dataset as the Hub holds it: data/<split>-NNNNN-of-NNNNN.parquet, a dataset card, a hidden cache."""
+    root = tmp_path / "hub"
+    parquet(root / "data/train-00000-of-00002.parquet", ["train 0", "train 1"])
+    parquet(root / "data/train-00001-of-00002.parquet", ["train 2"])
+    parquet(root / "data/validation-00000-of-00001.parquet", ["validation 0"])
+    write(root / "README.md", b"# a dataset card\n")
+    write(root / ".cache/huggingface/download/data/train-00000-of-00002.parquet.metadata", b"x\n")
+    return root
+
+
+def test_files_of_several_splits_are_refused_unless_split_names_one(hub, tmp_path, capsys):
+    out = tmp_path / "o.arrow"
+    code, _, err = to_arrow(capsys, "--in", hub, "--out", out)
+    assert code == 2 and err == (
+        f"error: {hub} holds files of 2 splits (train: 2 files, validation: 1 file); --split NAME takes one of them,"
+        " e.g. --split train\n"
+    )
+    shards = sorted((hub / "data").glob("*.parquet"))  # as a shell glob names them: data/*.parquet
+    code, _, err = to_arrow(capsys, "--in", *shards, "--out", out)
+    assert code == 2 and "hold files of 2 splits (train: 2 files, validation: 1 file); --split NAME" in err, err
+    assert not out.exists()
+    assert to_arrow(capsys, "--in", hub, "--split", "train", "--out", out)[0] == 0
+    assert texts_of(out) == ["train 0", "train 1", "train 2"]
+    assert to_arrow(capsys, "--in", *shards, "--split", "dev", "--out", out)[0] == 0  # dev, val, valid: validation
+    assert texts_of(out) == ["validation 0"]
+    code, _, err = to_arrow(capsys, "--in", hub, "--split", "test", "--out", out)
+    assert code == 2 and err.startswith(
+        f"error: --split test: no file of split 'test' in {hub} (splits found: train: 2 files, validation: 1 file)"
+    )
+
+
+def test_split_folders_and_a_datasets_dict(tmp_path, capsys):
+    pile = tmp_path / "pile"
+    write(pile / "train/00.jsonl.zst", docs("t0"))
+    write(pile / "train/01.jsonl.zst", docs("t1"))
+    write(pile / "val.jsonl.zst", docs("v"))
+    out = tmp_path / "o.arrow"
+    assert to_arrow(capsys, "--in", pile, "--split", "train", "--out", out)[0] == 0
+    assert texts_of(out) == ["t0", "t1"]
+    datasets = pytest.importorskip("datasets")
+    splits = {
+        "train": datasets.Dataset.from_dict({"text": ["a", "b"]}),
+        "test": datasets.Dataset.from_dict({"text": ["c"]}),
+    }
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dd"))
+    code, _, err = to_arrow(capsys, "--in", tmp_path / "dd", "--out", out)
+    assert code == 2 and err.startswith(f"error: {tmp_path / 'dd'} is a datasets DatasetDict (splits: test, train);")
+    assert to_arrow(capsys, "--in", tmp_path / "dd", "--split", "test", "--out", out)[0] == 0
+    assert texts_of(out) == ["c"]
+
+
+@pytest.mark.parametrize("how", ["symlink", "hardlink", "inside a directory given"])
+def test_the_same_file_twice_is_refused(tmp_path, capsys, how):
+    shard = write(tmp_path / "in/a.jsonl", docs("once"))
+    if how == "symlink":
+        os.symlink(shard, tmp_path / "link.jsonl")
+        second, expected = tmp_path / "link.jsonl", f"{shard} and {tmp_path / 'link.jsonl'} are the same file"
+    elif how == "hardlink":
+        os.link(shard, tmp_path / "hard.jsonl")
+        second, expected = tmp_path / "hard.jsonl", f"{shard} and {tmp_path / 'hard.jsonl'} are the same file"
+    else:
+        second, expected = tmp_path / "in", f"{shard} is given twice (or also inside a directory given)"
+    code, _, err = to_arrow(capsys, "--in", shard, second, "--out", tmp_path / "o.arrow")
+    assert code == 2 and err.startswith(f"error: {expected}") and err.count("\n") == 1, err
+    assert not (tmp_path / "o.arrow").exists()
+
+
+def test_a_folder_with_nothing_to_read_names_what_it_holds_and_what_is_accepted(tmp_path, capsys):
+    for name in ("a.csv", "b.csv", "notes"):
+        write(tmp_path / "in" / name, b"x\n")
+    code, _, err = to_arrow(capsys, "--in", tmp_path / "in", "--out", tmp_path / "o.arrow")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: directory {tmp_path / 'in'} holds no input to read (2 .csv, 1 no suffix); accepted:")
+    assert ".jsonl, .json (JSON lines; also .gz, .zst), .parquet, .arrow" in err
+
+
+# ---------------------------------------------------------------- bad records
+
+
+def bad_inputs(root: Path) -> dict[str, tuple[Path, str, str]]:
+    """kind -> (a file with one bad record among good ones, its place, the reason's start)."""
+    nulls = pa.table({"text": pa.array(["good", None, "good"], pa.large_string())})
+    with pa.OSFile(str(root / "nulls.arrow"), "wb") as sink, pa.ipc.new_stream(sink, nulls.schema) as writer:
+        writer.write_table(nulls)
+    made = {
+        "malformed JSON": (write(root / "json.jsonl", docs("good") + b'{"text": "cut\n'), ":2", "not valid JSON ("),
+        "null text": (
+            write(root / "null.jsonl.gz", docs("good") + lines({"text": None})),
+            ":2",
+            "field 'text' is null",
+        ),
+        "no text field": (write(root / "field.jsonl", lines({"body": "b"})), ":1", "no field 'text' (has: body)"),
+        "null Parquet row": (parquet(root / "null.parquet", ["good", "good", None]), ": row 2", "text is null"),
+        "null Arrow row": (root / "nulls.arrow", ": row 1", "text is null"),
+        "invalid UTF-8": (write(root / "utf8.txt", b"good\n\xff\xfe bad\n"), ":2", "invalid UTF-8 ("),
+        "invalid UTF-8 in JSON": (write(root / "u.jsonl.zst", b'{"text": "\xff"}\n'), ":1", "invalid UTF-8 ("),
+    }
+    return {kind: (path, f"{path}{place}", reason) for kind, (path, place, reason) in made.items()}
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["malformed JSON", "null text", "no text field", "null Parquet row", "null Arrow row", "invalid UTF-8",
+     "invalid UTF-8 in JSON"],
+)  # fmt: skip
+def test_a_bad_record_is_an_error_naming_its_place_when_it_is_met(tmp_path, capsys, kind):
+    (tmp_path / "in").mkdir()
+    path, place, reason = bad_inputs(tmp_path / "in")[kind]
+    later = write(tmp_path / "in/later.parquet", b"PAR1 and nothing a Parquet reader can read")  # never opened
+    out = tmp_path / "out/o.arrow"
+    code, _, err = to_arrow(capsys, "--in", path, later, "--out", out)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {place}: {reason}"), err
+    assert err.endswith(f"; --on-bad-record skip skips such records and lists them in {out}.rejects.jsonl\n"), err
+    assert left_in(tmp_path / "out") == []
+
+
+def test_skip_lists_each_rejected_record_with_place_and_reason_and_prints_the_count(tmp_path, capsys):
+    root = tmp_path / "in"
+    root.mkdir()
+    bad = bad_inputs(root)
+    files = [path for path, _, _ in bad.values()]
+    out, rejects = tmp_path / "o.arrow", tmp_path / "o.arrow.rejects.jsonl"
+    code, stdout, _ = to_arrow(capsys, "--in", *files, "--out", out, "--on-bad-record", "skip")
+    assert code == 0 and stdout == f"wrote {out}: 7 documents, rejected 7 bad records (listed in {rejects})\n"
+    assert texts_of(out) == ["good"] * 7
+    listed = [json.loads(line) for line in rejects.read_text().splitlines()]
+    by_place = {f"{r['file']}{':' + str(r['line']) if 'line' in r else ': row ' + str(r['row'])}": r for r in listed}
+    assert sorted(by_place) == sorted(place for _, place, _ in bad.values())
+    for _, place, reason in bad.values():
+        assert by_place[place]["reason"].startswith(reason) and set(by_place[place]) in (
+            {"file", "line", "reason"},
+            {"file", "row", "reason"},
+        )
+    # A later run that meets no bad record (error, the default) removes the list: it described the output replaced.
+    clean = write(root / "clean.jsonl", docs("clean"))
+    assert to_arrow(capsys, "--in", clean, "--out", out)[:2] == (0, f"wrote {out}: 1 documents\n")
+    assert not rejects.exists()
+
+
+def test_max_bad_records_stops_once_more_are_met_and_writes_nothing(tmp_path, capsys):
+    src = write(tmp_path / "in/c.jsonl", docs("a") + b"x\n" + docs("b") + b"y\n" + b"z\n" + docs("c"))
+    out = tmp_path / "out/o.arrow"
+    code, _, err = to_arrow(capsys, "--in", src, "--out", out, "--on-bad-record", "skip", "--max-bad-records", "2")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {src}:5: not valid JSON (") and "bad record 3, more than --max-bad-records 2" in err
+    assert f"(the first: {src}:2: not valid JSON (" in err and left_in(tmp_path / "out") == []
+    code, stdout, _ = to_arrow(capsys, "--in", src, "--out", out, "--on-bad-record", "skip", "--max-bad-records", "3")
+    assert code == 0 and ", rejected 3 bad records" in stdout and texts_of(out) == ["a", "b", "c"]
+    code, _, err = to_arrow(capsys, "--in", src, "--out", out, "--max-bad-records", "3")
+    assert code == 2 and err.startswith("error: --max-bad-records 3 applies to --on-bad-record skip"), err
+
+
+def test_on_bad_utf8_is_an_alias_with_a_deprecation_note(tmp_path, capsys):
+    src = write(tmp_path / "t.txt", b"good\n\xff bad\n")
+    out = tmp_path / "o.arrow"
+    code, stdout, err = to_arrow(capsys, "--in", src, "--out", out, "--on-bad-utf8", "skip")
+    assert code == 0 and err.startswith("note: --on-bad-utf8 is deprecated: it is now --on-bad-record skip")
+    assert "rejected 1 bad record (" in stdout and '"line": 2' in Path(f"{out}.rejects.jsonl").read_text()
+    code, _, err = to_arrow(capsys, "--in", src, "--out", out, "--on-bad-utf8", "fail")
+    assert code == 2 and f"error: {src}:2: invalid UTF-8 (" in err
+
+
+def test_the_rejects_file_goes_through_the_output_guard(tmp_path, capsys):
+    src = write(tmp_path / "c.jsonl", docs("a") + b"x\n")
+    out = tmp_path / "o.arrow"
+    os.symlink(src, f"{out}.rejects.jsonl")  # writing it would overwrite the input through the link
+    code, _, err = to_arrow(capsys, "--in", src, "--out", out, "--on-bad-record", "skip")
+    assert code == 2 and err.startswith(f"error: the rejects file {out}.rejects.jsonl is a symbolic link"), err
+    assert src.read_bytes() == docs("a") + b"x\n" and not out.exists()
+
+
+# ---------------------------------------------------------------- preprocess
+
+
+def test_preprocess_reads_the_same_inputs_with_the_same_policies(tmp_path, capsys, hub):
+    parquet(hub / "data/train-00001-of-00002.parquet", ["train 2", None])  # a null row in the second train shard
+    prefix = tmp_path / "out/tok"
+    argv = ["data", "preprocess", "--in", str(hub), "--tokenizer", str(GPT2), "--out", str(prefix)]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {hub} holds files of 2 splits (train: 2 files, validation: 1 file); --split NAME")
+    assert main([*argv, "--split", "train"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {hub}/data/train-00001-of-00002.parquet: row 1: text is null; --on-bad-record skip")
+    assert not (tmp_path / "out").exists() or left_in(tmp_path / "out") == []  # nothing partial, no temp files
+    assert main([*argv, "--split", "train", "--on-bad-record", "skip"]) == 0
+    rejects = tmp_path / "out/tok.rejects.jsonl"
+    assert capsys.readouterr().out.startswith(
+        f"wrote {prefix}.bin/.idx: 3 documents, rejected 1 bad record (listed in {rejects})"
+    )
+    assert [json.loads(line) for line in rejects.read_text().splitlines()] == [
+        {"file": f"{hub}/data/train-00001-of-00002.parquet", "row": 1, "reason": "text is null"}
+    ]
+    assert left_in(tmp_path / "out") == ["tok.bin", "tok.idx", "tok.rejects.jsonl", "tok.tokenizer.json"]

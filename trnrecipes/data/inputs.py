@@ -1,0 +1,220 @@
+"""The files a conversion reads, from what the command line names: files, directories (walked in sorted path order),
+datasets save_to_disk directories and `-` (standard input, JSON lines). Splits are recognised by the Hugging Face
+Hub's file-name rules; one file named twice (also through a link) is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from trnrecipes.data import DataError, listed
+
+STDIN = "-"
+TEXT_FILE_SUFFIXES = (".txt", ".md", ".rst")
+# One JSON record a line, by how the file is compressed.
+JSON_LINES_PLAIN = (".jsonl", ".json")
+JSON_LINES_GZIP = (".jsonl.gz", ".json.gz")
+JSON_LINES_ZSTD = (".jsonl.zst", ".json.zst")
+JSON_LINES = (*JSON_LINES_PLAIN, *JSON_LINES_GZIP, *JSON_LINES_ZSTD)
+ACCEPTED_FILES = ".jsonl, .json (JSON lines; also .gz, .zst), .parquet, .arrow, .txt, .md, .rst (a document a line)"
+# Names a datasets directory keeps beside its data: never records.
+DATASETS_METADATA = ("dataset_info.json", "dataset_infos.json", "state.json", "dataset_dict.json")
+REJECTS_SUFFIX = ".rejects.jsonl"  # what `--on-bad-record skip` writes beside an output: never read back by a walk
+
+# The Hub's split keywords ("File names and splits", Hugging Face Hub docs): a word of a file or folder name,
+# delimited by -, _, ., a space or digits; and data/<split>-00000-of-00003.* for a split of any name.
+SPLIT_KEYWORDS = {
+    "train": "train", "training": "train",
+    "validation": "validation", "valid": "validation", "val": "validation", "dev": "validation",
+    "test": "test", "testing": "test", "eval": "test", "evaluation": "test",
+}  # fmt: skip
+NAME_DELIMITERS = re.compile(r"[-._ 0-9]+")
+SHARDED_SPLIT = re.compile(r"(.+?)-\d{5}-of-\d{5}\.")
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One file to read: `kind` says how (jsonl, jsonl.gz, jsonl.zst, parquet, arrow, lines: a document a line,
+    document: the whole file); `path` is None for standard input; `split` the Hub split its name says, if any."""
+
+    path: Path | None
+    kind: str
+    split: str | None = None
+
+    @property
+    def name(self) -> str:
+        return "<stdin>" if self.path is None else str(self.path)
+
+
+def find_inputs(given: Sequence[str | Path | InputFile], split: str | None = None) -> list[InputFile]:
+    """The files to read for the inputs `given` (InputFiles are kept as they are), in command-line order, each
+    directory's files in sorted path order; with `split`, only that split's files (where no file name says a split,
+    every file is train, as on the Hub). Refuses an input that does not exist or holds nothing readable, files of
+    several splits without `split`, and a file found twice."""
+    files = [f for item in given for f in ([item] if isinstance(item, InputFile) else _found(item, split))]
+    found = Counter(f.split for f in files if f.split)
+    if split is not None and (found or canonical_split(split) != "train"):
+        files = [f for f in files if f.split == canonical_split(split)]
+        if not files:
+            raise DataError(
+                f"--split {split}: no file of split {canonical_split(split)!r} in {input_names(given)} (splits found:"
+                f" {_counted(found) or 'none: no file name says one, so every file is train'})"
+            )
+    elif len(found) > 1:  # train with test or validation would leak the held-out sets into training
+        example = "train" if "train" in found else max(found, key=lambda s: (found[s], s))
+        raise DataError(
+            f"{_holders(given)} files of {len(found)} splits ({_counted(found)}); --split NAME takes one of them,"
+            f" e.g. --split {example}"
+        )
+    _refuse_twice(files)
+    return files
+
+
+def canonical_split(name: str) -> str:
+    """A split name as the Hub counts it: valid, val and dev are validation; training is train; ..."""
+    return SPLIT_KEYWORDS.get(name.lower(), name)
+
+
+def input_names(given: Sequence[str | Path | InputFile]) -> str:
+    """The inputs as a message names them: the first three."""
+    return listed((item.name if isinstance(item, InputFile) else str(item) for item in given), 3)
+
+
+def _holders(given: Sequence) -> str:
+    return f"the inputs {input_names(given)} hold" if len(given) > 1 else f"{input_names(given)} holds"
+
+
+def _counted(splits: Counter) -> str:
+    return ", ".join(f"{s}: {n} file{'s' if n > 1 else ''}" for s, n in sorted(splits.items()))
+
+
+def _found(given: str | Path, split: str | None) -> list[InputFile]:
+    if str(given) == STDIN:
+        return [InputFile(None, "jsonl")]
+    path = Path(given)
+    if not path.exists():
+        raise DataError(f"input {path} does not exist")
+    if path.is_file():
+        kind = _kind(path.name, named=True)
+        if kind is None:
+            raise DataError(
+                f"{path}: unknown input type; expected {ACCEPTED_FILES}, a directory, or - (JSON lines on standard"
+                " input)"
+            )
+        return [InputFile(path, kind, _split_of(path, path.parent))]
+    if not path.is_dir():
+        raise DataError(f"input {path} is neither a file nor a directory; to read a pipe, give - and pipe it in")
+    saved = sorted(path.glob("data-*.arrow"))
+    if saved:  # datasets.save_to_disk
+        return [InputFile(f, "arrow") for f in saved]
+    if (path / "dataset_dict.json").is_file():  # a DatasetDict.save_to_disk: one directory per split
+        return _dataset_dict_split(path, split)
+    return _walked(path)
+
+
+def _dataset_dict_split(path: Path, split: str | None) -> list[InputFile]:
+    splits = sorted(p.name for p in path.iterdir() if (p / "dataset_info.json").is_file())
+    if split is None or split not in splits:
+        raise DataError(
+            f"{path} is a datasets DatasetDict (splits: {listed(splits) or 'none'})"
+            + (f" without a split {split!r}" if split is not None else "")
+            + f"; --split NAME takes one, e.g. --split {splits[0] if splits else 'train'}"
+        )
+    return [InputFile(f, "arrow", canonical_split(split)) for f in sorted((path / split).glob("data-*.arrow"))]
+
+
+def _walked(root: Path) -> list[InputFile]:
+    """The record files under `root` (recursively, links followed once, hidden names skipped) in sorted path order,
+    folder by folder (a/b/c.jsonl before a/c.jsonl); where there are none, its text files, a document each. A
+    directory of neither names what it holds."""
+    records: list[Path] = []
+    texts: list[Path] = []
+    other: Counter = Counter()
+    seen_dirs: set[tuple[int, int]] = set()
+    for folder, dirs, names in os.walk(root, onerror=_unreadable, followlinks=True):
+        here = os.stat(folder)
+        if (here.st_dev, here.st_ino) in seen_dirs:  # a link back up the tree
+            dirs.clear()
+            continue
+        seen_dirs.add((here.st_dev, here.st_ino))
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            if name.startswith(".") or name in DATASETS_METADATA or name.endswith(REJECTS_SUFFIX):
+                continue
+            kind = _kind(name, named=False)
+            if kind is None:
+                other["".join(Path(name).suffixes[-1:]) or "no suffix"] += 1
+            else:
+                (texts if kind == "document" else records).append(Path(folder, name))
+
+    def in_order(paths: list[Path]) -> list[Path]:
+        return sorted(paths, key=lambda p: p.relative_to(root).parts)
+
+    if records:
+        return [InputFile(f, str(_kind(f.name, named=False)), _split_of(f, root)) for f in in_order(records)]
+    if texts:
+        return [InputFile(f, "document") for f in in_order(texts)]
+    held = ", ".join(f"{n} {suffix}" for suffix, n in other.most_common(5)) if other else "no files"
+    raise DataError(
+        f"directory {root} holds no input to read ({held}); accepted: {ACCEPTED_FILES} files, a datasets save_to_disk"
+        " directory, or .txt, .md, .rst files (a document each)"
+    )
+
+
+def _unreadable(err: OSError) -> None:
+    raise DataError(f"cannot read directory {err.filename} ({err.strerror})") from err
+
+
+def _kind(name: str, named: bool) -> str | None:
+    """How a file of this name is read: a text file named on the command line is a document a line, one found in a
+    directory a document."""
+    if name.endswith(JSON_LINES_PLAIN):
+        return "jsonl"
+    if name.endswith(JSON_LINES_GZIP):
+        return "jsonl.gz"
+    if name.endswith(JSON_LINES_ZSTD):
+        return "jsonl.zst"
+    if name.endswith((".parquet", ".arrow")):
+        return name.rsplit(".", 1)[1]
+    if name.endswith(TEXT_FILE_SUFFIXES):
+        return "lines" if named else "document"
+    return None
+
+
+def _split_of(f: Path, root: Path) -> str | None:
+    """The split a file belongs to by the Hub's rules: data/<split>-00000-of-00003.*, a keyword in a folder name
+    below `root`, or one in the file name."""
+    if (sharded := SHARDED_SPLIT.match(f.name)) and f.parent.name == "data":
+        return canonical_split(sharded.group(1))
+    for name in [*f.relative_to(root).parts[:-1], f.name]:
+        for word in NAME_DELIMITERS.split(name.lower()):
+            if word in SPLIT_KEYWORDS:
+                return SPLIT_KEYWORDS[word]
+    return None
+
+
+def _refuse_twice(files: list[InputFile]) -> None:
+    """A file read twice would repeat its documents: the same path, or the same file by another name (a symbolic or
+    hard link), by device and inode."""
+    seen: dict[tuple[int, int], InputFile] = {}
+    for f in files:
+        if f.path is None:
+            key = (-1, -1)
+        else:
+            stat = f.path.stat()
+            key = (stat.st_dev, stat.st_ino)
+        if key not in seen:
+            seen[key] = f
+            continue
+        first = seen[key]
+        if f.path is None or os.path.abspath(f.path) == os.path.abspath(first.path):
+            raise DataError(f"{f.name} is given twice (or also inside a directory given): each input is read once")
+        raise DataError(
+            f"{first.name} and {f.name} are the same file (a symbolic or hard link): each input is read once; give"
+            " one of them"
+        )
