@@ -5,8 +5,11 @@ bad records (error where met, or skip listed in OUT.rejects.jsonl, up to --max-b
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -317,3 +320,55 @@ def test_preprocess_reads_the_same_inputs_with_the_same_policies(tmp_path, capsy
         {"file": f"{hub}/data/train-00001-of-00002.parquet", "row": 1, "reason": "text is null"}
     ]
     assert left_in(tmp_path / "out") == ["tok.bin", "tok.idx", "tok.rejects.jsonl", "tok.tokenizer.json"]
+
+
+# ---------------------------------------------------------------- docs/data.md
+
+
+def documented_commands() -> list[str]:
+    """The commands of docs/data.md's recipes by corpus shape."""
+    text = (REPO / "docs/data.md").read_text()
+    block = text.split("Recipes by corpus shape", 1)[1].split("```", 2)[1]
+    return [line for line in block.splitlines() if line and not line.startswith("#")]
+
+
+def test_the_documented_recipes_run(tmp_path, capsys, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    fsx = tmp_path / "fsx"
+    write(fsx / "pile/train/00.jsonl.zst", docs("pile 0", "pile 1"))
+    write(fsx / "pile/train/01.jsonl.zst", docs("pile 2"))
+    write(fsx / "pile/val.jsonl.zst", docs("pile val"))
+    write(fsx / "pile/test.jsonl.zst", docs("pile test"))
+    parquet(fsx / "hub/dataset/data/train-00000-of-00001.parquet", ["hub 0", "hub 1"])
+    parquet(fsx / "hub/dataset/data/validation-00000-of-00001.parquet", ["hub val"])
+    write(fsx / "c4/en/c4-train.00000-of-01024.json.gz", docs("c4 0"))
+    write(fsx / "c4/en/c4-validation.00000-of-00008.json.gz", docs("c4 val"))
+    splits = {
+        "train": datasets.Dataset.from_dict({"text": ["saved"]}),
+        "test": datasets.Dataset.from_dict({"text": ["x"]}),
+    }
+    datasets.DatasetDict(splits).save_to_disk(str(fsx / "datasets/my_corpus"))
+    write(fsx / "books/a.txt", b"book a\nits second line")
+    write(fsx / "books/more/b.md", b"book b")
+    write(fsx / "crawl/0.jsonl", docs("crawl 0") + b"<html>\n" + docs("crawl 1"))
+    expected = {"pile-train": ["pile 0", "pile 1", "pile 2"], "hub-train": ["hub 0", "hub 1"], "c4-train": ["c4 0"],
+                "my_corpus": ["saved"], "books": ["book a\nits second line", "book b"], "crawl": ["crawl 0", "crawl 1"],
+                "pile-val": ["pile val"]}  # fmt: skip
+    monkeypatch.chdir(REPO)  # data/tokenizers/gpt2, as the docs name it
+    commands = documented_commands()
+    assert len(commands) == 8
+    for command in commands:
+        piped, _, command = command.rpartition(" | ")
+        argv = shlex.split(command.replace("/fsx/", f"{fsx}/"))
+        assert argv[:2] == ["trnrecipes", "data"], command
+        if piped:  # zstdcat FILE: what it would print, on standard input
+            zst = Path(shlex.split(piped.replace("/fsx/", f"{fsx}/"))[1])
+            stdin = pa.input_stream(str(zst), compression="zstd").read()
+            monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+        capsys.readouterr()
+        assert main(argv[1:]) == 0, (command, capsys.readouterr().err)
+        out = argv[argv.index("--out") + 1]
+        if argv[2] == "to-arrow":
+            assert texts_of(Path(out)) == expected[Path(out).stem], command
+        else:
+            assert re.match(rf"wrote {re.escape(out)}\.bin/\.idx: 3 documents", capsys.readouterr().out), command
