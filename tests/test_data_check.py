@@ -32,8 +32,8 @@ def test_a_missing_corpus_is_refused_naming_the_command_that_makes_it(cli, tmp_p
     assert len(lines) == 2 and "Traceback" not in done.stderr
     assert lines[1] == (
         f"  data.path {tmp_path / 'corpus.arrow'}: {tmp_path / 'corpus.arrow'} does not exist; make it with"
-        f" `trnrecipes data to-arrow --in <your .jsonl/.jsonl.gz/.parquet files or a datasets save_to_disk dir>"
-        f" --out {tmp_path / 'corpus.arrow'}` (docs/data.md, 'Bring your data')"
+        f" `trnrecipes data to-arrow --in <your .jsonl(.gz/.zst)/.parquet files or folders, or a datasets save_to_disk"
+        f" dir> --out {tmp_path / 'corpus.arrow'}` (docs/data.md, 'Bring your data')"
     )
 
 

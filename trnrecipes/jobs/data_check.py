@@ -43,8 +43,8 @@ def _made_by(path: str, kind: str, tokenizer: str = "<tokenizer dir>") -> str:
         return "`make setup` (or `trnrecipes data prepare-classification`) makes it"
     if kind == "arrow":
         return (
-            f"make it with `trnrecipes data to-arrow --in <your .jsonl/.jsonl.gz/.parquet files or a datasets"
-            f" save_to_disk dir> --out {path}` ({BRING_YOUR_DATA})"
+            f"make it with `trnrecipes data to-arrow --in <your .jsonl(.gz/.zst)/.parquet files or folders, or a"
+            f" datasets save_to_disk dir> --out {path}` ({BRING_YOUR_DATA})"
         )
     if kind == "megatron":
         return (
