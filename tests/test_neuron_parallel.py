@@ -787,7 +787,6 @@ def test_neuron_zero1_trains_like_adamw_and_its_checkpoint_resumes_on_torch_at_d
         num_docs=7,
         allowed=("layout.dp",),
         shard_dim=cpu.shard_dim,
-        stage_layers=[recipe.model.num_layers],
     )
     assert opt1.steps() == steps
     ref_state = [ref_opt.state[p] for p in reference.parameters()]

@@ -271,7 +271,7 @@ def test_a_rank_failing_for_another_reason_than_the_storage_is_not_reported_as_b
 
 RANK_1_SMALL_FILES = """
 import os, resource, sys
-if os.environ["RANK"] == "1":  # rank 1 alone cannot write its 5 KB RNG file; rank 0 writes the large ones
+if os.environ["RANK"] == "1":  # rank 1 cannot write its ZeRO-1 moments (over 4 KB); its small files fit
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
 from trnrecipes.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -280,7 +280,8 @@ sys.exit(main(sys.argv[1:]))
 
 def test_two_ranks_stop_together_at_the_next_step_when_rank_1_cannot_write(tmp_path: Path):
     recipe = load_recipe("llama2-tiny", overrides=[*SMALL, "cluster.workers_per_node=2", f"run_dir={tmp_path / 'run'}",
-                                                   "train.max_steps=40", "checkpoint.every_steps=4"])  # fmt: skip
+                                                   "train.max_steps=40", "checkpoint.every_steps=4",
+                                                   "layout.zero1=true"])  # fmt: skip
     cfg = tmp_path / "recipe.yaml"
     cfg.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     script = tmp_path / "rank1_small_files.py"
@@ -290,7 +291,7 @@ def test_two_ranks_stop_together_at_the_next_step_when_rank_1_cannot_write(tmp_p
     began = time.monotonic()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and time.monotonic() - began < 120, done.stdout[-3000:] + done.stderr[-3000:]
-    failed = tmp_path / "run/checkpoints/.step_4.tmp/rng-rank0001.safetensors"
+    failed = tmp_path / "run/checkpoints/.step_4.tmp/optim-tp00-of-01-dp0001-of-0002.safetensors"
     expected = f"error: rank 1 cannot write checkpoint step_4 to {failed}: [Errno 27] File too large"
     # Both ranks stop with rank 1's message (rank 0 read it from rank 1's .rank-1.failed marker), one step later.
     assert done.stderr.count(expected) == 2, done.stderr[-3000:]

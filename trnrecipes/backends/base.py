@@ -3,7 +3,8 @@ place they run. Adding a backend = one subclass answering these (docs/training.m
 
 A backend answers for:
 - the device, the torch.distributed backend, and the process groups (`init_process_groups`);
-- graphs and data: where a lazy graph ends (`sync`), a loader that feeds the device, the compile counter;
+- graphs and data: where a lazy graph ends (`sync`), a loader that feeds the device, the compile counter, the
+  generators random ops draw from (`seed_rng`);
 - the model: how it is parallelized (`parallelize`: the TP/SP plan, the loss path, activation checkpointing,
   torch.compile per block under train.compile), where
   its shards are materialised and moved (`materialize`, `to_device`), and where a shard lives in its parameter
@@ -55,6 +56,12 @@ class Backend:
     def loader(self, batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
         """Batches on the device."""
         return (b.to(self.device, non_blocking=True) for b in batches)
+
+    def seed_rng(self, seed: int) -> None:
+        """Seed the default generators the model's random ops draw from (dropout; torch.compile's kernels take
+        their seeds from them too): the host's and every accelerator torch knows (CUDA, a PrivateUse1 device such as
+        TorchNeuron's)."""
+        torch.manual_seed(seed)
 
     def compilations(self) -> int | None:
         """Graphs compiled so far in this process (XLA cache misses); None where nothing is compiled."""

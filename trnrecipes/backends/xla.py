@@ -45,6 +45,14 @@ class XlaBackend(TorchBackend):
 
         torch_xla.sync()
 
+    def seed_rng(self, seed: int) -> None:
+        """torch-xla's random ops draw from its own generator, which torch.manual_seed does not reach. Its seed
+        enters the graph as data, so a new seed every step compiles nothing new."""
+        import torch_xla.core.xla_model as xm
+
+        super().seed_rng(seed)
+        xm.set_rng_state(seed, device=self.device)
+
     def loader(self, batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
         import torch_xla.distributed.parallel_loader as pl
 

@@ -5,7 +5,7 @@ train/ (the trainer's restore, trnrecipes.train.restore, reads through format.py
   rectangle of a saved tensor, whatever layout saved it; consolidation for one-process readers).
 - writer.py: what each training rank writes, the background writer that finalizes a checkpoint, and pruning to
   checkpoint.keep_last.
-The one way a training rank gets its state back (weights, optimizer, RNG, data position) is
+The one way a training rank gets its state back (weights, optimizer, data position) is
 trnrecipes.train.restore.load, also used for a fresh start and for fine-tuning from train.init_from.
 
 Only format.py is imported here: the writer pulls in torch's distributed side (import it from its module).
@@ -33,7 +33,6 @@ from trnrecipes.checkpoint.format import (
     read_model_checkpoint,
     read_model_checkpoint_recipe,
     read_shards,
-    rng_file,
     saved_recipe,
     shard_file,
     stage_shards_file,
@@ -65,7 +64,6 @@ __all__ = [
     "read_model_checkpoint",
     "read_model_checkpoint_recipe",
     "read_shards",
-    "rng_file",
     "saved_recipe",
     "shard_file",
     "stage_shards_file",

@@ -10,7 +10,7 @@ for whole.
       optim-tp00-of-01.safetensors      AdamW moments per parameter (training checkpoints); under ZeRO-1 one file per
                                         TP x DP rank, optim-tp00-of-08-dp0000-of-0004.safetensors, each a dim-0 slice
                                         (under PP, per stage too: optim-pp01-of-04-tp00-of-08...)
-      state.json                        step, layout; data-dpNNNN.json / rng-rankNNNN.safetensors per rank
+      state.json                        step, layout; data-dpNNNN.json per DP rank (where its data stream stands)
       recipe.yaml, tokenizer/           the resolved recipe and the tokenizer files
       manifest.json                     sha256 of every file above
       done                              written last, once everything above is fsync'd
@@ -98,10 +98,6 @@ def stage_shards_file(pp_rank: int, pp: int) -> str:
 
 def data_file(dp_rank: int) -> str:
     return f"data-dp{dp_rank:04d}.json"
-
-
-def rng_file(rank: int) -> str:
-    return f"rng-rank{rank:04d}.safetensors"
 
 
 def _sha256(path: Path) -> str:
@@ -201,7 +197,7 @@ def _listed_name(path: Path, name: object) -> str:
 
 def _read_by_loaders(name: str) -> bool:
     """Whether some reader opens this file: the tokenizer dir is copied whole; at the top, tensors, JSON and YAML
-    (data-dp*.json and rng-*.safetensors are found by pattern). Anything else (notes, NFS .nfs* files) never is."""
+    (data-dp*.json are found by pattern). Anything else (notes, NFS .nfs* files) never is."""
     return name.startswith("tokenizer/") or name.endswith((".safetensors", ".json", ".yaml"))
 
 

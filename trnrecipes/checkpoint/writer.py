@@ -38,7 +38,6 @@ from trnrecipes.checkpoint.format import (
     data_file,
     finalize,
     hash_and_sync,
-    rng_file,
     shard_file,
     stage_shards_file,
     step_dirs,
@@ -290,11 +289,6 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         raise OSError(code, os.strerror(code), str(path)) from err
 
 
-def rng_state() -> dict[str, torch.Tensor]:
-    # Stochastic rounding needs no state here: its noise is a hash of the step count (trnrecipes/optim/rounding.py).
-    return {"torch_cpu": torch.get_rng_state()}
-
-
 PRUNING = re.compile(r"^\.prune-step_\d+$")  # a step dir renamed for deletion: gone from view in one rename
 
 
@@ -351,7 +345,8 @@ def snapshot(
     """This rank's files for checkpoint `step`: weights from DP rank 0 of each TP group of each pipeline stage (one
     file per stage x TP rank; under FSDP gathered over DP first); moments likewise, or under ZeRO-1 and FSDP from
     every rank (its rows); shard dims from the first rank of each stage; the data position from the first stage's
-    TP rank 0 of each DP group (every stage of a replica reads the same stream); RNG state from every rank."""
+    TP rank 0 of each DP group (every stage of a replica reads the same stream). No RNG state: stochastic rounding's
+    noise is a hash of the step (trnrecipes/optim/rounding.py) and dropout is seeded per step (train/step_rng.py)."""
     _host = host.copy
     files: dict[str, object] = {}
     optim_dp = dims.dp if dims.shards_moments else 1
@@ -401,5 +396,4 @@ def snapshot(
         files[stage_shards_file(dims.pp_rank, dims.pp)] = stage_dims
     if dims.tp_rank == 0 and dims.pp_rank == 0 and position is not None:
         files[data_file(dims.dp_rank)] = position.to_dict()
-    files[rng_file(dims.rank)] = rng_state()
     return files

@@ -22,7 +22,7 @@ SIGNAL_MIN_S, SIGNAL_MAX_S = 60, 65535  # Slurm's resolution; sbatch --signal ta
 
 def checkpoint_bytes(r: Recipe) -> int:
     """Bytes of one training checkpoint: weights in their training dtype (bf16, else fp32 master weights) and two
-    fp32 AdamW moments per parameter. Small files (recipe, tokenizer, RNG, data position) are left out."""
+    fp32 AdamW moments per parameter. Small files (recipe, tokenizer, data position) are left out."""
     weight_bytes = 2 if r.precision.dtype == "bf16" else 4
     return r.model.param_count() * (weight_bytes + 2 * 4)
 

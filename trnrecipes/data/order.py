@@ -29,7 +29,9 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-SPLIT, EPOCH = 1, 2  # the purpose word of a key: a split's and an epoch's permutations never share keys
+# The purpose word of a key: a split's and an epoch's permutations and a training step's random draws
+# (trnrecipes/train/step_rng.py) never share keys.
+SPLIT, EPOCH, STEP_RNG = 1, 2, 3
 
 
 def derive_key(*words: int) -> np.ndarray:

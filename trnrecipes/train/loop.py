@@ -51,6 +51,7 @@ from trnrecipes.train.monitor import Clock, Metrics, SpikeDetector, progress_lin
 from trnrecipes.train.restore import load
 from trnrecipes.train.resume_compat import check_resume
 from trnrecipes.train.run_dir import RunDirLock, require_writable, settle_checkpoints
+from trnrecipes.train.step_rng import step_seed
 
 
 @dataclass
@@ -338,6 +339,8 @@ class Trainer:
 
     def train_step(self, step: int, loader, grad_accum: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: (this rank's mean loss, the global grad norm before clipping)."""
+        dims = self.dims
+        self.backend.seed_rng(step_seed(self.recipe.train.seed, step, dims.dp_rank, dims.pp_rank))  # step_rng.py
         loss = self.accumulate(loader, grad_accum)
         self.optimizer.set_lr(lr_at(step, self.recipe.optim))
         grad_norm = self.backend.step(self.model, self.optimizer, self.dims, self.recipe.optim.clip_grad_norm)

@@ -2,8 +2,9 @@
 
 It builds this rank's shard of the model (trnrecipes.train.build: weights drawn from the seed, or read slice by
 slice from the checkpoint), makes the backend's optimizer, and on a resume restores the optimizer moments (this
-rank's slice, whatever TP / PP / ZeRO-1 layout saved them), the RNG state (same layout only) and this DP rank's
-data position. Fine-tuning from train.init_from reads the weights the same way and starts the rest afresh.
+rank's slice, whatever TP / PP / ZeRO-1 layout saved them) and this DP rank's data position. No RNG state: the
+trainer seeds each step's draws from (train.seed, step, rank) (trnrecipes/train/step_rng.py). Fine-tuning from
+train.init_from reads the weights the same way and starts the rest afresh.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from trnrecipes.checkpoint.format import CheckpointError, ShardReader, data_file, load_tensors, read_json, rng_file
+from trnrecipes.checkpoint.format import CheckpointError, ShardReader, data_file, read_json
 from trnrecipes.config.changes import allows
 from trnrecipes.config.sections import Recipe
-from trnrecipes.config.stages import pipeline_stages
 from trnrecipes.data.blend import DataPosition, position_from_dict, restart_position
 from trnrecipes.data.order import DATA_ORDER
 from trnrecipes.parallel.kv_replication import block_of, tp_block
@@ -55,7 +55,7 @@ def load(
     data_order_changed: bool = False,
     log=print,
 ) -> TrainState:
-    """This rank's training state from checkpoint `path` (a verified step_N dir): weights, optimizer, RNG and data
+    """This rank's training state from checkpoint `path` (a verified step_N dir): weights, optimizer and data
     position; with weights_only (train.init_from), the weights only, plus the optimizer moments and step count with
     keep_optimizer (train.init_optimizer keep). path None: a fresh start from train.seed.
     `source` names the checkpoint in errors; `allowed` (checkpoint.allow_changes) and `data_order_changed` decide
@@ -76,15 +76,8 @@ def load(
         allowed=allowed,
         data_order_changed=data_order_changed,
         shard_dim=backend.shard_dim,
-        stage_layers=[len(s.layers) for s in pipeline_stages(recipe)],
     )
     return TrainState(model, optimizer, int(path.name.split("_")[1]), position)
-
-
-def set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    # Checkpoints written before the rounding noise became a hash of the step (trnrecipes/optim/rounding.py) also
-    # hold a "stochastic_rounding" generator state: nothing draws from it any more.
-    torch.set_rng_state(state["torch_cpu"])
 
 
 def full_shape(p: torch.Tensor, tp: int, dim: int | None) -> tuple[int, ...]:
@@ -142,26 +135,18 @@ def restore_training_state(
     allowed=(),
     data_order_changed: bool = False,
     shard_dim: Callable[[torch.Tensor], int | None],
-    stage_layers: list[int],
 ):
-    """Optimizer moments (re-sliced for this TP / PP layout), RNG (same layout only) and this DP rank's data position.
+    """Optimizer moments (re-sliced for this TP / PP layout) and this DP rank's data position.
     Returns the data position to start from: the saved one only while it means the same documents (same corpus
     size, same DP size, same order); otherwise the stream restarts at the next epoch, and only when
     checkpoint.allow_changes accepted what moved it (data.path, layout.dp)."""
     state = restore_moments(path, model, optimizer, dims, shard_dim)
     try:
         saved_dp = int(state["dp"])
-        saved_layout = (int(state.get("pp", 1)), saved_dp, int(state["tp"]), int(state["world"]))
-        # Checkpoints from before pipeline parallelism did not save the split: they were all one stage.
-        saved_split = state.get("stage_layers", stage_layers if saved_layout[0] == 1 else None)
-        saved_place = (saved_split, bool(state.get("zero1", False)), bool(state.get("fsdp", False)))
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path / 'state.json'}: missing or bad entry ({err})") from None
-    # Rank r restores its RNG only where it is the same place in the same layout (the same stages and ZeRO-1 rows),
-    # where the draws it makes on (dropout, if a family had it) meet what they would have met uninterrupted.
-    # Stochastic rounding draws nothing: its noise is a hash of the step (trnrecipes/optim/rounding.py).
-    if saved_layout == (dims.pp, dims.dp, dims.tp, dims.world) and saved_place == (stage_layers, dims.zero1, dims.fsdp):
-        set_rng_state(load_tensors(path / rng_file(dims.rank)))
+    # Checkpoints written before each step's draws were seeded from (train.seed, step, rank) hold every rank's
+    # generator state in rng-rankNNNN.safetensors: nothing reads it, the next step seeds its own.
     why = "checkpoint.allow_changes changed the data order" if data_order_changed else None
     order = state.get("data_order", 1)  # checkpoints before order.py did not record it: version 1
     if why is None and order != DATA_ORDER:
