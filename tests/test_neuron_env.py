@@ -18,13 +18,26 @@ def env_of(recipe: str, overrides: str = "", job_dir: Path | None = None) -> dic
 
 
 def test_compiler_flags_for_llm_training():
-    flags = neuron_cc_flags(load_recipe("llama2-7b", overrides="compile.optlevel=2 compile.extra_flags=[--verbose=35]"))
-    assert flags == (  # llama2-7b: ZeRO-1, bf16
-        "--model-type transformer --distribution-strategy llm-training --optlevel=2"
-        " --enable-mixed-precision-accumulation --verbose=35"
+    overrides = "compile.optlevel=1 compile.mixed_precision_accumulation=true compile.extra_flags=[--verbose=35]"
+    flags = neuron_cc_flags(load_recipe("llama2-7b", overrides=overrides))
+    assert flags == (  # llama2-7b: bf16, SDK 2.26 (no --distribution-strategy from 2.22, as NxD's scripts)
+        "--model-type transformer --optlevel=1 --enable-mixed-precision-accumulation --verbose=35"
     )
-    flags = neuron_cc_flags(load_recipe("llama2-7b", overrides="compile.mixed_precision_accumulation=false"))
-    assert "--enable-mixed-precision-accumulation" not in flags
+    flags = neuron_cc_flags(load_recipe("llama2-7b"))  # as AWS's Llama scripts: -O2, no accumulation flag
+    assert flags == "--model-type transformer --optlevel=2"
+
+
+@pytest.mark.parametrize(
+    ("sdk", "on", "flag"),
+    [("2.26", True, "--enable-mixed-precision-accumulation"), ("2.26", False, None), ("2.27", True, None),
+     ("2.27", False, "--disable-mixed-precision-accumulation"),
+     ("2.28", False, "--disable-mixed-precision-accumulation")],
+)  # fmt: skip
+def test_mixed_precision_accumulation_is_said_as_each_compiler_takes_it(sdk, on, flag):
+    """neuronx-cc accumulates in mixed precision only when asked before SDK 2.27, and unless told not to from it."""
+    recipe = load_recipe("pythia6.9b", overrides=f"cluster.neuron_sdk={sdk} compile.mixed_precision_accumulation={on}")
+    got = [f for f in neuron_cc_flags(recipe).split() if "mixed-precision-accumulation" in f]
+    assert got == ([flag] if flag else [])
 
 
 @pytest.mark.parametrize(
@@ -94,15 +107,18 @@ def test_compile_and_run_scripts_export_the_same_environment(name):
 
 def test_awss_pipeline_zero1_and_bf16_settings_follow_the_layout():
     """NxD's 70B TP+PP script: 7 in-flight requests with pipeline stages, functionalization kept with ZeRO-1; NxD's
-    trainer: 65 MB ZeRO-1 buckets with bf16 parameters. Each only where its condition holds."""
+    trainer (0.12 on): 65 MB ZeRO-1 buckets with fp32 master weights under autocast, else 130. Each only where its
+    condition holds."""
     seventy = env_of("llama2-70b")  # TP8 PP16, ZeRO-1, bf16
     assert seventy["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "7"
     assert seventy["XLA_DISABLE_FUNCTIONALIZATION"] == "0"
-    assert seventy["ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB"] == "65"
+    assert seventy["ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB"] == "130"  # pure bf16: no fp32 master
     seven = env_of("llama2-7b")  # TP8 PP1, ZeRO-1, bf16
     assert seven["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "3" and seven["XLA_DISABLE_FUNCTIONALIZATION"] == "0"
-    fp32 = env_of("llama2-7b", "precision.dtype=bf16-mixed precision.stochastic_rounding=false")
-    assert "ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB" not in fp32  # fp32 masters: NxD's 130 MB default
+    mixed = env_of("llama2-7b", "precision.dtype=bf16-mixed precision.stochastic_rounding=false")
+    assert mixed["ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB"] == "65"  # fp32 masters under autocast
+    old = env_of("llama2-7b", "precision.dtype=bf16-mixed precision.stochastic_rounding=false cluster.neuron_sdk=2.22")
+    assert old["ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB"] == "130"  # NxD 0.11: always 130
     no_zero1 = env_of("llama2-7b", "layout.zero1=false")
     assert "XLA_DISABLE_FUNCTIONALIZATION" not in no_zero1 and "ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB" not in no_zero1
     native = env_of("llama2-7b-trn2", "cluster.neuron_sdk=2.33")  # TorchNeuron reads none of torch-xla's

@@ -85,10 +85,11 @@ def test_auto_cast_none_unless_pure_bf16(dtype, auto_cast_none, sdk):
 
 @pytest.mark.parametrize(
     ("sdk", "zero1", "expected"),
-    [("2.21", False, True), ("2.21", True, True), ("2.22", False, False), ("2.22", True, True),
-     ("2.28", False, False), ("2.28", True, True)],
+    [("2.21", False, True), ("2.21", True, True), ("2.22", False, False), ("2.22", True, False),
+     ("2.28", False, False), ("2.28", True, False)],
 )  # fmt: skip
-def test_distribution_strategy_llm_training_only_with_zero1_from_sdk_2_22(sdk, zero1, expected):
+def test_distribution_strategy_llm_training_only_before_sdk_2_22(sdk, zero1, expected):
+    """neuronx-distributed dropped it from every Llama script, ZeRO-1 ones included, in SDK 2.22."""
     got = " ".join(flags("pythia6.9b", f"cluster.neuron_sdk={sdk} layout.zero1={str(zero1).lower()}"))
     assert ("--distribution-strategy llm-training" in got) is expected
 
@@ -99,16 +100,17 @@ def test_exec_timeout_on_both_neuron_stacks(recipe):
 
 
 def test_xla_thread_pools_are_bounded_for_32_workers_per_node_only():
-    assert (env_of("pythia6.9b")["XLA_THREAD_POOL_SIZE"], env_of("pythia6.9b")["XLA_IO_THREAD_POOL_SIZE"]) == ("4", "4")
+    assert env_of("pythia6.9b")["XLA_THREAD_POOL_SIZE"] == "4"
+    assert "XLA_IO_THREAD_POOL_SIZE" not in env_of("pythia6.9b")  # torch-xla has not read it since 2023 (v2.2.0)
     few = env_of("pythia6.9b", "cluster.workers_per_node=8 layout.tp=8 batch.global_batch=8 batch.micro_batch=1")
-    assert "XLA_THREAD_POOL_SIZE" not in few and "XLA_IO_THREAD_POOL_SIZE" not in few
+    assert "XLA_THREAD_POOL_SIZE" not in few
     assert not [n for n in env_of("llama2-7b-trn2") if n.startswith("XLA_")]  # torch-xla's; TorchNeuron has none
 
 
 @pytest.mark.parametrize(
     ("name", "source"),
     [("NEURON_CC_FLAGS", "neuronx-nemo-megatron"), ("NEURON_RT_EXEC_TIMEOUT", "neuronx-nemo-megatron"),
-     ("XLA_THREAD_POOL_SIZE", "PROCESSES_PER_NODE=32"), ("XLA_IO_THREAD_POOL_SIZE", "PROCESSES_PER_NODE=32")],
+     ("XLA_THREAD_POOL_SIZE", "PROCESSES_PER_NODE=32")],
 )  # fmt: skip
 def test_each_aws_variable_names_its_source_in_the_script(name, source):
     script = render_case("pythia6.9b", 4)["run.sbatch"]
@@ -232,8 +234,16 @@ def test_nccom_runs_all_reduce_and_all_gather_across_the_job(nccom_stand_in, cap
     assert [c.split(",")[0] for c in calls] == ['["all_reduce"', '["all_gather"']
     assert nccom_argv("all_reduce", 64, 2, "123") == [
         "nccom-test", "all_reduce", "-r", "64", "-N", "2", "-b", "8", "-e", "256MB", "-f", "4", "-n", "5", "-w", "2",
-        "-d", "fp32", "-c", "all_ones", "--slurm-mode", "--slurm-job-id", "123",
+        "-d", "fp32", "--check", "all_ones", "--slurm-mode", "--slurm-job-id", "123",
     ]  # fmt: skip
+    # Before SDK 2.28 nccom-test documents no Slurm mode and `-c` takes no value: the hosts are named instead.
+    assert nccom_argv("all_reduce", 64, 2, "123", (2, 26), ["10.0.0.1", "10.0.0.2"])[-4:] == [
+        "-c",
+        "--hosts",
+        "10.0.0.1",
+        "10.0.0.2",
+    ]
+    assert nccom_argv("all_gather", 32, 1, None, (2, 21))[-2:] == ["fp32", "-c"]
     out = capsys.readouterr().out
     assert "[nccom] all_reduce over 64 ranks on 2 node(s): ok, avg bus bandwidth 97.5120 GB/s" in out
 

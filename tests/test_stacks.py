@@ -167,7 +167,7 @@ def test_torchneuron_env_table(instance: str):
     assert env["TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR"] == "/var/tmp/neuron-compile-cache-${JOB_USER}/llama2-7b-trn2-1n"
     assert env["NEURON_LOGICAL_NC_CONFIG"] == "2"
     assert (env["FI_PROVIDER"], env["FI_EFA_USE_DEVICE_RDMA"], env["FI_EFA_FORK_SAFE"]) == ("efa", "1", "1")
-    assert env["NEURON_CC_FLAGS"] == "--enable-mixed-precision-accumulation"
+    assert "NEURON_CC_FLAGS" not in env  # 2.33: accumulation is the compiler's default, nothing else to add
     shared = env_of("llama2-7b-trn2", "compile.shared_cache_dir=/fsx/neff compile.cache_dir=/tmp/local")
     assert (shared["TORCH_NEURONX_NEFF_CACHE_DIR"], shared["TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR"]) == (
         "/fsx/neff",
@@ -177,8 +177,9 @@ def test_torchneuron_env_table(instance: str):
 
 def test_torchneuron_compiler_flags():
     flags = env_of("llama2-7b-trn2", "compile.extra_flags=[--verbose=35]")["NEURON_CC_FLAGS"].split()
-    assert flags == ["--enable-mixed-precision-accumulation", "--verbose=35"]
-    assert "NEURON_CC_FLAGS" not in env_of("llama2-7b-trn2", "compile.mixed_precision_accumulation=false")
+    assert flags == ["--verbose=35"]
+    off = env_of("llama2-7b-trn2", "compile.mixed_precision_accumulation=false")["NEURON_CC_FLAGS"]
+    assert off == "--disable-mixed-precision-accumulation"  # on by default from SDK 2.27
 
 
 @pytest.mark.parametrize(("name", "overrides"), [("pythia6.9b", ""), ("llama2-7b-trn2", NXD_TRN2)])

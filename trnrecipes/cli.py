@@ -291,6 +291,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = verb("nccom", _nccom, "Neuron's nccom-test all-reduce and all-gather across the job's nodes (run.sbatch)")
     sub.add_argument("--ranks", type=int, required=True, help="NeuronCores in the job (nodes x workers per node)")
     sub.add_argument("--nodes", type=int, required=True, help="nodes in the job")
+    sub.add_argument("--sdk", default="2.28", help="the recipe's cluster.neuron_sdk: its nccom-test's flags (2.28)")
     return parser
 
 
@@ -820,6 +821,7 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _nccom(args: argparse.Namespace) -> int:
+    from trnrecipes.config.stacks import sdk_version
     from trnrecipes.ops.nccom import main as nccom_main
 
-    return nccom_main(args.ranks, args.nodes)
+    return nccom_main(args.ranks, args.nodes, sdk_version(args.sdk))

@@ -166,6 +166,27 @@ class CompileConfig:
 
 
 @dataclass(frozen=True)
+class PublishedConfig:
+    """How the run behind a quoted throughput (cluster.throughput_source) was configured, as its source states it:
+    each field its value there, "not published" where the source omits it, None where not recorded. `plan` names
+    every field where the recipe trains otherwise (trnrecipes.plan.published)."""
+
+    sdk: str | None = None
+    precision: str | None = None  # bf16 | bf16-mixed | fp32
+    stochastic_rounding: str | None = None  # true | false
+    attention: str | None = None  # sdpa | nki_flash
+    optlevel: str | None = None
+    mixed_precision_accumulation: str | None = None  # true | false
+    tp: str | None = None
+    pp: str | None = None
+    zero1: str | None = None
+    sequence_parallel: str | None = None
+    activation_checkpointing: str | None = None
+    seq_len: str | None = None
+    global_batch: str | None = None
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     instance: str
     backend: Literal["neuron", "xla", "cuda", "cpu"]
@@ -180,6 +201,11 @@ class ClusterConfig:
     # when no --seq-per-s is given, and shows throughput_source beside it (where the number comes from).
     tokens_per_s_per_node: float | None = None
     throughput_source: str | None = None
+    throughput_config: PublishedConfig | None = None  # the quoted run's configuration (every quoted number has one)
+    throughput_differs: list[str] = field(default_factory=list)  # its fields this recipe knowingly trains otherwise
+    # Where nothing is published for this instance (trn2/trn3): the recipe with a published throughput (on trn1) of
+    # the closest model, whose MFU `plan` applies to this instance's peak for a labelled estimate.
+    estimate_from: str | None = None
     # Mean time between failures of one node: ~270 days from "The Llama 3 Herd of Models", section 3.3.4 (419
     # unexpected interruptions in 54 days on 2,048 nodes). `plan`'s failure model (trnrecipes.plan.run_model).
     node_mtbf_hours: float = 6480.0

@@ -65,11 +65,24 @@ def auto_cast_none(r: Recipe) -> bool:
 
 def distribution_strategy(r: Recipe) -> bool:
     """`--distribution-strategy llm-training` tells the compiler the optimizer states are sharded over data parallel
-    (neuronx-cc reference). AWS's scripts set it on every run up to SDK 2.21 (neuronx-nemo-megatron) and dropped it
-    in 2.22 (neuronx-distributed's Llama scripts, NxDT 1.2.0 release notes: slower with PyTorch 2.5, incompatible
-    with NKI kernels), keeping it for Llama 2 with ZeRO-1 (NxDT megatron_llama_7B_config.yaml). So: always before
-    2.22, with ZeRO-1 only from 2.22."""
-    return sdk_version(r.cluster.neuron_sdk) < (2, 22) or r.layout.zero1
+    (neuronx-cc reference). AWS's scripts set it on every run up to SDK 2.21 (neuronx-nemo-megatron) and
+    neuronx-distributed dropped it from every Llama script, ZeRO-1 ones included, in 2.22 (NxDT 1.2.0 release notes:
+    slower with PyTorch 2.5, incompatible with NKI kernels). NxDT's megatron_llama_7B_config.yaml still passes it;
+    the NxD scripts are what this trainer follows. So: before 2.22 only."""
+    return sdk_version(r.cluster.neuron_sdk) < (2, 22)
+
+
+ACCUMULATION_DEFAULT_ON = (2, 27)  # neuronx-cc 2.22 (SDK 2.27): mixed-precision accumulation is on by default
+
+
+def mixed_precision_accumulation_flags(r: Recipe) -> list[str]:
+    """compile.mixed_precision_accumulation as neuronx-cc takes it: before SDK 2.27 off unless
+    --enable-mixed-precision-accumulation, from 2.27 (neuronx-cc 2.22) on unless --disable-mixed-precision-accumulation
+    (compiler release notes, Neuron 2.27.0)."""
+    on = r.compile.mixed_precision_accumulation
+    if sdk_version(r.cluster.neuron_sdk) < ACCUMULATION_DEFAULT_ON:
+        return ["--enable-mixed-precision-accumulation"] if on else []
+    return [] if on else ["--disable-mixed-precision-accumulation"]
 
 
 def neuron_cc_flags(r: Recipe) -> str:
@@ -78,7 +91,7 @@ def neuron_cc_flags(r: Recipe) -> str:
     --distribution-strategy, which tells torch-xla's graphs how the optimizer is sharded. compile.optlevel other
     than 1 is refused there by the recipe check (TorchNeuron documents no way to change its -O1)."""
     extras = list(FAMILIES[r.model.family].compiler_flags(r.cluster.instance))  # e.g. neox on trn1
-    accumulate = ["--enable-mixed-precision-accumulation"] if r.compile.mixed_precision_accumulation else []
+    accumulate = mixed_precision_accumulation_flags(r)
     if r.stack == TORCHNEURON:
         return " ".join(accumulate + extras + r.compile.extra_flags)
     flags = ["--model-type", "transformer"]
@@ -86,6 +99,16 @@ def neuron_cc_flags(r: Recipe) -> str:
     flags += [f"--optlevel={r.compile.optlevel}"]
     flags += ["--auto-cast", "none"] if auto_cast_none(r) else []
     return " ".join(flags + accumulate + extras + r.compile.extra_flags)
+
+
+def bucket_cap_mb(r: Recipe) -> str | None:
+    """NxD's trainer (trainer/trainer.py, 0.12 on): 65 MB where master weights are fp32 and XLA_DOWNCAST_BF16 is
+    '0' (autocast: this trainer's bf16-mixed), else 130 MB; 0.10/0.11 always 130. Only with ZeRO-1, whose buckets
+    it sizes."""
+    if not r.layout.zero1:
+        return None
+    mixed = r.precision.dtype == "bf16-mixed" and sdk_version(r.cluster.neuron_sdk) >= (2, 23)
+    return "65" if mixed else "130"
 
 
 def _const(value: str) -> Callable[[Recipe, Path], str]:
@@ -96,7 +119,7 @@ def _of_recipe(value: Callable[[Recipe], str | None]) -> Callable[[Recipe, Path]
     return lambda r, _job_dir: value(r)
 
 
-# AWS's value for torch-xla's two thread pools at 32 workers per node; the defaults suit one process per host.
+# AWS's value for torch-xla's thread pool at 32 workers per node; the default suits one process per host.
 _xla_pool_size = _of_recipe(lambda r: "4" if r.workers_per_node >= 32 else None)
 
 # No XLA_USE_BF16 / XLA_DOWNCAST_BF16 (AWS's samples for SDK <= 2.24 set them): the trainer casts the model to bf16
@@ -173,9 +196,9 @@ RULES: tuple[EnvRule, ...] = (
     ),
     EnvRule(
         "ALL_GATHER_REDUCE_SCATTER_BUCKET_CAP_MB",
-        _of_recipe(lambda r: "65" if r.layout.zero1 and r.precision.dtype == "bf16" else None),
-        "ZeRO-1's reduce-scatter / all-gather buckets with bf16 parameters: 65 MB, as NxD's trainer sets them ('Bucket"
-        " cap >140MB causes NaN'); trnrecipes/parallel/nxd.py reads it (default 130 MB for fp32 parameters)",
+        _of_recipe(bucket_cap_mb),
+        "ZeRO-1's reduce-scatter / all-gather bucket size, NxD's trainer's rule: 65 MB with fp32 master weights under"
+        " bf16 autocast (bf16-mixed) from NxD 0.12 (SDK 2.23), else 130 MB; trnrecipes/parallel/nxd.py reads it",
         source=NXD_TRAINER,
     ),
     EnvRule(
@@ -200,12 +223,6 @@ RULES: tuple[EnvRule, ...] = (
         "XLA_THREAD_POOL_SIZE",
         _xla_pool_size,
         "torch-xla's compute thread pool per worker, for 32+ workers per node",
-        source=f"{NNM} (PROCESSES_PER_NODE=32)",
-    ),
-    EnvRule(
-        "XLA_IO_THREAD_POOL_SIZE",
-        _xla_pool_size,
-        "torch-xla's I/O thread pool per worker, for 32+ workers per node",
         source=f"{NNM} (PROCESSES_PER_NODE=32)",
     ),
     # TorchNeuron's multi-node examples export the same three (torch-neuronx examples/multi_node_tests).

@@ -184,6 +184,28 @@ def used_peak_tflops(inst: Instance, workers_per_node: int) -> float:
     return inst.peak_bf16_tflops * min(workers_per_node, inst.workers_per_node) / inst.workers_per_node
 
 
+def estimated_throughput(r: Recipe, fpt: float, node_peak_tflops: float) -> tuple[float, str]:
+    """(tokens/s per node, how it was estimated) for a recipe with nothing published for its instance: the MFU of
+    the published run of cluster.estimate_from (the closest model's, on trn1) applied to this node's peak."""
+    from trnrecipes.config.recipe import load_recipe
+
+    source = load_recipe(r.cluster.estimate_from)
+    published = source.cluster.tokens_per_s_per_node
+    if published is None:
+        raise RecipeError(
+            f"cluster.estimate_from {r.cluster.estimate_from}: that recipe states no cluster.tokens_per_s_per_node to"
+            " estimate from; name one that does"
+        )
+    src_peak = used_peak_tflops(get_instance(source.cluster.instance), source.workers_per_node)
+    mfu = flops_per_token(source.model, source.batch.seq_len) * published / (src_peak * 1e12)
+    how = (
+        f"ESTIMATE, nothing published for {r.cluster.instance}: the MFU of {source.name}'s published run"
+        f" ({mfu:.1%} of {source.cluster.instance}'s peak; {source.cluster.throughput_source}) applied to this"
+        " instance's peak; measure it and set cluster.tokens_per_s_per_node"
+    )
+    return mfu * node_peak_tflops * 1e12 / fpt, how
+
+
 def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None = None) -> dict[str, object]:
     """Everything `trnrecipes plan` reports. price_per_hour is per node; default: the recipe's, else the catalog's."""
     layout = compute_layout(r)
@@ -211,6 +233,11 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
         out["throughput_source"] = r.cluster.throughput_source
     elif seq_per_s is not None:
         out["throughput_from"] = "--seq-per-s"
+    elif r.cluster.estimate_from:
+        tokens_per_s_node, how = estimated_throughput(r, fpt, peak_tflops / layout.nodes)
+        seq_per_s = tokens_per_s_node * layout.nodes / r.batch.seq_len
+        out["throughput_from"] = "an estimate"
+        out["throughput_source"] = how
     if seq_per_s is not None:
         if out["throughput_from"] == "--seq-per-s":
             _check_seq_per_s(seq_per_s, layout)

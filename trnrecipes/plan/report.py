@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from trnrecipes.config.sections import Recipe
 from trnrecipes.plan.memory import MemoryPlan, format_memory
+from trnrecipes.plan.published import published_rows
 from trnrecipes.plan.run_model import figure, run_model_rows
 
 
@@ -47,6 +48,8 @@ def format_plan(p: dict[str, object], recipe: Recipe | None = None) -> str:
              f"${figure(p['dollars_per_step'], 4 if p['dollars_per_step'] < 100 else 0)}/step; "
              + (f"{figure(tpd)} tokens/$" if tpd is not None else "tokens/$ n/a (price 0)")),
         ]  # fmt: skip
+    if recipe is not None and p.get("throughput_from") == "cluster.tokens_per_s_per_node":
+        rows += published_rows(recipe)
     if recipe is not None:
         rows += run_model_rows(p, recipe)
     width = max(len(k) for k, _ in rows)
