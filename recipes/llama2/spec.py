@@ -49,6 +49,9 @@ class Llama2Config(DecoderConfig):
     norm_eps: float = 1e-5
     init_std: float = 0.02
     activation_checkpointing: Literal["none", "selective", "full"] = "none"  # selective: core attention only
+    # What computes core attention: PyTorch's SDPA everywhere, or on torch-xla + NxD (trn1) NxD's NKI flash
+    # attention kernel (trnrecipes/parallel/nki_attention.py; where it may run: trnrecipes/config/recipe.py)
+    attention: Literal["sdpa", "nki_flash"] = "sdpa"
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:

@@ -17,6 +17,7 @@ from torch import nn
 from trnrecipes.backends.xla import XlaBackend
 from trnrecipes.config.sections import RecipeError
 from trnrecipes.parallel import nxd
+from trnrecipes.parallel.nki_attention import apply_attention_kernel
 
 if TYPE_CHECKING:
     from trnrecipes.config.sections import Recipe
@@ -63,6 +64,12 @@ class NeuronXlaBackend(XlaBackend):
         if self.host_batches:
             return iter(batches)
         return super().loader(batches)
+
+    def parallelize(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
+        # model.attention: nki_flash runs here only (NxD's NKI kernel; the recipe check refuses it elsewhere). The
+        # kernel is the CoreAttention's function, so selective checkpointing recomputes through it.
+        apply_attention_kernel(model, getattr(recipe.model, "attention", "sdpa"))
+        super().parallelize(model, recipe, dims)
 
     def tensor_parallel(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
         nxd.apply_neuron_tensor_parallel(model, recipe.model.family, recipe.layout.sequence_parallel)

@@ -17,7 +17,7 @@ from trnrecipes.schema import shown
 # tokenizer's path may change too: its files are compared instead.
 FREE = ("name", "description", "run_dir", "cluster", "slurm", "compile", "checkpoint", "layout", "train.max_steps",
         "train.log_every", "train.val_every", "train.val_batches", "train.init_from", "train.init_optimizer",
-        "model.activation_checkpointing", "model.init_std", "batch.micro_batch", "data.tokenizer",
+        "model.activation_checkpointing", "model.attention", "model.init_std", "batch.micro_batch", "data.tokenizer",
         "data.eval_path", "eval")  # fmt: skip
 # Never: the weights would not load, or would compute something else (which residual form, which dims rotate).
 FIXED = ("model.family", "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",

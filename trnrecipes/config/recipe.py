@@ -363,6 +363,40 @@ def kv_replication_problems(r: Recipe) -> list[str]:
     return problems
 
 
+NKI_FLASH_SEQ_MULTIPLE, NKI_FLASH_MAX_HEAD_DIM = 2048, 128  # NxD's flash_attn.py and the kernel's asserts
+
+
+def attention_problems(r: Recipe, stack: str | None) -> list[str]:
+    """model.attention nki_flash (trnrecipes/parallel/nki_attention.py): where NxD's NKI flash attention kernel runs
+    (torch-xla + NxD) and what it takes (NxD refuses other sequence lengths; the kernel asserts head_dim <= 128)."""
+    m = r.model
+    if getattr(m, "attention", "sdpa") != "nki_flash":
+        return []
+    problems = []
+    if stack == TORCHNEURON:
+        problems.append(
+            f"model.attention nki_flash on TorchNeuron (cluster.neuron_sdk {r.cluster.neuron_sdk}): AWS documents"
+            " neither an SDPA-to-NKI dispatch nor an NKI flash-attention op for training there; use model.attention"
+            f" sdpa, or torch-xla + NxD (cluster.neuron_sdk {sdk_span(STACKS[XLA_NXD].sdks)})"
+        )
+    elif stack != XLA_NXD and not (r.cluster.backend == "neuron" and stack is None):  # None: the SDK is refused above
+        problems.append(
+            f"model.attention nki_flash runs on backend neuron with torch-xla + NxD (cluster.neuron_sdk"
+            f" {sdk_span(STACKS[XLA_NXD].sdks)}), not on backend {r.cluster.backend}; use model.attention sdpa"
+        )
+    if r.batch.seq_len % NKI_FLASH_SEQ_MULTIPLE:
+        problems.append(
+            f"model.attention nki_flash: batch.seq_len {r.batch.seq_len} must be a multiple of"
+            f" {NKI_FLASH_SEQ_MULTIPLE} (NxD's flash attention); use model.attention sdpa for other lengths"
+        )
+    if m.head_dim > NKI_FLASH_MAX_HEAD_DIM:
+        problems.append(
+            f"model.attention nki_flash: head_dim {m.head_dim} (model.hidden_size / num_heads) is above the kernel's"
+            f" {NKI_FLASH_MAX_HEAD_DIM}; use model.attention sdpa"
+        )
+    return problems
+
+
 def check_recipe(r: Recipe) -> list[str]:
     """Semantic checks the types cannot express. Layout divisibility needs the node count: trnrecipes.plan.layout."""
     problems: list[str] = []
@@ -437,6 +471,7 @@ def check_recipe(r: Recipe) -> list[str]:
         " backward on the torch this was tested with (2.13); set train.compile false or layout.tp 1",
     )
     problems += kv_replication_problems(r)
+    problems += attention_problems(r, stack)
     problems += _data_problems(r)
     if FAMILIES[m.family].objective == "classification":
         problems += _classification_problems(r, nxd)

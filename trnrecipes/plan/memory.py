@@ -8,8 +8,10 @@ Per worker (one NeuronCore or GPU), on the most loaded pipeline stage:
 - activations of the micro-batches a stage holds at once (1: no pipeline; under 1F1B and interleaved schedules
   min(PP, micro-batches) on the first stage; GPipe: all of them), per token and layer ACT_ELEMENTS(h, f) elements
   of the activation dtype with none or selective checkpointing (selective recomputes the attention core, which
-  scaled-dot-product attention never stores anyway: measured the same as none), the layer inputs (h each) with full
-  checkpointing plus one layer being recomputed; / TP with sequence parallelism (the norms' inputs too);
+  scaled-dot-product attention never stores anyway: measured the same as none), plus the attention probabilities
+  (heads x seq) without checkpointing where no flash kernel runs (off CUDA, and not model.attention nki_flash), the
+  layer inputs (h each) with full checkpointing plus one layer being recomputed; / TP with sequence parallelism (the
+  norms' inputs too);
 - the loss phase: LOGIT_BYTES x vocab / TP bytes a token of the last micro-batch (logits, their fp32 copy for the
   loss and its gradient), when the layers' activations are all still held but no gradient is yet: the larger of it
   and the gradients counts, not both;
@@ -109,8 +111,10 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     h, f = m.hidden_size, m.ffn_hidden_size
     split = tp if lay.sequence_parallel else 1  # without SP the norms' and residual inputs are whole on every rank
     per_layer = act_elements(h, f) / tp if lay.sequence_parallel else (act_elements(h, f) - 3 * h) / tp + 3 * h
-    if m.activation_checkpointing == "none" and r.cluster.backend != "cuda":
-        # off CUDA's fused kernels, attention keeps its probabilities: heads/TP x seq per token, per layer
+    flash = r.cluster.backend == "cuda" or getattr(m, "attention", "sdpa") == "nki_flash"
+    if m.activation_checkpointing == "none" and not flash:
+        # without a flash kernel (CUDA's fused SDPA, Neuron's NKI kernel: they keep only a logsumexp row per head),
+        # attention keeps its probabilities: heads/TP x seq per token, per layer
         per_layer += m.num_heads / tp * b.seq_len
     if m.activation_checkpointing == "full":
         stored = layers * h / split * held + per_layer  # the layers' inputs; one layer recomputed at a time
