@@ -240,3 +240,9 @@ def test_a_run_resumes_across_a_change_of_kernel(tmp_path):
     current = r.to_dict()
     current["model"]["attention"] = "nki_flash"
     assert resume_differences(ckpt, current, None, allowed=()) == ([], [])
+
+
+def test_the_trn1_llama_3_1_recipes_train_with_it():
+    for name in ("llama3.1-8b", "llama3.1-70b"):
+        assert load_recipe(name).model.attention == "nki_flash"
+    assert load_recipe("llama3.1-tiny").model.attention == "sdpa"  # the default

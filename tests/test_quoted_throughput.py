@@ -35,12 +35,15 @@ def test_every_quoted_number_records_its_configuration_and_declares_each_differe
 
 
 def test_plan_names_each_difference_and_an_override_adds_one():
-    done = run_cli("plan", "--recipe", "llama3.1-8b", "--nodes", "32", "--overrides", "compile.optlevel=1")
+    done = run_cli("plan", "--recipe", "llama3.1-8b", "--nodes", "32", "--overrides",
+                   "compile.optlevel=1 model.attention=sdpa")  # fmt: skip
     assert done.returncode == 0, done.stderr
     (line,) = [x for x in done.stdout.splitlines() if x.startswith("differs")]
     assert line.endswith(
         "from the source in: sdk 2.26 (source 2.24); attention sdpa (source nki_flash); optlevel 1 (source 2)"
     )
+    as_quoted = run_cli("plan", "--recipe", "llama3.1-8b", "--nodes", "32")
+    assert "differs      from the source in: sdk 2.26 (source 2.24)\n" in as_quoted.stdout
     same = run_cli("plan", "--recipe", "llama2-7b", "--nodes", "16", "--overrides", "cluster.neuron_sdk=2.21")
     assert "differs      from the source in: sdk 2.21 (source 2.20)" in same.stdout
 
