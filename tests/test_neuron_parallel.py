@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from nxd_layers_standin import HostMasters, layer_modules
 from torch import nn
 from torch.nn import functional as F
 
@@ -69,18 +70,23 @@ def test_sequence_parallel_tags_exactly_the_norm_parameters(recipe, family):
 
 
 # -- the adapter's wiring, against a stand-in for NxD at TP 1 -------------------------------------------------------
-# The stand-in has NxD 2.29's constructor and mapping signatures (keyword names included, so a misspelt or missing
-# argument fails here) and TP-1 behaviour: each parallel linear is the whole linear and the mappings are identities.
-# It checks what can be checked off Trainium: every layer is built with the arguments the adapter means to pass, the
-# weights land in the right layers, and the hooks keep the model's function; not NxD's collectives.
+# The stand-in has NxD 0.17's (Neuron SDK 2.28's) signatures, keyword names and defaults included, so that a misspelt
+# or missing argument fails here (tests/test_nxd_signatures.py compares them with the real ones, and the adapters'
+# calls with every supported release), and TP-1 behaviour: each parallel linear is the whole linear and the mappings
+# are identities. Its layers (tests/nxd_layers_standin.py) handle devices as NxD's do, and record the unsharded host
+# tensors NxD's init would allocate. It checks what can be checked off Trainium: every layer is built with the
+# arguments the adapter means to pass, the weights land in the right layers, and the hooks keep the model's function;
+# not NxD's collectives.
 
 
 def install_fake_nxd(
     monkeypatch, tp: int = 1, rank: int = 0, dp: int = 1, dp_rank: int = 0, pp: int = 1, pp_rank: int = 0
 ) -> list[dict]:
     """At tp > 1 the layers allocate NxD's shard shapes and tag them as NxD does (tensor_model_parallel,
-    partition_dim): column-parallel weights and biases split rows, row-parallel weights split columns (their bias is
-    whole), the embedding splits the vocabulary. Their forward is then not meaningful (no collectives).
+    partition_dim, partition_stride, num_partitions): column-parallel weights and biases split rows, row-parallel
+    weights split columns (their bias is whole), the embedding splits the vocabulary. Their forward is then not
+    meaningful (no collectives). The layers module's host_masters (a HostMasters) records their host inits.
+    The parallel state is always initialised (NxD 0.15+'s layers fall back to a non-parallel state otherwise).
     The process groups are NxD's on trn1 at TP 8 (consecutive TP groups, strided DP groups) for a world of tp x dp,
     this process being TP rank `rank` of DP rank `dp_rank`; see _fake_zero1_optimizer for the zero-1 optimizer.
     Pipeline stages (pp > 1) only answer this process's PP size, rank and group (the pipeline model itself:
@@ -92,80 +98,12 @@ def install_fake_nxd(
     tp_groups = [[d * tp + t for t in range(tp)] for d in range(dp)]
     dp_groups = [[d * tp + t for d in range(dp)] for t in range(tp)]
 
-    def tag(param: nn.Parameter, dim: int) -> None:
-        param.tensor_model_parallel, param.partition_dim = True, dim
-
-    class _Linear(nn.Linear):
-        def __init__(
-            self,
-            input_size,
-            output_size,
-            bias=True,
-            *,
-            dtype=torch.float32,
-            init_method=None,
-            reduce_dtype=torch.float32,
-            sequence_parallel_enabled=False,
-            sequence_dimension=None,
-            **kind,
-        ):
-            column = type(self).__name__ == "ColumnParallelLinear"
-            shape = (input_size, output_size // tp) if column else (input_size // tp, output_size)
-            super().__init__(*shape, bias=bias, dtype=dtype)
-            tag(self.weight, 0 if column else 1)
-            if bias and column:
-                tag(self.bias, 0)
-            sp = (sequence_parallel_enabled, sequence_dimension)
-            layer = {"layer": type(self).__name__, "dtype": dtype, "reduce_dtype": reduce_dtype, "sp": sp}
-            built.append({**layer, "init_method": init_method, **kind})
-            if init_method is not None:
-                init_method(self.weight)
-
-    class ColumnParallelLinear(_Linear):
-        def __init__(self, *args, gather_output=True, **kwargs):
-            super().__init__(*args, gather_output=gather_output, **kwargs)
-
-    class RowParallelLinear(_Linear):
-        def __init__(self, *args, input_is_parallel=False, **kwargs):
-            super().__init__(*args, input_is_parallel=input_is_parallel, **kwargs)
-
-    class GQAQKVColumnParallelLinear(nn.Module):
-        """NxD 2.29's (src/neuronx_distributed/modules/qkv_linear.py): its constructor's arguments and defaults, the
-        local sizes it allocates (q: output_sizes[0] / tp rows, k and v: output_sizes[1] * kv_size_multiplier / tp
-        each) in one fused weight_qkv [q | k | v] tagged as a column-parallel weight, and a forward returning
-        (q, k, v); not its collectives (the KV-group gradient sum)."""
-
-        def __init__(self, input_size, output_sizes, bias=True, gather_output=True, dtype=torch.float32, device=None,
-                     init_method=None, sequence_parallel_enabled=False, keep_master_weight=False,
-                     kv_size_multiplier=1, fuse_qkv=True, reduce_dtype=torch.float32):  # fmt: skip
-            super().__init__()
-            assert tp % kv_size_multiplier == 0 and (output_sizes[1] * kv_size_multiplier) % tp == 0
-            self.q_out, self.kv_out = output_sizes[0] // tp, output_sizes[1] * kv_size_multiplier // tp
-            kv_state["multiplier"] = kv_size_multiplier  # initialize_kv_group, called by the real constructor
-            # Untagged: NxD 2.29's initialize_weight_biases re-creates the fused weight (torch.cat of tagged views)
-            # as a new Parameter without tensor_model_parallel / partition_dim.
-            self.weight_qkv = nn.Parameter(torch.empty(self.q_out + 2 * self.kv_out, input_size, dtype=dtype))
-            built.append({"layer": "GQAQKVColumnParallelLinear", "dtype": dtype, "reduce_dtype": reduce_dtype,
-                          "init_method": init_method, "output_sizes": output_sizes, "bias": bias,
-                          "gather_output": gather_output, "kv_size_multiplier": kv_size_multiplier,
-                          "fuse_qkv": fuse_qkv, "sp": (sequence_parallel_enabled, None)})  # fmt: skip
-            if init_method is not None:
-                init_method(self.weight_qkv)
-
-        def forward(self, x):
-            return torch.nn.functional.linear(x, self.weight_qkv).split([self.q_out, self.kv_out, self.kv_out], -1)
-
-    class ParallelEmbedding(nn.Embedding):
-        def __init__(self, num_embeddings, embedding_dim, *, init_method=None, dtype=torch.float32):
-            super().__init__(num_embeddings // tp, embedding_dim, dtype=dtype)
-            tag(self.weight, 0)
-            built.append({"layer": "ParallelEmbedding", "dtype": dtype, "init_method": init_method})
-
     def scatter_to_sequence_parallel_region(input_, sequence_dimension=0, process_group=None):
         assert sequence_dimension == 1  # our activations are [batch, seq, hidden], not NxD's default [seq, ...]
         return input_
 
-    def gather_from_sequence_parallel_region(input_, sequence_dimension=0, to_model_parallel=True, process_group=None):
+    def gather_from_sequence_parallel_region(input_, sequence_dimension=0, to_model_parallel=True, process_group=None,
+                                             tile_cc=False):  # fmt: skip
         assert sequence_dimension == 1 and not to_model_parallel
         return input_
 
@@ -173,7 +111,7 @@ def install_fake_nxd(
     kv_state: dict[str, int] = {}
 
     def get_kv_shared_group(as_list=False):
-        """trn1's KV-shared groups (parallel_state.arrange_kv_groups, NxD 2.29): the copies of a KV head on TP ranks
+        """trn1's KV-shared groups (parallel_state.arrange_kv_groups, NxD 0.17): the copies of a KV head on TP ranks
         j, j + tp / r, j + 2 tp / r, ... of each TP group."""
         assert as_list
         kv = tp // kv_state["multiplier"]
@@ -183,6 +121,16 @@ def install_fake_nxd(
         assert not hasattr(tensor, "tensor_model_parallel")  # NxD asserts the attributes are not set yet
         tensor.tensor_model_parallel, tensor.partition_dim, tensor.partition_stride = is_parallel, dim, stride
         tensor.num_partitions, tensor.rank_ordering = num_partitions, rank_ordering
+
+    def initialize_kv_group(kv_shared_group_size=1, sequential_ranks_in_group=False):
+        # NxD builds the KV-shared groups once; every later layer must ask for the same size
+        assert kv_state.setdefault("multiplier", kv_shared_group_size) == kv_shared_group_size
+
+    host = HostMasters()
+    layers = layer_modules(tp, rank, built, host, types.SimpleNamespace(
+        set_tensor_model_parallel_attributes=set_tensor_model_parallel_attributes,
+        initialize_kv_group=initialize_kv_group,
+    ))  # fmt: skip
 
     grad_calls: list[tuple] = []
 
@@ -214,11 +162,7 @@ def install_fake_nxd(
 
     modules = {
         "neuronx_distributed": {},
-        "neuronx_distributed.parallel_layers.layers": dict(
-            ColumnParallelLinear=ColumnParallelLinear,
-            RowParallelLinear=RowParallelLinear,
-            ParallelEmbedding=ParallelEmbedding,
-        ),
+        **layers,
         "neuronx_distributed.parallel_layers.mappings": dict(
             scatter_to_sequence_parallel_region=scatter_to_sequence_parallel_region,
             gather_from_sequence_parallel_region=gather_from_sequence_parallel_region,
@@ -233,8 +177,9 @@ def install_fake_nxd(
             get_tensor_model_parallel_replica_groups=lambda: [list(g) for g in tp_groups],
             get_pipeline_model_parallel_size=lambda: pp,
             get_pipeline_model_parallel_rank=lambda: pp_rank,
-            get_pipeline_model_parallel_group=lambda: "nxd-pp-group",
+            get_pipeline_model_parallel_group=lambda as_list=False: "nxd-pp-group",
             get_kv_shared_group=get_kv_shared_group,
+            initialize_kv_group=initialize_kv_group,
             model_parallel_is_initialized=lambda: True,
             initialize_model_parallel=initialize_model_parallel,
             calls=state_calls,
@@ -243,7 +188,6 @@ def install_fake_nxd(
             set_tensor_model_parallel_attributes=set_tensor_model_parallel_attributes
         ),
         "neuronx_distributed.modules": {},
-        "neuronx_distributed.modules.qkv_linear": dict(GQAQKVColumnParallelLinear=GQAQKVColumnParallelLinear),
         "neuronx_distributed.parallel_layers.grads": dict(
             bucket_allreduce_gradients=bucket_allreduce_gradients,
             clip_grad_norm=clip_grad_norm,

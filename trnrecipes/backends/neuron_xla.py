@@ -75,8 +75,9 @@ class NeuronXlaBackend(XlaBackend):
         nxd.apply_neuron_tensor_parallel(model, recipe.model.family, recipe.layout.sequence_parallel)
 
     def materialize(self, model: nn.Module) -> None:
-        # NxD layers allocate their shard on the host already; the rest (norms) is materialised there too. Not
-        # Module.to_empty: it would drop the attributes NxD sets on its Parameters.
+        # The NxD layers were built on meta (trnrecipes.parallel.nxd.NXD_LAYER_DEVICE), so every parameter, each
+        # shard-sized, is allocated here, on the host. Not Module.to_empty: it would drop the attributes NxD sets on
+        # its Parameters.
         materialize_meta(model, torch.device("cpu"))
 
     def to_device(self, model: nn.Module) -> None:

@@ -64,15 +64,32 @@ def sequence_parallel_params(model: nn.Module, family: str) -> list[str]:
     return [f"{norm}.{p}" for norm in norms for p, _ in model.get_submodule(norm).named_parameters()]
 
 
+# The ambient device NxD's layers are built under. On meta none of them runs its host init: ColumnParallelLinear and
+# RowParallelLinear (device=None takes the ambient device) and GQAQKVColumnParallelLinear skip it for a meta weight;
+# ParallelEmbedding allocates with no device argument at all, so only the ambient meta device (not device=meta)
+# spares it. That init (layers.py _initialize_parameter_cpu; qkv_linear.py _initialize_affine_weight, NxD 0.10 to
+# 0.17) allocates the whole unsharded weight in fp32, and a downcast copy, on every rank at once, to slice one shard
+# out of it. trnrecipes.train.build then allocates each shard alone (the backend's materialize) and fills it.
+NXD_LAYER_DEVICE = torch.device("meta")
+
+
 def _keep_uninitialized(weight: torch.Tensor) -> None:
-    """NxD layers' init_method: their weights are overwritten with our shards right after construction."""
+    """NxD layers' init_method: never called on meta; where a layer does run its host init, the values drawn would
+    be overwritten by our shards right after construction."""
+
+
+def _layer_args(dtype: torch.dtype) -> dict:
+    """The keywords every NxD linear gets. reduce_dtype = the weights' dtype: NxD all-reduces the input gradient in
+    reduce_dtype, and when that differs (its default fp32 vs bf16 weights) it reduces a converted copy and returns the
+    unreduced original (layers_utils._linear_autograd_bwd_grad_reduce, NxD 2.29)."""
+    return {"dtype": dtype, "reduce_dtype": dtype, "init_method": _keep_uninitialized}
 
 
 def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_parallel: bool = False) -> nn.Module:
-    """Replace the model's linears/embedding/head with NxD layers, each allocating only this rank's shard, left
-    unfilled: the model is built on the meta device and trnrecipes.train.build fills every parameter afterwards
-    (initialised or read from a checkpoint, by the shard's place in the full tensor: its partition_dim).
-    Call after neuronx_distributed.parallel_layers.parallel_state.initialize_model_parallel(tp)."""
+    """Replace the model's linears/embedding/head with NxD layers, built on the meta device (NXD_LAYER_DEVICE): each
+    describes this rank's shard and allocates nothing; trnrecipes.train.build materialises the shards and fills every
+    parameter afterwards (initialised or read from a checkpoint, by the shard's place in the full tensor: its
+    partition_dim). Call after neuronx_distributed.parallel_layers.parallel_state.initialize_model_parallel(tp)."""
     try:
         from neuronx_distributed.parallel_layers import layers, mappings, parallel_state
     except ImportError as err:  # PyPI's neuronx-distributed is a placeholder that fails on import as well
@@ -87,53 +104,51 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
     # Under SP only the row-parallel linears use NxD's sequence-parallel mode (reduce-scatter of the output along the
     # sequence); see the hooks below for the gathers.
     sp = {"sequence_parallel_enabled": True, "sequence_dimension": 1} if sequence_parallel else {}
-
-    def layer_args(dtype: torch.dtype) -> dict:
-        # reduce_dtype = the weights' dtype: NxD all-reduces the input gradient in reduce_dtype, and when that differs
-        # (its default fp32 vs bf16 weights) it reduces a converted copy and returns the unreduced original
-        # (layers_utils._linear_autograd_bwd_grad_reduce, NxD 2.29). The no-op init skips filling weights that are
-        # filled right after.
-        return {"dtype": dtype, "reduce_dtype": dtype, "init_method": _keep_uninitialized}
-
-    for spec in linear_specs(model, family):
-        dtype = model.get_submodule(spec.name).weight.dtype
-        if replicated and spec.name.endswith(".attn.qkv"):
-            attn = model.get_submodule(spec.name.removesuffix(".qkv"))
-            attn.qkv = replicated_qkv(model.args, tp, dtype, layer_args(dtype))
-            attn.q_per_kv = model.args.num_heads // tp
-            continue
-        if spec.kind == "column":
-            new = layers.ColumnParallelLinear(
-                spec.in_features, spec.out_features, bias=spec.bias, gather_output=False, **layer_args(dtype)
+    # A pipeline stage (trnrecipes.parallel.pipeline.StagedModel) holds the embedding on the first stage, the head last.
+    has_embed, has_head = hasattr(model, "embed"), hasattr(model, "head")
+    with torch.device(NXD_LAYER_DEVICE):
+        for spec in linear_specs(model, family):
+            dtype = model.get_submodule(spec.name).weight.dtype
+            if replicated and spec.name.endswith(".attn.qkv"):
+                attn = model.get_submodule(spec.name.removesuffix(".qkv"))
+                attn.qkv = replicated_qkv(model.args, tp, dtype)
+                attn.q_per_kv = model.args.num_heads // tp
+                continue
+            if spec.kind == "column":
+                new = layers.ColumnParallelLinear(
+                    spec.in_features, spec.out_features, bias=spec.bias, gather_output=False, **_layer_args(dtype)
+                )
+            else:
+                new = layers.RowParallelLinear(
+                    spec.in_features,
+                    spec.out_features,
+                    bias=spec.bias,
+                    input_is_parallel=True,
+                    **_layer_args(dtype),
+                    **sp,
+                )
+            model.set_submodule(spec.name, new)
+        if has_embed:
+            model.embed = layers.ParallelEmbedding(
+                model.embed.num_embeddings,
+                model.embed.embedding_dim,
+                dtype=model.embed.weight.dtype,
+                init_method=_keep_uninitialized,
             )
-        else:
-            new = layers.RowParallelLinear(
-                spec.in_features, spec.out_features, bias=spec.bias, input_is_parallel=True, **layer_args(dtype), **sp
+        if has_head:
+            model.head = layers.ColumnParallelLinear(
+                model.head.in_features,
+                model.head.out_features,
+                bias=False,
+                gather_output=True,
+                **_layer_args(model.head.weight.dtype),
             )
-        model.set_submodule(spec.name, new)
     if replicated:  # NxD's tiled KV copies move each rank's query heads: its o_proj columns move with them
         from trnrecipes.parallel.kv_replication import OUT_ATTRIBUTE
 
         for i in layer_ids(model):
             attn = model.get_submodule(f"layers.{i}.attn")
             setattr(attn.out, OUT_ATTRIBUTE, attn.qkv.kv_replication)
-    # A pipeline stage (trnrecipes.parallel.pipeline.StagedModel) holds the embedding on the first stage, the head last.
-    has_embed, has_head = hasattr(model, "embed"), hasattr(model, "head")
-    if has_embed:
-        model.embed = layers.ParallelEmbedding(
-            model.embed.num_embeddings,
-            model.embed.embedding_dim,
-            dtype=model.embed.weight.dtype,
-            init_method=_keep_uninitialized,
-        )
-    if has_head:
-        model.head = layers.ColumnParallelLinear(
-            model.head.in_features,
-            model.head.out_features,
-            bias=False,
-            gather_output=True,
-            **layer_args(model.head.weight.dtype),
-        )
     model.head_loss = logits_loss  # each rank's head holds one vocabulary shard; gather_output gives full logits
     if sequence_parallel:
         params = dict(model.named_parameters())
@@ -163,7 +178,7 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
     return model
 
 
-def replicated_qkv(args, tp: int, dtype: torch.dtype, layer_args: dict) -> nn.Module:
+def replicated_qkv(args, tp: int, dtype: torch.dtype) -> nn.Module:
     """An attention's qkv for TP wider than the KV heads: NxD's GQAQKVColumnParallelLinear with kv_size_multiplier
     tp / num_kv_heads (neuronx-distributed 2.29, src/neuronx_distributed/modules/qkv_linear.py), as AWS's Llama 3
     examples build it (fuse_qkv, kv_replicator = tp / 8). Each rank holds H / tp query heads and one copy of one KV
@@ -191,19 +206,22 @@ def replicated_qkv(args, tp: int, dtype: torch.dtype, layer_args: dict) -> nn.Mo
             return torch.cat(super().forward(x), dim=-1)
 
     hd, kv = args.head_dim, args.num_kv_heads
-    layer = FusedQKV(
-        args.hidden_size,
-        [args.num_heads * hd, kv * hd],
-        bias=False,
-        gather_output=False,
-        kv_size_multiplier=tp // kv,
-        fuse_qkv=True,
-        **layer_args,
-    )
+    with torch.device(NXD_LAYER_DEVICE):  # no host init (its _initialize_affine_weight): see NXD_LAYER_DEVICE
+        layer = FusedQKV(
+            args.hidden_size,
+            [args.num_heads * hd, kv * hd],
+            bias=False,
+            gather_output=False,
+            kv_size_multiplier=tp // kv,
+            fuse_qkv=True,
+            **_layer_args(dtype),
+        )
     layer._parameters["weight"] = layer._parameters.pop("weight_qkv")
     if not getattr(layer.weight, "tensor_model_parallel", False):
-        # NxD 2.29's initialize_weight_biases replaces the fused weight by a new Parameter (torch.cat of the tagged
-        # q/k/v views) without the tags: its clip_grad_norm would count it on TP rank 0 only, and shard_dim is None
+        # NxD leaves the fused weight untagged: on meta it skips _initialize_affine_weight, which tags the q/k/v
+        # views, and initialize_weight_biases replaces the fused weight by a new Parameter (torch.cat of the views)
+        # anyway (NxD 0.10 to 0.17). Untagged, its clip_grad_norm would count it on TP rank 0 only and shard_dim
+        # would be None.
         set_tensor_model_parallel_attributes(layer.weight, True, 0, 1, num_partitions=tp)
     layout = KVReplication(kv, tp // kv, args.num_heads // kv, hd, interleaved=True)
     check_kv_groups(layout)
