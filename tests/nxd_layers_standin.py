@@ -122,7 +122,7 @@ def layer_modules(tp: int, rank: int, built: list[dict], host: HostMasters, stat
             bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
             init.uniform_(self.bias, -bound, bound)
 
-        def _keep(self, dtype, init_method, stride, keep_master_weight, pad, skip_bias_add) -> None:
+        def _options(self, dtype, init_method, stride, keep_master_weight, pad, skip_bias_add) -> None:
             if pad or skip_bias_add:
                 raise NotImplementedError("pad / skip_bias_add are not modelled")
             self.dtype, self.arg_init_method, self.stride = dtype, init_method, stride
@@ -138,7 +138,7 @@ def layer_modules(tp: int, rank: int, built: list[dict], host: HostMasters, stat
                      keep_padded_output=False, tensor_model_parallel_group=None, reduce_dtype=torch.float32,
                      rank_ordering=None):  # fmt: skip
             super().__init__()
-            self._keep(dtype, init_method, stride, keep_master_weight, pad, skip_bias_add)
+            self._options(dtype, init_method, stride, keep_master_weight, pad, skip_bias_add)
             bias_shape = ((output_size if gather_output else output_size // tp),) if bias else None
             self._allocate((output_size // tp, input_size), 0, bias_shape, device, rank_ordering)
             if bias and not gather_output:
@@ -156,7 +156,7 @@ def layer_modules(tp: int, rank: int, built: list[dict], host: HostMasters, stat
             super().__init__()
             if sequence_parallel_enabled and not input_is_parallel:
                 raise RuntimeError("To enable `sequence_parallel_enabled`, `input_is_parallel` must be `True`")
-            self._keep(dtype, init_method, stride, keep_master_weight, pad, skip_bias_add)
+            self._options(dtype, init_method, stride, keep_master_weight, pad, skip_bias_add)
             self._allocate((output_size, input_size // tp), 1, (output_size,) if bias else None, device, rank_ordering)
             if bias:
                 self.bias.sequence_parallel_enabled = sequence_parallel_enabled
