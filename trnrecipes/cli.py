@@ -175,7 +175,14 @@ def _parser() -> argparse.ArgumentParser:
         help="rows per record batch (default 1048576; converting holds one batch in memory, about twice; training"
         " reads the batches in place, memory-mapped, and keeps a small object per batch)",
     )
+    sub.add_argument(
+        "--shard-bytes",
+        metavar="N",
+        help="write a directory of Arrow shards of about N bytes each (e.g. 1G, 512M) with a manifest, which"
+        " training reads as one corpus (data.path names the directory), instead of one file",
+    )
     _text_args(sub, rejects="OUT.rejects.jsonl")
+    _workers_arg(sub)
     sub = actions.add_parser("preprocess", help="tokenize into Megatron/NeMo PREFIX.bin + PREFIX.idx (EOS appended)")
     sub.set_defaults(handler=_preprocess)
     sub.add_argument("--in", dest="inputs", required=True, nargs="+", help="input file(s) or dirs (as to-arrow)")
@@ -183,6 +190,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--out", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
     sub.add_argument("--dtype", default="auto", help="token dtype: auto (uint16 if the vocab fits), uint16, int32")
     _text_args(sub, rejects="PREFIX.rejects.jsonl")
+    _workers_arg(sub)
     sub = actions.add_parser("prepare-demo", help="the demo corpus and tokenizers under data/ (make setup runs it)")
     sub.set_defaults(handler=_prepare_demo)
     sub = actions.add_parser(
@@ -340,6 +348,24 @@ def _text_args(sub: argparse.ArgumentParser, rejects: str | None) -> None:
     )
 
 
+def _workers_arg(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="processes converting the input files at once (default: this machine's cores); the output is the same"
+        " for any N. The work goes by way of OUT.parts/, so a conversion killed halfway resumes from the files done",
+    )
+
+
+def _workers(args: argparse.Namespace) -> int:
+    from trnrecipes.data.parallel import default_workers
+
+    if args.workers is not None and args.workers < 1:
+        raise RecipeError(f"--workers must be 1 or more, got {args.workers}")
+    return args.workers or default_workers()
+
+
 def _bad_record_policy(args: argparse.Namespace) -> str:
     """--on-bad-record, from it or the deprecated --on-bad-utf8 (saying so in a note)."""
     from trnrecipes.data.bad_records import bad_record_policy
@@ -377,43 +403,66 @@ def _report_conversion(stats, out: str, policy: str, rejects: Path) -> None:
 def _to_arrow(args: argparse.Namespace) -> int:
     from trnrecipes.data.arrow import to_arrow
     from trnrecipes.data.bad_records import rejects_of
-    from trnrecipes.data.inputs import find_inputs
+    from trnrecipes.data.conversion import to_arrow_in_parts
+    from trnrecipes.data.corpus_writer import check_shard_output, parse_bytes
+    from trnrecipes.data.inputs import STDIN, find_inputs
+    from trnrecipes.data.work_dir import parts_path
 
     policy = _bad_record_policy(args)
+    workers = _workers(args)
+    shard_bytes = parse_bytes(args.shard_bytes, "--shard-bytes") if args.shard_bytes is not None else None
     files = find_inputs(args.inputs, args.split)
     rejects = rejects_of(args.out)
-    check_output(args.out, inputs=_read_paths(args.inputs, files))
-    check_output(rejects, flag="the rejects file", inputs=_read_paths(args.inputs, files))
-    stats = to_arrow(
-        files,
-        Path(args.out),
-        args.text_field,
-        policy,
-        label_field=args.label_field,
-        batch_rows=args.batch_rows,
-        max_bad_records=args.max_bad_records,
-    )
+    read = _read_paths(args.inputs, files)
+    check_output(args.out, inputs=read, directory=shard_bytes is not None)
+    if shard_bytes is not None:
+        check_shard_output(Path(args.out))
+    check_output(rejects, flag="the rejects file", inputs=read)
+    options = dict(label_field=args.label_field, batch_rows=args.batch_rows, max_bad_records=args.max_bad_records)
+    if STDIN in args.inputs:  # standard input is read once, here: no parts to resume from
+        stats = to_arrow(files, Path(args.out), args.text_field, policy, shard_bytes=shard_bytes, **options)
+    else:
+        check_output(parts_path(args.out), flag="the work dir", inputs=read, directory=True)
+        stats = to_arrow_in_parts(
+            files, Path(args.out), text_field=args.text_field, on_bad_record=policy, shard_bytes=shard_bytes,
+            workers=workers, **options, log=_note,
+        )  # fmt: skip
     _report_conversion(stats, args.out, policy, rejects)
     if args.label_field:
         print(f"  {args.label_field}: " + ", ".join(f"{c}: {n:,}" for c, n in sorted(stats.labels.items())))
     return 0
 
 
+def _note(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def _preprocess(args: argparse.Namespace) -> int:
     from trnrecipes.data.bad_records import rejects_of
+    from trnrecipes.data.conversion import preprocess_in_parts
     from trnrecipes.data.indexed import preprocess
-    from trnrecipes.data.inputs import REJECTS_SUFFIX, find_inputs
+    from trnrecipes.data.inputs import REJECTS_SUFFIX, STDIN, find_inputs
     from trnrecipes.data.tokenized_with import TOKENIZED_WITH
     from trnrecipes.data.tokenizer import load_tokenizer
+    from trnrecipes.data.work_dir import parts_path
 
     policy = _bad_record_policy(args)
+    workers = _workers(args)
     files = find_inputs(args.inputs, args.split)
     suffixes = (".bin", ".idx", TOKENIZED_WITH, REJECTS_SUFFIX)
-    check_prefix(args.out, suffixes, inputs=[*_read_paths(args.inputs, files), args.tokenizer])
+    read = [*_read_paths(args.inputs, files), args.tokenizer]
+    check_prefix(args.out, suffixes, inputs=read)
     tok = load_tokenizer(args.tokenizer)
-    stats, tokens = preprocess(
-        files, tok, Path(args.out), args.text_field, args.dtype, policy, max_bad_records=args.max_bad_records
-    )
+    if STDIN in args.inputs:  # standard input is read once, here: no parts to resume from
+        stats, tokens = preprocess(
+            files, tok, Path(args.out), args.text_field, args.dtype, policy, max_bad_records=args.max_bad_records
+        )
+    else:
+        check_output(parts_path(args.out), flag="the work dir", inputs=read, directory=True)
+        stats, tokens = preprocess_in_parts(
+            files, tok, Path(args.out), text_field=args.text_field, dtype=args.dtype, on_bad_record=policy,
+            max_bad_records=args.max_bad_records, workers=workers, log=_note,
+        )  # fmt: skip
     _report_conversion(stats, f"{args.out}.bin/.idx", policy, rejects_of(args.out))
     print(f"  {tokens:,} tokens ({tok.engine} engine, EOS {tok.eos_id} after each document)")
     return 0

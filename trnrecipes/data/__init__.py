@@ -1,4 +1,5 @@
-"""Data: raw text -> one Arrow file (memory-mapped) or Megatron .bin/.idx -> tokens -> fixed-length packed samples.
+"""Data: raw text -> one Arrow file or a directory of shards (memory-mapped) or Megatron .bin/.idx, converted in worker
+processes (conversion.py) -> tokens -> fixed-length packed samples.
 
 Samples are numpy arrays; the training loop turns them into tensors. Only the Megatron reader (megatron-core)
 imports torch. Imports config/ and trnrecipes.schema only; opening a recipe's data section: sources.py.

@@ -111,10 +111,12 @@ def _arrow_documents(path: Path, text_field: str, label: str, problems: list[str
     from trnrecipes.data import DataError
     from trnrecipes.data.arrow import ArrowTexts
 
-    if path.stat().st_size > CHECK_NOTICE_BYTES:  # a walk over every record batch's header
+    if path.is_dir() or path.stat().st_size > CHECK_NOTICE_BYTES:  # a walk over every record batch's header
         print(f"[trnrecipes] checking {path}'s documents ...", file=sys.stderr, flush=True)
     try:
-        return len(ArrowTexts(path, text_field))
+        texts = ArrowTexts(path, text_field)
+        texts.check()  # every shard of a shard directory: its text column, and the rows its manifest says
+        return len(texts)
     except DataError as err:
         problems.append(f"{label}: {str(err).removeprefix(f'{path}: ')}")
         return None

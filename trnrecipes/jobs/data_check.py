@@ -3,7 +3,8 @@ recipe says they are, and the tokenizer's vocabulary fits the model's embedding.
 
 `trnrecipes sbatch` refuses a job whose data fails this (`--no-data-check` skips it on a host that cannot see the
 cluster's file system); `trnrecipes plan` prints the same findings as warnings. Light: file magic and tokenizer.json
-read as JSON, no pyarrow or tokenizers needed (the render host may have only the core install). Each finding is one
+read as JSON (and a shard directory's manifest), no pyarrow or tokenizers needed (the render host may have only the
+core install). Each finding is one
 line naming the path, what is wrong, and the command that makes the file.
 """
 
@@ -13,6 +14,8 @@ import json
 from pathlib import Path
 
 from trnrecipes.config.sections import Recipe
+from trnrecipes.data import DataError
+from trnrecipes.data.manifest import MANIFEST, read_manifest
 from trnrecipes.data.sources import data_path
 from trnrecipes.data.tokenized_with import tokenized_with, tokenizer_fingerprint
 from trnrecipes.files.reach import blocked
@@ -103,10 +106,31 @@ def check_corpus_file(label: str, path: str, fmt: str, tokenizer: str, repo_root
         return _check_tokenized_with(label, path, full, tokenizer, repo_root)
     if not full.exists():
         return [f"{label} {path}: {full} does not exist; {_made_by(path, 'arrow')}"]
+    if full.is_dir():
+        return _check_shards(label, path, full, fmt)
     if not full.is_file():
         return [f"{label} {path}: {full} is not a file (an Arrow file made by `trnrecipes data to-arrow`)"]
     problem = _sniff_arrow(full)
     return [f"{label} {path}: {full} {problem}; data.format {fmt}"] if problem else []
+
+
+def _check_shards(label: str, path: str, full: Path, fmt: str) -> list[str]:
+    """A directory of Arrow shards (`data to-arrow --shard-bytes`): its manifest readable, every shard it lists there
+    and an Arrow stream by its first bytes (their rows are counted by corpus_check)."""
+    try:
+        manifest = read_manifest(full)
+    except DataError as err:
+        return [f"{label} {path}: {err}"]
+    for shard in manifest.shards:
+        f = full / shard.file
+        if not f.is_file():
+            return [
+                f"{label} {path}: {f} is missing, yet {MANIFEST} lists it; write the corpus again with `trnrecipes"
+                " data to-arrow`"
+            ]
+        if problem := _sniff_arrow(f):
+            return [f"{label} {path}: {f} {problem}; data.format {fmt}"]
+    return []
 
 
 def _check_tokenized_with(label: str, path: str, full: Path, tokenizer: str, repo_root: Path) -> list[str]:

@@ -107,7 +107,7 @@ def _corpus_tokens(source, tokenizer: str, repo_root: Path) -> tuple[float, bool
             itemsize = MEGATRON_ITEMSIZE.get(struct.unpack("<B", header[17:18])[0]) if len(header) == 18 else None
             size = Path(f"{full}.bin").stat().st_size
             return (size / itemsize, True) if itemsize else None
-        if not full.is_file():
+        if not (full.is_file() or full.is_dir()):  # a shard directory's manifest gives its text bytes
             return None
         return _arrow_tokens(full, source.text_field, data_path(tokenizer, repo_root))
     except (OSError, ValueError):
@@ -116,7 +116,7 @@ def _corpus_tokens(source, tokenizer: str, repo_root: Path) -> tuple[float, bool
 
 def _arrow_tokens(path: Path, text_field: str, tokenizer_dir: Path) -> tuple[float, bool] | None:
     if importlib.util.find_spec("pyarrow") is None:
-        return path.stat().st_size / BYTES_PER_TOKEN, False
+        return _arrow_bytes(path) / BYTES_PER_TOKEN, False
     from trnrecipes.data import DataError
     from trnrecipes.data.arrow import ArrowTexts
 
@@ -125,7 +125,7 @@ def _arrow_tokens(path: Path, text_field: str, tokenizer_dir: Path) -> tuple[flo
     except DataError:
         return None  # sbatch's data check says why
     n = len(texts)
-    text_bytes = sum(_value_bytes(c) for c in texts.chunks)
+    text_bytes = texts.text_bytes()
     if n == 0:
         return None
     bytes_per_token = BYTES_PER_TOKEN
@@ -141,15 +141,10 @@ def _arrow_tokens(path: Path, text_field: str, tokenizer_dir: Path) -> tuple[flo
     return text_bytes / bytes_per_token + n, False  # + one EOS per document
 
 
-def _value_bytes(chunk) -> int:
-    """The bytes of text in one chunk of a string column: its last offset less its first, without reading a text."""
-    if len(chunk) == 0:
-        return 0
-    width = 8 if chunk.type.equals("large_string") else 4
-    view = memoryview(chunk.buffers()[1])
-    first, last = chunk.offset * width, (chunk.offset + len(chunk)) * width
+def _arrow_bytes(path: Path) -> int:
+    """An Arrow corpus's size on disk: the file's, or the shards' a shard directory lists."""
+    if not path.is_dir():
+        return path.stat().st_size
+    from trnrecipes.data.manifest import read_manifest
 
-    def at(i: int) -> int:
-        return int.from_bytes(view[i : i + width], "little", signed=True)
-
-    return at(last) - at(first)
+    return sum((path / shard.file).stat().st_size for shard in read_manifest(path).shards)

@@ -1,0 +1,272 @@
+"""`data to-arrow` and `data preprocess` in worker processes (docs/data.md, "Workers, resume and shards"): the same
+bytes and the same bad-record verdicts for any --workers, a conversion killed halfway resumed from its parts in
+OUT.parts/ (which is never used nor removed unless a conversion made it), and a directory of shards
+(--shard-bytes) that training, sbatch and plan read as one corpus."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from conftest import REPO
+from test_data import take
+from test_data_inputs import GPT2, docs, texts_of, write
+
+from trnrecipes.cli import main
+from trnrecipes.data import DataError, parts
+from trnrecipes.data.arrow import ArrowTexts, file_records, file_texts, to_arrow
+from trnrecipes.data.bad_records import BadRecords
+from trnrecipes.data.indexed import preprocess
+from trnrecipes.data.inputs import InputFile
+from trnrecipes.data.pack import PackedStream, StreamPosition, split_documents
+from trnrecipes.data.sources import open_documents
+from trnrecipes.data.tokenizer import load_tokenizer
+
+
+@pytest.fixture
+def a_unit_a_file(monkeypatch):
+    """Every input file a unit of its own, as shards of 128 MB are (these are a few KB)."""
+    monkeypatch.setattr(parts, "UNIT_BYTES", 1)
+
+
+def cli(capsys, *argv: str | Path | int) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def corpus(root: Path, files: int = 4, each: int = 300) -> Path:
+    for k in range(files):
+        write(root / f"{k:02d}.jsonl", docs(*[f"shard {k} document {i} " + "word " * (i % 13) for i in range(each)]))
+    return root
+
+
+def batches_of(path: Path) -> list[int]:
+    return [b.num_rows for b in pa.ipc.open_stream(pa.memory_map(str(path)))]
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
+
+
+def test_any_number_of_workers_writes_the_same_bytes(tmp_path, capsys, a_unit_a_file):
+    src = corpus(tmp_path / "in")
+    for w in (1, 2):
+        out = tmp_path / f"w{w}.arrow"
+        argv = ["--in", src, "--out", out, "--workers", w, "--batch-rows", 250]
+        code, stdout, err = cli(capsys, "data", "to-arrow", *argv)
+        assert (code, stdout) == (0, f"wrote {out}: 1200 documents\n"), err
+        shards = tmp_path / f"shards{w}"
+        argv = ["--shard-bytes", "20K", "--batch-rows", 100, "--workers", w]
+        assert cli(capsys, "data", "to-arrow", "--in", src, "--out", shards, *argv)[0] == 0
+    assert (tmp_path / "w1.arrow").read_bytes() == (tmp_path / "w2.arrow").read_bytes()
+    assert batches_of(tmp_path / "w2.arrow") == [250] * 4 + [200]  # batches of the whole, not of each file
+    to_arrow([src], tmp_path / "one.arrow", batch_rows=250, progress=False)  # one process, no parts
+    assert (tmp_path / "one.arrow").read_bytes() == (tmp_path / "w2.arrow").read_bytes()
+    assert files_of(tmp_path / "shards1") == files_of(tmp_path / "shards2")
+    assert len(files_of(tmp_path / "shards2")) > 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "in",
+        "one.arrow",
+        "shards1",
+        "shards2",
+        "w1.arrow",
+        "w2.arrow",
+    ]
+
+
+def test_preprocess_writes_the_same_bin_and_idx_for_any_number_of_workers(tmp_path, capsys, a_unit_a_file):
+    src = corpus(tmp_path / "in", files=3, each=200)
+    for w in (1, 2):
+        argv = ["--in", src, "--tokenizer", GPT2, "--out", tmp_path / f"w{w}", "--workers", w]
+        code, stdout, err = cli(capsys, "data", "preprocess", *argv)
+        assert code == 0 and stdout.startswith(f"wrote {tmp_path / f'w{w}'}.bin/.idx: 600 documents"), err
+    preprocess([src], load_tokenizer(GPT2), tmp_path / "one", progress=False)
+    for suffix in (".bin", ".idx"):
+        one = Path(f"{tmp_path / 'one'}{suffix}").read_bytes()
+        assert Path(f"{tmp_path / 'w1'}{suffix}").read_bytes() == one == Path(f"{tmp_path / 'w2'}{suffix}").read_bytes()
+    assert not list(tmp_path.glob("*.parts"))
+
+
+def test_bad_records_get_the_same_verdict_and_rejects_for_any_number_of_workers(tmp_path, capsys, a_unit_a_file):
+    """The first file's bad record is its last line; the second's is its first, which the other worker meets first:
+    the error names the first file's, as one process reading them in a row would."""
+    first = write(tmp_path / "in/0.jsonl", docs(*[f"good {i}" for i in range(4000)]) + b"{broken\n")
+    second = write(tmp_path / "in/1.jsonl", b"{also broken\n" + docs("after"))
+    write(tmp_path / "in/2.jsonl", docs("last"))
+    src, out = tmp_path / "in", tmp_path / "o.arrow"
+    verdicts = {}
+    for w in (1, 2):
+        code, _, err = cli(capsys, "data", "to-arrow", "--in", src, "--out", out, "--workers", w)
+        assert code == 2 and err.splitlines()[-1].startswith(f"error: {first}:4001: not valid JSON ("), err
+        code, _, limit = cli(capsys, "data", "to-arrow", "--in", src, "--out", out, "--workers", w,
+                             "--on-bad-record", "skip", "--max-bad-records", 1)  # fmt: skip
+        assert code == 2 and not out.exists()
+        code, stdout, _ = cli(capsys, "data", "to-arrow", "--in", src, "--out", out, "--workers", w,
+                              "--on-bad-record", "skip")  # fmt: skip
+        assert code == 0 and stdout.endswith(", rejected 2 bad records (listed in " + f"{out}.rejects.jsonl)\n")
+        rejects = Path(f"{out}.rejects.jsonl").read_bytes()
+        verdicts[w] = (err.splitlines()[-1], limit.splitlines()[-1], texts_of(out), rejects)
+        out.unlink()
+    assert verdicts[1] == verdicts[2]
+    _, limit, texts, rejects = verdicts[2]
+    assert limit.startswith(f"error: {second}:1: not valid JSON (") and f"(the first: {first}:4001: not valid" in limit
+    listed = [(r["file"], r["line"]) for r in map(json.loads, rejects.splitlines())]
+    assert listed == [(str(first), 4001), (str(second), 1)]
+    assert texts[-2:] == ["after", "last"] and len(texts) == 4002
+
+
+def test_the_quicker_json_lines_loop_reads_what_the_line_by_line_reader_reads(tmp_path):
+    """Blank lines, CRLF, a BOM, bad records of every kind, whitespace-only and non-ASCII texts, a duplicate key, a
+    last line without a newline: the same texts and the same bad records, in the same order."""
+    lines = [b'{"text": "plain"}', b"", b" \t ", b'{"text": "crlf"}\r', b'{"text": null}', b'{"text": 5}',
+             b'{"body": "no text"}', b"[1, 2]", b'"a string"', b"null", b'{"text": "a", "text": "b"}',
+             b'{"text": "x"} trailing', b'\xef\xbb\xbf{"text": "bom"}', b'{"text": "\xff"}', b'{"text": "  "}',
+             b'{"text": "\\u2003"}', b'{"text": "caf\\u00e9 \\ud83d\\ude00", "meta": {"a": [1, null]}}',
+             b'{"text": "big", "n": ' + b"9" * 5000 + b"}", b'{"text": "last"}']  # fmt: skip
+    src = InputFile(write(tmp_path / "tricky.jsonl", b"\n".join(lines)), "jsonl")
+    quick, one_by_one = BadRecords("skip"), BadRecords("skip")
+    quick.sink, one_by_one.sink = io.StringIO(), io.StringIO()
+    texts = [text for block, _ in file_texts(src, "text", quick, None) for text in block]
+    assert texts == [text for text, _ in file_records(src, "text", one_by_one, None)]
+    assert texts == ["plain", "crlf", "b", "  ", "\u2003", "caf\u00e9 \U0001f600", "last"]
+    assert quick.sink.getvalue() == one_by_one.sink.getvalue() and quick.count == one_by_one.count == 10
+
+
+def test_a_killed_conversion_resumes_from_the_parts_done(tmp_path, capsys, a_unit_a_file):
+    src = corpus(tmp_path / "in", files=6, each=200)
+    out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
+    argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SLOW_PARTS_PAUSE_S": "0.4"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests/slow_parts.py"), *argv], env=env, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not list(work.glob("part_*.json")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    workers = children(proc.pid)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    gone_by = time.monotonic() + 20  # the workers see their parent gone, and stop
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < gone_by:
+        time.sleep(0.05)
+    assert workers and not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    done = sorted(p.name for p in work.glob("part_*.json"))
+    assert 1 <= len(done) < 6 and not out.exists(), (done, proc.stderr.read())
+    code, stdout, err = cli(capsys, *argv[:-2], "--workers", 1)
+    assert code == 0 and stdout == f"wrote {out}: 1200 documents\n"
+    assert err.startswith(f"[trnrecipes] resuming {work}: {len(done)} of 6 parts already done\n"), err
+    assert not work.exists()
+    to_arrow([src], tmp_path / "straight.arrow", progress=False)
+    assert out.read_bytes() == (tmp_path / "straight.arrow").read_bytes()
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (its workers, multiprocessing's resource tracker)."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def test_a_failed_conversion_keeps_its_parts_and_refuses_other_arguments(tmp_path, capsys, a_unit_a_file):
+    a = write(tmp_path / "in/a.jsonl", docs("a1", "a2"))
+    b = write(tmp_path / "in/b.jsonl", docs("b1") + b"{bad\n")
+    out, work = tmp_path / "out/o.arrow", tmp_path / "out/o.arrow.parts"
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", a, b, "--out", out, "--workers", 1)
+    assert code == 2 and err.startswith(f"[trnrecipes] kept {work} with 1 of 2 parts done: the same command resumes\n")
+    assert err.splitlines()[1].startswith(f"error: {b}:2: not valid JSON (")
+    held = files_of(work)
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", a, b, "--out", out, "--text-field", "body")
+    assert code == 2 and err == (
+        f"error: {work} holds a partial conversion made from other inputs or settings: text_field 'text' -> 'body'."
+        f" Rerun with the same ones to resume, or remove {work} (or choose another --out) to start over\n"
+    )
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", b, a, "--out", out)
+    assert (
+        code == 2 and f"other inputs or settings: inputs: 2 files -> 2 (the first that differs: #1 {a} -> {b})" in err
+    )
+    assert files_of(work) == held and sorted(held) == [".lock", "job.json", "part_000000.arrow", "part_000000.json"]
+    write(a, docs("a1", "a2", "a3"))  # its part is stale now; the bad record is skipped instead (the policy may change)
+    code, stdout, err = cli(capsys, "data", "to-arrow", "--in", a, b, "--out", out, "--on-bad-record", "skip")
+    assert code == 0 and ", rejected 1 bad record" in stdout
+    assert err == f"[trnrecipes] resuming {work}: 0 of 2 parts already done; converting again the parts of inputs" \
+                  f" changed since: {a}\n"  # fmt: skip
+    assert texts_of(out) == ["a1", "a2", "a3", "b1"] and sorted(p.name for p in out.parent.iterdir()) == [
+        "o.arrow",
+        "o.arrow.rejects.jsonl",
+    ]
+
+
+@pytest.mark.parametrize("what", ["no record", "someone else's file", "a link"])
+def test_a_work_dir_the_conversion_did_not_make_is_neither_used_nor_removed(tmp_path, capsys, what, a_unit_a_file):
+    src = write(tmp_path / "in/a.jsonl", docs("a"))
+    out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
+    if what == "a link":
+        (tmp_path / "elsewhere").mkdir()
+        work.symlink_to(tmp_path / "elsewhere")
+        expected = f"error: the work dir {work} is a symbolic link"
+    elif what == "no record":
+        work.mkdir()
+        (work / "notes.txt").write_text("mine\n")
+        expected = f"error: {work} exists and was not made by `trnrecipes data to-arrow` (no job.json in it)"
+    else:
+        write(tmp_path / "bad.jsonl", b"{bad\n")
+        assert (
+            cli(capsys, "data", "to-arrow", "--in", src, tmp_path / "bad.jsonl", "--out", out, "--workers", 1)[0] == 2
+        )
+        (work / "notes.txt").write_text("mine\n")
+        expected = f"error: {work} holds files `trnrecipes data to-arrow` did not write (notes.txt)"
+    held = files_of(work)
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", src, "--out", out)
+    assert code == 2 and err.startswith(expected), err
+    assert files_of(work) == held and not out.exists()
+
+
+def test_a_shard_directory_is_read_by_training_as_one_file_of_the_same_documents(tmp_path, capsys):
+    texts = [f"document {i}: " + "word " * (i % 29) for i in range(900)]
+    write(tmp_path / "in/docs.jsonl", docs(*texts))
+    one, shards = tmp_path / "one.arrow", tmp_path / "shards"
+    assert cli(capsys, "data", "to-arrow", "--in", tmp_path / "in", "--out", one)[0] == 0
+    argv = ["--shard-bytes", "16K", "--batch-rows", 64]
+    assert cli(capsys, "data", "to-arrow", "--in", tmp_path / "in", "--out", shards, *argv)[0] == 0
+    manifest = json.loads((shards / "corpus.json").read_text())
+    assert len(manifest["shards"]) > 4 and manifest["rows"] == 900 and manifest["text_field"] == "text"
+    tok = load_tokenizer(GPT2)
+    a, b = (open_documents("arrow", p, tok, "text", REPO) for p in (one, shards))
+    assert a.num_docs == b.num_docs == 900
+    train, _ = split_documents(900, 0.05, seed=3)
+    straight = take(PackedStream(a, train, 32, seed=3, dp_rank=1, dp_size=2), 300)
+    sharded = take(PackedStream(b, train, 32, seed=3, dp_rank=1, dp_size=2), 300)
+    assert all(np.array_equal(x, y) and p == q for (x, p), (y, q) in zip(straight, sharded, strict=True))
+    position = StreamPosition.from_dict(json.loads(json.dumps(sharded[150][1].to_dict())))
+    resumed = take(PackedStream(b, train, 32, seed=3, dp_rank=1, dp_size=2, start=position), 149)
+    assert all(np.array_equal(x, y) for (x, _), (y, _) in zip(straight[151:], resumed, strict=True))
+    # Opening reads the manifest, not the shards: a shard gone is met where one of its rows is read.
+    last = shards / manifest["shards"][-1]["file"]
+    last.unlink()
+    texts_read = ArrowTexts(shards)
+    assert texts_read.take([0, 5]) == [texts[0], texts[5]]
+    with pytest.raises(DataError, match=f"Arrow file {last} does not exist"):
+        texts_read.take([899])
+
+
+def test_sbatch_and_plan_take_a_shard_directory_as_data_path(tmp_path, capsys):
+    write(tmp_path / "in/docs.jsonl", docs(*[f"document {i}: " + "word " * (i % 17) for i in range(400)]))
+    shards = tmp_path / "shards"
+    assert cli(capsys, "data", "to-arrow", "--in", tmp_path / "in", "--out", shards, "--shard-bytes", "8K")[0] == 0
+    overrides = ["--overrides", f"data.path={shards} run_dir={tmp_path / 'run'}"]
+    recipe = ["--recipe", "llama2-tiny", "--nodes", 1]
+    code, stdout, err = cli(capsys, "plan", *recipe, *overrides)
+    assert code == 0 and "epochs of ~" in stdout and str(shards) in stdout, stdout + err
+    code, _, err = cli(capsys, "sbatch", *recipe, "--out", tmp_path / "job", *overrides)
+    assert code == 0, err
+    gone = sorted(shards.glob("shard_*.arrow"))[1]
+    gone.unlink()
+    code, _, err = cli(capsys, "sbatch", *recipe, "--out", tmp_path / "job2", *overrides)
+    assert code == 2 and f"data.path {shards}: {gone} is missing, yet corpus.json lists it" in err, err

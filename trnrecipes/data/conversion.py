@@ -1,0 +1,245 @@
+"""`data to-arrow` and `data preprocess` by way of OUT.parts/ (work_dir.py): every unit of the inputs converted into a
+part (parts.py, by worker processes: parallel.py), then the parts joined in input order into the output, written
+under a temp name in OUT.parts/ and renamed into place. A rerun of a killed conversion reuses the parts done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from trnrecipes.data import DataError, listed
+from trnrecipes.data.arrow import ConversionStats, check_labelled, checked_batch_rows, no_documents
+from trnrecipes.data.bad_records import BadRecords, rejects_of
+from trnrecipes.data.corpus_writer import CorpusWriter, corpus_schema, shard_dir_output
+from trnrecipes.data.inputs import InputFile
+from trnrecipes.data.megatron_files import join
+from trnrecipes.data.parallel import Progress, outcomes_in_order
+from trnrecipes.data.parts import Task, input_stats, part_name, plan_units, remember_tokenizer
+from trnrecipes.data.work_dir import FORMAT, make_readable, opened_work_dir, parts_path, remove_work_dir, temp_path
+
+
+def to_arrow_in_parts(
+    files: list[InputFile],
+    out: Path,
+    *,
+    text_field: str = "text",
+    label_field: str | None = None,
+    on_bad_record: str = "error",
+    max_bad_records: int | None = None,
+    batch_rows: int | None = None,
+    shard_bytes: int | None = None,
+    workers: int = 1,
+    progress: bool = True,
+    log=print,
+) -> ConversionStats:
+    """arrow.to_arrow's output (the same bytes), converted by `workers` processes by way of OUT.parts/."""
+    check_labelled(files, text_field, label_field)
+    rows_per_batch = checked_batch_rows(batch_rows)
+    schema = corpus_schema(text_field, label_field)
+    stats = ConversionStats()
+    bad = BadRecords(on_bad_record, max_bad_records, rejects_of(out))
+    settings = {"text_field": text_field, "label_field": label_field}
+    with _parts(files, out, "to-arrow", settings, {}, bad, workers, progress, log) as (work, outcomes):
+        output = _file_output(Path(out), work) if shard_bytes is None else shard_dir_output(Path(out), work)
+        with output as tmp, CorpusWriter(tmp, schema, rows_per_batch, shard_bytes) as writer:
+            for outcome in outcomes:
+                _count(stats, outcome)
+                for batch in pa.ipc.open_stream(pa.memory_map(str(work / f"{part_name(outcome['unit'])}.arrow"))):
+                    writer.write(batch)
+            stats.rejected = bad.count
+            if stats.documents == 0:
+                raise no_documents(files, stats, bad)
+    return stats
+
+
+def preprocess_in_parts(
+    files: list[InputFile],
+    tokenizer,
+    out_prefix: Path,
+    *,
+    text_field: str = "text",
+    dtype: str = "auto",
+    on_bad_record: str = "error",
+    max_bad_records: int | None = None,
+    workers: int = 1,
+    progress: bool = True,
+    log=print,
+) -> tuple[ConversionStats, int]:
+    """indexed.preprocess's output (the same bytes), tokenized by `workers` processes by way of PREFIX.parts/ and
+    joined with megatron_files.join; the result is opened with megatron-core's reader before it is put in place."""
+    from trnrecipes.data.indexed import _megatron, token_dtype
+    from trnrecipes.data.tokenized_with import TOKENIZED_WITH, tokenizer_fingerprint, write_tokenized_with
+
+    indexed_dataset = _megatron()  # what training reads them with (a login node's install has none: said here)
+    np_dtype = np.dtype(token_dtype(tokenizer.vocab_size, dtype))
+    stats, tokens, top = ConversionStats(), 0, -1
+    bad = BadRecords(on_bad_record, max_bad_records, rejects_of(out_prefix))
+    settings = {"text_field": text_field, "tokenizer": tokenizer_fingerprint(tokenizer.path), "dtype": np_dtype.name}
+    worker = {"tokenizer": str(tokenizer.path), "dtype": np_dtype.name}
+    remember_tokenizer(tokenizer)
+    with _parts(files, out_prefix, "preprocess", settings, worker, bad, workers, progress, log) as (work, outcomes):
+        tmp = temp_path(work / Path(out_prefix).name)
+        try:
+            prefixes = []
+            for outcome in outcomes:
+                _count(stats, outcome)
+                prefixes.append(work / part_name(outcome["unit"]))
+                tokens += outcome["tokens"]
+                top = max(top, outcome["top"])
+            stats.rejected = bad.count
+            if stats.documents == 0:
+                raise no_documents(files, stats, bad)
+            join(prefixes, tmp, np_dtype)
+            if len(indexed_dataset.IndexedDataset(str(tmp))) != stats.documents:
+                raise AssertionError(f"{tmp}.bin/.idx: megatron-core does not read {stats.documents} documents back")
+            write_tokenized_with(tmp, tokenizer.path, max_token_id=top)
+            for suffix in (TOKENIZED_WITH, ".bin", ".idx"):  # .bin before .idx: a reader opens the .idx
+                make_readable(Path(f"{tmp}{suffix}"))
+                os.replace(f"{tmp}{suffix}", f"{out_prefix}{suffix}")
+        finally:
+            for suffix in (".bin", ".idx", TOKENIZED_WITH):
+                Path(f"{tmp}{suffix}").unlink(missing_ok=True)
+    return stats, tokens
+
+
+@contextlib.contextmanager
+def _parts(
+    files: list[InputFile],
+    out: Path,
+    command: str,
+    settings: dict,
+    worker: dict,
+    bad: BadRecords,
+    workers: int,
+    progress: bool,
+    log,
+) -> Iterator[tuple[Path, Iterator[dict]]]:
+    """(the work dir, every unit's outcome in input order, its bad records replayed through `bad`): the caller joins
+    the parts into its output within the block. Then the rejects file is written (skip) or an old one removed, and
+    the work dir too; on an error the work dir is kept where it holds parts done, for a rerun to resume."""
+    work = parts_path(out)
+    resumed = work.exists()
+    job = {
+        "format": FORMAT,
+        "command": command,
+        "inputs": [
+            {"path": str(f.path.resolve()), "kind": f.kind, "split": f.split, "size": size, "mtime_ns": mtime}
+            for f, (_, size, mtime) in zip(files, input_stats(tuple(files)), strict=True)
+        ],
+        "settings": settings,
+        "flags": {"on_bad_record": bad.policy, "max_bad_records": bad.limit},  # shape the output only: may change
+        "units": plan_units(files),
+    }
+    with opened_work_dir(work, job, command) as saved:
+        units = _units(saved, len(files), work)
+        limit = 0 if bad.policy == "error" else bad.limit
+        tasks = [
+            Task(k, tuple(files[i] for i in unit), str(work / part_name(k)), settings["text_field"],
+                 settings.get("label_field"), limit, **worker)
+            for k, unit in enumerate(units)
+        ]  # fmt: skip
+        done, changed = _reusable(tasks, work)
+        if resumed:
+            again = f"; converting again the parts of inputs changed since: {listed(changed, 3)}" if changed else ""
+            log(f"[trnrecipes] resuming {work}: {len(done)} of {len(tasks)} parts already done{again}")
+        sizes = [sum(size for _, size, _ in input_stats(t.files)) for t in tasks]
+        bar = Progress(sum(sizes), sum(sizes[k] for k in done), progress).bar()
+        rejects = temp_path(work / "rejects.jsonl")
+        ordered = outcomes_in_order(tasks, done, workers, bar, work)
+        try:
+            with open(rejects, "w", encoding="utf-8") as sink, bar:
+                bad.sink = sink if bad.policy == "skip" else None
+                yield work, (_replayed(outcome, work, bad) for outcome in ordered)
+            if bad.policy == "skip":
+                make_readable(rejects)
+                os.replace(rejects, bad.rejects)
+            elif bad.rejects.is_file():  # an earlier skip run's list described the output now replaced
+                bad.rejects.unlink()
+        except BaseException:
+            ordered.close()  # stops the workers
+            kept = len(list(work.glob("part_*.json")))
+            if 0 < kept < len(tasks):  # all done: the error is the whole's (no documents), which a rerun meets again
+                log(f"[trnrecipes] kept {work} with {kept} of {len(tasks)} parts done: the same command resumes")
+            else:
+                remove_work_dir(work, log)
+            raise
+        finally:
+            rejects.unlink(missing_ok=True)
+        remove_work_dir(work, log)  # under the lock: a conversion started now finds the output whole and no parts
+
+
+def _units(saved: dict, n: int, work: Path) -> list[list[int]]:
+    """The recorded units (a resumed job keeps the cut it began with), checked to cover the files in order."""
+    units = saved.get("units")
+    listed_ = isinstance(units, list) and all(isinstance(u, list) for u in units)
+    if not listed_ or [i for unit in units for i in unit] != list(range(n)):
+        raise DataError(f"{work}/job.json: its units do not cover the {n} input files; remove {work} to start over")
+    return units
+
+
+def _reusable(tasks: list[Task], work: Path) -> tuple[dict[int, dict], list[str]]:
+    """({unit: outcome} of the parts done whose inputs are unchanged, the input files changed since). Any other
+    part's files are removed: it is converted again."""
+    done, changed = {}, []
+    for task in tasks:
+        try:
+            outcome = json.loads(Path(f"{task.part}.json").read_text())
+            files = outcome["files"]
+            whole = all((work / name).is_file() and (work / name).stat().st_size == n for name, n in files.items())
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):
+            whole, outcome = False, None
+        now = input_stats(task.files)
+        if whole and outcome.get("inputs") == now:
+            done[task.unit] = outcome
+            continue
+        if whole:
+            was = {path: stat for path, *stat in outcome.get("inputs", [])}
+            changed += [path for path, *stat in now if was.get(path) != stat]
+        for leftover in work.glob(f"{part_name(task.unit)}.*"):
+            leftover.unlink()
+    return done, changed
+
+
+def _replayed(outcome: dict, work: Path, bad: BadRecords) -> dict:
+    """`outcome`, once its bad records have gone through `bad` in order (which raises where the policy stops), and
+    its error raised where it failed."""
+    if outcome["rejects"]:
+        path = work / outcome["rejects"]
+        try:
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    r = json.loads(line)
+                    bad.reject(r["file"], r["reason"], line=r.get("line"), row=r.get("row"))
+        finally:
+            if outcome["status"] != "done":
+                path.unlink(missing_ok=True)
+    if outcome["status"] == "error":
+        raise DataError(outcome["error"])
+    if outcome["status"] != "done":  # stopped: more bad records than the limit, which the replay refused above
+        raise AssertionError(f"unit {outcome['unit']}: {outcome['status']}, yet its bad records were accepted")
+    return outcome
+
+
+def _count(stats: ConversionStats, outcome: dict) -> None:
+    stats.documents += outcome["documents"]
+    stats.skipped_empty += outcome["skipped_empty"]
+    stats.labels.update({label: n for label, n in outcome["labels"]})
+
+
+@contextlib.contextmanager
+def _file_output(out: Path, work: Path) -> Iterator[Path]:
+    """A temp file in the work dir, renamed onto `out` when the block ends without an error."""
+    tmp = temp_path(work / out.name)
+    try:
+        yield tmp
+        make_readable(tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,62 @@
+"""Megatron .bin/.idx token files written with numpy alone, streamed: one sequence a document, byte for byte what
+megatron-core's IndexedDatasetBuilder writes (its _IndexWriter's layout; tests/test_data_parallel.py compares the two).
+Workers need no torch for them, no list of every document's length is held, and parts join by concatenation.
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+HEADER = b"MMIDIDX\x00\x00" + struct.pack("<Q", 1)  # megatron-core's _INDEX_HEADER, then its version, 1
+DTYPE_CODES = {"uint16": 8, "int32": 4}  # megatron-core's DType codes of the token dtypes preprocess writes
+COUNTS = struct.Struct("<BQQ")  # dtype code, sequence count, document count (documents + 1)
+CHUNK = 1 << 22  # sequences handled at a time
+
+
+def write_index(idx: Path, lengths: list[np.ndarray], dtype: np.dtype) -> None:
+    """The .idx of documents of `lengths` (int32 arrays, in order: one sequence a document): the header, the
+    dtype code and counts, then the sequence lengths (int32), their byte offsets into .bin (int64) and the document
+    indices 0..n (int64)."""
+    n = sum(len(part) for part in lengths)
+    with open(idx, "wb") as f:
+        f.write(HEADER + COUNTS.pack(DTYPE_CODES[np.dtype(dtype).name], n, n + 1))
+        for chunk in _chunks(lengths):
+            chunk.astype(np.int32).tofile(f)
+        offset = 0
+        for chunk in _chunks(lengths):
+            sizes = chunk.astype(np.int64) * np.dtype(dtype).itemsize
+            ends = np.cumsum(sizes) + offset
+            (ends - sizes).tofile(f)
+            offset = int(ends[-1])
+        for start in range(0, n + 1, CHUNK):
+            np.arange(start, min(start + CHUNK, n + 1), dtype=np.int64).tofile(f)
+
+
+def index_lengths(idx: Path) -> np.ndarray:
+    """The sequence lengths of an .idx write_index wrote (memory-mapped)."""
+    with open(idx, "rb") as f:
+        head = f.read(len(HEADER) + COUNTS.size)
+    if not head.startswith(HEADER):
+        raise ValueError(f"{idx} is not a Megatron index")
+    _, n, _ = COUNTS.unpack(head[len(HEADER) :])
+    return np.memmap(idx, np.int32, "r", offset=len(head), shape=(n,)) if n else np.empty(0, np.int32)
+
+
+def join(prefixes: list[Path], out: Path, dtype: np.dtype) -> None:
+    """The documents of several .bin/.idx pairs, in order, as out.bin/.idx (what megatron-core's add_index makes)."""
+    with open(f"{out}.bin", "wb") as sink:
+        for prefix in prefixes:
+            with open(f"{prefix}.bin", "rb") as part:
+                shutil.copyfileobj(part, sink, 1 << 24)
+    write_index(Path(f"{out}.idx"), [index_lengths(Path(f"{p}.idx")) for p in prefixes], dtype)
+
+
+def _chunks(arrays: list[np.ndarray]) -> Iterator[np.ndarray]:
+    for array in arrays:
+        for start in range(0, len(array), CHUNK):
+            yield array[start : start + CHUNK]

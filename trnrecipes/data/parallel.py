@@ -1,0 +1,205 @@
+"""The units of a conversion (parts.py) converted by spawned worker processes, or by this one where one worker is
+asked for, their outcomes handed back in input order whatever order they finish in: conversion.py replays each
+unit's bad records and joins its part in that order. No unit after one that failed is started, and workers stop
+when their parent is gone (killed), leaving the parts done for a rerun to resume from.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from trnrecipes.data import DataError
+from trnrecipes.data.inputs import InputFile
+from trnrecipes.data.parts import Task, convert_unit
+
+PROGRESS_EVERY_S = 0.5
+
+
+class WorkerDied(DataError):
+    """A worker process ended without an outcome (killed: out of memory?); a rerun resumes."""
+
+    may_pass = True  # not the input's fault: a requeue may pass
+
+
+def default_workers() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def outcomes_in_order(tasks: list[Task], done: dict[int, dict], workers: int, bar: tqdm, work: Path) -> Iterator[dict]:
+    """Each unit's outcome, in input order: recorded for the parts `done`, converted for the others (in this process
+    where one worker is asked for, else in `workers` spawned processes). A unit that fails stops the units after it
+    from being started: their outcome no longer matters. Closing the iterator stops the workers."""
+    todo = [t for t in tasks if t.unit not in done]
+    if workers <= 1 or len(todo) <= 1:
+        for task in tasks:
+            yield done[task.unit] if task.unit in done else convert_unit(task, _Ticker(bar.update))
+        return
+    pool = _Pool(todo, min(workers, len(todo)), bar, work)
+    try:
+        for task in tasks:
+            yield done[task.unit] if task.unit in done else pool.outcome(task)
+    finally:
+        pool.close()
+
+
+class _Ticker:
+    """What a unit's conversion calls as it goes: it passes on the bytes read since the last call (at most every
+    PROGRESS_EVERY_S), and raises _Stop where `stop` says the unit is no longer wanted."""
+
+    def __init__(self, send: Callable[[int], None], stop: Callable[[], bool] = lambda: False):
+        self.send, self.stop = send, stop
+        self.sent, self.last = 0, time.monotonic()
+
+    def __call__(self, read: int, final: bool = False) -> None:
+        now = time.monotonic()
+        if final or now - self.last >= PROGRESS_EVERY_S:
+            if read > self.sent:
+                self.send(read - self.sent)
+                self.sent = read
+            self.last = now
+            if self.stop():
+                raise _Stop
+
+
+class _Stop(Exception):
+    """The unit is no longer wanted (a unit before it failed), or this worker's parent is gone."""
+
+
+class _Pool:
+    """`workers` spawned processes converting `tasks` (each pulls the next from a queue). The JSON parsing is
+    CPU-bound, so threads would share one core."""
+
+    def __init__(self, tasks: list[Task], workers: int, bar: tqdm, work: Path):
+        context = multiprocessing.get_context("spawn")  # fork would copy the parent's threads and locks
+        self.bar, self.work = bar, work
+        self.tasks, self.results = context.Queue(), context.Queue()
+        self.first_failed = context.Value("q", max(t.unit for t in tasks) + 1, lock=False)
+        for task in tasks:
+            self.tasks.put(task)
+        for _ in range(workers):
+            self.tasks.put(None)
+        args = (self.tasks, self.results, self.first_failed, os.getpid())
+        self.processes = [context.Process(target=_serve, args=args, daemon=True) for _ in range(workers)]
+        for p in self.processes:
+            p.start()
+        self.outcomes: dict[int, dict] = {}
+        self.running: dict[int, Task] = {}  # pid -> its task
+
+    def outcome(self, task: Task) -> dict:
+        while task.unit not in self.outcomes:
+            try:
+                kind, pid, unit, payload = self.results.get(timeout=0.5)
+            except queue.Empty:
+                self._check_alive(task)
+                continue
+            if kind == "start":
+                self.running[pid] = payload
+            elif kind == "progress":
+                self.bar.update(payload)
+            elif kind == "crash":
+                raise RuntimeError(f"converting {_names(self.running.get(pid, task))} failed:\n{payload}")
+            else:
+                self.running.pop(pid, None)
+                self.outcomes[unit] = payload
+                if payload["status"] != "done":
+                    self.first_failed.value = min(self.first_failed.value, unit)
+        return self.outcomes.pop(task.unit)
+
+    def _check_alive(self, waiting: Task) -> None:
+        for p in self.processes:
+            if p.exitcode not in (None, 0) and p.pid in self.running:
+                lost = self.running[p.pid]
+                how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+                raise WorkerDied(
+                    f"the worker converting {_names(lost)} died ({how}: out of memory?); the parts done are kept in"
+                    f" {self.work}: rerun the same command to resume from them"
+                )
+        if all(p.exitcode is not None for p in self.processes):
+            raise WorkerDied(f"every worker ended before {_names(waiting)} was converted; rerun to resume")
+
+    def close(self) -> None:
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        for q in (self.tasks, self.results):
+            q.cancel_join_thread()
+            q.close()
+
+
+def _serve(tasks, results, first_failed, parent: int) -> None:
+    """A worker: converts the tasks it pulls until told to stop; a task after a unit that failed is skipped, and a
+    worker whose parent is gone (killed) stops."""
+    try:
+        _convert_tasks(tasks, results, first_failed, parent)
+    finally:
+        if os.getppid() != parent:  # nobody reads what it sent: exit without waiting for the pipe to take it
+            results.cancel_join_thread()
+
+
+def _convert_tasks(tasks, results, first_failed, parent: int) -> None:
+    pid = os.getpid()
+
+    def stop(task: Task) -> bool:
+        return os.getppid() != parent or task.unit > first_failed.value
+
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
+        if task is None or os.getppid() != parent:
+            return
+        if stop(task):
+            results.put(("outcome", pid, task.unit, {"unit": task.unit, "status": "cancelled"}))
+            continue
+        results.put(("start", pid, task.unit, task))
+        ticker = _Ticker(lambda n: results.put(("progress", pid, task.unit, n)), lambda: stop(task))  # noqa: B023
+        try:
+            outcome = convert_unit(task, ticker)
+        except _Stop:
+            outcome = {"unit": task.unit, "status": "cancelled"}
+        except BaseException:  # a bug, not the data: the parent shows it
+            results.put(("crash", pid, task.unit, traceback.format_exc()))
+            return
+        results.put(("outcome", pid, task.unit, outcome))
+
+
+def _names(task: Task) -> str:
+    files: tuple[InputFile, ...] = task.files
+    return files[0].name + (f" (and {len(files) - 1} more files)" if len(files) > 1 else "")
+
+
+@dataclass
+class Progress:
+    """The conversion's progress bar: bytes of input read, with their rate and an ETA."""
+
+    total: int
+    initial: int
+    enabled: bool
+
+    def bar(self) -> tqdm:
+        return tqdm(
+            total=self.total,
+            initial=self.initial,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            mininterval=1.0,
+            disable=None if self.enabled else True,
+        )

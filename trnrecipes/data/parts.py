@@ -1,0 +1,214 @@
+"""One unit of a conversion (an input file, or a run of small ones) into its part in OUT.parts/: the part (an Arrow
+stream of its documents, or Megatron .bin/.idx of their tokens), the bad records met (JSON lines, in order) and,
+written last, its record (part_N.json: the counts, and each input file's size and time as read). A part is reused
+while its input files are unchanged. This runs in the worker processes (parallel.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from trnrecipes.data import DataError
+from trnrecipes.data.arrow import ConversionStats, ReadCount, document_blocks, file_texts, record_batch
+from trnrecipes.data.bad_records import BadRecords
+from trnrecipes.data.corpus_writer import corpus_schema
+from trnrecipes.data.inputs import InputFile
+from trnrecipes.data.megatron_files import write_index
+from trnrecipes.data.work_dir import atomic_file, temp_path
+
+UNIT_BYTES = 32 << 20  # consecutive files smaller than this are one unit, up to about this many bytes
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a worker needs to convert unit `unit`: its files, where its part goes (`part` + suffixes), the fields,
+    and how many bad records it skips before it stops (0: the first stops it; the parent applies the policy)."""
+
+    unit: int
+    files: tuple[InputFile, ...]
+    part: str
+    text_field: str
+    label_field: str | None
+    limit: int | None
+    tokenizer: str | None = None  # preprocess: the tokenizer directory, and the token ids' numpy dtype
+    dtype: str | None = None
+
+
+def part_name(unit: int) -> str:
+    return f"part_{unit:06d}"
+
+
+def plan_units(files: list[InputFile]) -> list[list[int]]:
+    """The files (by index, in order) cut into units: one of UNIT_BYTES or more alone, smaller ones with their
+    neighbours until the unit holds about that many bytes (a folder of small text files is not a part per file)."""
+    units: list[list[int]] = []
+    run, size = [], 0
+    for i, f in enumerate(files):
+        bytes_ = f.path.stat().st_size
+        if bytes_ >= UNIT_BYTES:
+            units += [run, [i]] if run else [[i]]
+            run, size = [], 0
+            continue
+        run.append(i)
+        size += bytes_
+        if size >= UNIT_BYTES:
+            units.append(run)
+            run, size = [], 0
+    return units + ([run] if run else [])
+
+
+def input_stats(files: tuple[InputFile, ...]) -> list[list]:
+    """[path, size, mtime_ns] of each file: a part made from them is reused while these are the same."""
+    return [[str(f.path), (s := f.path.stat()).st_size, s.st_mtime_ns] for f in files]
+
+
+def convert_unit(task: Task, tick: Callable[..., None]) -> dict:
+    """The unit's part and its record; returns the outcome: status done, error (a DataError's message: a file that
+    cannot be read, a label that is no class id) or stopped (more bad records than task.limit), the counts, and the
+    file listing its bad records in order (`rejects`, in the part's directory)."""
+    inputs = input_stats(task.files)  # before reading: a file changed while it is read is read again next time
+    stats, bad = ConversionStats(), BadRecords("skip", task.limit)
+    rejects = temp_path(Path(f"{task.part}.rejects.jsonl"))
+    part = _TokenPart(task) if task.tokenizer else _ArrowPart(task)
+    outcome: dict = {"unit": task.unit, "status": "done", "error": None, "inputs": inputs}
+    try:
+        with open(rejects, "w", encoding="utf-8") as sink:
+            bad.sink = sink
+            try:
+                sizes = [size for _, size, _ in inputs]
+                for texts, labels in document_blocks(_blocks(task, sizes, bad, tick), stats):
+                    part.write(texts, labels)
+            except DataError as err:
+                stopped = task.limit is not None and bad.count > task.limit
+                outcome.update(status="stopped" if stopped else "error", error=None if stopped else str(err))
+        labels = sorted(stats.labels.items())
+        outcome.update(documents=stats.documents, skipped_empty=stats.skipped_empty, rejected=bad.count, labels=labels)
+        outcome.update(part.counts)
+        if outcome["status"] != "done":
+            part.abort()
+            outcome["rejects"] = rejects.name  # the parent replays them, then removes the file
+            return outcome
+        outcome["files"] = part.finish()
+        outcome["rejects"] = None
+        if bad.count:
+            listed = Path(f"{task.part}.rejects.jsonl")
+            os.replace(rejects, listed)
+            outcome["rejects"] = listed.name
+            outcome["files"][listed.name] = listed.stat().st_size
+        with atomic_file(Path(f"{task.part}.json")) as f:
+            f.write(json.dumps(outcome) + "\n")
+        return outcome
+    except BaseException:
+        part.abort()
+        rejects.unlink(missing_ok=True)
+        raise
+    finally:
+        if outcome["status"] == "done":
+            rejects.unlink(missing_ok=True)
+
+
+def _blocks(task: Task, sizes: list[int], bad: BadRecords, tick) -> Iterator[tuple[list[str], list[int] | None]]:
+    """The unit's documents in blocks, in order; `tick` is told the bytes read so far after each block."""
+    before = 0
+    for f, size in zip(task.files, sizes, strict=True):
+        read = ReadCount()
+        for block in file_texts(f, task.text_field, bad, task.label_field, read):
+            yield block
+            tick(before + min(read.bytes, size))
+        before += size
+        tick(before)
+    tick(before, final=True)
+
+
+def _fsynced(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _ArrowPart:
+    """The unit's documents as an Arrow stream, in blocks as they come (the parent re-batches them)."""
+
+    def __init__(self, task: Task):
+        self.path = Path(f"{task.part}.arrow")
+        self.tmp = temp_path(self.path)
+        self.schema = corpus_schema(task.text_field, task.label_field)
+        self.sink = pa.OSFile(str(self.tmp), "wb")
+        self.writer = pa.ipc.new_stream(self.sink, self.schema)
+        self.counts: dict = {}
+
+    def write(self, texts: list[str], labels: list[int] | None) -> None:
+        self.writer.write_batch(record_batch(self.schema, texts, labels))
+
+    def finish(self) -> dict[str, int]:
+        self.writer.close()
+        self.sink.close()
+        _fsynced(self.tmp)
+        os.replace(self.tmp, self.path)
+        return {self.path.name: self.path.stat().st_size}
+
+    def abort(self) -> None:
+        if not self.sink.closed:
+            self.sink.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+_TOKENIZERS: dict[str, object] = {}  # a worker loads each tokenizer once, for all the units it converts
+
+
+def remember_tokenizer(tokenizer) -> None:
+    """The parent's tokenizer, for the units it converts itself (one worker): not loaded twice."""
+    _TOKENIZERS[str(tokenizer.path)] = tokenizer
+
+
+class _TokenPart:
+    """The unit's documents tokenized, EOS appended, as Megatron .bin/.idx (megatron_files.py: no torch in the
+    worker; the lengths stream to a temp file, not a list in memory)."""
+
+    def __init__(self, task: Task):
+        from trnrecipes.data.tokenizer import load_tokenizer
+
+        if task.tokenizer not in _TOKENIZERS:
+            _TOKENIZERS[task.tokenizer] = load_tokenizer(task.tokenizer)
+        self.tokenizer, self.dtype = _TOKENIZERS[task.tokenizer], np.dtype(task.dtype)
+        self.paths = [Path(f"{task.part}{suffix}") for suffix in (".bin", ".idx")]
+        self.tmps = [temp_path(p) for p in self.paths]
+        self.lengths_path = temp_path(Path(f"{task.part}.lengths"))
+        self.bin, self.lengths = open(self.tmps[0], "wb"), open(self.lengths_path, "wb")
+        self.counts = {"tokens": 0, "top": -1}
+
+    def write(self, texts: list[str], labels: None) -> None:
+        eos = self.tokenizer.eos_id
+        docs = [np.append(ids, eos).astype(self.dtype) for ids in self.tokenizer.encode_batch(texts)]
+        for doc in docs:
+            doc.tofile(self.bin)
+        np.array([len(d) for d in docs], np.int32).tofile(self.lengths)
+        self.counts["top"] = max([self.counts["top"], *(int(d.max()) for d in docs)])
+        self.counts["tokens"] += sum(len(d) for d in docs)
+
+    def finish(self) -> dict[str, int]:
+        self.bin.close()
+        self.lengths.close()
+        size = self.lengths_path.stat().st_size
+        lengths = np.memmap(self.lengths_path, np.int32, "r") if size else np.empty(0, np.int32)
+        write_index(self.tmps[1], [lengths], self.dtype)
+        for tmp, path in zip(self.tmps, self.paths, strict=True):
+            _fsynced(tmp)
+            os.replace(tmp, path)
+        self.lengths_path.unlink()
+        return {p.name: p.stat().st_size for p in self.paths}
+
+    def abort(self) -> None:
+        for f in (self.bin, self.lengths):
+            f.close()
+        for tmp in (*self.tmps, self.lengths_path):
+            tmp.unlink(missing_ok=True)
