@@ -17,6 +17,14 @@ extrapolation to 1B documents and 32 ranks per node, against what the code befor
 
     .venv/bin/python bench/bench_data.py --scale [--sizes 1M,16M] [--batches 500] [--repeats 5] [--against REV]
 
+`--convert` measures `trnrecipes data to-arrow` on 8 JSON-lines shards of 128 MB (synthetic documents of ~3 KB,
+generated once under build/bench-data/), plain and as .jsonl.zst, at --workers 2 against --workers 1 and against
+`datasets.load_dataset("json", num_proc=2)` + `save_to_disk` with its cache cleared, each a whole process (interpreter
+start-up included): seconds, MB/s, the ratios (goals: >= 1.8x and >= 2x) and the peak RSS of each process; then the
+peak RSS per worker at 8 and at 32 shards (1 GB and 4 GB of input; goal: within 10%).
+
+    .venv/bin/python bench/bench_data.py --convert [--shards 8] [--shard-mb 128] [--scale-to 32] [--repeats 3]
+
 `--against REV` measures trnrecipes/ of a git revision too (unpacked with git archive into a temporary directory),
 e.g. 6317da4, the last before the never-listed order: one run per (format, size).
 """
@@ -138,14 +146,14 @@ def vocabulary(seed: int, size: int = 8192):
     return table[np.argsort(n_letters, kind="stable")]
 
 
-def arrow_chunk(seed: int, chunk: int, n: int, table):
-    """Chunk `chunk` of the Arrow corpus: n documents of 3-40 Zipf-distributed words ending in '.', built as one
-    bytes buffer and its offsets (no Python strings), deterministic from (seed, chunk)."""
+def arrow_chunk(seed: int, chunk: int, n: int, table, words_per_doc: tuple[int, int] = (3, 41)):
+    """Chunk `chunk` of the Arrow corpus: n documents of 3-40 (`words_per_doc`) Zipf-distributed words ending in '.',
+    built as one bytes buffer and its offsets (no Python strings), deterministic from (seed, chunk)."""
     import numpy as np
     import pyarrow as pa
 
     rng = np.random.default_rng([seed, 0xA770, chunk])
-    words = rng.integers(3, 41, n)  # words per document
+    words = rng.integers(*words_per_doc, n)  # words per document
     ids = (rng.zipf(1.2, int(words.sum())) - 1) % len(table)
     word_bytes = (table != 0).sum(axis=1)[ids]  # the word and its space
     rows = table[ids]
@@ -539,6 +547,172 @@ def report(
         )
 
 
+# --- --convert: data to-arrow in worker processes against datasets --------------------------------------------------
+
+CONVERT_VERSION = 1  # in the generated shards' directory name: bump it when the generator changes
+CONVERT_WORDS = (50, 1000)  # words per document: ~3 KB on average, about a web page's text
+MB = 10**6
+
+
+def json_shard(path: Path, seed: int, shard: int, target_bytes: int) -> None:
+    """One JSON-lines shard of about `target_bytes`: {"text": ...} records of CONVERT_WORDS words, written from
+    Arrow buffers (the texts need no escaping: letters, spaces and a full stop); .zst: zstd-compressed."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = vocabulary(seed)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    written, chunk = 0, 0
+    with pa.output_stream(str(tmp), compression="zstd" if path.name.endswith(".zst") else None) as sink:
+        while written < target_bytes:
+            texts = arrow_chunk(seed, shard * 1_000_000 + chunk, 200, table, CONVERT_WORDS).column(0)
+            head, tail, nothing = (pa.scalar(t, pa.large_string()) for t in ('{"text": "', '"}\n', ""))
+            lines = pc.binary_join_element_wise(head, texts, tail, nothing)
+            width = np.int64 if pa.types.is_large_string(lines.type) else np.int32
+            end = int(np.frombuffer(lines.buffers()[1], width)[-1])
+            sink.write(memoryview(lines.buffers()[2])[:end])
+            written += end
+            chunk += 1
+    os.replace(tmp, path)
+
+
+def convert_corpus(cache: Path, shards: int, shard_mb: int, suffix: str) -> Path:
+    """`shards` JSON-lines shards of `shard_mb` MB (uncompressed) under cache/, generated once (the same texts for
+    .jsonl and .jsonl.zst)."""
+    folder = cache / f"convert-v{CONVERT_VERSION}-{shards}x{shard_mb}MB-{suffix.strip('.').replace('.', '-')}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for k in range(shards):
+        path = folder / f"shard-{k:05d}{suffix}"
+        if not path.exists():
+            start = time.perf_counter()
+            json_shard(path, SEED, k, shard_mb * MB)
+            print(f"  generated {path.name} ({path.stat().st_size / MB:.0f} MB) in {time.perf_counter() - start:.1f} s")
+    return folder
+
+
+def peak_rss(pid: int, peaks: dict[int, int]) -> None:
+    """VmHWM (peak RSS) of `pid` and every process below it, into peaks (pid -> bytes): the largest seen so far."""
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                hwm = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+            peaks[p] = max(peaks.get(p, 0), hwm)
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    stack += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):  # ended meanwhile
+            continue
+
+
+def timed(cmd: list[str]) -> dict:
+    """`cmd` as a whole process (interpreter start-up included): wall seconds, and the peak RSS of the process and of
+    each process it started (sampled every 50 ms: VmHWM only grows, so a sample late in a process's life holds its
+    peak)."""
+    peaks: dict[int, int] = {}
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while proc.poll() is None:
+        peak_rss(proc.pid, peaks)
+        time.sleep(0.05)
+    seconds = time.perf_counter() - start
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr.read()}")
+    main_rss = peaks.pop(proc.pid, 0)
+    return {"seconds": seconds, "main_rss": main_rss, "worker_rss": max(peaks.values(), default=0)}
+
+
+def hf_convert(folder: str, out: str, num_proc: int, cache: str) -> None:
+    """What a user of datasets writes: load_dataset("json") over the shards with num_proc, then save_to_disk."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    files = sorted(str(p) for p in Path(folder).iterdir())
+    dataset = datasets.load_dataset("json", data_files=files, split="train", num_proc=num_proc, cache_dir=cache)
+    dataset.save_to_disk(out)
+
+
+def convert(args: argparse.Namespace) -> int:
+    import platform
+
+    cores = len(os.sched_getaffinity(0))
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    print(
+        f"convert: {args.shards} JSON-lines shards of {args.shard_mb} MB, to one Arrow file; whole processes timed"
+        f" (interpreter start-up included), median of {args.repeats}; {cores} cores ({cpu or platform.machine()})"
+    )
+    cache = Path(args.cache)
+    trnrecipes = [sys.executable, "-m", "trnrecipes", "data", "to-arrow"]
+    zst_ok = importlib_spec("zstandard")
+    for suffix in (".jsonl", ".jsonl.zst"):
+        folder = convert_corpus(cache, args.shards, args.shard_mb, suffix)
+        size = sum(p.stat().st_size for p in folder.iterdir())
+        json_mb = sum(p.stat().st_size for p in convert_corpus(cache, args.shards, args.shard_mb, ".jsonl").iterdir())
+        json_mb /= MB
+        sides = {"ours --workers 1": 1, "ours --workers 2": 2, "datasets num_proc=2": None}
+        if suffix.endswith(".zst") and not zst_ok:
+            del sides["datasets num_proc=2"]  # its json loader reads .zst only with the zstandard package
+        runs: dict[str, list[dict]] = {side: [] for side in sides}
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            for _ in range(args.repeats):  # interleaved: a slow moment of the machine spreads over all sides
+                for side, workers in sides.items():
+                    out = Path(tmp) / "out"
+                    if workers is not None:
+                        cmd = [*trnrecipes, "--in", str(folder), "--out", f"{out}.arrow", "--workers", str(workers)]
+                    else:
+                        hf_cache = Path(tmp) / "hf-cache"  # cleared: every run parses the JSON again
+                        cmd = [sys.executable, __file__, "--hf-convert", str(folder), str(out), "2", str(hf_cache)]
+                    runs[side].append(timed(cmd))
+                    shutil.rmtree(out, ignore_errors=True)
+                    Path(f"{out}.arrow").unlink(missing_ok=True)
+                    shutil.rmtree(Path(tmp) / "hf-cache", ignore_errors=True)
+        print(f"\n{suffix}: {size / MB:,.0f} MB on disk ({json_mb:,.0f} MB of JSON lines)")
+        seconds = {side: median([r["seconds"] for r in rs]) for side, rs in runs.items()}
+        for side, rs in runs.items():
+            main_rss = median([r["main_rss"] for r in rs]) / MIB
+            worker_rss = median([r["worker_rss"] for r in rs]) / MIB
+            workers = f", each worker {worker_rss:,.0f} MiB" if worker_rss else ""
+            print(
+                f"  {side:<22} {seconds[side]:7.2f} s  {json_mb / seconds[side]:7.1f} MB/s of JSON"
+                f"  peak RSS: main process {main_rss:,.0f} MiB{workers}"
+            )
+        w1, w2 = seconds["ours --workers 1"], seconds["ours --workers 2"]
+        print(f"  --workers 2 / --workers 1: {w1 / w2:.2f}x throughput (goal >= 1.8x): {verdict(w1 / w2 >= 1.8)}")
+        if "datasets num_proc=2" in seconds:
+            ratio = seconds["datasets num_proc=2"] / w2
+            print(f"  --workers 2 / datasets num_proc=2: {ratio:.2f}x throughput (goal >= 2x): {verdict(ratio >= 2)}")
+        else:
+            print("  datasets: not run on .zst (its json loader needs the zstandard package, not installed here)")
+    if args.scale_to:
+        rss = {}
+        for shards in (args.shards, args.scale_to):
+            folder = convert_corpus(cache, shards, args.shard_mb, ".jsonl")
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                cmd = [*trnrecipes, "--in", str(folder), "--out", f"{tmp}/out.arrow", "--workers", "2"]
+                rss[shards] = timed(cmd)
+        small, large = rss[args.shards]["worker_rss"], rss[args.scale_to]["worker_rss"]
+        if not small:
+            from trnrecipes.data.parts import UNIT_BYTES
+
+            print(f"\nno worker processes: shards under {UNIT_BYTES / MIB:.0f} MiB are converted together, in one")
+            return 0
+        print(
+            f"\npeak RSS per worker, --workers 2: {args.shards * args.shard_mb:,} MB of input {small / MIB:,.0f} MiB,"
+            f" {args.scale_to * args.shard_mb:,} MB {large / MIB:,.0f} MiB: {large / small:.3f}x (goal within 10%):"
+            f" {verdict(abs(large / small - 1) <= 0.10)}; the main process {rss[args.shards]['main_rss'] / MIB:,.0f}"
+            f" and {rss[args.scale_to]['main_rss'] / MIB:,.0f} MiB"
+        )
+    return 0
+
+
+def importlib_spec(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", type=int, default=2048)
@@ -552,6 +726,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5, help="--scale: fresh processes per measurement (median)")
     parser.add_argument("--cache", default=str(SCALE_DIR), help="--scale: where the generated corpora are kept")
     parser.add_argument("--against", metavar="REV", help="--scale: also measure trnrecipes/ of git revision REV")
+    parser.add_argument("--convert", action="store_true", help="data to-arrow --workers 2 / 1 / datasets")
+    parser.add_argument("--shards", type=int, default=8, help="--convert: JSON-lines shards")
+    parser.add_argument("--shard-mb", type=int, default=128, help="--convert: MB of JSON lines per shard")
+    parser.add_argument("--scale-to", type=int, default=32, help="--convert: shards of the larger input (0: none)")
+    parser.add_argument("--hf-convert", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--measure", nargs=2, metavar=("FORMAT", "CORPUS"), help=argparse.SUPPRESS)
     parser.add_argument("--tree", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -561,6 +740,12 @@ def main() -> int:
         fmt, corpus = args.measure
         print(json.dumps(measure(fmt, Path(corpus), args.tokenizer, args.seq, args.batches)))
         return 0
+    if args.hf_convert:
+        folder, out, num_proc, cache = args.hf_convert
+        hf_convert(folder, out, int(num_proc), cache)
+        return 0
+    if args.convert:
+        return convert(args)
     if args.scale:
         return scale(args)
     if not CORPUS.exists():
