@@ -192,6 +192,8 @@ def test_a_failed_conversion_keeps_its_parts_and_refuses_other_arguments(tmp_pat
         code == 2 and f"other inputs or settings: inputs: 2 files -> 2 (the first that differs: #1 {a} -> {b})" in err
     )
     assert files_of(work) == held and sorted(held) == [".lock", "job.json", "part_000000.arrow", "part_000000.json"]
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", out.parent, "--out", tmp_path / "other.arrow")
+    assert code == 2 and f"directory {out.parent} holds no input to read" in err  # a work dir's parts are no input
     write(a, docs("a1", "a2", "a3"))  # its part is stale now; the bad record is skipped instead (the policy may change)
     code, stdout, err = cli(capsys, "data", "to-arrow", "--in", a, b, "--out", out, "--on-bad-record", "skip")
     assert code == 0 and ", rejected 1 bad record" in stdout

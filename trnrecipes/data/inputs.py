@@ -24,6 +24,7 @@ JSON_LINES = (*JSON_LINES_PLAIN, *JSON_LINES_GZIP, *JSON_LINES_ZSTD)
 ACCEPTED_FILES = ".jsonl, .json (JSON lines; also .gz, .zst), .parquet, .arrow, .txt, .md, .rst (a document a line)"
 # Names a datasets directory keeps beside its data: never records.
 DATASETS_METADATA = ("dataset_info.json", "dataset_infos.json", "state.json", "dataset_dict.json")
+JOB = "job.json"  # a conversion's work dir's record (work_dir.py)
 REJECTS_SUFFIX = ".rejects.jsonl"  # what `--on-bad-record skip` writes beside an output: never read back by a walk
 
 # The Hub's split keywords ("File names and splits", Hugging Face Hub docs): a word of a file or folder name,
@@ -142,7 +143,10 @@ def _walked(root: Path) -> list[InputFile]:
             dirs.clear()
             continue
         seen_dirs.add((here.st_dev, here.st_ino))
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        # hidden names, and a conversion's work dir (an output's OUT.parts/ beside it: its parts are no input)
+        dirs[:] = [
+            d for d in dirs if not d.startswith(".") and not (d.endswith(".parts") and Path(folder, d, JOB).is_file())
+        ]
         for name in names:
             if name.startswith(".") or name in DATASETS_METADATA or name.endswith(REJECTS_SUFFIX):
                 continue

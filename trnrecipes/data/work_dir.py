@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from trnrecipes.data import DataError, listed
+from trnrecipes.data.inputs import JOB
 
-JOB = "job.json"
 LOCK = ".lock"
 FORMAT = 1  # job.json's format
 PART = re.compile(r"part_\d{6,}\.(arrow|json|rejects\.jsonl|bin|idx)")
