@@ -129,8 +129,8 @@ RULES: tuple[EnvRule, ...] = (
     EnvRule(
         "NEURON_CC_FLAGS",
         _of_recipe(neuron_cc_flags),
-        "neuronx-cc flags for transformer training; compile.optlevel (default 1: -O1 compiles faster, where AWS's"
-        " Llama scripts leave the compiler's default -O2: set compile.optlevel 2 to match them)",
+        "neuronx-cc flags for transformer training; compile.optlevel (AWS's Llama scripts keep the compiler's"
+        " default -O2, which the Llama recipes follow; -O1 compiles faster)",
         source=f"{NNM} (--auto-cast none for fp32); {NXDT} (--auto-cast none for fp32 and autocast); neuronx-cc"
         " reference; compiler release notes, Neuron 2.27.0 (--auto-cast default none)",
     ),
