@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
@@ -309,22 +310,26 @@ def test_when_hyperpod_cannot_recover_the_job_fails_without_a_requeue(slurm_env,
 
 
 def test_a_run_failing_at_start_on_bad_input_is_not_requeued(slurm_env, tmp_path):
-    """The corpus passes every check before training (it exists, it is Arrow) but has no text column: each rank
-    stops as bad input, and the job is not requeued. (A missing corpus is refused earlier: by sbatch, and by the
-    pre-flight on the nodes.)"""
+    """The corpus passes every check before training (it exists, it is Arrow with a text column and no nulls, it has
+    documents enough: what sbatch and the pre-flight read) but half its rows are not UTF-8, which only reading the
+    texts finds: each rank stops as bad input naming a row, and the job is not requeued. (A corpus without its text
+    column, or a missing one, is refused earlier: by sbatch, and by the pre-flight on the nodes.)"""
     job, run, corpus = tmp_path / "job", tmp_path / "run", tmp_path / "bad.arrow"
     render(job, run, 2, f"{SMALL} data.path={corpus}", "llama2-tiny", "--no-data-check")
-    with pa.OSFile(str(corpus), "wb") as sink, pa.ipc.new_stream(sink, pa.schema([("body", pa.large_string())])) as w:
-        w.write_batch(pa.record_batch([pa.array(["no text column here"], pa.large_string())], names=["body"]))
+    texts = [b"\xff\xfe not UTF-8" if i % 2 == 0 else f"a good document {i}".encode() for i in range(40)]
+    offsets = pa.py_buffer(np.cumsum([0] + [len(t) for t in texts]).astype(np.int64).tobytes())
+    column = pa.Array.from_buffers(pa.large_string(), len(texts), [None, offsets, pa.py_buffer(b"".join(texts))])
+    with pa.OSFile(str(corpus), "wb") as sink, pa.ipc.new_stream(sink, pa.schema([("text", pa.large_string())])) as w:
+        w.write_batch(pa.record_batch([column], names=["text"]))
     job_id = submit(slurm_env, str(job / "run.sbatch"))
     log = job / "logs" / f"{NAME}-{job_id}.out"
     info = wait_done(slurm_env, job_id, log, state="FAILED")
     assert info["Restarts"] == "0" and info["ExitCode"] == "2:0"
     out = log.read_text()
-    assert "training failed on something a requeue would repeat; not requeueing" in out
+    assert "training failed on something a requeue would repeat; not requeueing" in out, out[-3000:]
     # each message once, with the number of ranks that reported it
-    bad = re.escape(f"{corpus} has no column 'text'; its columns: body")
-    assert re.search(rf"^  2 error: {bad}$", out, re.M), out[-3000:]
+    bad = re.escape(f"{corpus}: row ") + r"\d+ cannot be read or tokenized"
+    assert re.search(rf"^  [12] error: {bad}", out, re.M), out[-3000:]
     assert "requeueing job" not in out and not (job / "logs" / f"{job_id}.failures").exists()
 
 
