@@ -47,6 +47,22 @@ class Row(NamedTuple):
 
 
 SIGNATURES: dict[str, list[Row]] = {
+    "neuronx_distributed.kernels.flash_attn.nki_flash_attn_func": [
+        Row(
+            "0.10",
+            "0.11",
+            "(q, k, v, lnc=1, dropout_p=0.0, softmax_scale=None, causal=True, mixed_precision=True, seed=None, "
+            "hardware_type=None)",
+            "kernels/flash_attn.py: 58d27de, 82a2bb3 (tests/nki_standin.py)",
+        ),
+        Row(
+            "0.12",
+            "0.17",
+            "(q, k, v, lnc=1, dropout_p=0.0, softmax_scale=None, causal=True, mixed_precision=True, seed=None, "
+            "hardware_type=None, transpose_nki_inputs=True)",
+            "kernels/flash_attn.py: 9148ac9, dd06063, c63420c, fecfe75, 47f695c, 73ab227 (tests/nki_standin.py)",
+        ),
+    ],
     "neuronx_distributed.parallel_layers.layers.ColumnParallelLinear": [
         Row(
             "0.10",
