@@ -272,3 +272,46 @@ def test_sbatch_and_plan_take_a_shard_directory_as_data_path(tmp_path, capsys):
     gone.unlink()
     code, _, err = cli(capsys, "sbatch", *recipe, "--out", tmp_path / "job2", *overrides)
     assert code == 2 and f"data.path {shards}: {gone} is missing, yet corpus.json lists it" in err, err
+
+
+def test_an_error_after_every_part_is_done_keeps_the_parts_for_the_rerun(tmp_path, capsys, a_unit_a_file):
+    """--max-bad-records is met when the parent replays the parts' bad records, after every part is converted: the
+    parts are kept (they were removed whole), and a rerun with the limit raised resumes them all."""
+    src = corpus(tmp_path / "in", files=3, each=50)
+    write(src / "01.jsonl", docs("one") + b"{bad one\n")  # one bad record a part: no worker stops at the limit
+    write(src / "03.jsonl", b"{bad two\n" + docs("tail"))
+    out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", src, "--out", out, "--workers", 2,
+                       "--on-bad-record", "skip", "--max-bad-records", 1)  # fmt: skip
+    assert code == 2 and not out.exists(), err
+    assert f"[trnrecipes] kept {work} with 4 of 4 parts done: the same command resumes" in err
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", src, "--out", out, "--workers", 2,
+                       "--on-bad-record", "skip", "--max-bad-records", 2)  # fmt: skip
+    assert code == 0 and f"[trnrecipes] resuming {work}: 4 of 4 parts already done" in err
+    assert texts_of(out)[-1] == "tail" and not work.exists()
+
+
+def test_joining_thousands_of_parts_holds_one_open_at_a_time(tmp_path):
+    """A TB of 128 MB files is thousands of units: the .idx join must not hold a file open per part (1024 is the
+    common open-files limit; here 64 with 100 parts)."""
+    from trnrecipes.data.megatron_files import join, write_index
+
+    prefixes = []
+    for k in range(100):
+        prefix = tmp_path / f"part_{k:06d}"
+        lengths = np.array([k % 7 + 1, 3], np.int32)
+        np.zeros(int(lengths.sum()), np.uint16).tofile(f"{prefix}.bin")
+        write_index(Path(f"{prefix}.idx"), [lengths], np.uint16)
+        prefixes.append(prefix)
+    code = (
+        "import resource, sys, numpy as np; from pathlib import Path\n"
+        "from trnrecipes.data.megatron_files import join\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+        "join([Path(p) for p in sys.argv[2:]], Path(sys.argv[1]), np.uint16)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "all"), *map(str, prefixes)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    join(prefixes, tmp_path / "again", np.uint16)  # the same bytes as without the limit
+    for ext in (".bin", ".idx"):
+        assert Path(f"{tmp_path / 'all'}{ext}").read_bytes() == Path(f"{tmp_path / 'again'}{ext}").read_bytes()

@@ -6,6 +6,7 @@ failure record the scripts read, and the nccom-test step against a stand-in with
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shlex
@@ -319,3 +320,15 @@ def test_a_node_without_its_device_names_itself_and_is_not_recorded_as_bad_input
     assert done.returncode == 2 and "has no CUDA device" in done.stderr
     assert (tmp_path / "bad-nodes").read_text() == "node7\n"
     assert not (tmp_path / "fatal").exists()
+
+
+def test_nccom_before_sdk_2_28_names_the_hosts_or_says_it_skipped(nccom_stand_in, monkeypatch, capsys):
+    """No Slurm mode before SDK 2.28: the hosts come from scontrol; without them the check is skipped, in a line."""
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    assert run_nccom(64, 2, sdk=(2, 26)) is True
+    assert "[nccom] WARNING: found 0 of the job's 2 node addresses (scontrol): check skipped" in capsys.readouterr().out
+    assert not nccom_stand_in.exists()  # not run with a bare --hosts
+    assert run_nccom(32, 1, sdk=(2, 26)) is True  # one node: no hosts needed
+    assert json.loads(nccom_stand_in.read_text().splitlines()[0])[-2:] == ["fp32", "-c"]
+    bad = run_cli("nccom", "--ranks", "64", "--nodes", "2", "--sdk", "2")
+    assert bad.returncode == 2 and bad.stderr == "error: nccom --sdk '2': expected a Neuron SDK version such as 2.26\n"

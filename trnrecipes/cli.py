@@ -11,6 +11,7 @@ import errno
 import json
 import math
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -873,4 +874,6 @@ def _nccom(args: argparse.Namespace) -> int:
     from trnrecipes.config.stacks import sdk_version
     from trnrecipes.ops.nccom import main as nccom_main
 
+    if not re.fullmatch(r"\d+\.\d+", args.sdk):
+        raise RecipeError(f"nccom --sdk {args.sdk!r}: expected a Neuron SDK version such as 2.26")
     return nccom_main(args.ranks, args.nodes, sdk_version(args.sdk))

@@ -108,9 +108,13 @@ def checked_batch_rows(batch_rows: int | None) -> int:
     return batch_rows or ROWS_PER_BATCH
 
 
+class NoDocuments(DataError):
+    """A conversion whose inputs hold no document: a rerun of the same inputs meets it again."""
+
+
 def no_documents(inputs: Sequence, stats: ConversionStats, bad: BadRecords) -> DataError:
     first = f", the first {bad.first}" if bad.first else ""
-    return DataError(
+    return NoDocuments(
         f"no documents in {input_names(inputs)}: every record was empty or bad ({stats.skipped_empty} empty,"
         f" {bad.count} bad records{first})"
     )

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from trnrecipes.data import DataError, listed
-from trnrecipes.data.arrow import ConversionStats, check_labelled, checked_batch_rows, no_documents
+from trnrecipes.data.arrow import ConversionStats, NoDocuments, check_labelled, checked_batch_rows, no_documents
 from trnrecipes.data.bad_records import BadRecords, rejects_of
 from trnrecipes.data.corpus_writer import CorpusWriter, corpus_schema, shard_dir_output
 from trnrecipes.data.inputs import InputFile
@@ -162,12 +162,12 @@ def _parts(
                 os.replace(rejects, bad.rejects)
             elif bad.rejects.is_file():  # an earlier skip run's list described the output now replaced
                 bad.rejects.unlink()
-        except BaseException:
+        except BaseException as err:
             ordered.close()  # stops the workers
             kept = len(list(work.glob("part_*.json")))
-            if 0 < kept < len(tasks):  # all done: the error is the whole's (no documents), which a rerun meets again
+            if kept and not isinstance(err, NoDocuments):  # a full disk, Ctrl-C, a limit raised: the parts resume
                 log(f"[trnrecipes] kept {work} with {kept} of {len(tasks)} parts done: the same command resumes")
-            else:
+            else:  # nothing done, or the whole holds no documents, which a rerun meets again
                 remove_work_dir(work, log)
             raise
         finally:

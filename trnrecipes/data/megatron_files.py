@@ -18,11 +18,12 @@ COUNTS = struct.Struct("<BQQ")  # dtype code, sequence count, document count (do
 CHUNK = 1 << 22  # sequences handled at a time
 
 
-def write_index(idx: Path, lengths: list[np.ndarray], dtype: np.dtype) -> None:
-    """The .idx of documents of `lengths` (int32 arrays, in order: one sequence a document): the header, the
-    dtype code and counts, then the sequence lengths (int32), their byte offsets into .bin (int64) and the document
-    indices 0..n (int64)."""
-    n = sum(len(part) for part in lengths)
+def write_index(idx: Path, lengths: list[np.ndarray | Path], dtype: np.dtype) -> None:
+    """The .idx of documents of `lengths` (in order, one sequence a document: int32 arrays, or the .idx files
+    write_index wrote, each opened only while it is read, so thousands of parts never hold thousands of files open):
+    the header, the dtype code and counts, then the sequence lengths (int32), their byte offsets into .bin (int64)
+    and the document indices 0..n (int64)."""
+    n = sum(len(part) if isinstance(part, np.ndarray) else sequence_count(part) for part in lengths)
     with open(idx, "wb") as f:
         f.write(HEADER + COUNTS.pack(DTYPE_CODES[np.dtype(dtype).name], n, n + 1))
         for chunk in _chunks(lengths):
@@ -37,14 +38,20 @@ def write_index(idx: Path, lengths: list[np.ndarray], dtype: np.dtype) -> None:
             np.arange(start, min(start + CHUNK, n + 1), dtype=np.int64).tofile(f)
 
 
-def index_lengths(idx: Path) -> np.ndarray:
-    """The sequence lengths of an .idx write_index wrote (memory-mapped)."""
+def sequence_count(idx: Path) -> int:
+    """The sequences of an .idx write_index wrote, from its header."""
     with open(idx, "rb") as f:
         head = f.read(len(HEADER) + COUNTS.size)
-    if not head.startswith(HEADER):
+    if not head.startswith(HEADER) or len(head) < len(HEADER) + COUNTS.size:
         raise ValueError(f"{idx} is not a Megatron index")
-    _, n, _ = COUNTS.unpack(head[len(HEADER) :])
-    return np.memmap(idx, np.int32, "r", offset=len(head), shape=(n,)) if n else np.empty(0, np.int32)
+    return COUNTS.unpack(head[len(HEADER) :])[1]
+
+
+def index_lengths(idx: Path) -> np.ndarray:
+    """The sequence lengths of an .idx write_index wrote (memory-mapped)."""
+    n = sequence_count(idx)
+    offset = len(HEADER) + COUNTS.size
+    return np.memmap(idx, np.int32, "r", offset=offset, shape=(n,)) if n else np.empty(0, np.int32)
 
 
 def join(prefixes: list[Path], out: Path, dtype: np.dtype) -> None:
@@ -53,10 +60,12 @@ def join(prefixes: list[Path], out: Path, dtype: np.dtype) -> None:
         for prefix in prefixes:
             with open(f"{prefix}.bin", "rb") as part:
                 shutil.copyfileobj(part, sink, 1 << 24)
-    write_index(Path(f"{out}.idx"), [index_lengths(Path(f"{p}.idx")) for p in prefixes], dtype)
+    write_index(Path(f"{out}.idx"), [Path(f"{p}.idx") for p in prefixes], dtype)
 
 
-def _chunks(arrays: list[np.ndarray]) -> Iterator[np.ndarray]:
-    for array in arrays:
+def _chunks(arrays: list[np.ndarray | Path]) -> Iterator[np.ndarray]:
+    for source in arrays:
+        array = source if isinstance(source, np.ndarray) else index_lengths(source)
         for start in range(0, len(array), CHUNK):
             yield array[start : start + CHUNK]
+        del array  # a part's memory map (and its file) closed before the next is opened

@@ -66,7 +66,7 @@ def plan_units(files: list[InputFile]) -> list[list[int]]:
 
 def input_stats(files: tuple[InputFile, ...]) -> list[list]:
     """[path, size, mtime_ns] of each file: a part made from them is reused while these are the same."""
-    return [[str(f.path), (s := f.path.stat()).st_size, s.st_mtime_ns] for f in files]
+    return [[str(f.path.resolve()), (s := f.path.stat()).st_size, s.st_mtime_ns] for f in files]
 
 
 def convert_unit(task: Task, tick: Callable[..., None]) -> dict:

@@ -127,7 +127,9 @@ def remove_work_dir(work: Path, log) -> None:
     """A conversion's files out of `work`, then `work` itself if nothing else is in it (a file put there meanwhile
     stays, and so does the dir)."""
     foreign = _foreign(work)
-    for name in sorted(set(os.listdir(work)) - set(foreign)):
+    # The record last: a removal cut short leaves parts a rerun can still tell for this conversion's (and a walk
+    # of the inputs still skips), not anonymous part files.
+    for name in sorted(set(os.listdir(work)) - set(foreign), key=lambda n: (n == JOB, n)):
         _remove(work / name)
     if foreign:
         log(f"[trnrecipes] left {work} in place: it holds files the conversion did not write ({listed(foreign, 5)})")

@@ -54,10 +54,20 @@ def job_hosts() -> list[str]:
     nodelist = os.environ.get("SLURM_JOB_NODELIST")
     if not nodelist or shutil.which("scontrol") is None:
         return []
-    names = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True).stdout.split()
+    try:
+        names = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60
+        ).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return []
     hosts = []
     for name in names:
-        shown = subprocess.run(["scontrol", "show", "node", name], capture_output=True, text=True).stdout
+        try:
+            shown = subprocess.run(
+                ["scontrol", "show", "node", name], capture_output=True, text=True, timeout=60
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            shown = ""
         found = re.search(r"NodeAddr=(\S+)", shown)
         hosts.append(found.group(1) if found else name)
     return hosts
@@ -73,6 +83,9 @@ def run_nccom(
         raise RecipeError("nccom-test is not on PATH: it comes with the Neuron SDK's aws-neuronx-tools package")
     ok, env = True, None
     hosts = job_hosts() if sdk < SLURM_MODE_SDK and nodes > 1 else []
+    if sdk < SLURM_MODE_SDK and nodes > 1 and len(hosts) != nodes:  # nothing to name the hosts with: not a failure
+        print(f"[nccom] WARNING: found {len(hosts)} of the job's {nodes} node addresses (scontrol): check skipped")
+        return True
     if hosts:  # the root of the collective is this host, the job's first node (run.sbatch runs it there)
         env = {**os.environ, "NEURON_RT_ROOT_COMM_ID": f"{hosts[0]}:{ROOT_COMM_PORT}"}
     for op in OPERATIONS:
