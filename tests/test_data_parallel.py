@@ -169,6 +169,53 @@ def test_a_killed_conversion_resumes_from_the_parts_done(tmp_path, capsys, a_uni
     assert out.read_bytes() == (tmp_path / "straight.arrow").read_bytes()
 
 
+def started(argv: list[str], work: Path, pause_s: float, **popen) -> subprocess.Popen:
+    """tests/slow_parts.py running `argv`, once its first part is done."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SLOW_PARTS_PAUSE_S": str(pause_s), "SLOW_PARTS_BUSY": "1"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests/slow_parts.py"), *argv], env=env,
+                            stderr=subprocess.PIPE, text=True, **popen)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not list(work.glob("part_*.json")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    return proc
+
+
+def test_a_worker_killed_on_its_own_is_told_while_the_others_still_work(tmp_path, capsys):
+    """A worker killed by the OOM killer: the parent says so while the other worker still sends progress (not once
+    every other unit is done, hours later at TB scale), naming its file, with exit 1 (a node's fault, not the
+    input's), and the rerun resumes."""
+    src = corpus(tmp_path / "in", files=10, each=100)
+    out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
+    argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "2"]
+    proc = started(argv, work, pause_s=1.0)
+    workers = [pid for pid in children(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    os.kill(workers[0], signal.SIGKILL)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1, err
+    assert "died (signal 9: out of memory?)" in err and "rerun the same command to resume" in err, err
+    done = len(list(work.glob("part_*.json")))
+    assert done <= 6, f"{done} of 10 parts were converted before the dead worker was told of"
+    code, _, err = cli(capsys, *argv)
+    assert code == 0 and err.startswith(f"[trnrecipes] resuming {work}: {done} of 10 parts already done\n"), err
+    to_arrow([src], tmp_path / "straight.arrow", progress=False)
+    assert out.read_bytes() == (tmp_path / "straight.arrow").read_bytes()
+
+
+def test_ctrl_c_keeps_the_parts_in_one_line_without_a_traceback(tmp_path, capsys):
+    """Ctrl-C reaches the whole process group (the parent and its workers): one line says what was kept, none of
+    the processes prints a traceback, and the same command resumes."""
+    src = corpus(tmp_path / "in", files=6, each=100)
+    out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
+    argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "2"]
+    proc = started(argv, work, pause_s=0.5, start_new_session=True)
+    os.killpg(proc.pid, signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.endswith("parts done: the same command resumes\nerror: interrupted\n"), err
+    code, _, err = cli(capsys, *argv)
+    assert code == 0 and "[trnrecipes] resuming" in err and not work.exists()
+
+
 def children(pid: int) -> list[int]:
     """The processes `pid` started (its workers, multiprocessing's resource tracker)."""
     return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]

@@ -29,9 +29,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except RecipeError as err:  # and its kin (DataError, TokenizerError, CheckpointError): bad user input
         print(f"error: {err}", file=sys.stderr)
-        if not requeue_may_pass(err):
-            _record_fatal(f"error: {err}")
+        if requeue_may_pass(err):  # a node's fault or a transient one: exit 1, which a rerun or requeue may pass
+            return 1
+        _record_fatal(f"error: {err}")
         return 2
+    except KeyboardInterrupt:  # what was being done says what it kept; no traceback for the user's own Ctrl-C
+        print("error: interrupted", file=sys.stderr)
+        return 130
     except FloatingPointError as err:  # a diverged loss: replaying the same data from a checkpoint diverges again
         print(f"error: {err}", file=sys.stderr)
         _record_fatal(f"error: {err}")

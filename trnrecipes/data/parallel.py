@@ -6,9 +6,12 @@ when their parent is gone (killed), leaving the parts done for a rerun to resume
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import queue
+import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -22,6 +25,7 @@ from trnrecipes.data.inputs import InputFile
 from trnrecipes.data.parts import Task, convert_unit
 
 PROGRESS_EVERY_S = 0.5
+ALIVE_CHECK_S = 0.5
 
 
 class WorkerDied(DataError):
@@ -97,13 +101,18 @@ class _Pool:
             p.start()
         self.outcomes: dict[int, dict] = {}
         self.running: dict[int, Task] = {}  # pid -> its task
+        self.checked = time.monotonic()
 
     def outcome(self, task: Task) -> dict:
         while task.unit not in self.outcomes:
-            try:
-                kind, pid, unit, payload = self.results.get(timeout=0.5)
-            except queue.Empty:
+            # Checked on a clock, not only when the queue is quiet: the other workers' progress keeps it busy, and
+            # a worker killed (out of memory) an hour into a day-long conversion must be told of then, not at the end.
+            if time.monotonic() - self.checked >= ALIVE_CHECK_S:
                 self._check_alive(task)
+                self.checked = time.monotonic()
+            try:
+                kind, pid, unit, payload = self.results.get(timeout=ALIVE_CHECK_S)
+            except queue.Empty:
                 continue
             if kind == "start":
                 self.running[pid] = payload
@@ -143,11 +152,32 @@ class _Pool:
 def _serve(tasks, results, first_failed, parent: int) -> None:
     """A worker: converts the tasks it pulls until told to stop; a task after a unit that failed is skipped, and a
     worker whose parent is gone (killed) stops."""
+    # Ctrl-C reaches every process of the terminal's group: the parent stops the workers and says what it kept, so
+    # a worker ignores it rather than print a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with(parent)
     try:
         _convert_tasks(tasks, results, first_failed, parent)
     finally:
         if os.getppid() != parent:  # nobody reads what it sent: exit without waiting for the pipe to take it
             results.cancel_join_thread()
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel kill this worker the moment its parent dies (Linux): a rerun started at once would otherwise
+    overlap workers still finishing the killed conversion's parts. Elsewhere the workers' checks of their parent
+    (every PROGRESS_EVERY_S while converting) stop them."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(0)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _convert_tasks(tasks, results, first_failed, parent: int) -> None:
