@@ -19,7 +19,7 @@ from trnrecipes.config.cluster import INSTANCES
 from trnrecipes.config.recipe import load_recipe
 from trnrecipes.config.sections import RecipeError
 from trnrecipes.config.stacks import SDK_RELEASES, STACKS, TORCHNEURON, XLA_NXD
-from trnrecipes.jobs.render import render_job
+from trnrecipes.jobs.render import render_job, render_warnings
 from trnrecipes.plan.layout import compute_layout, plan
 from trnrecipes.plan.report import format_plan
 
@@ -124,11 +124,13 @@ def test_train_compile_follows_the_stack(name: str, overrides: str, refusal: str
 
 
 @pytest.mark.parametrize(("name", "tp"), [("llama2-7b-trn2", 4), ("llama2-tiny", 2)])
-def test_train_compile_with_tensor_parallel_is_still_refused(name: str, tp: int):
-    """The recipe and trnrecipes/parallel/compile.py say compiled blocks with TP DTensors fail in backward, so the
-    recipe check refuses train.compile with layout.tp > 1 (tests/test_torch_compile.py expects it too)."""
-    message = error_of(name, f"layout.tp={tp} train.compile=true")
-    assert message is not None and f"train.compile true with layout.tp {tp}" in message
+def test_train_compile_with_tensor_parallel_is_accepted(name: str, tp: int):
+    """Compiled blocks under DTensor TP train as eager ones (tests/test_compiled_tp.py): no refusal on the native
+    path, and on TorchNeuron with FSDP2 one warning that AWS documents SimpleFSDP, not fully_shard, under compile."""
+    assert error_of(name, f"layout.tp={tp} train.compile=true") is None
+    warned = render_warnings(load_recipe(name, nodes=2, overrides=f"layout.tp={tp} train.compile=true".split()))
+    on_torchneuron_with_fsdp = [w for w in warned if "SimpleFSDP" in w]
+    assert len(on_torchneuron_with_fsdp) == (1 if name == "llama2-7b-trn2" else 0), warned
 
 
 def test_optlevel_is_fixed_on_torchneuron_only():

@@ -87,8 +87,8 @@ class Backend:
     def compiles(self, recipe: Recipe) -> bool:
         """Whether train.compile applies here: torch.compile per block (trnrecipes/parallel/compile.py)."""
         wanted = recipe.train.compile
-        if wanted is None:  # unset: where it is tested (not with TP, see the recipe check; not yet under PP)
-            wanted = self.compiles_by_default and recipe.layout.tp == 1 and recipe.layout.pp == 1
+        if wanted is None:  # unset: where it is tested (not yet under PP)
+            wanted = self.compiles_by_default and recipe.layout.pp == 1
         return self.compile_backend is not None and wanted
 
     def tensor_parallel(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:

@@ -465,11 +465,6 @@ def check_recipe(r: Recipe) -> list[str]:
         f" torch.compile runs on cpu, cuda and TorchNeuron{native_hint if nxd else ''}. Set train.compile false or"
         " leave it out",
     )
-    need(
-        not (r.train.compile and r.layout.tp > 1),
-        f"train.compile true with layout.tp {r.layout.tp}: compiled blocks with tensor-parallel DTensors fail in"
-        " backward on the torch this was tested with (2.13); set train.compile false or layout.tp 1",
-    )
     problems += kv_replication_problems(r)
     problems += attention_problems(r, stack)
     problems += _data_problems(r)

@@ -86,9 +86,9 @@ class TrainConfig:
     # gradients the old moments do not describe, and the LR schedule restarts with them); "keep" carries the
     # checkpoint's moments and step count over (incremental training on more of the same data, M5-style).
     init_optimizer: Literal["reset", "keep"] = "reset"
-    # torch.compile each transformer block (trnrecipes/parallel/compile.py). None: on for cuda without TP; off for cpu,
+    # torch.compile each transformer block (trnrecipes/parallel/compile.py). None: on for cuda without PP; off for cpu,
     # where compiling outlasts a short run, and for TorchNeuron (eager with Adaptive Eager Execution; true compiles
-    # with backend "neuron"); xla and XLA/NxD compile their graphs anyway and refuse true, as TP does.
+    # with backend "neuron"); xla and XLA/NxD compile their graphs anyway and refuse true.
     # Not the Neuron ahead-of-time `compile` section below, which is the compile job.
     compile: bool | None = None
 

@@ -28,7 +28,7 @@ from trnrecipes.config.preemption import render_warnings as preemption_warnings
 from trnrecipes.config.preemption import signal_seconds
 from trnrecipes.config.recipe import is_plain_path
 from trnrecipes.config.sections import Recipe, RecipeError
-from trnrecipes.config.stacks import default_python
+from trnrecipes.config.stacks import TORCHNEURON, default_python
 from trnrecipes.jobs.neuron_env import JOB_USER, backend_env
 from trnrecipes.jobs.storage import run_dir_for
 from trnrecipes.jobs.wheelhouse import job_wheels
@@ -83,6 +83,13 @@ def render_warnings(recipe: Recipe, job_dir: Path | None = None) -> list[str]:
             "data.eval_path is not set: eval.sbatch has no labelled holdout to score and stops saying so, unless it is"
             " submitted as EVAL_IN=<labelled Arrow file> sbatch .../eval.sbatch. Set data.eval_path to score one"
             " after every run"
+        )
+    if recipe.train.compile and recipe.layout.fsdp and recipe.stack == TORCHNEURON:
+        warnings.append(
+            "train.compile true with layout.fsdp on TorchNeuron: AWS's TorchNeuron overview (aws-neuron-sdk"
+            " frameworks/torch/pytorch-native-overview.rst) supports SimpleFSDP under torch.compile, not the FSDP2"
+            " fully_shard this recipe uses; compiled"
+            " TP + FSDP2 is tested here on the CPU only. Set train.compile false (eager) if the compile job fails"
         )
     estimate, _ = layout_memory(recipe)
     if estimate.verdict == "does not fit":  # written anyway: --no-memory-check

@@ -15,10 +15,12 @@ Shapes are static (packed sequences, fixed micro-batch), so after warm-up (one t
 the first eval is a second graph since `self.training` is a guard) nothing recompiles; tests/test_torch_compile.py
 proves it under torch.compiler.set_stance("fail_on_recompile").
 
-Not with tensor parallelism yet: on torch 2.13 (CPU, inductor and TP 2, with or without sequence parallelism) the
-backward of a compiled block fails inside DTensor's redistribute (a plain tensor where a DTensor's gradient is
-expected), so the recipe check refuses train.compile with layout.tp > 1 and the cuda default leaves TP runs eager.
-FSDP is fine (tests/test_fsdp.py's layouts ran compiled with inductor by hand: the same grad norms as eager).
+With tensor (and sequence) parallelism and FSDP2, as torchtitan composes them: the TP plan first, then activation
+checkpointing, then compile per block, then FSDP last (TorchBackend.parallelize). One thing had to change for it:
+the vocab-parallel embedding's output, an AsyncCollectiveTensor, is made a plain tensor before the first block
+(trnrecipes/parallel/tensor.py, wait_for_output); as a compiled graph's input it broke DTensor's backward on torch
+2.13. tests/test_compiled_tp.py: compiled TP 2 (with and without SP, and with FSDP over 2 more ranks) trains as
+eager TP 2 does, never recompiles after warm-up and resumes bitwise.
 
 Not for xla/neuron (trn1): torch-xla traces and compiles the whole step's graph anyway (the recipe check refuses
 train.compile there).
@@ -28,10 +30,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from trnrecipes.parallel.compile_fixes import fix_rng_states_after_opaque_values
+
 
 def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     """torch.compile every block of `model.layers` (a ModuleList, or a pipeline rank's ModuleDict) in place with
     `backend`; returns how many. Idempotent: compiling a compiled block again only replaces its compile options."""
+    fix_rng_states_after_opaque_values()  # checkpointed blocks under DTensor TP, off CUDA (compile_fixes.py)
     blocks = list(model.layers.children())
     for block in blocks:
         block.compile(backend=backend, dynamic=False)

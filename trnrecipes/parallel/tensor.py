@@ -13,6 +13,7 @@ import importlib
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -93,4 +94,16 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, family: str, seque
     styles = tensor_parallel_styles(family, layer_ids(model), sequence_parallel, top)
     if "head" in top:
         model.head_loss = logits_loss  # the head's vocabulary is split: its forward gathers full logits
-    return parallelize_module(model, mesh, styles)
+    parallelize_module(model, mesh, styles)
+    if "embed" in top:
+        model.embed.register_forward_hook(wait_for_output)  # after the plan's own hook, which makes the output
+    return model
+
+
+def wait_for_output(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    """The vocab-parallel embedding's output as a plain tensor. The plan hands it on as an AsyncCollectiveTensor (its
+    all-reduce, or reduce-scatter under SP, still in flight): as the input of a compiled block (train.compile),
+    AOTAutograd then hands DTensor's Redistribute backward a plain gradient, which fails ("'Tensor' object has no
+    attribute '_local_tensor'", torch 2.13, inductor and aot_eager alike). Inside a block those tensors are traced
+    and compile fine. The first block needs the result at once anyway: nothing is lost by waiting here."""
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
