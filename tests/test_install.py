@@ -32,21 +32,49 @@ def wheel(tmp_path_factory) -> Path:
     return found
 
 
-def dry_run(requirement: str, constraints: Path, report: Path) -> subprocess.CompletedProcess[str]:
-    """Resolve `requirement` with the stack's packages requested too, each held to the constraints file's pin, for the
-    stack's Python; nothing is installed."""
+def start_dry_run(requirement: str, constraints: Path, report: Path) -> subprocess.Popen[str]:
+    """Start resolving `requirement` with the stack's packages requested too, each held to the constraints file's
+    pin, for the stack's Python; nothing is installed."""
     python = re.search(r"^# python: (\S+)$", constraints.read_text(), re.M)[1]
     pinned = [line.split("=")[0] for line in constraints.read_text().splitlines() if line and not line.startswith("#")]
     argv = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report",
             str(report), "--python-version", python, "--only-binary=:all:", "-c", str(constraints), requirement,
             *pinned]  # fmt: skip
-    return subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def dry_run(requirement: str, constraints: Path, report: Path) -> subprocess.CompletedProcess[str]:
+    return finished(start_dry_run(requirement, constraints, report))
+
+
+@pytest.fixture(scope="module")
+def resolving(wheel, tmp_path_factory) -> dict[str, tuple[subprocess.Popen[str], Path]]:
+    """The neuron extra's resolution for every stack, started at once: pip's dry runs mostly wait on the registry, so
+    they run side by side (one after another they took about 5 minutes)."""
+    started = {}
+    for constraints in CONSTRAINTS:
+        report = tmp_path_factory.mktemp(constraints.stem) / "report.json"
+        started[constraints.stem] = (start_dry_run(f"{wheel}[neuron]", constraints, report), report)
+    yield started
+    for proc, _ in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 @pytest.mark.parametrize("constraints", CONSTRAINTS, ids=[c.stem for c in CONSTRAINTS])
-def test_the_neuron_extra_resolves_with_each_stacks_pins_and_changes_none(wheel, constraints, tmp_path):
-    report = tmp_path / "report.json"
-    done = dry_run(f"{wheel}[neuron]", constraints, report)
+def test_the_neuron_extra_resolves_with_each_stacks_pins_and_changes_none(resolving, constraints):
+    proc, report = resolving[constraints.stem]
+    done = finished(proc)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     chosen = {
         i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]

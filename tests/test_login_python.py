@@ -41,15 +41,36 @@ def pip_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("pip-cache")
 
 
+@pytest.fixture(scope="module")
+def installing(pip_cache, tmp_path_factory) -> dict[str, tuple[subprocess.Popen[str], Path]]:
+    """requirements/install.sh's login tier, started for every login Python found at once: the installs mostly wait
+    on the registry, so they run side by side."""
+    started = {}
+    for minor in LOGIN_MINORS:
+        if (python := find(minor)) is not None:
+            venv = tmp_path_factory.mktemp(f"py{minor}") / "venv"
+            env = {**os.environ, "python": python, "PIP_CACHE_DIR": str(pip_cache), "PIP_COMPILE": "0"}
+            proc = subprocess.Popen(["bash", str(INSTALL), "login", str(venv)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+            started[minor] = (proc, venv)
+    yield started
+    for proc, _ in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("minor", LOGIN_MINORS)
-def test_the_login_tier_installs_and_runs_on_the_login_nodes_python(minor, pip_cache, tmp_path):
-    python = _python(minor)
-    venv = tmp_path / "venv"
-    env = {**os.environ, "python": python, "PIP_CACHE_DIR": str(pip_cache), "PIP_COMPILE": "0"}
-    done = subprocess.run(["bash", str(INSTALL), "login", str(venv)], capture_output=True, text=True, env=env,
-                          timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+def test_the_login_tier_installs_and_runs_on_the_login_nodes_python(minor, installing, tmp_path):
+    _python(minor)
+    proc, venv = installing[minor]
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
     py = str(venv / "bin/python")
     listed = subprocess.run([py, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, timeout=120)
     installed = {re.sub(r"[-_.]+", "-", n).lower(): v for n, v in (x.split("==") for x in listed.stdout.split())}

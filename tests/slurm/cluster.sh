@@ -89,9 +89,10 @@ SlurmUser=$user
 SlurmdUser=root
 AuthType=auth/none
 CredType=cred/none
-# A requeued job may start again once its credential expired: the default (120 s) makes a requeue take ~2 minutes.
-AuthInfo=cred_expire=30
-SchedulerParameters=sched_interval=5
+# A requeued job may start again once its credential expired: the default (120 s) makes a requeue take ~2 minutes;
+# 10 s is still far more than a step launch takes here.
+AuthInfo=cred_expire=10
+SchedulerParameters=sched_interval=2
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
