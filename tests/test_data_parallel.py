@@ -201,6 +201,26 @@ def test_a_worker_killed_on_its_own_is_told_while_the_others_still_work(tmp_path
     assert out.read_bytes() == (tmp_path / "straight.arrow").read_bytes()
 
 
+def test_workers_done_before_the_parent_reads_their_outcomes_are_not_taken_for_dead(
+    tmp_path, capsys, a_unit_a_file, monkeypatch
+):
+    """The parent joins each part before it reads the next outcome: with a slow join, every worker has converted its
+    units and ended while their last outcomes still wait in the queue. They are read, not taken for lost workers (the
+    benchmark's 32 shards of 128 MB stopped so, with every part done)."""
+    from trnrecipes.data import conversion
+
+    replayed = conversion._replayed
+
+    def slow_join(outcome, work, bad):
+        time.sleep(0.6)  # longer than the workers take for all of these units, and than ALIVE_CHECK_S
+        return replayed(outcome, work, bad)
+
+    monkeypatch.setattr(conversion, "_replayed", slow_join)
+    src = corpus(tmp_path / "in", files=4, each=20)
+    code, out, err = cli(capsys, "data", "to-arrow", "--in", src, "--out", tmp_path / "o.arrow", "--workers", 2)
+    assert code == 0 and out == f"wrote {tmp_path / 'o.arrow'}: 80 documents\n", err
+
+
 def test_ctrl_c_keeps_the_parts_in_one_line_without_a_traceback(tmp_path, capsys):
     """Ctrl-C reaches the whole process group (the parent and its workers): one line says what was kept, none of
     the processes prints a traceback, and the same command resumes."""

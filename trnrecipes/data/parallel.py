@@ -108,26 +108,45 @@ class _Pool:
             # Checked on a clock, not only when the queue is quiet: the other workers' progress keeps it busy, and
             # a worker killed (out of memory) an hour into a day-long conversion must be told of then, not at the end.
             if time.monotonic() - self.checked >= ALIVE_CHECK_S:
-                self._check_alive(task)
+                self._drain()  # what the workers sent before they ended is theirs, not lost
+                if task.unit in self.outcomes:
+                    break
+                self._check_alive(task, quiet=False)
                 self.checked = time.monotonic()
             try:
-                kind, pid, unit, payload = self.results.get(timeout=ALIVE_CHECK_S)
+                message = self.results.get(timeout=ALIVE_CHECK_S)
             except queue.Empty:
+                self._check_alive(task, quiet=True)
                 continue
-            if kind == "start":
-                self.running[pid] = payload
-            elif kind == "progress":
-                self.bar.update(payload)
-            elif kind == "crash":
-                raise RuntimeError(f"converting {_names(self.running.get(pid, task))} failed:\n{payload}")
-            else:
-                self.running.pop(pid, None)
-                self.outcomes[unit] = payload
-                if payload["status"] != "done":
-                    self.first_failed.value = min(self.first_failed.value, unit)
+            self._take(message, task)
         return self.outcomes.pop(task.unit)
 
-    def _check_alive(self, waiting: Task) -> None:
+    def _drain(self) -> None:
+        while True:
+            try:
+                message = self.results.get_nowait()
+            except queue.Empty:
+                return
+            self._take(message, None)
+
+    def _take(self, message: tuple, waiting: Task | None) -> None:
+        kind, pid, unit, payload = message
+        if kind == "start":
+            self.running[pid] = payload
+        elif kind == "progress":
+            self.bar.update(payload)
+        elif kind == "crash":
+            failed = self.running.get(pid) or waiting
+            raise RuntimeError(f"converting {_names(failed) if failed else f'unit {unit}'} failed:\n{payload}")
+        else:
+            self.running.pop(pid, None)
+            self.outcomes[unit] = payload
+            if payload["status"] != "done":
+                self.first_failed.value = min(self.first_failed.value, unit)
+
+    def _check_alive(self, waiting: Task, quiet: bool) -> None:
+        """A worker that died amid a unit fails the conversion. Every worker having ended is judged only once the
+        queue stayed `quiet` for a whole wait: until then their last outcomes may still be on their way."""
         for p in self.processes:
             if p.exitcode not in (None, 0) and p.pid in self.running:
                 lost = self.running[p.pid]
@@ -136,7 +155,7 @@ class _Pool:
                     f"the worker converting {_names(lost)} died ({how}: out of memory?); the parts done are kept in"
                     f" {self.work}: rerun the same command to resume from them"
                 )
-        if all(p.exitcode is not None for p in self.processes):
+        if quiet and all(p.exitcode is not None for p in self.processes):
             raise WorkerDied(f"every worker ended before {_names(waiting)} was converted; rerun to resume")
 
     def close(self) -> None:
