@@ -40,6 +40,7 @@ def start_dry_run(requirement: str, constraints: Path, report: Path) -> subproce
     argv = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report",
             str(report), "--python-version", python, "--only-binary=:all:", "-c", str(constraints), requirement,
             *pinned]  # fmt: skip
+    # pip --quiet writes little; a failed resolution's report fits a pipe (64 KB) before communicate() reads it
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -42,35 +43,33 @@ def pip_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def installing(pip_cache, tmp_path_factory) -> dict[str, tuple[subprocess.Popen[str], Path]]:
+def installing(pip_cache, tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
     """requirements/install.sh's login tier, started for every login Python found at once: the installs mostly wait
     on the registry, so they run side by side."""
     started = {}
     for minor in LOGIN_MINORS:
         if (python := find(minor)) is not None:
-            venv = tmp_path_factory.mktemp(f"py{minor}") / "venv"
+            where = tmp_path_factory.mktemp(f"py{minor}")
             env = {**os.environ, "python": python, "PIP_CACHE_DIR": str(pip_cache), "PIP_COMPILE": "0"}
-            proc = subprocess.Popen(["bash", str(INSTALL), "login", str(venv)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
-            started[minor] = (proc, venv)
+            with open(where / "out", "w") as out, open(where / "err", "w") as err:  # files: a full pipe would stall it
+                proc = subprocess.Popen(["bash", str(INSTALL), "login", str(where / "venv")], stdout=out, stderr=err,
+                                        env=env, start_new_session=True)  # fmt: skip
+            started[minor] = (proc, where)
     yield started
     for proc, _ in started.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        if proc.poll() is None:  # the test was deselected or timed out: stop the install and the pip under it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("minor", LOGIN_MINORS)
 def test_the_login_tier_installs_and_runs_on_the_login_nodes_python(minor, installing, tmp_path):
     _python(minor)
-    proc, venv = installing[minor]
-    try:
-        stdout, stderr = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    proc, where = installing[minor]
+    proc.wait(timeout=600)  # on a timeout the fixture's teardown stops it
+    assert proc.returncode == 0, (where / "out").read_text()[-2000:] + (where / "err").read_text()[-3000:]
+    venv = where / "venv"
     py = str(venv / "bin/python")
     listed = subprocess.run([py, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, timeout=120)
     installed = {re.sub(r"[-_.]+", "-", n).lower(): v for n, v in (x.split("==") for x in listed.stdout.split())}

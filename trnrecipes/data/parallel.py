@@ -12,6 +12,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -97,8 +98,15 @@ class _Pool:
             self.tasks.put(None)
         args = (self.tasks, self.results, self.first_failed, os.getpid())
         self.processes = [context.Process(target=_serve, args=args, daemon=True) for _ in range(workers)]
-        for p in self.processes:
-            p.start()
+        # Ignored from their start, imports included: a spawned interpreter keeps an inherited SIG_IGN for SIGINT.
+        main = threading.current_thread() is threading.main_thread()  # where signal handlers may be set
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for p in self.processes:
+                p.start()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
         self.outcomes: dict[int, dict] = {}
         self.running: dict[int, Task] = {}  # pid -> its task
         self.checked = time.monotonic()
@@ -116,7 +124,10 @@ class _Pool:
             try:
                 message = self.results.get(timeout=ALIVE_CHECK_S)
             except queue.Empty:
-                self._check_alive(task, quiet=True)
+                ended = all(p.exitcode is not None for p in self.processes)  # before a last look at the queue
+                self._drain()
+                if task.unit not in self.outcomes:
+                    self._check_alive(task, quiet=ended)
                 continue
             self._take(message, task)
         return self.outcomes.pop(task.unit)
@@ -145,8 +156,8 @@ class _Pool:
                 self.first_failed.value = min(self.first_failed.value, unit)
 
     def _check_alive(self, waiting: Task, quiet: bool) -> None:
-        """A worker that died amid a unit fails the conversion. Every worker having ended is judged only once the
-        queue stayed `quiet` for a whole wait: until then their last outcomes may still be on their way."""
+        """A worker that died amid a unit fails the conversion. `quiet`: every worker had ended before the queue was
+        found empty, so nothing more will come and `waiting` never will."""
         for p in self.processes:
             if p.exitcode not in (None, 0) and p.pid in self.running:
                 lost = self.running[p.pid]
@@ -155,7 +166,7 @@ class _Pool:
                     f"the worker converting {_names(lost)} died ({how}: out of memory?); the parts done are kept in"
                     f" {self.work}: rerun the same command to resume from them"
                 )
-        if quiet and all(p.exitcode is not None for p in self.processes):
+        if quiet:
             raise WorkerDied(f"every worker ended before {_names(waiting)} was converted; rerun to resume")
 
     def close(self) -> None:
@@ -184,13 +195,18 @@ def _serve(tasks, results, first_failed, parent: int) -> None:
 
 def _die_with(parent: int) -> None:
     """Have the kernel kill this worker the moment its parent dies (Linux): a rerun started at once would otherwise
-    overlap workers still finishing the killed conversion's parts. Elsewhere the workers' checks of their parent
-    (every PROGRESS_EVERY_S while converting) stop them."""
+    overlap workers still finishing the killed conversion's parts. (The kernel's signal follows the thread that
+    started the worker: the pool is made and driven by the conversion's own thread.) Elsewhere the workers' checks
+    of their parent (every PROGRESS_EVERY_S while converting) stop them."""
     if not sys.platform.startswith("linux"):
         return
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        ulong = ctypes.c_ulong
+        done = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, ulong(signal.SIGKILL), ulong(0), ulong(0),
+                                                       ulong(0))  # fmt: skip
     except (OSError, AttributeError):
+        return
+    if done != 0:
         return
     if os.getppid() != parent:  # it died before the request took effect
         os._exit(0)

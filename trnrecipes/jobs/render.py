@@ -88,8 +88,8 @@ def render_warnings(recipe: Recipe, job_dir: Path | None = None) -> list[str]:
         warnings.append(
             "train.compile true with layout.fsdp on TorchNeuron: AWS's TorchNeuron overview (aws-neuron-sdk"
             " frameworks/torch/pytorch-native-overview.rst) supports SimpleFSDP under torch.compile, not the FSDP2"
-            " fully_shard this recipe uses; compiled"
-            " TP + FSDP2 is tested here on the CPU only. Set train.compile false (eager) if the compile job fails"
+            " fully_shard this recipe uses; compile with FSDP2 (and TP) is tested here on the CPU only. Set"
+            " train.compile false (eager) if the compile job fails"
         )
     estimate, _ = layout_memory(recipe)
     if estimate.verdict == "does not fit":  # written anyway: --no-memory-check

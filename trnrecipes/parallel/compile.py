@@ -16,11 +16,12 @@ the first eval is a second graph since `self.training` is a guard) nothing recom
 proves it under torch.compiler.set_stance("fail_on_recompile").
 
 With tensor (and sequence) parallelism and FSDP2, as torchtitan composes them: the TP plan first, then activation
-checkpointing, then compile per block, then FSDP last (TorchBackend.parallelize). One thing had to change for it:
-the vocab-parallel embedding's output, an AsyncCollectiveTensor, is made a plain tensor before the first block
-(trnrecipes/parallel/tensor.py, wait_for_output); as a compiled graph's input it broke DTensor's backward on torch
-2.13. tests/test_compiled_tp.py: compiled TP 2 (with and without SP, and with FSDP over 2 more ranks) trains as
-eager TP 2 does, never recompiles after warm-up and resumes bitwise.
+checkpointing, then compile per block, then FSDP last (TorchBackend.parallelize). Two things had to change for it on
+torch 2.13: the vocab-parallel embedding's output, an AsyncCollectiveTensor, is made a plain tensor before the first
+block (trnrecipes/parallel/tensor.py, wait_for_output), since as a compiled graph's input it broke DTensor's backward;
+and with activation checkpointing, torch's misplaced RNG states behind a saved DeviceMesh are put back
+(trnrecipes/parallel/compile_fixes.py). tests/test_compiled_tp.py: compiled TP 2 (with and without SP, and with FSDP
+over 2 more ranks) trains as eager TP 2 does, never recompiles after warm-up and resumes bitwise.
 
 Not for xla/neuron (trn1): torch-xla traces and compiles the whole step's graph anyway (the recipe check refuses
 train.compile there).

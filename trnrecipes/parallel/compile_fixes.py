@@ -29,6 +29,10 @@ def fix_rng_states_after_opaque_values() -> bool:
     """Wrap torch's functionalize_rng_ops where it still misplaces the RNG states; returns whether it is wrapped."""
     from torch._functorch import partitioners
 
+    try:
+        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+    except ImportError:  # another torch's layout: its own partitioner stands
+        return False
     original = partitioners.functionalize_rng_ops
     if getattr(original, "_trnrecipes_fixed", False):
         return True
@@ -41,8 +45,6 @@ def fix_rng_states_after_opaque_values() -> bool:
 
     @functools.wraps(original)
     def functionalize_rng_ops(joint_module, fw_module, bw_module, num_sym_nodes: int):
-        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
-
         outputs = next(iter(fw_module.graph.find_nodes(op="output"))).args[0]
         saved_before_syms = outputs[: len(outputs) - num_sym_nodes]
         opaque = 0  # the opaque values saved just before the SymInts
@@ -51,12 +53,18 @@ def fix_rng_states_after_opaque_values() -> bool:
         if not opaque:
             return original(joint_module, fw_module, bw_module, num_sym_nodes)
         fw_module, bw_module = original(joint_module, fw_module, bw_module, num_sym_nodes + opaque)
+        states = len(next(iter(fw_module.graph.find_nodes(op="output"))).args[0]) - len(outputs)
         placeholders = list(bw_module.graph.find_nodes(op="placeholder"))
+        moved = [n for n in placeholders if n.name.startswith(STATE_PLACEHOLDER)]
+        if len(moved) != states:  # torch named them otherwise: forward and backward would disagree in silence
+            raise RuntimeError(
+                f"trnrecipes/parallel/compile_fixes.py: {states} RNG states saved in forward but {len(moved)}"
+                f" backward inputs named {STATE_PLACEHOLDER}*; this torch needs another fix (or none)"
+            )
         first_opaque = next((n for n in placeholders if is_opaque_node(n)), None)
         if first_opaque is not None:
-            for node in placeholders:
-                if node.name.startswith(STATE_PLACEHOLDER):
-                    first_opaque.prepend(node)
+            for node in moved:
+                first_opaque.prepend(node)
             bw_module.recompile()
         return fw_module, bw_module
 
