@@ -116,21 +116,24 @@ class _Pool:
             # Checked on a clock, not only when the queue is quiet: the other workers' progress keeps it busy, and
             # a worker killed (out of memory) an hour into a day-long conversion must be told of then, not at the end.
             if time.monotonic() - self.checked >= ALIVE_CHECK_S:
-                self._drain()  # what the workers sent before they ended is theirs, not lost
-                if task.unit in self.outcomes:
-                    break
-                self._check_alive(task, quiet=False)
+                self._settle(task, ended=False)
                 self.checked = time.monotonic()
+                continue
             try:
                 message = self.results.get(timeout=ALIVE_CHECK_S)
             except queue.Empty:
-                ended = all(p.exitcode is not None for p in self.processes)  # before a last look at the queue
-                self._drain()
-                if task.unit not in self.outcomes:
-                    self._check_alive(task, quiet=ended)
+                self._settle(task, ended=all(p.exitcode is not None for p in self.processes))  # read before the look
                 continue
             self._take(message, task)
         return self.outcomes.pop(task.unit)
+
+    def _settle(self, task: Task, ended: bool) -> None:
+        """Read what the workers already sent (what they sent before they ended is theirs, not lost); then, where
+        `task`'s outcome is still missing, judge them. `ended`: every worker had ended before this look, so nothing
+        more will come."""
+        self._drain()
+        if task.unit not in self.outcomes:
+            self._check_alive(task, quiet=ended)
 
     def _drain(self) -> None:
         while True:
