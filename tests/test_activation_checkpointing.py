@@ -4,11 +4,13 @@ a second application and copy.deepcopy, and refuses an unknown mode."""
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from recipes.common.attention import CoreAttention
 from recipes.common.loss import IGNORE_INDEX
@@ -48,7 +50,7 @@ def loss_and_grads(model):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_loss_and_grads_are_bitwise_those_without_checkpointing(family):
     want_loss, want_grads = loss_and_grads(tiny_model(family))
-    for mode in ("selective", "full"):
+    for mode in ("selective", "elementwise", "full"):
         loss, grads = loss_and_grads(tiny_model(family, mode))
         assert torch.equal(loss, want_loss), mode
         assert grads.keys() == want_grads.keys()
@@ -98,6 +100,72 @@ def test_backward_recomputes_what_the_mode_says(monkeypatch, family, mode, sdpa_
     assert counts == {"sdpa": n * (1 + sdpa_in_backward), "mlp": n * (1 + mlp_in_backward)}
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that run (a cached op of selective checkpointing returns without running)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_in_backward(model) -> collections.Counter:
+    tokens, labels = batch(model)
+    loss = model(tokens, labels=labels)
+    with OpCounter() as counter:
+        loss.backward()
+    return counter.counts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_elementwise_recomputes_elementwise_ops_and_no_matmul_or_attention(family):
+    plain, lean, full = (ops_in_backward(tiny_model(family, mode)) for mode in ("none", "elementwise", "full"))
+    sdpa = [op for op in full if "scaled_dot_product" in op and "backward" not in op]  # the forward kernel(s)
+    matmuls = ("mm", "addmm", "bmm")
+    # whole blocks again: their matmuls and attention rerun in backward
+    assert sum(full[op] for op in matmuls) > sum(plain[op] for op in matmuls)
+    assert sdpa and sum(plain[op] for op in sdpa) == 0
+    # elementwise: the same matmuls and attention as without checkpointing, and the norms and the rest once more
+    assert {op: lean[op] for op in matmuls} == {op: plain[op] for op in matmuls}
+    assert sum(lean[op] for op in sdpa) == 0
+    assert lean["mul"] > plain["mul"] and lean["cat"] > plain["cat"], (lean, plain)  # RoPE, norms, SwiGLU/GeLU
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_elementwise_keeps_less_than_no_checkpointing_and_more_than_full(family):
+    # Under torch.compile the checkpointing policy goes to the partitioner, which decides what the forward keeps:
+    # aot_eager_decomp_partition runs inductor's partitioner without its code generation.
+    import torch._dynamo
+
+    from trnrecipes.parallel.compile import compile_blocks
+
+    held = {}
+    for mode in ("none", "elementwise", "full"):
+        torch._dynamo.reset()
+        model = tiny_model(family, mode)
+        compile_blocks(model, "aot_eager_decomp_partition")
+        held[mode] = saved_bytes(model)
+    assert held["full"] < held["elementwise"] < held["none"], held
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_the_first_full_layers_blocks_are_recomputed_whole(monkeypatch, family, mode):
+    model = build_model(load_recipe(f"{family}-tiny").model)
+    model.init_weights(seed=0)
+    apply_activation_checkpointing(model, mode, full_layers=1)
+    n = len(model.layers)
+    assert [is_checkpointed(b) for b in model.layers] == [True] + [False] * (n - 1)
+    counts = count_calls(monkeypatch, model.train())
+    tokens, labels = batch(model)
+    model(tokens, labels=labels).backward()
+    # the first block whole (attention and MLP again); the others per the mode (selective: their attention)
+    assert counts == {"sdpa": n + 1 + (n - 1 if mode == "selective" else 0), "mlp": n + 1}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_nothing_is_checkpointed_in_eval_or_without_grad(monkeypatch, family):
     model = tiny_model(family, "full")
@@ -114,7 +182,9 @@ def test_nothing_is_checkpointed_in_eval_or_without_grad(monkeypatch, family):
 
 
 def saved_bytes(model) -> int:
-    """Bytes autograd saves for backward outside checkpointed regions (each storage counted once)."""
+    """Bytes autograd saves for backward outside checkpointed regions (each storage counted once; the parameters,
+    which compiled graphs also save, not counted)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages = {}
 
     def pack(t):
@@ -124,7 +194,7 @@ def saved_bytes(model) -> int:
     tokens, labels = batch(model)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(tokens, labels=labels)
-    return sum(storages.values())
+    return sum(n for ptr, n in storages.items() if ptr not in params)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -153,11 +223,11 @@ def test_selective_wraps_exactly_the_core_attention_modules():
     assert not list(CoreAttention().parameters()) and not CoreAttention().state_dict()
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("mode", ["selective", "elementwise", "full"])
 def test_a_deep_copy_runs_its_own_weights(mode):
     model = tiny_model("neox", mode)
     clone = copy.deepcopy(model)
-    assert all(is_checkpointed(layer) for layer in clone.layers) == (mode == "full")
+    assert all(is_checkpointed(layer) for layer in clone.layers) == (mode in ("full", "elementwise"))
     with torch.no_grad():
         for p in clone.layers.parameters():
             p.mul_(1.5)
@@ -209,7 +279,7 @@ def test_tensor_parallel_hooks_on_submodules_still_work(family):
             results[mode] = loss, {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()}
     finally:
         dist.destroy_process_group()
-    for mode in ("selective", "full"):
+    for mode in ("selective", "elementwise", "full"):
         torch.testing.assert_close(results[mode][0], results["none"][0], rtol=0, atol=0)
         for name, grad in results["none"][1].items():
             torch.testing.assert_close(results[mode][1][name], grad, rtol=0, atol=0, msg=f"{mode}: {name}")
@@ -218,7 +288,7 @@ def test_tensor_parallel_hooks_on_submodules_still_work(family):
 @pytest.mark.parametrize("mode", ["some", "Full", "", None])
 def test_an_unknown_mode_is_refused_with_the_valid_ones(mode):
     model = tiny_model("llama2")
-    with pytest.raises(ValueError, match=rf"one of \('none', 'selective', 'full'\), not {mode!r}"):
+    with pytest.raises(ValueError, match=rf"one of \('none', 'selective', 'elementwise', 'full'\), not {mode!r}"):
         apply_activation_checkpointing(model, mode)
 
 

@@ -60,7 +60,9 @@ def train_and_eval(model, data) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize(("family", "mode"), [("llama2", "selective"), ("neox", "full"), ("llama2", "none")])
+@pytest.mark.parametrize(
+    ("family", "mode"), [("llama2", "selective"), ("neox", "full"), ("llama2", "none"), ("llama2", "elementwise")]
+)
 def test_compiled_blocks_give_the_eager_numbers_and_never_recompile_after_warm_up(family, mode):
     torch._dynamo.reset()
     eager, compiled = tiny_model(family, mode, None), tiny_model(family, mode, "aot_eager")

@@ -43,7 +43,10 @@ class BertConfig(DecoderConfig):
     num_labels: int = 2  # classes; the loss is cross-entropy over them
     pooling: Literal["cls", "mean"] = "cls"  # what the "mlp" head reads: h[CLS] or the mean over unmasked tokens
     mlp_hidden_sizes: tuple[int, ...] = ()  # "mlp" head: widths of its hidden layers, input side first
-    activation_checkpointing: Literal["none", "selective", "full"] = "none"  # selective: core attention only
+    activation_checkpointing: Literal["none", "selective", "elementwise", "full"] = "none"  # recipes/common/spec.py
+    # The first N blocks (of each pipeline stage) checkpointed whole, the others per activation_checkpointing: memory
+    # for recompute, a block at a time (Megatron-LM's --recompute-method block --recompute-num-layers N)
+    activation_checkpointing_full_layers: int = 0
 
     def head_widths(self) -> list[int]:
         """The "mlp" head's layer widths, input to output: hidden_size, each hidden width, num_labels."""

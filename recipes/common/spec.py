@@ -21,14 +21,16 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
 
-from trnrecipes.schema import POSITIVE, Bound
+from trnrecipes.schema import NON_NEGATIVE, POSITIVE, Bound
 
-CHECKPOINTING = ("none", "selective", "full")  # activation checkpointing: nothing, core attention, each layer
+# activation checkpointing (trnrecipes/parallel/activation_checkpointing.py): nothing; core attention; the elementwise
+# ops of each layer (norms, RoPE, SwiGLU, residuals: matmul and attention outputs kept); each layer whole
+CHECKPOINTING = ("none", "selective", "elementwise", "full")
 # Ranges of the fields every decoder family has; a family adds its own (a field without a bound fails a test).
 DECODER_BOUNDS: dict[str, Bound] = {
     "vocab_size": POSITIVE, "hidden_size": POSITIVE, "num_layers": POSITIVE, "num_heads": POSITIVE,
     "ffn_hidden_size": POSITIVE, "max_seq_len": POSITIVE, "rotary_base": POSITIVE, "norm_eps": POSITIVE,
-    "init_std": POSITIVE,
+    "init_std": POSITIVE, "activation_checkpointing_full_layers": NON_NEGATIVE,
 }  # fmt: skip
 
 

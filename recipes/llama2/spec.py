@@ -48,7 +48,10 @@ class Llama2Config(DecoderConfig):
     rope_scaling: RopeScaling | None = None  # Llama 3.1: rope_type "llama3"; None: plain RoPE (Llama 2)
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    activation_checkpointing: Literal["none", "selective", "full"] = "none"  # selective: core attention only
+    activation_checkpointing: Literal["none", "selective", "elementwise", "full"] = "none"  # recipes/common/spec.py
+    # The first N blocks (of each pipeline stage) checkpointed whole, the others per activation_checkpointing: memory
+    # for recompute, a block at a time (Megatron-LM's --recompute-method block --recompute-num-layers N)
+    activation_checkpointing_full_layers: int = 0
     # What computes core attention: PyTorch's SDPA everywhere, or on torch-xla + NxD (trn1) NxD's NKI flash
     # attention kernel (trnrecipes/parallel/nki_attention.py; where it may run: trnrecipes/config/recipe.py)
     attention: Literal["sdpa", "nki_flash"] = "sdpa"

@@ -19,7 +19,10 @@ class NeoXConfig(DecoderConfig):
     rotary_base: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    activation_checkpointing: Literal["none", "selective", "full"] = "none"  # selective: core attention only
+    activation_checkpointing: Literal["none", "selective", "elementwise", "full"] = "none"  # recipes/common/spec.py
+    # The first N blocks (of each pipeline stage) checkpointed whole, the others per activation_checkpointing: memory
+    # for recompute, a block at a time (Megatron-LM's --recompute-method block --recompute-num-layers N)
+    activation_checkpointing_full_layers: int = 0
     parallel_residual: bool = True  # x + attn(ln1(x)) + mlp(ln2(x)), as every Pythia and NeoX-20B
 
     @property

@@ -80,7 +80,8 @@ class Backend:
         logits), then activation checkpointing, which wraps what the plan produced."""
         if dims.tp > 1:
             self.tensor_parallel(model, recipe, dims)
-        apply_activation_checkpointing(model, recipe.model.activation_checkpointing)
+        m = recipe.model
+        apply_activation_checkpointing(model, m.activation_checkpointing, m.activation_checkpointing_full_layers)
         if self.compiles(recipe):
             compile_blocks(model, self.compile_backend)
 

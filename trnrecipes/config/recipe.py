@@ -465,6 +465,17 @@ def check_recipe(r: Recipe) -> list[str]:
         f" torch.compile runs on cpu, cuda and TorchNeuron{native_hint if nxd else ''}. Set train.compile false or"
         " leave it out",
     )
+    full_layers = getattr(m, "activation_checkpointing_full_layers", 0)
+    need(
+        full_layers <= m.num_layers,
+        f"model.activation_checkpointing_full_layers {full_layers} is more than model.num_layers {m.num_layers}",
+    )
+    need(
+        not (getattr(m, "activation_checkpointing", "none") == "elementwise" and (r.cluster.backend == "xla" or nxd)),
+        f"model.activation_checkpointing elementwise: {_backend_words(r, stack)} is not built with it (its policy is"
+        f" torch's selective checkpointing, for cpu, cuda and TorchNeuron{native_hint if nxd else ''}); use"
+        " selective or full",
+    )
     problems += kv_replication_problems(r)
     problems += attention_problems(r, stack)
     problems += _data_problems(r)

@@ -44,6 +44,14 @@ def act_elements(h: int, f: int) -> int:
     return 9 * h + 4 * f
 
 
+def elementwise_elements(h: int, f: int) -> int:
+    """Elements a layer keeps a token under model.activation_checkpointing elementwise (the norms, RoPE, the
+    activation and the residual sums recomputed): its input, Q K V, attention's output, the output projection's and
+    the gate/up projection's outputs (6h + 2f; GeLU MLPs keep f of the last: an overestimate there). Measured on an
+    H200 through torch.compile's partitioner: docs/benchmarks.md."""
+    return 6 * h + 2 * f
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     weights: float  # bytes per worker
@@ -110,16 +118,24 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
         held = grad_accum if lay.pp_schedule == "gpipe" else min(lay.pp, grad_accum)
     h, f = m.hidden_size, m.ffn_hidden_size
     split = tp if lay.sequence_parallel else 1  # without SP the norms' and residual inputs are whole on every rank
-    per_layer = act_elements(h, f) / tp if lay.sequence_parallel else (act_elements(h, f) - 3 * h) / tp + 3 * h
+    if m.activation_checkpointing == "elementwise":  # matmul and attention outputs only (see elementwise_elements)
+        kept = elementwise_elements(h, f)
+        per_layer = kept / tp if lay.sequence_parallel else (kept - 2 * h) / tp + 2 * h
+    else:
+        per_layer = act_elements(h, f) / tp if lay.sequence_parallel else (act_elements(h, f) - 3 * h) / tp + 3 * h
     flash = r.cluster.backend == "cuda" or getattr(m, "attention", "sdpa") == "nki_flash"
     if m.activation_checkpointing == "none" and not flash:
         # without a flash kernel (CUDA's fused SDPA, Neuron's NKI kernel: they keep only a logsumexp row per head),
         # attention keeps its probabilities: heads/TP x seq per token, per layer
         per_layer += m.num_heads / tp * b.seq_len
-    if m.activation_checkpointing == "full":
-        stored = layers * h / split * held + per_layer  # the layers' inputs; one layer recomputed at a time
-    else:
-        stored = layers * per_layer * held
+    # the first activation_checkpointing_full_layers blocks of each stage are checkpointed whole, whatever the mode
+    whole = (
+        layers
+        if m.activation_checkpointing == "full"
+        else min(layers, m.activation_checkpointing_full_layers * len(stages))
+    )
+    recomputing = per_layer if whole else 0  # one layer recomputed at a time
+    stored = (whole * h / split + (layers - whole) * per_layer) * held + recomputing
     activations = stored * tokens * act_bytes
     classifies = getattr(m, "num_labels", None) is not None
     loss = LOGIT_BYTES * m.vocab_size / tp * tokens if last and not classifies else 0.0
