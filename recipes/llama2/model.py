@@ -22,6 +22,7 @@ from torch import nn
 from recipes.common.attention import CoreAttention
 from recipes.common.init import Init, init_full, standard_init_rules
 from recipes.common.loss import fused_head_loss
+from recipes.common.rope import cached_tables
 from recipes.llama2.spec import Llama2Config, RopeScaling
 
 Llama2Args = Llama2Config  # the recipe's model section is the model's arguments: one definition of the fields
@@ -76,6 +77,22 @@ def rotary_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def rope_tables(
+    seq_len: int,
+    head_dim: int,
+    base: float,
+    device: torch.device,
+    dtype: torch.dtype,
+    scaling: RopeScaling | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_cos_sin, made once per argument set (recipes/common/rope.py)."""
+    scaled = None
+    if scaling is not None:
+        scaled = (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_seq_len)
+    key = ("llama2", seq_len, head_dim, float(base), device.type, device.index, dtype, scaled)
+    return cached_tables(key, lambda: rotary_cos_sin(seq_len, head_dim, base, device, dtype, scaling))
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     # HF's (non-interleaved) rotary convention: pairs are (i, i + head_dim/2), not (2i, 2i+1).
     x1, x2 = x.chunk(2, dim=-1)
@@ -103,7 +120,7 @@ class Attention(nn.Module):
         q = q.reshape(b, s, groups * qpk, hd).transpose(1, 2)  # query head g*qpk + j uses kv head g, as in HF
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [b, groups, s, hd]
 
-        cos, sin = rotary_cos_sin(s, hd, self.rotary_base, x.device, x.dtype, self.rope_scaling)
+        cos, sin = rope_tables(s, hd, self.rotary_base, x.device, x.dtype, self.rope_scaling)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
 
@@ -157,6 +174,8 @@ class Llama2(nn.Module):
         self.head_loss: by default the fused chunked head + cross-entropy, so the [b, s, vocab] logits are never
         materialized."""
         x = self.embed(tokens)
+        a = self.args  # the blocks' RoPE tables, made here, outside their compiled graphs (recipes/common/rope.py)
+        rope_tables(tokens.shape[1], a.head_dim, a.rotary_base, x.device, x.dtype, a.rope_scaling)
         for layer in self.layers:
             x = layer(x)
         x = self.norm(x)

@@ -24,6 +24,7 @@ from torch import nn
 from recipes.common.attention import CoreAttention
 from recipes.common.init import Init, init_full, standard_init_rules
 from recipes.common.loss import fused_head_loss
+from recipes.common.rope import cached_tables
 from recipes.neox.spec import NeoXConfig
 
 NeoXArgs = NeoXConfig  # the recipe's model section is the model's arguments: one definition of the fields
@@ -36,6 +37,19 @@ def rotary_frequencies(args: NeoXArgs) -> torch.Tensor:
     freqs = torch.zeros(half, dtype=torch.float32)
     freqs[:rot_half] = inv
     return torch.cat([freqs, freqs])
+
+
+def rope_tables(args: NeoXArgs, seq_len: int, device: torch.device, dtype: torch.dtype):
+    """(cos, sin) [seq, head_dim], angles in float32 as HF computes them, made once per argument set
+    (recipes/common/rope.py); from the input's own length, so a block needs no other input."""
+
+    def make():
+        freqs = rotary_frequencies(args).to(device)
+        angles = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None] * freqs
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    key = ("neox", seq_len, args.head_dim, args.rotary_dim, float(args.rotary_base), device.type, device.index, dtype)
+    return cached_tables(key, make)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -56,10 +70,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        # Angles in float32 as HF computes them; from x's own length so the block needs no other input.
-        freqs = rotary_frequencies(self.args).to(x.device)
-        angles = torch.arange(s, dtype=torch.float32, device=x.device)[:, None] * freqs
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = rope_tables(self.args, s, x.device, x.dtype)
         # Heads are counted from the weight actually present (all of them, or this rank's shard).
         qkv = self.qkv(x).view(b, s, -1, 3 * self.head_dim).transpose(1, 2)
         q, k, v = qkv.chunk(3, dim=-1)
@@ -113,6 +124,7 @@ class NeoX(nn.Module):
         self.head_loss: by default the fused chunked head + cross-entropy, so the [b, s, vocab] logits are never
         materialized."""
         x = self.embed(tokens)
+        rope_tables(self.args, tokens.shape[1], x.device, x.dtype)  # before the (compiled) blocks: rope.py
         for layer in self.layers:
             x = layer(x)
         x = self.norm(x)
