@@ -239,7 +239,7 @@ def test_default_shape_is_the_hand_measured_h100_table():
     args = bench_gpu.parse_args([])
     assert (args.device, args.dtype, args.micro_batch, args.accum, args.seq) == ("cuda", "bf16", 2, 4, 4096)
     recipe = bench_gpu.make_recipe(args, "ours")
-    assert recipe.cluster.backend == "cuda" and recipe.model.activation_checkpointing == "selective"
+    assert recipe.cluster.backend == "cuda" and recipe.model.activation_checkpointing == "elementwise"
     assert recipe.batch.global_batch == 8 and recipe.precision.dtype == "bf16"
     assert round(param_count(recipe.model) / 1e9, 2) == 1.07
     fpt = flops_per_token(recipe.model, 4096)
