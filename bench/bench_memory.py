@@ -12,6 +12,11 @@ parameter elements it holds. Training steps only: no checkpoint is saved (a save
 writer, a property of the checkpoint package, not of the layout). The theory column is weights + grads + AdamW's
 two moments at 4 bytes each: 16 bytes/param at TP 1, 8 per rank at TP 2, 4 + 4 + 8/2 = 12 at DP 2 with ZeRO-1;
 activations, the data pipeline and torch itself come on top.
+
+    .venv/bin/python bench/bench_memory.py --loss [--seq 8192] [--mode gathered|vocab-parallel]
+The loss phase alone at TP 2 (LOSS_MODEL: Llama 3.1's 128,256 vocabulary): the vocab-parallel loss TP training uses
+against the gathered logits (logits_loss) it replaced; peak RSS of the loss's forward and backward, per rank. The
+gathered path at 8192 tokens needs about 12.5 GiB a rank (25 for the two) at its peak.
 """
 
 from __future__ import annotations
@@ -119,14 +124,121 @@ def launch(name: str, nproc: int, layout: list[str], shape: str, steps: int, seq
     return reports
 
 
+# --loss: the loss phase alone, TP 2, the vocab-parallel loss vs the gathered logits (logits_loss, the path before it)
+LOSS_MODES = ("gathered", "vocab-parallel")
+# Llama 3.1's vocabulary on a small 2-layer body: the loss phase is the vocabulary's, the body only makes its input
+LOSS_MODEL = dict(family="llama2", vocab_size=128_256, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=8,
+                  ffn_hidden_size=1536)  # fmt: skip
+
+
+def reset_peak() -> None:
+    """Start VmHWM afresh from the current RSS (Linux: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def loss_worker(out_dir: Path, mode: str, seq: int) -> None:
+    """One TP rank (under torchrun, 2 ranks): a 2-layer Llama with a 128,256 vocabulary, fp32, one micro-batch of
+    `seq` tokens through the layers, then the loss phase alone (the head's loss, forward and backward, on the final
+    hidden states detached), with VmHWM reset just before it."""
+    sys.path.insert(0, str(REPO))
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from recipes.common.loss import logits_loss
+    from trnrecipes.config.sections import ModelConfig
+    from trnrecipes.models import build_model
+    from trnrecipes.parallel.tensor import apply_tensor_parallel, vocab_parallel_head_loss
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    model = build_model(ModelConfig(**LOSS_MODEL, max_seq_len=seq))
+    model.init_weights(seed=0)
+    model = apply_tensor_parallel(model, init_device_mesh("cpu", (dist.get_world_size(),)), "llama2", False)
+    assert model.head_loss is vocab_parallel_head_loss  # what TP training uses; logits_loss is the reference
+    head_loss = logits_loss if mode == "gathered" else vocab_parallel_head_loss
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, LOSS_MODEL["vocab_size"], (1, seq + 1), generator=g)
+    labels = tokens[:, 1:].clone()
+    labels[0, : seq // 8] = -100  # a prompt not trained on
+    x = model.norm(model.layers[1](model.layers[0](model.embed(tokens[:, :-1]))))
+    hidden = x.detach().requires_grad_()
+    dist.barrier()
+    reset_peak()
+    before = rss_bytes()
+    start = time.perf_counter()
+    loss = head_loss(model.head, hidden, labels)
+    loss.backward()
+    elapsed = time.perf_counter() - start
+    report = {"rank": dist.get_rank(), "before_bytes": before, "peak_bytes": vmhwm_bytes(), "loss": loss.item(),
+              "seconds": elapsed}  # fmt: skip
+    (out_dir / f"{mode}-rank{dist.get_rank()}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def loss_main(seq: int, modes: tuple[str, ...]) -> int:
+    print(
+        f"loss phase, host memory per rank: TP 2 (cpu/gloo, 1 thread a rank), a 2-layer Llama (hidden"
+        f" {LOSS_MODEL['hidden_size']}) with vocabulary {LOSS_MODEL['vocab_size']:,}, 1 x {seq} tokens, fp32; the"
+        " loss's forward and backward on the final hidden states, VmHWM reset just before; one mode at a time",
+        flush=True,
+    )
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench_memory-loss-") as tmp:
+        for mode in modes:
+            print(f"  {mode} ...", end="", flush=True)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                   "--rdzv-endpoint=localhost:0", __file__, "--loss-worker", tmp, "--mode", mode,
+                   "--seq", str(seq)]  # fmt: skip
+            start = time.perf_counter()
+            done = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                                  text=True)  # fmt: skip
+            if done.returncode != 0:
+                sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
+                raise SystemExit(f"{mode}: torchrun failed (exit {done.returncode}); its output is above")
+            print(f" {time.perf_counter() - start:.0f} s", flush=True)
+            results[mode] = [json.loads((Path(tmp) / f"{mode}-rank{r}.json").read_text()) for r in range(2)]
+    full_logits = seq * LOSS_MODEL["vocab_size"] * 4
+    print(
+        f"the whole vocabulary's fp32 logits: {full_logits / MIB:.0f} MiB; a rank's shard {full_logits / 2 / MIB:.0f}"
+    )
+    print(f"{'mode':<15} {'RSS before':>11} {'peak in the loss':>17} {'growth':>10} {'loss':>9} {'seconds':>8}")
+    for mode, reports in results.items():
+        r = max(reports, key=lambda r: r["peak_bytes"])
+        print(
+            f"{mode:<15} {r['before_bytes'] / MIB:>7.0f} MiB {r['peak_bytes'] / MIB:>13.0f} MiB"
+            f" {(r['peak_bytes'] - r['before_bytes']) / MIB:>6.0f} MiB {r['loss']:>9.4f} {r['seconds']:>8.1f}"
+        )
+    if len(results) < 2:
+        return 0
+    peak = {m: max(r["peak_bytes"] for r in reports) for m, reports in results.items()}
+    growth = {m: max(r["peak_bytes"] - r["before_bytes"] for r in reports) for m, reports in results.items()}
+    print(
+        f"vocab-parallel / gathered: peak {peak['vocab-parallel'] / peak['gathered']:.2f},"
+        f" growth {growth['vocab-parallel'] / growth['gathered']:.2f} (largest rank; goal: peak <= 0.60)"
+    )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="320m", help="320m: 322.5M params; tiny: a smoke run")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per configuration")
-    parser.add_argument("--seq", type=int, default=64, help="tokens per micro-batch (micro-batch 1)")
+    parser.add_argument("--seq", type=int, help="tokens per micro-batch (micro-batch 1); default 64, --loss 8192")
+    parser.add_argument("--loss", action="store_true", help="the loss phase at TP 2: vocab-parallel vs gathered")
     parser.add_argument("--worker", metavar="OUT_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--loss-worker", metavar="OUT_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=LOSS_MODES, help="with --loss: only this one (default: both)")
     parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.seq is None:
+        args.seq = 8192 if args.loss or args.loss_worker else 64
     for name in ("steps", "seq"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, not {getattr(args, name)}")
@@ -135,6 +247,11 @@ def main() -> int:
     if args.worker:
         worker(Path(args.worker), args.steps, args.overrides)
         return 0
+    if args.loss_worker:
+        loss_worker(Path(args.loss_worker), args.mode, args.seq)
+        return 0
+    if args.loss:
+        return loss_main(args.seq, (args.mode,) if args.mode else LOSS_MODES)
 
     size = SHAPES[args.shape]
     shape = f"{size['hidden_size']} hidden x {size['num_layers']} layers" if size else "llama2-tiny's shape"

@@ -208,6 +208,15 @@ SIGNATURES: dict[str, list[Row]] = {
             "parallel_layers/mappings.py: dd06063 L555, c63420c L555, fecfe75 L555, 47f695c L555, 73ab227 L555",
         ),
     ],
+    "neuronx_distributed.parallel_layers.loss_functions.parallel_cross_entropy": [
+        Row(
+            "0.10",
+            "0.17",
+            "(vocab_parallel_logits, target, label_smoothing=0.0)",
+            "parallel_layers/loss_functions.py (the same file at all eight): 58d27de L217, 82a2bb3 L217, "
+            "9148ac9 L217, dd06063 L217, c63420c L217, fecfe75 L217, 47f695c L217, 73ab227 L217",
+        ),
+    ],
     "neuronx_distributed.parallel_layers.mappings.reduce_from_tensor_model_parallel_region": [
         Row(
             "0.10",

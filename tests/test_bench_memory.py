@@ -52,3 +52,25 @@ def test_bench_memory_rejects_bad_arguments():
     done = bench("model.hidden_size=8")
     assert done.returncode == 2
     assert "unexpected arguments: model.hidden_size=8" in done.stderr
+
+
+LOSS_ROW = re.compile(
+    r"^(?P<mode>gathered|vocab-parallel)\s+(?P<before>\d+) MiB\s+(?P<peak>\d+) MiB\s+(?P<growth>-?\d+) MiB"
+    r"\s+(?P<loss>[\d.]+)\s+(?P<seconds>[\d.]+)$",
+    re.M,
+)
+
+
+@pytest.mark.slow
+def test_bench_memory_loss_phase_reports_both_paths_and_the_ratio():
+    """--loss at 512 tokens (the numbers: 8192, docs/benchmarks.md): a row for each path, the same loss from both,
+    and the ratio line. Even here the vocab-parallel peak is the lower: the gathered path holds the whole
+    vocabulary's logits, three times over."""
+    done = bench("--loss", "--seq", "512")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {m["mode"]: m for m in LOSS_ROW.finditer(done.stdout)}
+    assert list(rows) == ["gathered", "vocab-parallel"], done.stdout
+    assert rows["gathered"]["loss"] == rows["vocab-parallel"]["loss"]
+    assert int(rows["vocab-parallel"]["peak"]) < int(rows["gathered"]["peak"])
+    ratio = re.search(r"^vocab-parallel / gathered: peak (?P<peak>[\d.]+), growth [\d.]+ .*goal", done.stdout, re.M)
+    assert ratio and 0 < float(ratio["peak"]) < 1, done.stdout

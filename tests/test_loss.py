@@ -306,14 +306,14 @@ def test_model_head_loss_is_fused_by_default_and_swappable(family):
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 @pytest.mark.parametrize("family", MODELS)
-def test_tensor_parallel_head_takes_logits_loss(family):
+def test_tensor_parallel_head_takes_the_vocab_parallel_loss(family):
     # One rank is enough to make the head weight a DTensor, which the fused path must refuse: the parallelize step
-    # sets model.head_loss = logits_loss for a tensor-parallel head (set here too, so this tests the loss alone).
+    # sets model.head_loss to the vocab-parallel loss (TP 2 against TP 1: tests/test_vocab_parallel_loss.py).
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from trnrecipes.parallel.tensor import apply_tensor_parallel
+    from trnrecipes.parallel.tensor import apply_tensor_parallel, vocab_parallel_head_loss
 
     if dist.is_initialized():
         pytest.skip("a process group is already up")
@@ -327,9 +327,12 @@ def test_tensor_parallel_head_takes_logits_loss(family):
         assert isinstance(parallel.head.weight, DTensor)
         with pytest.raises(TypeError, match=r"DTensor.*logits_loss"):
             fused_head_loss(parallel.head, torch.zeros(2, 16, 32), shifted(tokens))
-        parallel.head_loss = logits_loss
+        assert parallel.head_loss is vocab_parallel_head_loss
         got = parallel(tokens, labels=shifted(tokens))
         got.backward()
+        parallel.head_loss = logits_loss  # the gathered path, still there for any head
+        gathered = parallel(tokens, labels=shifted(tokens))
     finally:
         dist.destroy_process_group()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gathered, want, rtol=1e-5, atol=1e-6)

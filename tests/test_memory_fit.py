@@ -98,3 +98,22 @@ def test_a_pipelines_first_stage_holds_its_in_flight_micro_batches():
     # DP 1 (32 GPUs = TP8 x PP4): 512 micro-batches a step; 1F1B holds PP of them, GPipe all
     assert (one_f_one_b.micro_batches_held, gpipe.micro_batches_held) == (4, 512)
     assert gpipe.activations > 90 * one_f_one_b.activations and gpipe.verdict == "does not fit"
+
+
+def test_the_loss_phase_counts_a_chunk_of_each_ranks_vocabulary_columns_where_the_chunked_loss_runs():
+    """Llama 3.1 8B at 8192 tokens: on cuda (TP 1 fused, TP 2 vocab-parallel) a chunk of 4096 rows of V / TP
+    columns, not the micro-batch's [8192, V] logits; on XLA/NxD (torch-xla traces the step whole; NxD's TP loss is
+    unchunked) every token's row, of V / TP columns. The chunk sizes are the loss's own."""
+    from recipes.common.loss import CHUNK_SIZES, DEFAULT_CHUNK_SIZE
+    from trnrecipes.plan.memory import LOGIT_BYTES, LOSS_CHUNK_ROWS
+
+    assert LOSS_CHUNK_ROWS == {**CHUNK_SIZES, "neuron-native": DEFAULT_CHUNK_SIZE}
+    seq = ["batch.seq_len=8192", "model.max_seq_len=8192", "batch.micro_batch=1"]
+    vocab = 128_256
+    cuda = "cluster.instance=p5.48xlarge cluster.backend=cuda model.attention=sdpa"
+    for backend, rows in ((cuda, 4096), ("", 8192)):
+        for tp in (1, 2):
+            layout = [f"layout.tp={tp}", f"layout.sequence_parallel={tp > 1}"]
+            r = load_recipe("llama3.1-8b", overrides=[*seq, *layout, *backend.split()])
+            assert r.model.vocab_size == vocab and (r.stack == "cuda") is (rows == 4096)
+            assert memory_plan(r, dp=1, grad_accum=1).loss == pytest.approx(LOGIT_BYTES * rows * vocab / tp)

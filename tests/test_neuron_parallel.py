@@ -168,6 +168,7 @@ def install_fake_nxd(
             gather_from_sequence_parallel_region=gather_from_sequence_parallel_region,
             reduce_from_tensor_model_parallel_region=lambda input_, process_group=None: input_,
         ),
+        "neuronx_distributed.parallel_layers.loss_functions": dict(parallel_cross_entropy=parallel_cross_entropy),
         "neuronx_distributed.parallel_layers.parallel_state": dict(
             get_tensor_model_parallel_size=lambda: tp,
             get_tensor_model_parallel_rank=lambda: rank,
@@ -208,6 +209,47 @@ def install_fake_nxd(
         if name.startswith(package.__name__ + "."):
             setattr(package, name.rsplit(".", 1)[1], module)
     return built
+
+
+class _ParallelCrossEntropy(torch.autograd.Function):
+    """NxD's _ParallelCrossEntropy (parallel_layers/loss_functions.py, the same file at NxD 0.10 to 0.17) at TP 1:
+    its all-reduces are identities and this rank's vocabulary range is all of it. Kept from the real one: a loss per
+    token, no ignore_index (a target outside the range gets predicted logit 0, so its loss is the log-sum-exp and its
+    gradient the softmax), and the in-place shift of the logits it is given. Label smoothing is left out."""
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target):
+        logits_max = torch.max(vocab_parallel_logits, dim=-1)[0]
+        vocab_parallel_logits.sub_(logits_max.unsqueeze(dim=-1))
+        partition_vocab_size = vocab_parallel_logits.size()[-1]
+        target_mask = (target >= 0) & (target < partition_vocab_size)
+        masked_target = torch.mul(target.clone(), target_mask.long())
+        logits_2d = vocab_parallel_logits.view(-1, partition_vocab_size)
+        masked_target_1d = masked_target.view(-1)
+        arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device, dtype=torch.long)
+        predicted_logits = logits_2d[arange_1d, masked_target_1d].clone().contiguous().view_as(target)
+        predicted_logits = torch.mul(predicted_logits, target_mask.float())
+        exp_logits = torch.exp(vocab_parallel_logits)
+        sum_exp_logits = exp_logits.sum(dim=-1)
+        loss = torch.log(sum_exp_logits) - predicted_logits
+        exp_logits.div_(sum_exp_logits.unsqueeze(dim=-1))
+        ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        grad_2d = softmax.view(-1, softmax.size()[-1])
+        arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device, dtype=torch.long)
+        grad_2d[arange_1d, masked_target_1d] -= target_mask.view(-1).float()
+        softmax.mul_(grad_output.unsqueeze(dim=-1))
+        return softmax, None
+
+
+def parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0):
+    if label_smoothing:
+        raise NotImplementedError("the stand-in has no label smoothing")
+    return _ParallelCrossEntropy.apply(vocab_parallel_logits, target)
 
 
 def _pad_and_chunk(tensor: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
@@ -383,7 +425,38 @@ def test_adapter_builds_nxd_layers_that_keep_the_function(monkeypatch, recipe, f
         assert b["reduce_dtype"] == expected.dtype
         row = b["layer"] == "RowParallelLinear"
         assert b["sp"] == ((True, 1) if row and sequence_parallel else (False, None))
-        assert b.get("input_is_parallel", True) and b.get("gather_output", False) is (b is linears[-1])
+        assert b.get("input_is_parallel", True) and b.get("gather_output", False) is False  # the head's logits too
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(("recipe", "family"), [("neox-tiny", "neox"), ("llama2-tiny", "llama2")])
+def test_the_neuron_head_loss_is_nxds_parallel_cross_entropy_over_the_labelled_tokens(
+    monkeypatch, recipe, family, dtype
+):
+    """model.head_loss on the NxD path: NxD's parallel_cross_entropy on the head's shard (the TP-1 stand-in), masked
+    to the labelled tokens and averaged over them: the plain model's loss and gradients. Without the mask, the
+    ignored rows' log-sum-exp (NxD has no ignore_index) would be in the mean."""
+    install_fake_nxd(monkeypatch)
+    r = load_recipe(recipe, overrides=[f"precision.dtype={dtype}", "layout.tp=2", "cluster.workers_per_node=2"])
+    model = build_model(r.model)
+    model.init_weights(seed=r.train.seed)
+    model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    tokens = torch.randint(0, model.args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    tokens, labels = tokens[:, :-1], tokens[:, 1:].clone()
+    labels[0, :5] = -100
+    expected = model(tokens, labels=labels)
+    expected.backward()
+    monkeypatch.setattr(build_module, "shard_region", lambda shape, dim, tp, rank: shard_region(shape, dim, 1, 0))
+    parallel = _neuron_build(r, 2, 0)
+    assert parallel.head_loss.__name__ == "nxd_head_loss"
+    got = parallel(tokens, labels=labels)
+    got.backward()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for name, p in parallel.named_parameters():  # bf16: both round the same fp32 gradient of the logits
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == "fp32" else dict(rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(p.grad, grads[name], **tol, msg=name)
 
 
 @pytest.mark.parametrize("recipe", ["neox-tiny", "llama2-tiny"])

@@ -21,15 +21,24 @@ over chunks are fp32 always. The three head GEMMs (logits, d(hidden), d(weight))
 The loss then matches the fp32 reference on the upcast bf16 tensors to fp32 rounding when the logits come out in
 fp32, to bf16 rounding of the logits otherwise; the gradients to bf16 rounding of the gradient of the logits.
 
-Lives in recipes/ (plain PyTorch, no trnrecipes import) so the model code can use it. The models take their loss
-from a `head_loss` attribute, fused_head_loss by default; the parallelize step switches a model whose head is tensor
-parallel to logits_loss (full logits gathered by the head, then plain cross-entropy). Which one applies is decided
-there, where the head's layout is known, not by inspecting the head here.
+Tensor parallel heads (each rank holds V / tp rows of the weight): the same loop on each rank's rows
+(vocab_parallel_cross_entropy, Megatron's vocab-parallel cross-entropy, chunked): each chunk's row max, its sum of
+exps and the target's logit are all-reduced over the TP group, so a rank holds [chunk, V / tp] fp32 logits at a time
+and no rank ever holds the whole vocabulary's (Llama 3.1, 8192 tokens: 4.2 GB of fp32 logits gathered otherwise).
+
+Lives in recipes/ (plain PyTorch and torch.distributed, no trnrecipes import) so the model code can use it. The
+models take their loss from a `head_loss` attribute, fused_head_loss by default; the parallelize step switches a
+model whose head is tensor parallel to a vocab-parallel one (DTensor: trnrecipes/parallel/tensor.py; NxD's own:
+trnrecipes/parallel/nxd.py). Which one applies is decided there, where the head's layout is known, not by
+inspecting the head here. logits_loss (full logits, then plain cross-entropy) takes any head.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -111,9 +120,24 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bo
         out.add_(product) if accumulate else out.copy_(product)
 
 
+class VocabShard(NamedTuple):
+    """Where a rank's head rows sit in the vocabulary: rows vocab_start.. of the whole weight, the others on the
+    other ranks of `group`."""
+
+    group: dist.ProcessGroup | None
+    vocab_start: int
+
+
+def _one_hot_rows(values: torch.Tensor, in_shard: torch.Tensor | None, start: int, end: int) -> torch.Tensor:
+    """The one-hot's value per row [c, 1]: on a vocabulary shard only where the row's label is one of its entries."""
+    return values if in_shard is None else values * in_shard[start:end, None]
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, gemm_dtype, need_hidden_grad, need_weight_grad):
+    def forward(
+        ctx, hidden, weight, labels, chunk_size, ignore_index, gemm_dtype, need_hidden_grad, need_weight_grad, shard
+    ):
         n = hidden.shape[0]
         low = gemm_dtype != torch.float32
         # fp32 GEMMs: upcast once (a no-op for fp32). Low precision: the weight as it is (a no-op in the automatic
@@ -124,6 +148,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # A tensor, not .item(): no host sync on lazy/XLA devices. No valid label: loss 0 and zero grads, no 0/0.
         scale = 1.0 / valid.sum().clamp_min(1).float()
         safe_labels = labels.masked_fill(~valid, 0)  # any in-range index; ignored rows are zeroed below
+        in_shard = None  # a vocabulary shard: which labels fall in it, as row offsets into this rank's weight rows
+        if shard is not None:
+            local_labels = safe_labels - shard.vocab_start
+            in_shard = valid & (local_labels >= 0) & (local_labels < w.shape[0])
+            safe_labels = local_labels.masked_fill(~in_shard, 0)
         fp32 = dict(dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty(n, hidden.shape[1], **fp32) if need_hidden_grad else None
         # The first chunk writes grad_weight, the others add to it (zeros only if there is no chunk at all).
@@ -148,8 +177,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
             target_logit = logits.gather(1, target).squeeze(1)
             # softmax in place (max-shifted for stability): logits -> exp(logits - max), then normalised below.
             row_max = logits.amax(1, keepdim=True)
+            if shard is not None:  # the max over the whole vocabulary: every rank shifts by the same value
+                dist.all_reduce(row_max, dist.ReduceOp.MAX, group=shard.group)
             logits.sub_(row_max).exp_()
             sum_exp = logits.sum(1, keepdim=True)
+            if shard is not None:
+                # The sum of exps over the whole vocabulary and the target's logit (from the rank that holds it, 0
+                # elsewhere) in one all-reduce.
+                target_logit = target_logit * in_shard[start:end]
+                both = torch.cat([sum_exp, target_logit[:, None]], 1)
+                dist.all_reduce(both, group=shard.group)
+                sum_exp, target_logit = both[:, :1], both[:, 1]
             lse = (row_max + sum_exp.log()).squeeze(1)
             loss += ((lse - target_logit) * keep).sum()
             if grad_hidden is None and grad_weight is None:
@@ -160,7 +198,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # flush to zero in fp16 (5-bit exponent) once n_valid is in the thousands.
                 row_keep = keep.float().unsqueeze(1)
                 grad_logits = logits.mul_(row_keep / sum_exp)
-                grad_logits.scatter_add_(1, target, -row_keep)
+                grad_logits.scatter_add_(1, target, -_one_hot_rows(row_keep, in_shard, start, end))
                 grad_logits = grad_logits.to(gemm_dtype)
                 if grad_hidden is not None:
                     _mm_fp32(grad_logits, w, grad_hidden[start:end], False, support)
@@ -171,7 +209,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # by sum_exp and the scale share one pass over the chunk.
             row_scale = keep.float().unsqueeze(1) * scale
             grad_logits = logits.mul_(row_scale / sum_exp)
-            grad_logits.scatter_add_(1, target, -row_scale)
+            grad_logits.scatter_add_(1, target, -_one_hot_rows(row_scale, in_shard, start, end))
             if grad_hidden is not None:
                 torch.mm(grad_logits, w, out=grad_hidden[start:end])
             if grad_weight is not None and start == 0:
@@ -195,7 +233,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if grad_output.device.type != "cpu" or grad_output.item() != 1.0:
             grad_hidden = grad_hidden * grad_output if grad_hidden is not None else None
             grad_weight = grad_weight * grad_output if grad_weight is not None else None
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -206,6 +244,7 @@ def linear_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     *,
     gemm_dtype: torch.dtype | None = None,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """Mean over labels != ignore_index of cross_entropy(hidden @ weight.T, labels), softmax and loss in fp32.
 
@@ -217,6 +256,7 @@ def linear_cross_entropy(
     gemm_dtype: the dtype of the three head GEMMs, None for the automatic rule of _gemm_dtype (the weight's bf16 /
     fp16 on an accelerator, fp32 on CPU or for fp32 weights; see the module docstring). torch.float32 is today's
     fp32 path everywhere; torch.bfloat16 / torch.float16 force the low-precision GEMMs (e.g. to test them on CPU).
+    shard: weight is one vocabulary shard (see vocab_parallel_cross_entropy).
     """
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [N, H] and labels [N], got {tuple(hidden.shape)} and {tuple(labels.shape)}")
@@ -237,6 +277,31 @@ def linear_cross_entropy(
         gemm_dtype,
         grad and hidden.requires_grad,
         grad and weight.requires_grad,
+        shard,
+    )
+
+
+def vocab_parallel_cross_entropy(
+    hidden: torch.Tensor,
+    weight_shard: torch.Tensor,
+    labels: torch.Tensor,
+    shard: VocabShard,
+    chunk_size: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    *,
+    gemm_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """linear_cross_entropy with the head's rows split over the ranks of shard.group (Megatron's vocab-parallel
+    cross-entropy, chunked): this rank holds rows shard.vocab_start.. of the weight and only [chunk, V / tp] fp32
+    logits at a time; each chunk's row max and sum of exps, and the target's logit, are all-reduced over the group.
+
+    hidden [N, H] and labels [N] must be the same on every rank of the group (all ranks call this together); every
+    rank returns the same loss. weight_shard's gradient is its rows' whole gradient; hidden's is this rank's share,
+    which the caller sums over the group (a column-parallel linear's input gradient: all-reduce, or reduce-scatter
+    onto sequence shards).
+    """
+    return linear_cross_entropy(
+        hidden, weight_shard, labels, chunk_size, ignore_index, gemm_dtype=gemm_dtype, shard=shard
     )
 
 
@@ -254,8 +319,8 @@ def fused_head_loss(
     The fused chunked path (linear_cross_entropy): the [b, s, vocab] logits never exist. GEMMs in the head weight's
     bf16 / fp16 on an accelerator, in fp32 on CPU or for an fp32 head; softmax and loss in fp32 (chunk_size and
     gemm_dtype: see linear_cross_entropy). It reads head.weight as the whole vocabulary, so it needs a bias-free
-    nn.Linear holding a plain (not DTensor) weight. A head split over tensor-parallel ranks takes logits_loss
-    instead: the parallelize step sets model.head_loss to it.
+    nn.Linear holding a plain (not DTensor) weight. A head split over tensor-parallel ranks takes a vocab-parallel
+    loss instead: the parallelize step sets model.head_loss to it.
     """
     weight = getattr(head, "weight", None)
     if type(head) is not nn.Linear or head.bias is not None:
@@ -266,7 +331,7 @@ def fused_head_loss(
     if type(weight) not in (torch.Tensor, nn.Parameter):  # e.g. a DTensor: one vocabulary shard per TP rank
         raise TypeError(
             f"fused_head_loss needs the head's whole weight as a plain tensor, got {type(weight).__name__}"
-            " (a tensor-parallel head?); use logits_loss for this head"
+            " (a tensor-parallel head?); use a vocab-parallel loss (vocab_parallel_cross_entropy) or logits_loss"
         )
     return linear_cross_entropy(
         x.flatten(0, 1), weight, labels.flatten(), chunk_size, ignore_index, gemm_dtype=gemm_dtype
@@ -276,8 +341,9 @@ def fused_head_loss(
 def logits_loss(head: nn.Module, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):
     """The same loss through head(x): full [b, s, vocab] logits, then cross-entropy in fp32.
 
-    For any head, in particular a tensor-parallel one (a DTensor-sharded nn.Linear, a Neuron ColumnParallelLinear)
-    whose own forward gathers the full logits from the vocabulary shards.
+    For any head, a tensor-parallel one too (a DTensor-sharded nn.Linear, a Neuron ColumnParallelLinear whose own
+    forward gathers the full logits from the vocabulary shards), at the cost of the whole vocabulary's logits on
+    every rank: the memory benchmark's reference (bench/bench_memory.py --loss).
     """
     logits = head(x)
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=ignore_index)

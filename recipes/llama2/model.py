@@ -165,7 +165,7 @@ class Llama2(nn.Module):
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)  # untied from embed, as in Llama 2 and 3.1
         # No init here: construction on the meta device stays free. Callers run init_weights() (or load weights).
         # How forward turns the final hidden states into the loss: a plain function, not a module (no parameters,
-        # no state dict entry). The parallelize step swaps in logits_loss when the head is tensor parallel.
+        # no state dict entry). The parallelize step swaps in a vocab-parallel loss for a tensor-parallel head.
         self.head_loss = fused_head_loss
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:

@@ -115,7 +115,7 @@ class NeoX(nn.Module):
         self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         # How forward turns the final hidden states into the loss: a plain function, not a module (no parameters,
-        # no state dict entry). The parallelize step swaps in logits_loss when the head is tensor parallel.
+        # no state dict entry). The parallelize step swaps in a vocab-parallel loss for a tensor-parallel head.
         self.head_loss = fused_head_loss
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:

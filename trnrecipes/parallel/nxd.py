@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from recipes.common.loss import logits_loss
+from recipes.common.loss import IGNORE_INDEX
 from trnrecipes.parallel.sharding import chunk_range
 from trnrecipes.parallel.tensor import family_plan, layer_ids, require_divisible_sequence
 
@@ -140,7 +140,7 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
                 model.head.in_features,
                 model.head.out_features,
                 bias=False,
-                gather_output=True,
+                gather_output=False,  # the logits stay on the vocabulary shards: nxd_head_loss
                 **_layer_args(model.head.weight.dtype),
             )
     if replicated:  # NxD's tiled KV copies move each rank's query heads: its o_proj columns move with them
@@ -149,7 +149,7 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
         for i in layer_ids(model):
             attn = model.get_submodule(f"layers.{i}.attn")
             setattr(attn.out, OUT_ATTRIBUTE, attn.qkv.kv_replication)
-    model.head_loss = logits_loss  # each rank's head holds one vocabulary shard; gather_output gives full logits
+    model.head_loss = nxd_head_loss  # each rank's head holds one vocabulary shard, and so do its logits
     if sequence_parallel:
         params = dict(model.named_parameters())
         for name in sequence_parallel_params(model, family):
@@ -176,6 +176,27 @@ def apply_neuron_tensor_parallel(model: nn.Module, family: str, sequence_paralle
         if has_head:
             model.head.register_forward_pre_hook(gather_sequence)
     return model
+
+
+def nxd_head_loss(head: nn.Module, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):
+    """The mean loss over labels != ignore_index from the head's vocabulary shard of the logits [b, s, V / tp]
+    (gather_output=False), by NxD's vocab-parallel cross-entropy: no rank holds the whole vocabulary's logits, but
+    each holds the micro-batch's [b x s, V / tp] in fp32, unchunked (the DTensor path chunks them).
+
+    neuronx_distributed.parallel_layers.loss_functions.parallel_cross_entropy(vocab_parallel_logits, target,
+    label_smoothing=0.0), the same file at NxD 0.10 to 0.17 (Neuron SDK 2.21 to 2.28): Megatron's, one loss per
+    token, no ignore_index (an ignored row gets its log-sum-exp as loss and the softmax as gradient), and it shifts
+    the logits in place. So the labels are masked to 0 (NxD's own masking would also cope with -100) and the
+    ignored rows zeroed here, their gradient with them. The logits go in as fp32 (softmax and loss in fp32, as
+    fused_head_loss): a copy of bf16 ones; the in-place shift is harmless either way, the head's backward keeps its
+    input and weight, not its output. model(tokens) without labels returns this rank's shard too: training always
+    passes labels, and inference runs a plain model."""
+    from neuronx_distributed.parallel_layers.loss_functions import parallel_cross_entropy
+
+    logits = head(x)
+    valid = labels != ignore_index
+    per_token = parallel_cross_entropy(logits.float(), labels.masked_fill(~valid, 0))
+    return (per_token * valid).sum() / valid.sum().clamp_min(1)  # a tensor, no .item(): no host sync under XLA
 
 
 def replicated_qkv(args, tp: int, dtype: torch.dtype) -> nn.Module:

@@ -59,7 +59,7 @@ class StagedModel(nn.Module):
         super().__init__()
         self.args = model.args
         self.parts = parts
-        self.head_loss = model.head_loss  # the parallelize step may swap it (a TP head: full logits)
+        self.head_loss = model.head_loss  # the parallelize step may swap it (a TP head: vocab-parallel)
         # The whole model's parameter order: gradient and parameter norms sum per-parameter squares in it, so they
         # do not depend on how the model is split.
         self.full_parameter_names = [name for name, _ in model.named_parameters()]

@@ -2,9 +2,10 @@
 torch.distributed.tensor (DTensor), on gloo (CPU) or nccl (CUDA).
 
 Without sequence parallelism: column-parallel qkv/fc_in, row-parallel out/fc_out (one all-reduce per branch),
-vocab-parallel embedding, column-parallel head gathered to full logits. With it (torchtitan's layout): the residual
-stream and the norms live on sequence shards; attention and MLP all-gather their input and reduce-scatter their
-output, so activation memory outside the branches drops by the TP degree.
+vocab-parallel embedding and head; the loss is computed on the head's vocabulary shards (vocab_parallel_head_loss),
+no rank gathers the logits. With it (torchtitan's layout): the residual stream and the norms live on sequence
+shards; attention and MLP all-gather their input and reduce-scatter their output, so activation memory outside the
+branches drops by the TP degree.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -25,7 +26,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from recipes.common.loss import logits_loss
+from recipes.common.loss import IGNORE_INDEX, VocabShard, vocab_parallel_cross_entropy
 
 
 def family_plan(family: str):
@@ -69,6 +70,40 @@ def tensor_parallel_styles(
     return styles
 
 
+def vocab_parallel_head_loss(
+    head: nn.Module,
+    x: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    *,
+    chunk_size: int | None = None,
+    gemm_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """fused_head_loss for the column-parallel head of this plan (weight a DTensor split by vocabulary rows): no rank
+    gathers the logits (vocab_parallel_cross_entropy). The final hidden states reach it as they reach the head's
+    ColwiseParallel: whole on every rank, or under SP sequence shards all-gathered here; their gradient, a partial
+    sum on each rank, is all-reduced (reduce-scattered onto the shards under SP) as the head's own input hook does."""
+    weight = head.weight
+    if not isinstance(weight, DTensor) or weight.placements != (Shard(0),) or head.bias is not None:
+        raise TypeError(
+            "vocab_parallel_head_loss needs a bias-free head whose weight is a DTensor split by vocabulary rows"
+            f" (placements (Shard(dim=0),)), got {type(weight).__name__}"
+            f" {getattr(weight, 'placements', '')}{' with a bias' if head.bias is not None else ''}"
+        )
+    mesh = weight.device_mesh
+    local = weight.to_local()
+    if local.shape[0] * mesh.size() != weight.shape[0]:  # the rows are split evenly (the TP rule: tp divides vocab)
+        raise ValueError(f"the head's {weight.shape[0]} vocabulary rows do not split evenly over {mesh.size()} ranks")
+    whole = (
+        x.redistribute(mesh, [Replicate()]) if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()])
+    )
+    hidden = whole.to_local(grad_placements=[Partial()])  # each rank's gradient is its vocabulary shard's share
+    shard = VocabShard(mesh.get_group(), mesh.get_local_rank() * local.shape[0])
+    return vocab_parallel_cross_entropy(
+        hidden.flatten(0, 1), local, labels.flatten(), shard, chunk_size, ignore_index, gemm_dtype=gemm_dtype
+    )
+
+
 def require_divisible_sequence(model: nn.Module, tp: int) -> None:
     """Refuse, before any collective, a batch whose sequence does not split evenly over the TP ranks: gloo aborts
     the process (no Python error) on uneven reduce-scatter shards. Checked at the embedding where the model holds
@@ -93,7 +128,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, family: str, seque
     top = tuple(name for name in sharded_top if hasattr(model, name))
     styles = tensor_parallel_styles(family, layer_ids(model), sequence_parallel, top)
     if "head" in top:
-        model.head_loss = logits_loss  # the head's vocabulary is split: its forward gathers full logits
+        model.head_loss = vocab_parallel_head_loss  # the head's vocabulary is split: the loss stays on the shards
     parallelize_module(model, mesh, styles)
     if "embed" in top:
         model.embed.register_forward_hook(wait_for_output)  # after the plan's own hook, which makes the output

@@ -12,9 +12,11 @@ Per worker (one NeuronCore or GPU), on the most loaded pipeline stage:
   (heads x seq) without checkpointing where no flash kernel runs (off CUDA, and not model.attention nki_flash), the
   layer inputs (h each) with full checkpointing plus one layer being recomputed; / TP with sequence parallelism (the
   norms' inputs too);
-- the loss phase: LOGIT_BYTES x vocab / TP bytes a token of the last micro-batch (logits, their fp32 copy for the
-  loss and its gradient), when the layers' activations are all still held but no gradient is yet: the larger of it
-  and the gradients counts, not both;
+- the loss phase: LOGIT_BYTES x vocab / TP bytes a row of logits (their fp32 values and their gradient), when the
+  layers' activations are all still held but no gradient is yet: the larger of it and the gradients counts, not
+  both. Rows: one chunk of the last micro-batch's tokens where the chunked loss runs eagerly (cpu, cuda, TorchNeuron:
+  the fused loss, and under TP its vocab-parallel form, each rank holding its V / TP columns), all its tokens on
+  torch-xla, which traces the step whole (and under TP on XLA/NxD NxD's parallel_cross_entropy is unchunked);
 - a reserve for the runtime (collective buffers, the compiler's scratch, the CUDA context): RESERVE_GIB.
 
 Calibration (bench/results/gpu_memory_h100_2026-11-26.jsonl, trnrecipes' own step on one H100, 15 shapes): the
@@ -33,6 +35,9 @@ from trnrecipes.config.stages import pipeline_stages, stage_params
 
 GIB = 2**30
 LOGIT_BYTES = 5.2  # a token's bytes per vocab entry in the loss phase (bf16 logits, fp32 copy, its gradient): fitted
+# Rows of logits per chunk of the eager loss, by the trnrecipes backend: recipes/common/loss.py's CHUNK_SIZES (cpu
+# and cuda; its default, 1024, elsewhere), copied here to keep plan/ torch-free (tests/test_memory_fit.py compares).
+LOSS_CHUNK_ROWS = {"cpu": 1024, "cuda": 4096, "neuron-native": 1024}
 RESERVE_GIB = {"neuron": 2.0, "cuda": 1.0}  # runtime, collectives, scratch; Neuron's an assumption (not measured)
 WARN_FRACTION = 0.9
 
@@ -138,7 +143,8 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     stored = (whole * h / split + (layers - whole) * per_layer) * held + recomputing
     activations = stored * tokens * act_bytes
     classifies = getattr(m, "num_labels", None) is not None
-    loss = LOGIT_BYTES * m.vocab_size / tp * tokens if last and not classifies else 0.0
+    rows = min(tokens, LOSS_CHUNK_ROWS[r.runtime_backend]) if r.runtime_backend in LOSS_CHUNK_ROWS else tokens
+    loss = LOGIT_BYTES * m.vocab_size / tp * rows if last and not classifies else 0.0
     inst = get_instance(r.cluster.instance)
     capacity = inst.hbm_gib * GIB / inst.workers_per_node if inst.hbm_gib else None
     reserve = RESERVE_GIB.get(r.cluster.backend, 0.0) * GIB if capacity is not None else 0.0
