@@ -41,6 +41,7 @@ from trnrecipes.data import DataError, listed
 from trnrecipes.data.bad_records import BadRecords, rejects_of
 from trnrecipes.data.corpus_writer import CorpusWriter, corpus_schema, shard_dir_output
 from trnrecipes.data.inputs import InputFile, find_inputs, input_names
+from trnrecipes.data.json_lines import arrow_texts, non_blank
 from trnrecipes.data.manifest import MANIFEST, read_manifest
 from trnrecipes.schema import clipped, shown
 
@@ -51,6 +52,7 @@ JSON_BLOCK_BYTES = 1 << 22  # JSON lines read at a time by the quicker loop (_js
 ROWS_PER_BATCH = 1 << 20
 MAX_CLASS_ID = 2**63 - 1  # the label column is int64
 Read = TypeVar("Read")
+Texts = list[str] | pa.Array  # a block's texts: an Arrow large_string array where pyarrow read the JSON lines
 
 
 @dataclass
@@ -121,17 +123,24 @@ def no_documents(inputs: Sequence, stats: ConversionStats, bad: BadRecords) -> D
 
 
 def document_blocks(
-    blocks: Iterator[tuple[list[str], list[int] | None]], stats: ConversionStats
-) -> Iterator[tuple[list[str], list[int] | None]]:
+    blocks: Iterator[tuple[Texts, list[int] | None]], stats: ConversionStats
+) -> Iterator[tuple[Texts, list[int] | None]]:
     """The blocks (texts, class ids or None) without their empty or blank documents, which are counted; the others
     counted into `stats`. A block left with no documents is dropped."""
     for texts, labels in blocks:
-        kept = [k for k, text in enumerate(texts) if text.strip()]
-        if len(kept) < len(texts):
-            stats.skipped_empty += len(texts) - len(kept)
-            texts = [texts[k] for k in kept]
-            labels = [labels[k] for k in kept] if labels is not None else None
-        if not texts:
+        if isinstance(texts, pa.Array):
+            kept = non_blank(texts)
+            if kept.false_count:
+                stats.skipped_empty += kept.false_count
+                texts = texts.filter(kept)
+                labels = list(itertools.compress(labels, kept.to_pylist())) if labels is not None else None
+        else:
+            kept = [k for k, text in enumerate(texts) if text.strip()]
+            if len(kept) < len(texts):
+                stats.skipped_empty += len(texts) - len(kept)
+                texts = [texts[k] for k in kept]
+                labels = [labels[k] for k in kept] if labels is not None else None
+        if not len(texts):
             continue
         stats.documents += len(texts)
         if labels is not None:
@@ -139,9 +148,9 @@ def document_blocks(
         yield texts, labels
 
 
-def record_batch(schema: pa.Schema, texts: list[str], labels: list[int] | None) -> pa.RecordBatch:
+def record_batch(schema: pa.Schema, texts: Texts, labels: list[int] | None) -> pa.RecordBatch:
     """Documents as a record batch of `schema` (corpus_schema: the text, and the label if it has one)."""
-    columns = [pa.array(texts, pa.large_string())]
+    columns = [texts if isinstance(texts, pa.Array) else pa.array(texts, pa.large_string())]
     if len(schema) == 2:
         columns.append(pa.array(labels, pa.int64()))
     return pa.record_batch(columns, schema=schema)
@@ -444,9 +453,10 @@ class ReadCount:
 
 def file_texts(
     f: InputFile, text_field: str, bad: BadRecords, label_field: str | None, read: ReadCount | None = None
-) -> Iterator[tuple[list[str], list[int] | None]]:
+) -> Iterator[tuple[Texts, list[int] | None]]:
     """The documents of one input file in blocks: (texts, their class ids with `label_field`, else None), as
-    file_records reads them (JSON lines without labels by a quicker loop, with the same result)."""
+    file_records reads them (JSON lines without labels by a quicker loop, with the same result, in Arrow where
+    pyarrow's JSON reader read them)."""
     if f.kind.startswith("jsonl") and label_field is None:
         for texts in _jsonl_texts(f, text_field, bad, read):
             yield texts, None
@@ -539,17 +549,23 @@ def _json_record(
     return record[text_field], class_id(record[label_field], where, label_field)
 
 
-def _jsonl_texts(f: InputFile, text_field: str, bad: BadRecords, read: ReadCount | None) -> Iterator[list[str]]:
-    """The texts of a JSON-lines file in blocks of about JSON_BLOCK_BYTES of lines: what _jsonl reads, in a tighter
-    loop. A line that is an object with text at `text_field` is taken as it is; any other (blank, bad, text that is
-    not a string) goes through _json_record, which says what is wrong with it. Not pyarrow's JSON reader, though
-    faster: a line `null` crashes it (Apache Arrow, "NULL Pointer Dereference bug"), a worker lost for one bad
-    record of a crawl."""
+def _jsonl_texts(
+    f: InputFile, text_field: str, bad: BadRecords, read: ReadCount | None
+) -> Iterator[pa.Array | list[str]]:
+    """The texts of a JSON-lines file in blocks of about JSON_BLOCK_BYTES of lines: what _jsonl reads, quicker. A
+    block pyarrow's JSON reader reads as json does comes as Arrow (json_lines.py); any other is read line by line:
+    a line that is an object with text at `text_field` is taken as it is, and any other (blank, bad, text that is not
+    a string) goes through _json_record, which says what is wrong with it."""
     loads, i = json.loads, 0
     with open_lines(f.path, read) as fh:
-        for lines in _line_blocks(fh, f.name):
+        for block in _byte_blocks(fh, f.name):
+            newlines = np.flatnonzero(np.frombuffer(block, np.uint8) == ord("\n"))
+            if (arrow := arrow_texts(block, newlines, text_field)) is not None:
+                i += len(newlines) + (block[-1:] != b"\n")
+                yield arrow
+                continue
             texts = []
-            for raw in lines:
+            for raw in _split_lines(block):
                 i += 1
                 try:
                     text = loads(raw.decode())[text_field]
@@ -641,13 +657,28 @@ def _read_lines(fh, name: str) -> Iterator[bytes]:
         raise _unreadable(name, err) from None
 
 
-def _line_blocks(fh, name: str) -> Iterator[list[bytes]]:
-    """The lines of an open file in blocks of about JSON_BLOCK_BYTES, as _read_lines."""
+def _byte_blocks(fh, name: str) -> Iterator[bytes]:
+    """The bytes of an open file in blocks of whole lines, of about JSON_BLOCK_BYTES (a longer line whole), as
+    _read_lines reads them."""
+    rest = b""
     try:
-        while lines := fh.readlines(JSON_BLOCK_BYTES):
-            yield lines
+        while chunk := fh.read(JSON_BLOCK_BYTES):
+            end = chunk.rfind(b"\n") + 1
+            if end == 0:
+                rest += chunk
+                continue
+            yield b"".join((rest, memoryview(chunk)[:end]))
+            rest = chunk[end:]
     except (OSError, EOFError, zlib.error) as err:
         raise _unreadable(name, err) from None
+    if rest:
+        yield rest
+
+
+def _split_lines(block: bytes) -> list[bytes]:
+    """The lines of a block as readlines gives them: each with its newline, the last without where it has none."""
+    lines = block.split(b"\n")
+    return [line + b"\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
 
 
 def _unreadable(name: str, err: BaseException) -> DataError:

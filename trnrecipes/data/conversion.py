@@ -17,6 +17,7 @@ import pyarrow as pa
 from trnrecipes.data import DataError, listed
 from trnrecipes.data.arrow import ConversionStats, NoDocuments, check_labelled, checked_batch_rows, no_documents
 from trnrecipes.data.bad_records import BadRecords, rejects_of
+from trnrecipes.data.batch_bytes import Mapped
 from trnrecipes.data.corpus_writer import CorpusWriter, corpus_schema, shard_dir_output
 from trnrecipes.data.inputs import InputFile
 from trnrecipes.data.megatron_files import join
@@ -51,8 +52,10 @@ def to_arrow_in_parts(
         with output as tmp, CorpusWriter(tmp, schema, rows_per_batch, shard_bytes) as writer:
             for outcome in outcomes:
                 _count(stats, outcome)
-                for batch in pa.ipc.open_stream(pa.memory_map(str(work / f"{part_name(outcome['unit'])}.arrow"))):
-                    writer.write(batch)
+                part = str(work / f"{part_name(outcome['unit'])}.arrow")
+                whole = pa.memory_map(part).read_buffer()  # the batches' buffers lie in it: their texts are copied
+                for batch in pa.ipc.open_stream(whole):  # from the file to the output by the kernel
+                    writer.write(batch, Mapped(part, whole.address))
             stats.rejected = bad.count
             if stats.documents == 0:
                 raise no_documents(files, stats, bad)

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from trnrecipes.data import DataError, listed
+from trnrecipes.data.batch_bytes import END_OF_STREAM, Mapped, joinable, schema_bytes, write_all, write_joined
 from trnrecipes.data.manifest import MANIFEST, SHARD_FILE, Manifest, Shard, shard_name, write_manifest
 from trnrecipes.data.work_dir import make_readable, temp_path
 
@@ -36,11 +37,11 @@ class CorpusWriter:
         self.target, self.schema = Path(target), schema
         self.rows_per_batch, self.shard_bytes = rows_per_batch, shard_bytes
         self.row_bytes = OFFSET_BYTES * len(schema)  # offsets, and the label where there is one
-        self.held: list[pa.RecordBatch] = []
+        self.held: list[tuple[pa.RecordBatch, Mapped | None]] = []
         self.held_rows = 0
         self.shards: list[Shard] = []
         self.shard_rows = self.shard_text = self.shard_size = 0
-        self._sink = self._writer = None
+        self._sink = None
 
     def __enter__(self) -> CorpusWriter:
         return self
@@ -48,13 +49,13 @@ class CorpusWriter:
     def __exit__(self, kind, *_) -> None:
         if kind is None:
             self.close()
-        elif self._writer is not None:
-            self._writer.close()
+        elif self._sink is not None:
             self._sink.close()
 
-    def write(self, batch: pa.RecordBatch) -> None:
+    def write(self, batch: pa.RecordBatch, mapped: Mapped | None = None) -> None:
+        """`batch` added to the output; `mapped`: where it is memory-mapped from, to copy its texts file to file."""
         if self.shard_bytes is None:
-            self._add(batch)
+            self._add(batch, mapped)
             return
         texts = _text_bytes(batch.column(0))
         costs = texts + self.row_bytes
@@ -66,7 +67,7 @@ class CorpusWriter:
                 self._close_shard()
                 continue
             fit = max(fit, 1)  # a document larger than a shard: a shard of its own
-            self._add(batch.slice(start, fit))
+            self._add(batch.slice(start, fit), mapped)
             self.shard_size += int(spent[fit - 1])
             self.shard_text += int(texts[start : start + fit].sum())
             start += fit
@@ -77,18 +78,17 @@ class CorpusWriter:
         if self.shard_bytes is None:
             self._flush()
             self._open()  # an empty corpus is still a stream with its schema
-            self._writer.close()
-            self._sink.close()
+            self._close_file()
             return
         if self.shard_rows:
             self._close_shard()
         names = [f.name for f in self.schema]
         write_manifest(self.target, Manifest(names[0], tuple(names), tuple(self.shards)))
 
-    def _add(self, batch: pa.RecordBatch) -> None:
+    def _add(self, batch: pa.RecordBatch, mapped: Mapped | None) -> None:
         while len(batch):
             take = min(len(batch), self.rows_per_batch - self.held_rows)
-            self.held.append(batch.slice(0, take))
+            self.held.append((batch.slice(0, take), mapped))
             self.held_rows += take
             self.shard_rows += take
             batch = batch.slice(take)
@@ -99,22 +99,27 @@ class CorpusWriter:
         if not self.held:
             return
         self._open()
-        # A fresh copy of the rows, also of a lone slice: the IPC bytes of a slice depend on what it was cut from
-        columns = [pa.concat_arrays([batch.column(i) for batch in self.held]) for i in range(len(self.schema))]
-        self._writer.write_batch(pa.record_batch(columns, schema=self.schema))
+        if joinable(self.schema, self.held):
+            write_joined(self._sink, self.schema, self.held)
+        else:  # a fresh copy of the rows, also of a lone slice: the IPC bytes of a slice depend on what it was cut from
+            columns = [pa.concat_arrays([b.column(i) for b, _ in self.held]) for i in range(len(self.schema))]
+            write_all(self._sink, pa.record_batch(columns, schema=self.schema).serialize())
         self.held, self.held_rows = [], 0
 
     def _open(self) -> None:
-        if self._writer is None:
+        if self._sink is None:
             path = self.target if self.shard_bytes is None else self.target / shard_name(len(self.shards))
-            self._sink = pa.OSFile(str(path), "wb")
-            self._writer = pa.ipc.new_stream(self._sink, self.schema)
+            self._sink = open(path, "wb", buffering=0)
+            write_all(self._sink, schema_bytes(self.schema))
+
+    def _close_file(self) -> None:
+        write_all(self._sink, END_OF_STREAM)
+        self._sink.close()
+        self._sink = None
 
     def _close_shard(self) -> None:
         self._flush()
-        self._writer.close()
-        self._sink.close()
-        self._sink = self._writer = None
+        self._close_file()
         self.shards.append(Shard(shard_name(len(self.shards)), self.shard_rows, self.shard_text))
         self.shard_rows = self.shard_text = self.shard_size = 0
 

@@ -18,12 +18,14 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-from tqdm import tqdm
+from typing import TYPE_CHECKING
 
 from trnrecipes.data import DataError
 from trnrecipes.data.inputs import InputFile
 from trnrecipes.data.parts import Task, convert_unit
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 PROGRESS_EVERY_S = 0.5
 ALIVE_CHECK_S = 0.5
@@ -262,6 +264,8 @@ class Progress:
     enabled: bool
 
     def bar(self) -> tqdm:
+        from tqdm import tqdm  # here, not at the top: the spawned workers import this module and need no bar
+
         return tqdm(
             total=self.total,
             initial=self.initial,

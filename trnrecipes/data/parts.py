@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from trnrecipes.data import DataError
-from trnrecipes.data.arrow import ConversionStats, ReadCount, document_blocks, file_texts, record_batch
+from trnrecipes.data.arrow import ConversionStats, ReadCount, Texts, document_blocks, file_texts, record_batch
 from trnrecipes.data.bad_records import BadRecords
 from trnrecipes.data.corpus_writer import corpus_schema
 from trnrecipes.data.inputs import InputFile
@@ -114,7 +114,7 @@ def convert_unit(task: Task, tick: Callable[..., None]) -> dict:
             rejects.unlink(missing_ok=True)
 
 
-def _blocks(task: Task, sizes: list[int], bad: BadRecords, tick) -> Iterator[tuple[list[str], list[int] | None]]:
+def _blocks(task: Task, sizes: list[int], bad: BadRecords, tick) -> Iterator[tuple[Texts, list[int] | None]]:
     """The unit's documents in blocks, in order; `tick` is told the bytes read so far after each block."""
     before = 0
     for f, size in zip(task.files, sizes, strict=True):
@@ -146,7 +146,7 @@ class _ArrowPart:
         self.writer = pa.ipc.new_stream(self.sink, self.schema)
         self.counts: dict = {}
 
-    def write(self, texts: list[str], labels: list[int] | None) -> None:
+    def write(self, texts: Texts, labels: list[int] | None) -> None:
         self.writer.write_batch(record_batch(self.schema, texts, labels))
 
     def finish(self) -> dict[str, int]:
@@ -186,7 +186,8 @@ class _TokenPart:
         self.bin, self.lengths = open(self.tmps[0], "wb"), open(self.lengths_path, "wb")
         self.counts = {"tokens": 0, "top": -1}
 
-    def write(self, texts: list[str], labels: None) -> None:
+    def write(self, texts: Texts, labels: None) -> None:
+        texts = texts.to_pylist() if isinstance(texts, pa.Array) else texts
         eos = self.tokenizer.eos_id
         docs = [np.append(ids, eos).astype(self.dtype) for ids in self.tokenizer.encode_batch(texts)]
         for doc in docs:

@@ -1,0 +1,113 @@
+"""pyarrow's JSON reader on blocks of JSON lines (json_lines.py): taken only where it reads what Python's json reads,
+line by line; every other block goes to the line-by-line reader, which names each bad record's line."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from test_data_inputs import write
+
+from trnrecipes.data import arrow
+from trnrecipes.data.arrow import file_records, file_texts
+from trnrecipes.data.bad_records import BadRecords
+from trnrecipes.data.inputs import InputFile
+from trnrecipes.data.json_lines import arrow_texts, non_blank
+
+READ_AS_JSON_DOES = [
+    b'{"text": "plain"}',
+    b'{"text": "caf\\u00e9 \\ud83d\\ude00 \\u0000 \\/ \\b\\f\\n\\r\\t \\" \\\\ \\u2028"}',
+    '{"text": "raw UTF-8: café 東京 🙂"}'.encode(),
+    b'{"id": 1, "meta": {"a": [1, {"text": "nested, not it"}], "b": null}, "text": "after nesting", "n": -0.5e3}',
+    b'{"text": "crlf"}\r',
+    b'{ "text" : "spaces inside" , "x" : [ ] }',
+    b'{"t\\u0065xt": "an escaped key"}',
+    b'{"text": "other numbers", "a": NaN, "b": Infinity, "c": -Infinity, "d": 123456789012345678901234567890}',
+    b'{"text": "Information and Informed: words, not numbers", "inf": "Inf"}',
+    b'{"text": "' + b"long " * 200_000 + b'"}',
+    b'{"text": "   "}',
+    b'{"text": ""}',
+    b'{"text": "no newline at the end"}',
+]  # fmt: skip
+
+LINE_BY_LINE = {
+    "a line null (crashes the reader)": b'{"text": "a"}\nnull',
+    "two objects on a line": b'{"text": "a"} {"text": "b"}',
+    "an object over two lines, two on another": b'{"text": "x", "o":\n{"a": 1}}\n{"text": "a"} {"text": "b"}',
+    "Inf": b'{"text": "a", "n": Inf}',
+    "-Inf": b'{"text": "a", "n": [1, -Inf]}',
+    "-NaN": b'{"text": "a", "n": -NaN}',
+    "an integer json refuses": b'{"text": "a", "n": ' + b"9" * 5000 + b"}",
+    "invalid UTF-8 outside the text": b'{"text": "a", "m": "\xff"}',
+    "a BOM": b'\xef\xbb\xbf{"text": "a"}',
+    "a duplicate key (json takes the last)": b'{"text": "a", "text": "b"}',
+    "a blank line": b'{"text": "a"}\n\n{"text": "b"}',
+    "a leading space": b' {"text": "a"}',
+    "a lone surrogate": b'{"text": "\\ud800"}',
+    "a number as text": b'{"text": 5}',
+    "no text": b'{"body": "a"}',
+    "a null text": b'{"text": null}',
+    "a CR between objects": b'{"text": "a"}\r{"text": "b"}',
+    # The checks are cheap, so they err on the safe side: json would read these two alike
+    "Inf after a comma in a text": b'{"text": "Information, Informed"}',
+    "a long digit run in a text": b'{"text": "' + b"7" * 5000 + b'"}',
+}
+
+
+def newlines(block: bytes) -> np.ndarray:
+    return np.flatnonzero(np.frombuffer(block, np.uint8) == ord("\n"))
+
+
+def python_texts(block: bytes) -> list:
+    return [json.loads(line)["text"] for line in block.split(b"\n")]
+
+
+def test_blocks_the_reader_reads_as_json_does_come_as_arrow_with_the_same_texts():
+    block = b"\n".join(READ_AS_JSON_DOES)
+    texts = arrow_texts(block, newlines(block), "text")
+    assert texts is not None and texts.type == pa.large_string()
+    assert texts.to_pylist() == python_texts(block)
+    for line in READ_AS_JSON_DOES:  # each alone too, with its newline and without
+        for alone in (line, line + b"\n"):
+            assert arrow_texts(alone, newlines(alone), "text").to_pylist() == [json.loads(line)["text"]], line[:60]
+
+
+@pytest.mark.parametrize("what", LINE_BY_LINE)
+def test_blocks_the_reader_could_read_otherwise_go_line_by_line(what):
+    block = b'{"text": "good"}\n' + LINE_BY_LINE[what] + b'\n{"text": "good"}\n'
+    assert arrow_texts(block, newlines(block), "text") is None
+
+
+def test_blank_is_what_str_strip_leaves_empty_for_every_character():
+    codes = np.array([c for c in range(sys.maxunicode + 1) if not 0xD800 <= c < 0xE000])
+    data = "".join(map(chr, codes.tolist())).encode()
+    widths = 1 + (codes >= 0x80) + (codes >= 0x800) + (codes >= 0x10000)
+    offsets = pa.py_buffer(np.concatenate([[0], np.cumsum(widths)]).astype(np.int64))
+    chars = pa.Array.from_buffers(pa.large_string(), len(codes), [None, offsets, pa.py_buffer(data)])
+    kept = non_blank(chars).to_numpy(zero_copy_only=False)
+    spaces = [c for c in codes.tolist() if chr(c).isspace()]
+    assert codes[~kept].tolist() == spaces and len(spaces) == 29
+    assert non_blank(pa.array(["", " \u3000\t", " a "], pa.large_string())).to_pylist() == [False, False, True]
+
+
+def test_a_file_of_good_and_bad_blocks_reads_as_line_by_line_with_the_same_lines(tmp_path, monkeypatch):
+    """Small blocks: the Arrow ones and the line-by-line ones alternate, and a bad record's line number counts the
+    lines of the Arrow blocks before it."""
+    monkeypatch.setattr(arrow, "JSON_BLOCK_BYTES", 64)
+    lines = []
+    for k in range(40):
+        lines += [json.dumps({"text": f"doc {k} caf\u00e9", "k": k}).encode(), b'{"text": "  "}']
+        if k % 7 == 3:
+            lines += [LINE_BY_LINE[list(LINE_BY_LINE)[k % len(LINE_BY_LINE)]], b"{broken", b""]
+    src = InputFile(write(tmp_path / "mixed.jsonl", b"\n".join(lines) + b"\n"), "jsonl")
+    quick, one_by_one = BadRecords("skip"), BadRecords("skip")
+    quick.sink, one_by_one.sink = io.StringIO(), io.StringIO()
+    blocks = [texts for texts, _ in file_texts(src, "text", quick, None)]
+    texts = [t for b in blocks for t in (b.to_pylist() if isinstance(b, pa.Array) else b)]
+    assert texts == [text for text, _ in file_records(src, "text", one_by_one, None)]
+    assert quick.sink.getvalue() == one_by_one.sink.getvalue() and quick.count == one_by_one.count > 6
+    assert sum(isinstance(b, pa.Array) for b in blocks) > 10 and sum(isinstance(b, list) for b in blocks) > 3

@@ -1,0 +1,118 @@
+"""The text field of a block of JSON lines read by pyarrow's C++ JSON reader, where the block is one it reads as
+Python's json module reads each line: else None, and the caller reads the block line by line (arrow.py), which
+names each bad record's line. About twice as fast, and the texts come out as Arrow, not Python strings.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pa_json
+
+# A character that str.isspace() does not count (every other is one of these, which str.strip() removes): a text
+# with none is blank, as `not text.strip()` says. tests/test_json_lines.py checks the set against Python's.
+NOT_SPACE = r"[^\t-\r\x1c- \x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}\x{205f}\x{3000}]"
+MAX_BLOCK = (1 << 31) - 2  # the reader's block size is an int32; a larger block goes line by line
+NEWLINE, OPEN, CLOSE, CR = b"\n{}\r"
+
+
+def arrow_texts(block: bytes, lines: np.ndarray, text_field: str) -> pa.Array | None:
+    """The texts (large_string) at `text_field` of the JSON lines in `block`, one per line (`lines`: the positions
+    of its newlines; the last line may lack one), or None where the reader could read them otherwise than Python's
+    json module does line by line, or a line is bad: then every line must be read by json. Checked first, since the
+    reader takes liberties (two objects on a line, NaN's cousins Inf and -NaN, invalid UTF-8 outside the text) and
+    crashes on a line `null` (Apache Arrow, "NULL Pointer Dereference bug"); its errors and nulls are the rest."""
+    if not block or len(block) > MAX_BLOCK or not _one_object_a_line(block, lines) or not _utf8(block):
+        return None
+    data = np.frombuffer(block, np.uint8)
+    if _long_digit_run(block, data) or _nonstandard_number(block, data):
+        return None
+    schema = pa.schema([pa.field(text_field, pa.large_string())])
+    options = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    read = pa_json.ReadOptions(use_threads=False, block_size=len(block) + 1)
+    try:
+        table = pa_json.read_json(pa.BufferReader(block), read_options=read, parse_options=options)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):  # not JSON, a text that is no string, a duplicate key
+        return None
+    count = len(lines) + (block[-1] != NEWLINE)
+    column = table.column(0)
+    if table.num_rows != count or column.null_count:  # a missing or null text
+        return None
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+
+
+def non_blank(texts: pa.Array) -> pa.Array:
+    """True for each text with a character that is not whitespace (`text.strip()` is not empty)."""
+    return pc.match_substring_regex(texts, NOT_SPACE)
+
+
+def _one_object_a_line(block: bytes, lines: np.ndarray) -> bool:
+    """Every line starts with `{` and ends with `}` (then CR), so no object spans two lines; with a row per line
+    from the reader, each line holds one object and nothing else (a blank line, leading spaces: line by line)."""
+    data = np.frombuffer(block, np.uint8)
+    ended = block[-1] == NEWLINE
+    starts = (lines[:-1] if ended else lines) + 1  # of every line but the first
+    if data[0] != OPEN or not np.all(data[starts] == OPEN):
+        return False
+    ends = lines if ended else np.append(lines, len(block))  # a newline, or where the last line's would be
+    last = data[ends - 1]  # no line is empty: each starts with {
+    crlf = last == CR
+    last[crlf] = data[ends[crlf] - 2]
+    return bool(np.all(last == CLOSE))
+
+
+def _utf8(block: bytes) -> bool:
+    """Valid UTF-8 throughout (the reader passes invalid bytes through, and skips them outside the text)."""
+    offsets = pa.py_buffer(struct.pack("<qq", 0, len(block)))
+    try:
+        pa.Array.from_buffers(pa.large_string(), 1, [None, offsets, pa.py_buffer(block)]).validate(full=True)
+    except pa.ArrowInvalid:
+        return False
+    return True
+
+
+def _long_digit_run(block: bytes, data: np.ndarray) -> bool:
+    """A run of more digits than Python converts to an int (sys.get_int_max_str_digits: json refuses such a number,
+    the reader takes it): such a run covers a multiple of the limit, so only the digits there are looked around."""
+    limit = sys.get_int_max_str_digits()
+    if limit == 0 or len(block) <= limit:
+        return False
+    for at in (np.flatnonzero((data[::limit] - 48) < 10) * limit).tolist():
+        after = _DIGITS.match(block, at).end() - at
+        before = _DIGITS.match(block[max(0, at - limit) : at][::-1]).end()
+        if before + after > limit:
+            return True
+    return False
+
+
+_DIGITS = re.compile(rb"[0-9]*")
+
+
+def _nonstandard_number(block: bytes, data: np.ndarray) -> bool:
+    """`Inf` or `-NaN` where a value starts: the reader takes them (with NaN, Infinity and -Infinity, which json takes
+    too); json does not."""
+    infs = _found(data, b"Inf", 0)
+    return any(block[at : at + 8] != b"Infinity" and _value_starts_at(block, at) for at in infs) or bool(
+        _found(data, b"-NaN", 1)
+    )
+
+
+def _found(data: np.ndarray, word: bytes, rare: int) -> list[int]:
+    """Where `word` starts in `data`, found by its byte `rare` (a capital: few in text), then the others."""
+    at = np.flatnonzero(data[rare : len(data) - len(word) + 1 + rare] == word[rare])
+    for k, byte in enumerate(word):
+        if k != rare and len(at):
+            at = at[data[at + k] == byte]
+    return at.tolist()
+
+
+def _value_starts_at(block: bytes, at: int) -> bool:
+    """Whether what precedes `at`, past JSON whitespace and a minus, is `:`, `[` or `,`: a value starts there."""
+    before = block[max(0, at - 64) : at].rstrip(b" \t\r\n")
+    before = before[:-1].rstrip(b" \t\r\n") if before.endswith(b"-") else before
+    return not before or before[-1:] in (b":", b"[", b",")  # none: 64 bytes of whitespace, taken as a start
