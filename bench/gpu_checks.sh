@@ -6,7 +6,7 @@
 # default shape with fp32 moments. The most wanted numbers come first, so a run cut short still has them. From a copy
 # of the repository:      bash bench/gpu_checks.sh OUT_DIR      (one JSON and one log per command in OUT_DIR)
 set -uo pipefail
-out=${1:?usage: bash bench/gpu_checks.sh OUT_DIR}
+out=$(realpath -m "${1:?usage: bash bench/gpu_checks.sh OUT_DIR}")
 mkdir -p "$out"
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1

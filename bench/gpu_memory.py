@@ -38,20 +38,29 @@ def peak_breakdown(trace: list[dict], baseline: int, top: int = 25) -> tuple[int
     `baseline`: bytes allocated when recording began."""
     has_completed = any(e.get("action") == "free_completed" for e in trace)
     free_action = "free_completed" if has_completed else "free_requested"
-    live: dict[int, dict] = {}
-    current = peak = baseline
-    peak_at = -1
-    peak_live: dict[int, dict] = {}
-    for i, event in enumerate(trace):
-        action = event.get("action")
-        if action == "alloc":
-            live[event["addr"]] = event
-            current += event["size"]
-            if current > peak:
-                peak, peak_at = current, i
-                peak_live = dict(live)
-        elif action == free_action and event["addr"] in live:
-            current -= live.pop(event["addr"])["size"]
+
+    def replay(until: int | None) -> tuple[int, int, dict[int, dict]]:
+        """(peak, its index, what is alive after event `until`): the running total counts every free, a block
+        allocated before recording began included (its event carries its size)."""
+        live: dict[int, dict] = {}
+        current = peak = baseline
+        peak_at = -1
+        for i, event in enumerate(trace):
+            action = event.get("action")
+            if action == "alloc":
+                live[event["addr"]] = event
+                current += event["size"]
+                if current > peak:
+                    peak, peak_at = current, i
+            elif action == free_action:
+                live.pop(event["addr"], None)
+                current -= event.get("size", 0)
+            if i == until:
+                break
+        return peak, peak_at, live
+
+    peak, peak_at, _ = replay(None)
+    peak_live = replay(peak_at)[2] if peak_at >= 0 else {}
     groups: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     for event in peak_live.values():
         group = groups[_where(event.get("frames", []))]

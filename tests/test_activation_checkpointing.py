@@ -295,3 +295,17 @@ def test_an_unknown_mode_is_refused_with_the_valid_ones(mode):
 def test_selective_needs_core_attention_modules():
     with pytest.raises(ValueError, match="no CoreAttention in Linear"):
         apply_activation_checkpointing(torch.nn.Linear(2, 2), "selective")
+
+
+def test_full_layers_counts_within_each_pipeline_stage():
+    # A pipeline rank holding stages 0 and 2 of 4 (interleaved), two blocks each: the first block of each stage.
+    from trnrecipes.config.families import family_spec
+    from trnrecipes.config.stages import rank_stages, split_stages
+    from trnrecipes.parallel.pipeline import StagedModel
+
+    recipe = load_recipe("llama2-tiny", overrides=["model.num_layers=8"])
+    stages = rank_stages(split_stages(8, 2, 2, None, "interleaved_1f1b"), 0)
+    model = StagedModel(build_model(recipe.model, "meta"), family_spec("llama2").parts, stages)
+    apply_activation_checkpointing(model, "none", full_layers=1)
+    whole = sorted(int(name) for name, block in model.layers.named_children() if is_checkpointed(block))
+    assert whole == [s.layers[0] for s in stages] and len(whole) == 2

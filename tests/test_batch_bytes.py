@@ -41,9 +41,13 @@ def test_pieces_in_memory_and_mapped_join_into_pyarrows_bytes(tmp_path, label):
         for batch in batches(schema, 0, 6):
             writer.write_batch(batch)
     whole = pa.memory_map(str(part)).read_buffer()
-    mapped = [(sliced(b, k), Mapped(str(part), whole.address)) for k, b in enumerate(pa.ipc.open_stream(whole))]
+    where = Mapped(str(part), whole.address, whole.size)
+    mapped = [(sliced(b, k), where) for k, b in enumerate(pa.ipc.open_stream(whole))]
     in_memory = [(sliced(b, k), None) for k, b in enumerate(batches(schema, 1, 5))]
-    for pieces in (mapped, in_memory, mapped[:2] + in_memory + mapped[2:], mapped[3:4]):
+    # a piece said to lie in the file but read elsewhere (a buffer pyarrow copied): written from memory, not from a
+    # wrong place of the file
+    astray = [(p, where) for p, _ in in_memory]
+    for pieces in (mapped, in_memory, mapped[:2] + in_memory + mapped[2:], mapped[3:4], astray):
         out = tmp_path / "joined"
         with open(out, "wb", buffering=0) as sink:
             assert joinable(schema, pieces)

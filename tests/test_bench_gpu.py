@@ -249,3 +249,34 @@ def test_default_shape_is_the_hand_measured_h100_table():
     assert bench_gpu.make_recipe(args, "hf").model.activation_checkpointing == "none"
     assert bench_gpu.make_recipe(args, "ours").train.compile is False
     assert bench_gpu.make_recipe(args, "ours-compile").train.compile is True
+
+
+def test_a_row_whose_first_losses_part_from_the_reference_is_not_ranked(capsys):
+    bench_gpu = load_bench()
+    same = [11.19, 0.244, 0.056, 0.042]
+    results = {
+        "hf-compile": {"losses": same},
+        "ours-compile": {"losses": [11.19, 0.2441, 0.0565, 0.5]},  # step 4 is not compared
+        "ours": {"losses": [11.19, 0.31, 0.056, 0.042]},  # 27% off at step 2: another schedule
+    }
+    assert bench_gpu.disagreeing_rows(results) == ["ours"]
+    assert "error: ours: first 3 losses 11.1900, 0.3100, 0.0560 differ from hf-compile's" in capsys.readouterr().out
+
+
+def test_the_memory_report_finds_the_peak_and_what_is_alive_there():
+    load_bench()  # puts bench/ on the path, as the script runs
+    from gpu_memory import peak_breakdown
+
+    def at(line: int) -> list[dict]:
+        return [{"filename": "/x/recipes/common/loss.py", "line": line, "name": "f"}]
+
+    trace = [
+        {"action": "free_completed", "addr": 9, "size": 300},  # made before recording: 1000 -> 700
+        {"action": "alloc", "addr": 1, "size": 200, "frames": at(1)},
+        {"action": "alloc", "addr": 2, "size": 400, "frames": at(2)},  # 1300: the peak
+        {"action": "free_completed", "addr": 2, "size": 400},
+        {"action": "alloc", "addr": 3, "size": 250, "frames": at(3)},  # 1150
+    ]
+    peak, index, alive = peak_breakdown(trace, baseline=1000)
+    assert (peak, index) == (1300, 2)
+    assert [(inner, n) for inner, _, n, _ in alive] == [("common/loss.py:2 f", 400), ("common/loss.py:1 f", 200)]

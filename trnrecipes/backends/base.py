@@ -76,8 +76,8 @@ class Backend:
     # ------------------------------------------------------------------ the model
     def parallelize(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
         """Apply the layout to a model built on the meta device, in place: the tensor-parallel plan (and with it the
-        loss path: a TP head does not hold the whole vocabulary, so the plan swaps the fused head + loss for full
-        logits), then activation checkpointing, which wraps what the plan produced."""
+        loss path: a TP head does not hold the whole vocabulary, so the plan swaps the fused head + loss for its
+        vocab-parallel form), then activation checkpointing, which wraps what the plan produced."""
         if dims.tp > 1:
             self.tensor_parallel(model, recipe, dims)
         m = recipe.model

@@ -660,19 +660,19 @@ def _read_lines(fh, name: str) -> Iterator[bytes]:
 def _byte_blocks(fh, name: str) -> Iterator[bytes]:
     """The bytes of an open file in blocks of whole lines, of about JSON_BLOCK_BYTES (a longer line whole), as
     _read_lines reads them."""
-    rest = b""
+    rest: list[bytes] = []  # a line's start, chunk by chunk: joined once (+= would copy it again for every chunk)
     try:
         while chunk := fh.read(JSON_BLOCK_BYTES):
             end = chunk.rfind(b"\n") + 1
             if end == 0:
-                rest += chunk
+                rest.append(chunk)
                 continue
-            yield b"".join((rest, memoryview(chunk)[:end]))
-            rest = chunk[end:]
+            yield b"".join((*rest, memoryview(chunk)[:end]))
+            rest = [chunk[end:]]
     except (OSError, EOFError, zlib.error) as err:
         raise _unreadable(name, err) from None
-    if rest:
-        yield rest
+    if any(rest):
+        yield b"".join(rest)
 
 
 def _split_lines(block: bytes) -> list[bytes]:

@@ -19,10 +19,12 @@ END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
 @dataclass(frozen=True)
 class Mapped:
-    """Where a piece's buffers lie: memory-mapped from the file `path` at `base` (the address of its byte 0)."""
+    """Where a piece's buffers lie: memory-mapped from the file `path` at `base` (the address of its byte 0), `size`
+    bytes long. A buffer outside that range (one pyarrow copied on reading) is written from memory instead."""
 
     path: str
     base: int
+    size: int
 
 
 def joinable(schema: pa.Schema, pieces: list[tuple[pa.RecordBatch, Mapped | None]]) -> bool:
@@ -48,7 +50,9 @@ def write_joined(sink, schema: pa.Schema, pieces: list[tuple[pa.RecordBatch, Map
     _write_padded(sink, offsets.data)
     for (batch, mapped), (start, size) in zip(pieces, text, strict=True):
         data = batch.column(0).buffers()[2]
-        if mapped is None or not _copied(mapped, data.address - mapped.base + start, size, sink):
+        position = data.address - mapped.base + start if mapped is not None else -1
+        inside = mapped is not None and 0 <= position and position + size <= mapped.size
+        if not inside or not _copied(mapped, position, size, sink):
             write_all(sink, memoryview(data)[start : start + size])
     _pad(sink, lengths[2])
     if len(schema) == 2:
@@ -70,17 +74,17 @@ def _copied(mapped: Mapped, position: int, size: int, sink) -> bool:
     """Whether the kernel copied `size` bytes at `position` of the mapped file to `sink` (else nothing was written:
     a file system or kernel without copy_file_range between these files)."""
     done = 0
-    with open(mapped.path, "rb", buffering=0) as source:
-        try:
+    try:
+        with open(mapped.path, "rb", buffering=0) as source:
             while done < size:
                 step = os.copy_file_range(source.fileno(), sink.fileno(), size - done, position + done)
                 if step == 0:
                     raise OSError("copy_file_range copied nothing")
                 done += step
-        except OSError:
-            if done:  # part of it written: take the rest from memory
-                raise
-            return False
+    except OSError:
+        if done:  # part of it written: take the rest from memory
+            raise
+        return False
     return True
 
 

@@ -55,7 +55,7 @@ def to_arrow_in_parts(
                 part = str(work / f"{part_name(outcome['unit'])}.arrow")
                 whole = pa.memory_map(part).read_buffer()  # the batches' buffers lie in it: their texts are copied
                 for batch in pa.ipc.open_stream(whole):  # from the file to the output by the kernel
-                    writer.write(batch, Mapped(part, whole.address))
+                    writer.write(batch, Mapped(part, whole.address, whole.size))
             stats.rejected = bad.count
             if stats.documents == 0:
                 raise no_documents(files, stats, bad)

@@ -56,6 +56,7 @@ def _saved_ops() -> frozenset:
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
         "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_fused_attention_overrideable",  # out-of-tree devices (PrivateUse1: TorchNeuron)
         "_flash_attention_forward",
         "_efficient_attention_forward",
     )
@@ -110,6 +111,16 @@ def is_checkpointed(module: nn.Module) -> bool:
     return _INNER in module.__dict__
 
 
+def _first_blocks(model: nn.Module, n: int) -> list[nn.Module]:
+    """The first `n` blocks of `model.layers`, or of each of its pipeline stages (a pipeline rank's StagedModel,
+    trnrecipes/parallel/pipeline.py: one ModuleDict keyed by the blocks' indices, and the stages that cut it)."""
+    blocks = dict(model.layers.named_children())
+    stages = getattr(model, "stages", None)
+    if not stages:
+        return list(blocks.values())[:n]
+    return [blocks[str(i)] for stage in stages for i in list(stage.layers)[:n]]
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str, full_layers: int = 0) -> None:
     """Apply activation checkpointing `mode` ("none", "selective", "elementwise" or "full", see the module
     docstring) to `model` in place, after checkpointing the first `full_layers` blocks of `model.layers` whole.
@@ -117,9 +128,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, full_layers: int
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode must be one of {MODES}, not {mode!r}")
     if full_layers:
-        # The first blocks (a ModuleList, or a pipeline rank's ModuleDict: trnrecipes/parallel/pipeline.py) whole;
-        # checkpoint_module is idempotent, so the loops below leave them as they are.
-        for block in list(model.layers.children())[:full_layers]:
+        # The first blocks of each stage whole; checkpoint_module is idempotent, so the loops below leave them as
+        # they are.
+        for block in _first_blocks(model, full_layers):
             checkpoint_module(block)
     if mode in ("full", "elementwise"):
         context = _elementwise_context if mode == "elementwise" else None

@@ -123,23 +123,24 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
         held = grad_accum if lay.pp_schedule == "gpipe" else min(lay.pp, grad_accum)
     h, f = m.hidden_size, m.ffn_hidden_size
     split = tp if lay.sequence_parallel else 1  # without SP the norms' and residual inputs are whole on every rank
-    if m.activation_checkpointing == "elementwise":  # matmul and attention outputs only (see elementwise_elements)
+    plain = act_elements(h, f) / tp if lay.sequence_parallel else (act_elements(h, f) - 3 * h) / tp + 3 * h
+    per_layer = plain
+    if m.activation_checkpointing == "elementwise":  # matmul, attention, collective outputs (elementwise_elements)
         kept = elementwise_elements(h, f)
-        per_layer = kept / tp if lay.sequence_parallel else (kept - 2 * h) / tp + 2 * h
-    else:
-        per_layer = act_elements(h, f) / tp if lay.sequence_parallel else (act_elements(h, f) - 3 * h) / tp + 3 * h
+        # under SP the norms' outputs are all-gathered to the whole sequence for QKV and gate/up, and a collective's
+        # output is kept: 2h whole; without SP the layer's input and the output projection's sum are whole
+        per_layer = kept / tp + 2 * h if lay.sequence_parallel else (kept - 2 * h) / tp + 2 * h
     flash = r.cluster.backend == "cuda" or getattr(m, "attention", "sdpa") == "nki_flash"
-    if m.activation_checkpointing == "none" and not flash:
+    probabilities = m.num_heads / tp * b.seq_len if not flash else 0
+    if m.activation_checkpointing in ("none", "elementwise"):
         # without a flash kernel (CUDA's fused SDPA, Neuron's NKI kernel: they keep only a logsumexp row per head),
         # attention keeps its probabilities: heads/TP x seq per token, per layer
-        per_layer += m.num_heads / tp * b.seq_len
+        per_layer += probabilities
     # the first activation_checkpointing_full_layers blocks of each stage are checkpointed whole, whatever the mode
-    whole = (
-        layers
-        if m.activation_checkpointing == "full"
-        else min(layers, m.activation_checkpointing_full_layers * len(stages))
-    )
-    recomputing = per_layer if whole else 0  # one layer recomputed at a time
+    n_full = m.activation_checkpointing_full_layers
+    whole = layers if m.activation_checkpointing == "full" else sum(min(len(s.layers), n_full) for s in stages)
+    # one whole layer recomputed at a time (its probabilities too where blocks of another mode keep them)
+    recomputing = 0 if not whole else plain if m.activation_checkpointing == "full" else plain + probabilities
     stored = (whole * h / split + (layers - whole) * per_layer) * held + recomputing
     activations = stored * tokens * act_bytes
     classifies = getattr(m, "num_labels", None) is not None
