@@ -208,3 +208,20 @@ def test_the_spec_counts_a_tied_head_once():
     tied = dataclasses.replace(cfg, tie_embeddings=True)
     assert cfg.param_count() - tied.param_count() == cfg.vocab_size * cfg.hidden_size
     assert Qwen3(tied).num_params() == tied.param_count()
+
+
+@pytest.mark.slow
+def test_tp2_through_the_trainer_equals_tp1(tmp_path):
+    """The training build at TP 2 (sharded init, the q/k norms replicated with their gradients summed, the
+    vocab-parallel loss) against TP 1: the first step's gradients and the weights after three steps."""
+    from test_train import _torchrun
+
+    common = ["batch.seq_len=32", "batch.global_batch=4", "batch.micro_batch=2", "optim.clip_grad_norm=0",
+              "optim.eps=1e-4"]  # fmt: skip
+    tp1 = _torchrun(tmp_path, "qwen3-tiny", [*common, "cluster.workers_per_node=1"], 1)
+    tp2 = _torchrun(tmp_path, "qwen3-tiny", [*common, "cluster.workers_per_node=2", "layout.tp=2"], 2)
+    assert any("q_norm" in name for name in tp1["grads"])
+    for name, grad in tp1["grads"].items():
+        torch.testing.assert_close(tp2["grads"][name], grad, rtol=2e-4, atol=2e-6, msg=name)
+    for name, p in tp1["params"].items():
+        torch.testing.assert_close(tp2["params"][name], p, rtol=1e-4, atol=1e-5, msg=name)
