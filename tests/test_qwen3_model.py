@@ -225,3 +225,10 @@ def test_tp2_through_the_trainer_equals_tp1(tmp_path):
         torch.testing.assert_close(tp2["grads"][name], grad, rtol=2e-4, atol=2e-6, msg=name)
     for name, p in tp1["params"].items():
         torch.testing.assert_close(tp2["params"][name], p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("key", ["model.head_dim", "model.tie_embeddings"])
+def test_the_shape_keys_of_the_family_cannot_change_on_resume(key):
+    from trnrecipes.config.changes import check_allow_changes
+
+    assert "covers the model's shape" in check_allow_changes([key])[0]
