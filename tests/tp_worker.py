@@ -1,4 +1,4 @@
-"""Run under torchrun with 2 processes (tests/test_tensor_parallel.py): compare TP=2 with TP=1 for both families,
+"""Run under torchrun with 2 processes (tests/test_tensor_parallel.py): compare TP=2 with TP=1 for each decoder family,
 with and without sequence parallelism. Rank 0 writes the max errors as JSON to argv[1]."""
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ CONFIGS = {
                         ffn_hidden_size=128, max_seq_len=32, rotary_pct=0.25),
     "llama2": ModelConfig(family="llama2", vocab_size=96, hidden_size=64, num_layers=2, num_heads=4,
                           num_kv_heads=2, ffn_hidden_size=96, max_seq_len=32),
+    "qwen3": ModelConfig(family="qwen3", vocab_size=96, hidden_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=24, ffn_hidden_size=96, max_seq_len=32),
 }  # fmt: skip
 
 

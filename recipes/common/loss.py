@@ -319,14 +319,16 @@ def fused_head_loss(
     The fused chunked path (linear_cross_entropy): the [b, s, vocab] logits never exist. GEMMs in the head weight's
     bf16 / fp16 on an accelerator, in fp32 on CPU or for an fp32 head; softmax and loss in fp32 (chunk_size and
     gemm_dtype: see linear_cross_entropy). It reads head.weight as the whole vocabulary, so it needs a bias-free
-    nn.Linear holding a plain (not DTensor) weight. A head split over tensor-parallel ranks takes a vocab-parallel
-    loss instead: the parallelize step sets model.head_loss to it.
+    nn.Linear holding a plain (not DTensor) weight, or the nn.Embedding a tied head shares (its weight is [vocab,
+    hidden] too). A head split over tensor-parallel ranks takes a vocab-parallel loss instead: the parallelize step
+    sets model.head_loss to it.
     """
     weight = getattr(head, "weight", None)
-    if type(head) is not nn.Linear or head.bias is not None:
+    if type(head) not in (nn.Linear, nn.Embedding) or getattr(head, "bias", None) is not None:
         raise TypeError(
             f"fused_head_loss needs a bias-free nn.Linear head, got {type(head).__name__}"
-            f"{' with a bias' if type(head) is nn.Linear else ''}; use logits_loss for this head"
+            f"{' with a bias' if type(head) is nn.Linear else ''} (a tied head passes its nn.Embedding); use"
+            " logits_loss for this head"
         )
     if type(weight) not in (torch.Tensor, nn.Parameter):  # e.g. a DTensor: one vocabulary shard per TP rank
         raise TypeError(

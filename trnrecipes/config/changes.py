@@ -21,7 +21,8 @@ FREE = ("name", "description", "run_dir", "cluster", "slurm", "compile", "checkp
         "data.eval_path", "eval")  # fmt: skip
 # Never: the weights would not load, or would compute something else (which residual form, which dims rotate).
 FIXED = ("model.family", "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",
-         "model.num_kv_heads", "model.ffn_hidden_size", "model.parallel_residual", "model.rotary_pct")  # fmt: skip
+         "model.num_kv_heads", "model.ffn_hidden_size", "model.parallel_residual", "model.rotary_pct", "model.head_dim",
+         "model.tie_embeddings")  # fmt: skip
 # Accepted changes of these reorder the data: the saved position would index other documents, so it is dropped.
 DATA_ORDER = ("data", "train.seed", "batch.seq_len")
 # Not recipe keys, but decisions allow_changes can take: a new DP size (each DP rank's position is its own).

@@ -12,8 +12,9 @@ from recipes.bert.spec import SPEC as BERT
 from recipes.common.spec import FamilySpec
 from recipes.llama2.spec import SPEC as LLAMA2
 from recipes.neox.spec import SPEC as NEOX
+from recipes.qwen3.spec import SPEC as QWEN3
 
-FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (NEOX, LLAMA2, BERT)}
+FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (NEOX, LLAMA2, BERT, QWEN3)}
 
 ModelSection = Union[tuple(spec.config for spec in FAMILIES.values())]  # type: ignore[valid-type]  # noqa: UP007
 

@@ -62,6 +62,8 @@ def tensor_parallel_styles(
             styles[prefix + name] = ColwiseParallel()
         for name in plan.ROW_PARALLEL:
             styles[prefix + name] = RowwiseParallel(output_layouts=seq) if sequence_parallel else RowwiseParallel()
+        for name in getattr(plan, "HEAD_NORMS", ()):  # input split by heads (dim 2) with or without SP
+            styles[prefix + name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if sequence_parallel:
             for name in plan.NORMS:
                 styles[prefix + name] = SequenceParallel()

@@ -1,0 +1,113 @@
+"""Qwen3 (dense) in plain single-device PyTorch, numerically equal to Hugging Face's Qwen3ForCausalLM.
+
+Llama 2's block (recipes/llama2/model.py: the fused qkv grouped per KV group, the interleaved gate_up, RMSNorm, RoPE)
+with Qwen3's changes: an RMSNorm over head_dim on every query and key head before RoPE (q_norm, k_norm: one weight
+shared by the heads, so a tensor-parallel rank holding some heads normalises them alone), head_dim its own field,
+and, where the config ties them, the head reading the embedding's weight. The MLP is chosen per block
+(`mlp_for_layer`), so that Qwen3-MoE's sparse MLP can sit beside the dense one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from recipes.common.attention import CoreAttention
+from recipes.common.init import Init, init_full, standard_init_rules
+from recipes.common.loss import fused_head_loss
+from recipes.llama2.model import MLP, RMSNorm, rope_tables, rotate_half
+from recipes.qwen3.spec import Qwen3Config
+
+
+class Attention(nn.Module):
+    def __init__(self, args: Qwen3Config):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.q_per_kv = args.num_heads // args.num_kv_heads  # the same on every TP rank
+        self.rotary_base = args.rotary_base
+        # Rows grouped per KV group g: [q heads of g | k head g | v head g], so row shards keep whole groups.
+        self.qkv = nn.Linear(args.hidden_size, (args.num_heads + 2 * args.num_kv_heads) * args.head_dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.out = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=False)
+        self.core = CoreAttention()  # no parameters: a handle for selective activation checkpointing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        hd, qpk = self.head_dim, self.q_per_kv
+        qkv = self.qkv(x).view(b, s, -1, (qpk + 2) * hd)  # local KV groups from the weight's shape (TP shards)
+        groups = qkv.shape[2]
+        q, k, v = qkv.split([qpk * hd, hd, hd], dim=-1)
+        # [b, s, heads, hd]: the norms see one head per row, as HF's (which norms before transposing)
+        q = self.q_norm(q.reshape(b, s, groups * qpk, hd)).transpose(1, 2)
+        k = self.k_norm(k).transpose(1, 2)  # [b, groups, s, hd]
+        v = v.transpose(1, 2)
+
+        cos, sin = rope_tables(s, hd, self.rotary_base, x.device, x.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+
+        o = self.core(q, k, v)
+        return self.out(o.transpose(1, 2).reshape(b, s, -1))
+
+
+def mlp_for_layer(args: Qwen3Config, layer: int) -> nn.Module:
+    """The MLP of block `layer`: Qwen3's dense SwiGLU (Llama's, rows of gate_up interleaved) in every block."""
+    return MLP(args)
+
+
+class Block(nn.Module):
+    def __init__(self, args: Qwen3Config, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(args.hidden_size, args.norm_eps)
+        self.attn = Attention(args)
+        self.mlp_norm = RMSNorm(args.hidden_size, args.norm_eps)
+        self.mlp = mlp_for_layer(args, layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Qwen3(nn.Module):
+    def __init__(self, args: Qwen3Config):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.norm_eps)
+        # Tied: no head module at all, so the state dict, the optimizer and checkpoints hold the one tensor once
+        # (embed.weight; `convert to-hf` writes no lm_head, as transformers' save_pretrained does for a tied model).
+        if not args.tie_embeddings:
+            self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.head_loss = fused_head_loss  # a plain function; the parallelize step swaps in a vocab-parallel loss
+
+    def output_head(self) -> nn.Module:
+        """What turns hidden states into logits: the head, or the embedding whose [vocab, hidden] weight it is."""
+        return self.embed if self.args.tie_embeddings else self.head
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] -> logits [b, s, vocab]; or, given labels [b, s] (already shifted; -100 = ignore), the mean
+        loss over the labelled positions (self.head_loss: the fused chunked head + cross-entropy by default)."""
+        x = self.embed(tokens)
+        a = self.args  # the blocks' RoPE tables, made here, outside their compiled graphs (recipes/common/rope.py)
+        rope_tables(tokens.shape[1], a.head_dim, a.rotary_base, x.device, x.dtype)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.norm(x)
+        if labels is None:  # the head module itself where there is one: a tensor-parallel head gathers its logits
+            return nn.functional.linear(x, self.embed.weight) if self.args.tie_embeddings else self.head(x)
+        return self.head_loss(self.output_head(), x, labels)
+
+    def init_rules(self) -> dict[str, Init]:
+        """As Llama 2's (recipes/common/init.py): normal(init_std), output projections scaled by 1/sqrt(2L), norms
+        (the q and k norms too) one."""
+        outputs = ("attn.out.weight", "mlp.down.weight")
+        return standard_init_rules(self, self.args.init_std, outputs, self.args.num_layers)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise the whole (unsharded) model: bitwise what every sharded layout builds for the same seed."""
+        init_full(self, self.init_rules(), seed)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
