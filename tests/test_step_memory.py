@@ -85,13 +85,14 @@ def test_plan_counts_elementwise_between_full_and_none_and_xla_refuses_it():
     assert act["full"] < act["elementwise"] < act["none"], act
     # Llama-2-7B: 6h + 2f = 46,592 elements a token a layer against 9h + 4f = 80,896
     assert act["elementwise"] / act["none"] == pytest.approx((6 * 4096 + 2 * 11008) / (9 * 4096 + 4 * 11008))
-    # the first 8 of 32 layers whole: a quarter of the layers keep their input only (h a token, one layer recomputed)
+    # the first 8 of 32 layers whole: a quarter of the layers keep their input only (h a token), and the one being
+    # recomputed holds what a layer without checkpointing holds (9h + 4f)
     lean = load_recipe(
         "llama2-7b",
         overrides=[*over, "model.activation_checkpointing=elementwise", "model.activation_checkpointing_full_layers=8"],
     )
     per_token = 6 * 4096 + 2 * 11008
-    want = (8 * 4096 + 24 * per_token + per_token) / (32 * per_token)
+    want = (8 * 4096 + 24 * per_token + 9 * 4096 + 4 * 11008) / (32 * per_token)
     assert memory_plan(lean, 1, 1).activations / act["elementwise"] == pytest.approx(want)
     with pytest.raises(RecipeError, match=r"activation_checkpointing_full_layers 33 is more than model\.num_layers 32"):
         load_recipe("llama2-7b", overrides=["model.activation_checkpointing_full_layers=33"])

@@ -127,9 +127,10 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     per_layer = plain
     if m.activation_checkpointing == "elementwise":  # matmul, attention, collective outputs (elementwise_elements)
         kept = elementwise_elements(h, f)
-        # under SP the norms' outputs are all-gathered to the whole sequence for QKV and gate/up, and a collective's
-        # output is kept: 2h whole; without SP the layer's input and the output projection's sum are whole
-        per_layer = kept / tp + 2 * h if lay.sequence_parallel else (kept - 2 * h) / tp + 2 * h
+        # without SP the layer's input and the output projection's sum are whole on every rank. Under SP (as for
+        # "none") everything is counted split: DTensor's SP keeps the all-gathered inputs of QKV and gate/up whole
+        # (2h a token not counted, in both modes), NxD's re-gathers them in backward
+        per_layer = kept / tp if lay.sequence_parallel else (kept - 2 * h) / tp + 2 * h
     flash = r.cluster.backend == "cuda" or getattr(m, "attention", "sdpa") == "nki_flash"
     probabilities = m.num_heads / tp * b.seq_len if not flash else 0
     if m.activation_checkpointing in ("none", "elementwise"):
