@@ -66,8 +66,8 @@ def rotary_cos_sin(
     """cos/sin [seq, head_dim] for positions 0..seq-1, computed in float32 exactly as HF does (with Llama 3's
     frequency scaling where the model has it).
 
-    Recomputed every forward rather than cached in a buffer: it is tiny next to the model, and a buffer made at
-    construction would be garbage after meta-device init + to_empty() unless every caller remembered to refill it.
+    Not a buffer: one made at construction would be garbage after meta-device init + to_empty() unless every caller
+    remembered to refill it. The model takes it through rope_tables, which makes it once per shape.
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
     if scaling is not None:

@@ -61,7 +61,7 @@ class Attention(nn.Module):
     def __init__(self, args: NeoXArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.args = args  # rotary table recomputed per forward: a buffer would be garbage after meta-device init
+        self.args = args  # rotary tables from rope_tables (not a buffer: garbage after meta-device init)
         # Rows per head: [q, k, v] blocks of head_dim, as HF and Megatron lay them out: a contiguous row shard
         # holds whole heads, so tensor parallelism slices this weight without reordering.
         self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size)
