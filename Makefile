@@ -100,14 +100,15 @@ $(STAMP): pyproject.toml
 	@touch $@ $(CORE_STAMP)
 
 # torch-xla's newest wheel (2.9.0) needs torch 2.9.0, so the xla backend gets its own venv: the same pins as
-# .[train] except torch (a ~4 GB CUDA build on PyPI; PJRT runs it on CPU here). The xla tests run in it.
+# .[train] except torch (a ~4 GB CUDA build on PyPI; PJRT runs it on CPU here). The xla tests run in it. No pip cache:
+# the CUDA wheels would stay there as a second ~4 GB copy (a CI machine once ran out of disk installing them).
 XLA_VENV := .venv-xla
 XLA_STAMP := $(XLA_VENV)/.installed
 xla-venv: $(XLA_STAMP)
 $(XLA_STAMP): pyproject.toml | $(STAMP)
 	@test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(XLA_VENV)/bin/python -m pip install --quiet torch==2.9.0 torch-xla==2.9.0 \
+	$(XLA_VENV)/bin/python -m pip install --quiet --no-cache-dir torch==2.9.0 torch-xla==2.9.0 \
 	  $$($(PY) tests/xla_requirements.py pyproject.toml)
 	$(XLA_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	@touch $@
