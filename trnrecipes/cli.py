@@ -686,6 +686,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from trnrecipes.config.profiling import describe as describe_profiling
     from trnrecipes.jobs.data_plan import data_plan, format_data_plan
     from trnrecipes.jobs.storage import run_dir_problem, runs_root_from_env
     from trnrecipes.plan.layout import plan
@@ -707,6 +708,8 @@ def _plan(args: argparse.Namespace) -> int:
     storage, warnings = _storage_and_data(recipe, runs_root_from_env(), args.no_data_check, refuse=False)
     if not args.json:
         print(storage)
+        if profiling := describe_profiling(recipe):
+            print(profiling)
     problem = run_dir_problem(recipe, runs_root_from_env())
     for warning in ([problem] if problem else []) + warnings:
         print(f"warning: {warning}", file=sys.stderr)

@@ -267,6 +267,7 @@ FIELD_BOUNDS: dict[str, Bound] = {
     "slurm.signal_seconds": Bound(60, 65535),  # Slurm: at least its 60 s resolution; sbatch --signal takes <= 65535
     "slurm.checkpoint_write_gbps": Bound(1e-3),
     "slurm.max_restarts": NON_NEGATIVE,
+    "monitor.profile_steps": POSITIVE,
 }  # fmt: skip
 
 
@@ -465,6 +466,7 @@ def check_recipe(r: Recipe) -> list[str]:
         f" torch.compile runs on cpu, cuda and TorchNeuron{native_hint if nxd else ''}. Set train.compile false or"
         " leave it out",
     )
+    problems += _monitor_problems(r)
     full_layers = getattr(m, "activation_checkpointing_full_layers", 0)
     need(
         full_layers <= m.num_layers,
@@ -586,3 +588,23 @@ def _seconds(time_limit: str) -> int:
 def is_plain_path(text: str) -> bool:
     """Letters, digits and . _ / + - only: safe where no shell quoting applies (#SBATCH lines, NEURON flags)."""
     return re.fullmatch(r"[A-Za-z0-9._/+-]+", text) is not None
+
+
+def _monitor_problems(r: Recipe) -> list[str]:
+    """The monitor section: each tracker once, a profiled window inside the run."""
+    problems = []
+    trackers = r.monitor.trackers
+    if len(set(trackers)) != len(trackers):
+        problems.append(f"monitor.trackers: each tracker once, got {list(trackers)}")
+    if r.monitor.profile_steps is not None:
+        first, last = r.monitor.profile_steps
+        if first > last:
+            problems.append(
+                f"monitor.profile_steps [{first}, {last}]: the first step comes after the last; give [first, last]"
+            )
+        elif last > r.train.max_steps:
+            problems.append(
+                f"monitor.profile_steps [{first}, {last}]: step {last} is past train.max_steps {r.train.max_steps};"
+                " profile steps the run trains"
+            )
+    return problems

@@ -94,6 +94,20 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class MonitorConfig:
+    # Where each step's metrics go besides metrics.jsonl and the console (global rank 0 only): tensorboard writes
+    # RUN_DIR/tensorboard/; [] writes neither.
+    trackers: tuple[Literal["tensorboard"], ...] = ("tensorboard",)
+    # The steps profiled, [first, last] (1-based, inclusive; null: none). cpu, cuda and TorchNeuron: torch.profiler's
+    # Chrome trace per profiled rank in RUN_DIR/profile/. torch-xla + NxD: the Neuron runtime's own capture
+    # (NEURON_RT_INSPECT_*, set by run.sbatch) of the graphs' executions from step `first`
+    # (trnrecipes/train/profile.py). A few steps after the first: the first steps build and compile graphs.
+    profile_steps: tuple[int, int] | None = None
+    # Which ranks profile: the first of each node (global rank 0 among them), or every rank (large traces).
+    profile_ranks: Literal["per-node", "all"] = "per-node"
+
+
+@dataclass(frozen=True)
 class PrecisionConfig:
     dtype: Literal["fp32", "bf16-mixed", "bf16"] = "fp32"  # bf16-mixed keeps fp32 master weights
     stochastic_rounding: bool = False  # bf16 only: on Neuron the runtime flag, elsewhere done in software
@@ -264,6 +278,7 @@ class Recipe:
     compile: CompileConfig = field(default_factory=CompileConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     eval: EvalJobConfig = field(default_factory=EvalJobConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     run_dir: str | None = None  # None = runs/<job name>; relative to the repository root
 
     @property

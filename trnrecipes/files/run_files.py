@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from trnrecipes.config.profiling import PROFILE_DIR
+
 CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints/step_N
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"  # sha256 of every file of a checkpoint: a file it does not list makes it fail verification
@@ -18,10 +20,11 @@ METRICS_DROPPED = "metrics.dropped.jsonl"  # beside it: the records a resume too
 TENSORBOARD = "tensorboard"  # RUN_DIR/tensorboard/: the monitor's event files
 ARCHIVED = "archived"  # RUN_DIR/archived/<time>/: an earlier run's checkpoints and metrics (checkpoint.force_fresh)
 PLOTS = "plots"  # RUN_DIR/plots/: `trnrecipes plot`'s PNGs (its default --out)
+PROFILE = PROFILE_DIR  # RUN_DIR/profile/: monitor.profile_steps' traces (config/profiling.py)
 LOCK_CLAIM = LOCK_FILE + ".claim"  # beside the lock where the file system has no flock (train/run_dir.py)
 STOP_FILE = re.compile(r"^\.stop-")  # RUN_DIR/.stop-JOB[.saved]: run.sbatch's stop request and the trainer's answer
 # What a run dir holds of its own: the output guard refuses any other command's output that is or lies in one.
-RUN_ENTRIES = (CHECKPOINTS, METRICS, METRICS_DROPPED, TENSORBOARD, ARCHIVED, PLOTS, LOCK_FILE, LOCK_CLAIM)
+RUN_ENTRIES = (CHECKPOINTS, METRICS, METRICS_DROPPED, TENSORBOARD, ARCHIVED, PLOTS, PROFILE, LOCK_FILE, LOCK_CLAIM)
 
 
 def is_run_entry(name: str) -> bool:

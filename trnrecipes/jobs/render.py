@@ -26,6 +26,7 @@ from trnrecipes.config.cluster import LOCAL_INSTANCES
 from trnrecipes.config.families import family_spec
 from trnrecipes.config.preemption import render_warnings as preemption_warnings
 from trnrecipes.config.preemption import signal_seconds
+from trnrecipes.config.profiling import neuron_profile_env
 from trnrecipes.config.recipe import is_plain_path
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.config.stacks import TORCHNEURON, default_python
@@ -256,6 +257,7 @@ def render_job(
         "megatron": any(c.format == "megatron" for c in recipe.data.corpora()),  # the ready step installs its reader
         "stack": recipe.stack,
         "env_rows": backend_env(recipe, job_dir),
+        "profile_env": neuron_profile_env(recipe, str(run_dir_for(recipe, repo_root, runs_root))),
         "signal_seconds": signal_seconds(recipe),
         "cache_leaders": " ".join(map(str, cache_leader_nodes(layout))),
         "objective": objective(recipe),

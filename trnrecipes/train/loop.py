@@ -36,6 +36,7 @@ from trnrecipes.checkpoint.format import STEP_DIR, CheckpointWriteError
 from trnrecipes.checkpoint.writer import Checkpointer, HostBuffers, snapshot
 from trnrecipes.config.changes import changes_data_order, section_differences
 from trnrecipes.config.families import family_spec
+from trnrecipes.config.profiling import describe as describe_profiling
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.data.blend import DataPosition
 from trnrecipes.data.classify import ClassificationStream
@@ -48,6 +49,7 @@ from trnrecipes.parallel.kv_replication import stored_full
 from trnrecipes.plan.layout import compute_layout, plan
 from trnrecipes.schema import shown
 from trnrecipes.train.monitor import Clock, Metrics, SpikeDetector, progress_line
+from trnrecipes.train.profile import StepProfiler, rank_env
 from trnrecipes.train.restore import load
 from trnrecipes.train.resume_compat import check_resume
 from trnrecipes.train.run_dir import RunDirLock, require_writable, settle_checkpoints
@@ -101,7 +103,9 @@ def _classify(model: torch.nn.Module, batch: torch.Tensor, pad_id: int) -> tuple
 class Trainer:
     def __init__(self, recipe: Recipe, compile_only: bool = False, run_dir: Path | None = None, log=print):
         self.recipe, self.compile_only = recipe, compile_only
-        self.backend = make_backend(recipe.runtime_backend, int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        rank_env(recipe, int(os.environ.get("RANK", "0")), local_rank)  # before the Neuron runtime starts
+        self.backend = make_backend(recipe.runtime_backend, local_rank)
         self.dims = ParallelDims(recipe, self.backend)
         self.layout = compute_layout(recipe)
         self.log = log if self.dims.rank == 0 else (lambda *a, **k: None)
@@ -445,10 +449,20 @@ class Trainer:
         metrics = Metrics(
             self.run_dir,
             enabled=self.dims.rank == 0 and not self.compile_only,
+            tensorboard="tensorboard" in r.monitor.trackers,
             previous=self._previous_phase(),
             resumed_from=self.start_step,  # the records of steps beyond it are retrained: they leave metrics.jsonl
         )
         spikes = SpikeDetector()
+        profiler = StepProfiler(
+            r,
+            self.run_dir,
+            self.dims.rank,
+            int(os.environ.get("LOCAL_RANK", "0")),
+            self.backend.device.type,
+            log=print,  # every profiling rank says where its trace is
+            enabled=not self.compile_only,
+        )
         stop_file = os.environ.get("TRNRECIPES_STOP_FILE")
         loader, positions = self._train_loader(self.start_position)
         mode = "compile (tracing every graph; nothing is written)" if self.compile_only else "train"
@@ -464,6 +478,8 @@ class Trainer:
         last_save = time.monotonic()
         signals = _catch_stop_signals()
         clock = Clock(self.start_step, steps)
+        if (profiling := describe_profiling(r)) and not self.compile_only:
+            self.log(f"[trnrecipes] {profiling}")
         self.log(
             f"[trnrecipes] step {self.start_step + 1}: the first step builds its graphs (on XLA and Neuron it traces"
             " and compiles them: minutes for a large model); its line follows",
@@ -472,7 +488,8 @@ class Trainer:
         try:
             for step in range(self.start_step, steps):
                 start = time.perf_counter()
-                loss, grad_norm = self.train_step(step, loader, lay.grad_accum)
+                with profiler.start_step(step + 1):
+                    loss, grad_norm = self.train_step(step, loader, lay.grad_accum)
                 for _ in range(lay.grad_accum):  # where the data stream stands after this step's batches
                     result.position = positions.popleft()
                 loss_value = self._dp_mean(loss)
@@ -492,6 +509,8 @@ class Trainer:
                 cost = plan(r, seq_per_s=record["seq_per_s"])
                 record["mfu"], record["tokens_per_dollar"] = cost["mfu"], cost["tokens_per_dollar"]
                 record["spike"] = spikes.update(record["grad_norm"])
+                if profiler.profiled(step + 1):
+                    record["profiled"] = True  # its time includes the profiler's
                 if self.classify:
                     record["accuracy"] = self._train_accuracy()
                 last = step + 1 == steps
@@ -510,6 +529,7 @@ class Trainer:
                     record["param_norm"] = float(self.backend.param_norm(self.model, self.dims).cpu())
                     self.log(progress_line(record, steps), flush=True)
                 metrics.log(record)  # before the save: a checkpoint at step N always has step N's record
+                profiler.end_step(step + 1)
                 if (step + 1) % r.checkpoint.every_steps == 0 or last or first or time_due or stop:
                     self.save(step + 1, result.position)
                     last_save = time.monotonic()
@@ -532,6 +552,7 @@ class Trainer:
             signals.restore()
             self._prefetch.close()
             metrics.close()
+            profiler.close()
         result.checkpoints = list(self.checkpointer.saved)
         return result
 

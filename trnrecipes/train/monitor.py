@@ -244,6 +244,8 @@ def progress_line(r: dict, max_steps: int) -> str:
         parts.append(f"{duration(r['elapsed_s'])} elapsed, ETA {duration(eta) if eta is not None else '--'}")
     if r.get("spike"):
         parts.append("grad-norm SPIKE")
+    if r.get("profiled"):
+        parts.append("profiled")
     return " | ".join(parts)
 
 

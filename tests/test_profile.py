@@ -1,0 +1,102 @@
+"""monitor.profile_steps and monitor.trackers: a profiled window writes a Chrome trace of those steps' forward ops
+(and only when they end); the step line, metrics and plan say which steps are profiled; on torch-xla + NxD the
+rendered run.sbatch sets the Neuron runtime's capture for the training step and nothing profiles in process; no
+tracker writes no TensorBoard events; bad windows are refused naming the value."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from test_train import run
+
+from trnrecipes.config.profiling import describe, neuron_profile_env
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.config.sections import RecipeError
+from trnrecipes.config.stacks import sdk_version
+from trnrecipes.jobs.render import render_job
+from trnrecipes.plan.layout import compute_layout
+from trnrecipes.train.profile import rank_env
+
+
+def trace_events(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["traceEvents"]
+
+
+def test_a_profiled_window_writes_a_trace_of_those_steps_forward_and_backward(tmp_path: Path, capsys):
+    result, _ = run(
+        "llama2-tiny", tmp_path, "monitor.profile_steps=[2,3]", "monitor.trackers=[]", "train.log_every=1", steps=4
+    )
+    assert len(result.losses) == 4
+    (trace,) = (tmp_path / "profile").iterdir()
+    assert trace.name == "rank0-steps2-3.json"
+    names = {e.get("name") for e in trace_events(trace)}
+    assert {"trnrecipes step 2", "trnrecipes step 3"} <= names and "trnrecipes step 1" not in names
+    assert "trnrecipes step 4" not in names
+    assert {"aten::mm", "aten::embedding"} & names and any("Backward" in str(n) for n in names)  # forward, backward
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("profiled", False) for r in records] == [False, True, True, False]
+    out = capsys.readouterr().out
+    assert "profiling steps 2-3 on the first rank of each node with torch.profiler" in out
+    assert "| profiled" in out and f"profile of steps 2-3: {trace}" in out
+    assert not (tmp_path / "tensorboard").exists()  # monitor.trackers []: no TensorBoard writer
+
+
+def test_on_nxd_only_the_first_rank_of_each_node_keeps_the_runtime_capture(monkeypatch):
+    recipe = load_recipe("llama2-7b", 4, ["monitor.profile_steps=[5,6]"])
+    for rank, local_rank, expected in ((0, 0, "1"), (32, 0, "1"), (33, 1, "0"), (5, 5, "0")):
+        monkeypatch.setenv("NEURON_RT_INSPECT_ENABLE", "1")  # as run.sbatch exports it to every worker
+        rank_env(recipe, rank, local_rank)
+        assert os.environ["NEURON_RT_INSPECT_ENABLE"] == expected, (rank, local_rank)
+    everyone = load_recipe("llama2-7b", 4, ["monitor.profile_steps=[5,6]", "monitor.profile_ranks=all"])
+    monkeypatch.setenv("NEURON_RT_INSPECT_ENABLE", "1")
+    rank_env(everyone, 33, 1)
+    assert os.environ["NEURON_RT_INSPECT_ENABLE"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["monitor.profile_steps=[3,2]"], "monitor.profile_steps [3, 2]: the first step comes after the last"),
+        (["monitor.profile_steps=[2,101]"], "step 101 is past train.max_steps 100"),
+        (["monitor.profile_steps=[0,2]"], "monitor.profile_steps: must be > 0"),
+        (["monitor.trackers=[tensorboard,tensorboard]"], "monitor.trackers: each tracker once"),
+        (["monitor.trackers=[mlflow]"], "monitor.trackers[0]: expected one of 'tensorboard', got 'mlflow'"),
+    ],
+)
+def test_bad_monitor_settings_are_refused_naming_the_value(overrides, message):
+    with pytest.raises(RecipeError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_recipe("pythia-tiny", 1, overrides)
+
+
+def test_on_nxd_run_sbatch_sets_the_runtime_capture_for_the_training_step_only(tmp_path: Path):
+    recipe = load_recipe("llama2-7b", 4, ["monitor.profile_steps=[5,6]"])
+    assert recipe.stack == "xla-nxd"
+    job = render_job(recipe, tmp_path / "job", "test")
+    run_sbatch, compile_sbatch = job.files["run.sbatch"], job.files["compile.sbatch"]
+    env = dict((name, value) for name, value, _ in neuron_profile_env(recipe))
+    assert env["NEURON_RT_INSPECT_ENABLE"] == "1" and env["NEURON_RT_INSPECT_DEVICE_PROFILE"] == "1"
+    assert env["NEURON_RT_INSPECT_SYSTEM_PROFILE"] == "0"
+    head, _ = run_sbatch.split("# ---- Train ----")
+    assert "export NEURON_RT_INSPECT_ENABLE=1" in head.split("# ---- Profiling")[1]  # after the health checks
+    run_dir = re.search(r"^RUN_DIR=(\S+)$", run_sbatch, re.M).group(1)
+    assert f"export NEURON_RT_INSPECT_OUTPUT_DIR={run_dir}/profile/neuron " in run_sbatch
+    assert "NEURON_RT_INSPECT" not in compile_sbatch and "NEURON_RT_INSPECT" not in run_sbatch.split("# ---- Pre")[0]
+    # the executions before step 5 skipped where the SDK documents it (2.33), each micro-batch an execution
+    sdk = recipe.cluster.neuron_sdk
+    skip = env.get("NEURON_RT_INSPECT_DEVICE_PROFILE_NUM_WARMUP")
+    assert skip == (str(4 * compute_layout(recipe).grad_accum) if sdk_version(sdk) >= (2, 33) else None)
+    assert "neuron-" in describe(recipe) and "view -d RUN_DIR/profile/neuron" in describe(recipe)
+    plain = render_job(load_recipe("llama2-7b", 4), tmp_path / "plain", "test")
+    assert "NEURON_RT_INSPECT" not in plain.files["run.sbatch"]
+
+
+def test_plan_says_which_steps_are_profiled(cli):
+    done = cli("plan", "--recipe", "pythia-tiny", "--nodes", "1", "--overrides", "monitor.profile_steps=[3,4]")
+    assert done.returncode == 0, done.stderr
+    assert "profiling steps 3-4 on the first rank of each node with torch.profiler" in done.stdout
+    quiet = cli("plan", "--recipe", "pythia-tiny", "--nodes", "1")
+    assert "profiling" not in quiet.stdout

@@ -1,0 +1,78 @@
+"""monitor.profile_steps: a profile of a few training steps, to see where a step's time goes before a cluster is
+committed to a recipe (which steps, ranks and tools: trnrecipes/config/profiling.py).
+
+cpu, cuda and TorchNeuron (the plain-PyTorch paths): torch.profiler runs from the start of step `first` to the end
+of step `last`, each step inside a `trnrecipes step N` range, and writes one Chrome trace per profiled rank,
+RUN_DIR/profile/rank<R>-steps<first>-<last>.json (chrome://tracing or https://ui.perfetto.dev open it).
+
+torch-xla + NxD: the Neuron runtime captures (run.sbatch sets its variables). It reads them when it starts, after
+the trainer's first lines: a rank that is not to profile turns the capture off in its own environment first
+(`rank_env`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from trnrecipes.config.profiling import PROFILE_DIR, neuron_profile_env, profiles_in_process, profiles_this_rank
+from trnrecipes.config.sections import Recipe
+
+
+def rank_env(r: Recipe, rank: int, local_rank: int) -> None:
+    """On torch-xla + NxD, before the runtime starts: a rank that is not to profile turns the capture off."""
+    if neuron_profile_env(r) and not profiles_this_rank(r, rank, local_rank):
+        os.environ["NEURON_RT_INSPECT_ENABLE"] = "0"
+
+
+class StepProfiler:
+    """torch.profiler over monitor.profile_steps on this rank (a no-op where it does not profile). `step(n)` wraps
+    step n (1-based); the trace is written when step `last` ends."""
+
+    def __init__(
+        self, r: Recipe, run_dir: Path, rank: int, local_rank: int, device_type: str, log=print, enabled: bool = True
+    ):
+        self.window = r.monitor.profile_steps if profiles_in_process(r) and enabled else None
+        self.enabled = self.window is not None and profiles_this_rank(r, rank, local_rank)
+        self.path = None
+        if self.enabled:
+            first, last = self.window
+            self.path = run_dir / PROFILE_DIR / f"rank{rank}-steps{first}-{last}.json"
+        self.device_type, self.log = device_type, log
+        self._profiler = None
+
+    def profiled(self, n: int) -> bool:
+        return self.window is not None and self.window[0] <= n <= self.window[1]
+
+    def start_step(self, n: int):
+        """Call before step n; returns the context its work runs in."""
+        if not self.enabled or not self.profiled(n):
+            return contextlib.nullcontext()
+        import torch
+
+        if self._profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device_type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler.start()
+        return torch.profiler.record_function(f"trnrecipes step {n}")
+
+    def end_step(self, n: int) -> None:
+        """Call after step n: the trace is written after the window's last step."""
+        if self._profiler is None or n != self.window[1]:
+            return
+        self._profiler.stop()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        self._profiler.export_chrome_trace(str(tmp))
+        os.replace(tmp, self.path)  # a reader never sees half a trace
+        self._profiler = None
+        self.log(f"[trnrecipes] profile of steps {self.window[0]}-{n}: {self.path} (open in https://ui.perfetto.dev)")
+
+    def close(self) -> None:
+        """A run that stops inside the window: the profiler is stopped, nothing is written."""
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
