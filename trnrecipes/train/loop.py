@@ -492,6 +492,8 @@ class Trainer:
                 cost = plan(r, seq_per_s=record["seq_per_s"])
                 record["mfu"], record["tokens_per_dollar"] = cost["mfu"], cost["tokens_per_dollar"]
                 record["spike"] = spikes.update(record["grad_norm"])
+                if hasattr(self.model, "router_health"):  # a mixture of experts: this rank's last micro-batch
+                    record |= self.model.router_health()
                 if self.classify:
                     record["accuracy"] = self._train_accuracy()
                 last = step + 1 == steps
