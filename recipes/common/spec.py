@@ -4,11 +4,12 @@ ModelSpec is the model). Torch-free: rendering (`trnrecipes plan`, `sbatch`) rea
 A family's config dataclass is both the recipe's `model:` section and its model.py's constructor argument. Its
 first field is `family: Literal["<name>"]` (the schema picks the class by it), and it provides:
     layer_params() -> int                  exact parameters of one of model.layers
+    layer_params_at(i) -> int              those of block i, where blocks differ (default: layer_params())
     norm_head_params() -> int              exact parameters of the final norm and the head
     flops_per_token(seq_len) -> int        training FLOPs per token
     problems() -> list[str]                relations between its fields, once every bound in `bounds` holds
     tp_problems(tp) -> list[str]           the tensor parallel rule: what `tp` must divide
-DecoderConfig adds embedding_params() (the token embedding) and param_count() = embedding + num_layers x layer +
+DecoderConfig adds embedding_params() (the token embedding) and param_count() = embedding + each layer's +
 norm and head, the one parameter count (tests/test_families.py checks each part against model.py's modules;
 `plan` sums the parts each pipeline stage holds).
 """
@@ -64,13 +65,18 @@ class DecoderConfig:
         """One of model.layers; the family defines it."""
         raise NotImplementedError(f"{type(self).__name__} must define layer_params()")
 
+    def layer_params_at(self, layer: int) -> int:
+        """Block `layer` of model.layers: layer_params() unless the family's blocks differ (Qwen3-MoE's sparse ones)."""
+        return self.layer_params()
+
     def norm_head_params(self) -> int:
         """The final norm and the head (model.norm, model.head); the family defines it."""
         raise NotImplementedError(f"{type(self).__name__} must define norm_head_params()")
 
     def param_count(self) -> int:
         """Exact parameters of model.py's model: the parts a pipeline stage may hold, summed (one definition)."""
-        return self.embedding_params() + self.num_layers * self.layer_params() + self.norm_head_params()
+        layers = sum(self.layer_params_at(i) for i in range(self.num_layers))
+        return self.embedding_params() + layers + self.norm_head_params()
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
-"""Qwen3 (dense) in plain single-device PyTorch, numerically equal to Hugging Face's Qwen3ForCausalLM.
+"""Qwen3 in plain single-device PyTorch, numerically equal to Hugging Face's Qwen3ForCausalLM and Qwen3MoeForCausalLM.
 
 Llama 2's block (recipes/llama2/model.py: the fused qkv grouped per KV group, the interleaved gate_up, RMSNorm, RoPE)
 with Qwen3's changes: an RMSNorm over head_dim on every query and key head before RoPE (q_norm, k_norm: one weight
 shared by the heads, so a tensor-parallel rank holding some heads normalises them alone), head_dim its own field,
 and, where the config ties them, the head reading the embedding's weight. The MLP is chosen per block
-(`mlp_for_layer`), so that Qwen3-MoE's sparse MLP can sit beside the dense one.
+(`mlp_for_layer`): Qwen3-MoE's sparse blocks (recipes/qwen3/moe.py) sit beside dense ones; in training the
+load-balancing loss over all of them, times router_aux_loss_coef, is added to the returned loss.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from recipes.common.attention import CoreAttention
 from recipes.common.init import Init, init_full, standard_init_rules
 from recipes.common.loss import fused_head_loss
 from recipes.llama2.model import MLP, RMSNorm, rope_tables, rotate_half
+from recipes.qwen3.moe import Routing, SparseMLP, busiest_expert_load, load_balancing_loss
 from recipes.qwen3.spec import Qwen3Config
 
 
@@ -52,8 +54,9 @@ class Attention(nn.Module):
 
 
 def mlp_for_layer(args: Qwen3Config, layer: int) -> nn.Module:
-    """The MLP of block `layer`: Qwen3's dense SwiGLU (Llama's, rows of gate_up interleaved) in every block."""
-    return MLP(args)
+    """The MLP of block `layer`: the mixture of experts where the config makes the block sparse, else Qwen3's dense
+    SwiGLU (Llama's, rows of gate_up interleaved)."""
+    return SparseMLP(args) if args.is_sparse(layer) else MLP(args)
 
 
 class Block(nn.Module):
@@ -97,12 +100,30 @@ class Qwen3(nn.Module):
         x = self.norm(x)
         if labels is None:  # the head module itself where there is one: a tensor-parallel head gathers its logits
             return nn.functional.linear(x, self.embed.weight) if self.args.tie_embeddings else self.head(x)
-        return self.head_loss(self.output_head(), x, labels)
+        loss = self.head_loss(self.output_head(), x, labels)
+        if self.training and self.args.router_aux_loss_coef > 0:  # validation's loss stays the cross-entropy
+            loss = loss + self.args.router_aux_loss_coef * load_balancing_loss(self.routings())
+        for layer in self.layers:  # kept for router_health only: no graph held until the next forward
+            if isinstance(layer.mlp, SparseMLP):
+                layer.mlp.routing = Routing(*(t.detach() if torch.is_tensor(t) else t for t in layer.mlp.routing))
+        return loss
+
+    def routings(self) -> list:
+        """Each sparse block's routing in the last forward (recipes/qwen3/moe.py); empty for a dense model."""
+        return [layer.mlp.routing for layer in self.layers if isinstance(layer.mlp, SparseMLP)]
+
+    def router_health(self) -> dict[str, float]:
+        """The last forward's load-balancing loss and busiest expert's load over the mean; {} for a dense model."""
+        routings = self.routings()
+        if not routings:
+            return {}
+        aux = float(load_balancing_loss(routings).detach())
+        return {"router_aux_loss": aux, "expert_load_max": busiest_expert_load(routings)}
 
     def init_rules(self) -> dict[str, Init]:
-        """As Llama 2's (recipes/common/init.py): normal(init_std), output projections scaled by 1/sqrt(2L), norms
-        (the q and k norms too) one."""
-        outputs = ("attn.out.weight", "mlp.down.weight")
+        """As Llama 2's (recipes/common/init.py): normal(init_std), output projections (the experts' too) scaled by
+        1/sqrt(2L), norms (the q and k norms too) one; the router normal(init_std)."""
+        outputs = ("attn.out.weight", "mlp.down.weight", "mlp.experts.down")
         return standard_init_rules(self, self.args.init_std, outputs, self.args.num_layers)
 
     def init_weights(self, seed: int = 0) -> None:

@@ -156,7 +156,7 @@ def stage_params(m: ModelSection, stage: Stage) -> int:
     """Parameters a pipeline stage holds, unsharded: its layers, plus the embedding on the first stage and the final
     norm and head on the last (recipes/<family>/spec.py)."""
     return (
-        len(stage.layers) * m.layer_params()
+        sum(m.layer_params_at(i) for i in stage.layers)
         + (m.embedding_params() if stage.first else 0)
         + (m.norm_head_params() if stage.last else 0)
     )

@@ -511,6 +511,8 @@ class Trainer:
                 record["spike"] = spikes.update(record["grad_norm"])
                 if profiler.profiled(step + 1):
                     record["profiled"] = True  # its time includes the profiler's
+                if hasattr(self.model, "router_health"):  # a mixture of experts: this rank's last micro-batch
+                    record |= self.model.router_health()
                 if self.classify:
                     record["accuracy"] = self._train_accuracy()
                 last = step + 1 == steps

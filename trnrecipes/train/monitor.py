@@ -232,6 +232,8 @@ def progress_line(r: dict, max_steps: int) -> str:
     if "val_accuracy" in r:
         parts.append(f"val acc {r['val_accuracy']:.3f}")
     parts += [f"lr {r['lr']:.2e}", f"grad {r['grad_norm']:.3f}"]
+    if "router_aux_loss" in r:  # a mixture of experts: its balance (1x: every expert as busy as the mean)
+        parts.append(f"aux {r['router_aux_loss']:.4f} busiest {r['expert_load_max']:.2f}x")
     if "param_norm" in r:
         parts.append(f"param {r['param_norm']:.4g}")
     parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
