@@ -222,3 +222,20 @@ def test_the_dense_recipe_builds_no_sparse_block_and_counts_active_parameters():
     assert dense.active_params() == dense.param_count()
     idle = 3 * (8 - 2) * 3 * 64 * 64  # 3 sparse blocks, 6 idle experts of 3 * hidden * 64 each
     assert moe.param_count() - moe.active_params() == idle and Qwen3(moe).num_params() == moe.param_count()
+
+
+def test_plan_counts_qwen3_30b_a3b_total_and_active_parameters_and_flops_from_the_active():
+    from trnrecipes.config.recipe import load_recipe
+    from trnrecipes.plan.layout import plan
+    from trnrecipes.plan.report import format_plan
+
+    recipe = load_recipe("qwen3-30b-a3b-trn2", 16)
+    p = plan(recipe)
+    # the Qwen3 report's Qwen3-30B-A3B: 30.5B parameters, 3.3B activated (its figures cut to one decimal)
+    assert 30.5e9 <= p["params"] < 30.6e9 and 3.3e9 <= p["active_params"] < 3.4e9
+    m = recipe.model
+    assert p["flops_per_token"] == 6 * p["active_params"] + 12 * m.num_layers * m.num_heads * m.head_dim * 4096
+    assert p["memory"]["verdict"] != "does not fit"
+    assert "3,353,032,704 (3.35G) active per token" in format_plan(p, recipe)
+    dense = plan(load_recipe("qwen3-8b-trn2", 1))
+    assert "active_params" not in dense and "active per token" not in format_plan(dense)

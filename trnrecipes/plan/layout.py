@@ -224,6 +224,9 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
         "peak_tflops": peak_tflops,
         "price_per_hour": price * layout.nodes if price is not None else None,  # None: no price known
     }
+    active = getattr(r.model, "active_params", None)  # a mixture of experts: what one token's forward reads
+    if active is not None and active() != out["params"]:
+        out["active_params"] = active()  # FLOPs/token, and so MFU, count these
     if layout.pp > 1:
         out |= pipeline_plan(r, layout)
     out["memory"] = memory_plan(r, layout.dp, layout.grad_accum).to_dict()

@@ -31,8 +31,13 @@ def format_plan(p: dict[str, object], recipe: Recipe | None = None) -> str:
             f"micro-batch {p['micro_batch']} x grad-accum {p['grad_accum']} x DP {p['dp']}"
             f" = {p['global_batch']} sequences x {p['seq_len']} = {p['tokens_per_step']:,} tokens/step",
         ),
-        ("parameters", f"{p['params']:,} ({si(p['params'])})"),
-        ("FLOPs/token", f"{p['flops_per_token']:,} ({si(p['flops_per_token'])}; 6N + 12*L*H*Q*T)"),
+        ("parameters", f"{p['params']:,} ({si(p['params'])})" + _active(p)),
+        (
+            "FLOPs/token",
+            f"{p['flops_per_token']:,} ({si(p['flops_per_token'])}; 6N + 12*L*H*Q*T"
+            + ("; N active" if "active_params" in p else "")
+            + ")",
+        ),
         ("peak", f"{p['peak_tflops']:,.0f} BF16 TFLOPS; {priced}"),
     ]
     if "tokens_per_s" in p:
@@ -55,6 +60,13 @@ def format_plan(p: dict[str, object], recipe: Recipe | None = None) -> str:
     width = max(len(k) for k, _ in rows)
     memory = format_memory(MemoryPlan(**{k: v for k, v in p["memory"].items() if k not in ("total", "verdict")}), width)
     return "\n".join([*(f"{k:<{width}}  {v}" for k, v in rows), *memory, *format_pipeline(p, width)])
+
+
+def _active(p: dict[str, object]) -> str:
+    """A mixture of experts: the parameters one token's forward reads (its top-k experts), after the total."""
+    if "active_params" not in p:
+        return ""
+    return f"; {p['active_params']:,} ({si(p['active_params'])}) active per token"
 
 
 def format_pipeline(p: dict[str, object], width: int) -> list[str]:
