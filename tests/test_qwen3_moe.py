@@ -239,3 +239,19 @@ def test_plan_counts_qwen3_30b_a3b_total_and_active_parameters_and_flops_from_th
     assert "3,353,032,704 (3.35G) active per token" in format_plan(p, recipe)
     dense = plan(load_recipe("qwen3-8b-trn2", 1))
     assert "active_params" not in dense and "active per token" not in format_plan(dense)
+
+
+@pytest.mark.slow
+def test_make_eval_scores_a_qwen3_moe_checkpoint_through_its_hf_export(tmp_path):
+    from test_train import run
+
+    run("qwen3-moe-tiny", tmp_path / "run", steps=2)
+    done = run_cli("eval", "run", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "eval"),
+                   "--tasks", "arc_easy", "--limit", "2")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = json.loads((tmp_path / "eval/hf/config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == 8
+    results = json.loads((tmp_path / "eval/results.json").read_text())["results"]
+    assert {(r["task"], r["metric"]) for r in results} == {("arc_easy", "acc"), ("arc_easy", "acc_norm")}
+    assert all(0 <= r["value"] <= 1 for r in results)
+    assert "| · arc_easy | 0 | acc |" in done.stdout
