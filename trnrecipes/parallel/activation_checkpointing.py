@@ -44,6 +44,7 @@ _INNER = "_activation_checkpointing_inner_forward"  # the forward a wrapped modu
 
 
 _CONTEXT = "_activation_checkpointing_context_fn"  # "elementwise": what decides, op by op, what is saved
+_SELECTIVE = "_activation_checkpointing_selective"  # whether _CONTEXT applies: a bool, which compile guards on
 
 
 def _saved_ops() -> frozenset:
@@ -85,9 +86,10 @@ def _elementwise_context():
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):
     inner = getattr(self, _INNER)  # an instance attribute: found before nn.Module.__getattr__ is asked
     if self.training and torch.is_grad_enabled():
-        context = self.__dict__.get(_CONTEXT)
-        if context is not None:
-            return checkpoint(inner, *args, use_reentrant=False, context_fn=context, **kwargs)
+        # A plain attribute, which torch.compile guards on: the blocks share one compiled code object, and a block
+        # checkpointed whole must not run the graph traced for an elementwise one (or the reverse).
+        if getattr(self, _SELECTIVE):
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=self.__dict__[_CONTEXT], **kwargs)
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
     return inner(*args, **kwargs)
 
@@ -98,6 +100,7 @@ def checkpoint_module(module: nn.Module, context_fn=None) -> None:
     Idempotent."""
     if _INNER in module.__dict__:
         return
+    module.__dict__[_SELECTIVE] = context_fn is not None
     if context_fn is not None:
         module.__dict__[_CONTEXT] = context_fn
     # The forward it has now: the class's, or an instance-level one something else set before us. Bound methods
