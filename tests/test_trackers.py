@@ -21,6 +21,7 @@ from test_resume import config
 from trnrecipes.config.recipe import load_recipe
 from trnrecipes.config.sections import RecipeError
 from trnrecipes.train.loop import Trainer
+from trnrecipes.train.trackers import MlflowTracker, TrackedRun
 
 PROVENANCE = {"git_sha": "0123456789abcdef", "command": "trnrecipes sbatch llama2-tiny", "layout": {"tp": 1}}
 NO_NETWORK = ["unshare", "-n"] if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0 else []
@@ -137,3 +138,25 @@ def test_a_tracker_whose_package_is_missing_stops_the_run_in_one_line_naming_the
     message = str(err.value)
     assert "\n" not in message and "wandb is not installed" in message and "pip install -e '.[tracking]'" in message
     assert not (tmp_path / "run").exists()  # stopped before anything was built or written
+
+
+def test_a_store_without_sql_access_gets_a_new_run_linked_to_the_old_where_steps_would_repeat(monkeypatch, tmp_path):
+    """MLflow's file store stands in for a tracking server: neither lets the client delete a metric value."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    recipe = {"model": {"family": "llama2"}, "train": {"max_steps": 4}}
+    first = MlflowTracker(TrackedRun("tiny", tmp_path, recipe, {}, resumed_from=0), "tiny", None)
+    for step in (1, 2, 3):
+        first.log({"loss": 10.0 - step}, step)  # then killed: no close
+    kept = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+    same = MlflowTracker(TrackedRun("tiny", tmp_path, recipe, {}, resumed_from=3), "tiny", kept)
+    assert same.run_id == first.run_id  # nothing beyond step 3 to repeat
+    again = MlflowTracker(TrackedRun("tiny", tmp_path, recipe, {}, resumed_from=2), "tiny", kept)
+    client = MlflowClient()
+    assert again.run_id != first.run_id and client.get_run(again.run_id).data.tags["trnrecipes.continues_run"] == (
+        first.run_id
+    )
+    assert json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"] == again.run_id
+    assert [m.step for m in client.get_metric_history(first.run_id, "loss")] == [1, 2, 3]  # the old run untouched

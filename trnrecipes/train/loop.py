@@ -55,7 +55,7 @@ from trnrecipes.train.restore import load
 from trnrecipes.train.resume_compat import check_resume
 from trnrecipes.train.run_dir import RunDirLock, require_writable, settle_checkpoints
 from trnrecipes.train.step_rng import step_seed
-from trnrecipes.train.trackers import TrackedRun, open_trackers, require_packages
+from trnrecipes.train.trackers import TrackedRun, Tracker, open_trackers, require_packages
 
 
 @dataclass
@@ -582,12 +582,12 @@ class Trainer:
         path = Path(self.recipe.train.init_from)
         return path if path.is_absolute() else REPO_ROOT / path
 
-    def _open_trackers(self, history_offset: int) -> list:
+    def _open_trackers(self, history_offset: int) -> list[Tracker]:
         """MLflow and W&B runs (monitor.trackers), reopened where this run dir has them: rank 0 only."""
         r = self.recipe
         provenance = {}
-        if self.job_dir is not None and (self.job_dir / "provenance.json").is_file():
-            provenance = json.loads((self.job_dir / "provenance.json").read_text())
+        with contextlib.suppress(OSError, ValueError, TypeError):  # no job dir, or none of ours: no provenance tags
+            provenance = dict(json.loads((self.job_dir / "provenance.json").read_text()))
         run = TrackedRun(r.name, self.run_dir, r.to_dict(), provenance, self.start_step + history_offset)
         return open_trackers(r.monitor.trackers, run, r.monitor.mlflow_experiment, r.monitor.wandb_project)
 

@@ -12,8 +12,8 @@ appear twice: readers take its later record (step_records).
 
 TensorBoard: the dropped steps' events stay in the tensorboard/ event files (a killed writer may not have flushed
 them); the resumed writer opens with a purge at the first step it trains again (SummaryWriter purge_step), which
-TensorBoard's event loader honours by hiding the points it wrote before at that step or later. MLflow and W&B
-(train/trackers.py) follow the same rule."""
+TensorBoard's event loader honours by hiding the points it wrote before at that step or later. MLflow deletes its
+values beyond S (train/trackers.py)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ metrics.jsonl does: the values of the steps trained again are deleted first; W&B
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -114,13 +115,10 @@ class MlflowTracker:
         self.uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run.run_dir.resolve() / MLFLOW_DB}"
         self.client = MlflowClient(tracking_uri=self.uri)
         self.run_id: str | None = None
-        previous = None
+        previous = (kept or {}).get("run_id")  # a new run made here is linked to it by a tag
         if kept and kept.get("tracking_uri") == self.uri:
-            try:
-                self.client.get_run(kept["run_id"])
-                self.run_id = kept["run_id"]
-            except (MlflowException, KeyError):
-                previous = kept.get("run_id")  # deleted from the store: a new run, linked to it by a tag
+            with contextlib.suppress(MlflowException, KeyError):  # deleted from the store: a new run
+                self.run_id = self.client.get_run(kept["run_id"]).info.run_id
         if self.run_id is not None and not self._drop_beyond(run.resumed_from):
             previous, self.run_id = self.run_id, None
         if self.run_id is None:
