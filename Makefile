@@ -51,10 +51,11 @@ help:
 	@echo "make setup [python=PATH]   create .venv, install Debian tools (shellcheck), prepare the demo data (idempotent);"
 	@echo "                 with no Python 3.11+ (a login node's 3.10): the login-node tier (sbatch, plan, doctor) and the demo corpus"
 
-# .venv's interpreter and tiers: requirements/install.sh. make setup installs the full tier (.[train,eval,dev]: its pins
-# need Python 3.11 or 3.12) where .venv's Python, or the one a new .venv would get, is 3.11+; else (the 3.10 of an
-# Ubuntu 22.04 login node) the login-node tier (sbatch, plan, doctor, data to-arrow, tokenizer: .[login] at
-# requirements/constraints-py3.X.txt) and the demo corpus the smoke recipes train on, and says what needs 3.11.
+# .venv's interpreter and tiers: requirements/install.sh. make setup installs the full tier
+# (.[train,eval,dev,tracking]: its pins need Python 3.11 or 3.12) where .venv's Python, or the one a new .venv would
+# get, is 3.11+; else (the 3.10 of an Ubuntu 22.04 login node) the login-node tier (sbatch, plan, doctor, data
+# to-arrow, tokenizer: .[login] at requirements/constraints-py3.X.txt) and the demo corpus the smoke recipes train
+# on, and says what needs 3.11.
 # Everything else below needs the full tier ($(FULL)), which stops in one line, before any download, without 3.11+.
 ifneq ($(filter setup,$(MAKECMDGOALS)),)
 SETUP_TIER := $(shell requirements/install.sh tier $(VENV))

@@ -3,7 +3,7 @@
 #   core   PyYAML and Jinja2: make sbatch / plan
 #   login  + pyproject's login extra at requirements/constraints-pyX.Y.txt's exact versions: what a login node runs
 #          (sbatch, plan, doctor, data to-arrow, tokenizer) on Python 3.10, 3.11 or 3.12, without torch
-#   full   .[train,eval,dev]: training on CPU, make eval / demo / test; its pins need Python 3.11 or 3.12
+#   full   .[train,eval,dev,tracking]: training on CPU, make eval / demo / test; its pins need Python 3.11 or 3.12
 #   tier   print the tier make setup installs: full where the venv's Python is 3.11+ (a new venv's: where one is found)
 #   note   the one line make setup prints after a login-tier setup
 # A new venv's Python: $python (make setup python=PATH), else the first 3.11+ of python3.11, python3, python3.12,
@@ -94,5 +94,5 @@ case $what in
     "$py" -m pip install --quiet -c "$constraints" -e "${repo}[login]" ;;
   full)
     "$py" -m pip install --quiet --upgrade pip
-    "$py" -m pip install --quiet -e "${repo}[train,eval,dev]" ;;
+    "$py" -m pip install --quiet -e "${repo}[train,eval,dev,tracking]" ;;
 esac

@@ -64,7 +64,7 @@ def test_on_nxd_only_the_first_rank_of_each_node_keeps_the_runtime_capture(monke
         (["monitor.profile_steps=[2,101]"], "step 101 is past train.max_steps 100"),
         (["monitor.profile_steps=[0,2]"], "monitor.profile_steps: must be > 0"),
         (["monitor.trackers=[tensorboard,tensorboard]"], "monitor.trackers: each tracker once"),
-        (["monitor.trackers=[mlflow]"], "monitor.trackers[0]: expected one of 'tensorboard', got 'mlflow'"),
+        (["monitor.trackers=[neptune]"], "monitor.trackers[0]: expected one of 'tensorboard', 'mlflow', 'wandb', got"),
     ],
 )
 def test_bad_monitor_settings_are_refused_naming_the_value(overrides, message):

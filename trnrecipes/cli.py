@@ -803,7 +803,7 @@ def _train(args: argparse.Namespace) -> int:
     from trnrecipes.train.loop import train
 
     recipe = load_recipe(args.config, overrides=args.overrides)
-    result = train(recipe, compile_only=args.compile)
+    result = train(recipe, compile_only=args.compile, job_dir=Path(args.config).resolve().parent)
     return 0 if result.losses or result.already_done or args.compile else 1
 
 

@@ -96,8 +96,11 @@ class TrainConfig:
 @dataclass(frozen=True)
 class MonitorConfig:
     # Where each step's metrics go besides metrics.jsonl and the console (global rank 0 only): tensorboard writes
-    # RUN_DIR/tensorboard/; [] writes neither.
-    trackers: tuple[Literal["tensorboard"], ...] = ("tensorboard",)
+    # RUN_DIR/tensorboard/; mlflow to MLFLOW_TRACKING_URI, else sqlite:///RUN_DIR/mlflow.db; wandb in WANDB_MODE's
+    # mode (offline where unset: RUN_DIR/wandb/). mlflow and wandb need the tracking extra (train/trackers.py).
+    trackers: tuple[Literal["tensorboard", "mlflow", "wandb"], ...] = ("tensorboard",)
+    mlflow_experiment: str | None = None  # the MLflow experiment the run goes in (null: the recipe's name)
+    wandb_project: str | None = None  # the W&B project (null: the recipe's name); WANDB_ENTITY picks the entity
     # The steps profiled, [first, last] (1-based, inclusive; null: none). cpu, cuda and TorchNeuron: torch.profiler's
     # Chrome trace per profiled rank in RUN_DIR/profile/. torch-xla + NxD: the Neuron runtime's own capture
     # (NEURON_RT_INSPECT_*, set by run.sbatch) of the graphs' executions from step `first`

@@ -19,12 +19,17 @@ METRICS = "metrics.jsonl"  # RUN_DIR/metrics.jsonl: one record per step (train/m
 METRICS_DROPPED = "metrics.dropped.jsonl"  # beside it: the records a resume took out of it (steps trained again)
 TENSORBOARD = "tensorboard"  # RUN_DIR/tensorboard/: the monitor's event files
 ARCHIVED = "archived"  # RUN_DIR/archived/<time>/: an earlier run's checkpoints and metrics (checkpoint.force_fresh)
+TRACKERS = "trackers.json"  # RUN_DIR/trackers.json: the MLflow and W&B runs' ids a resume reopens (train/trackers.py)
+MLFLOW_DB = "mlflow.db"  # RUN_DIR/mlflow.db: MLflow's local store where MLFLOW_TRACKING_URI is unset
+MLFLOW_ARTIFACTS = "mlflow-artifacts"  # beside it: that store's artifacts
+WANDB_DIR = "wandb"  # RUN_DIR/wandb/: W&B's run dirs (offline-run-*)
 PLOTS = "plots"  # RUN_DIR/plots/: `trnrecipes plot`'s PNGs (its default --out)
 PROFILE = PROFILE_DIR  # RUN_DIR/profile/: monitor.profile_steps' traces (config/profiling.py)
 LOCK_CLAIM = LOCK_FILE + ".claim"  # beside the lock where the file system has no flock (train/run_dir.py)
 STOP_FILE = re.compile(r"^\.stop-")  # RUN_DIR/.stop-JOB[.saved]: run.sbatch's stop request and the trainer's answer
 # What a run dir holds of its own: the output guard refuses any other command's output that is or lies in one.
-RUN_ENTRIES = (CHECKPOINTS, METRICS, METRICS_DROPPED, TENSORBOARD, ARCHIVED, PLOTS, PROFILE, LOCK_FILE, LOCK_CLAIM)
+RUN_ENTRIES = (CHECKPOINTS, METRICS, METRICS_DROPPED, TENSORBOARD, TRACKERS, MLFLOW_DB, MLFLOW_ARTIFACTS, WANDB_DIR,
+               ARCHIVED, PLOTS, PROFILE, LOCK_FILE, LOCK_CLAIM)  # fmt: skip
 
 
 def is_run_entry(name: str) -> bool:

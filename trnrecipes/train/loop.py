@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import math
 import os
 import signal
@@ -54,6 +55,7 @@ from trnrecipes.train.restore import load
 from trnrecipes.train.resume_compat import check_resume
 from trnrecipes.train.run_dir import RunDirLock, require_writable, settle_checkpoints
 from trnrecipes.train.step_rng import step_seed
+from trnrecipes.train.trackers import TrackedRun, Tracker, open_trackers, require_packages
 
 
 @dataclass
@@ -101,8 +103,17 @@ def _classify(model: torch.nn.Module, batch: torch.Tensor, pad_id: int) -> tuple
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, compile_only: bool = False, run_dir: Path | None = None, log=print):
+    def __init__(
+        self,
+        recipe: Recipe,
+        compile_only: bool = False,
+        run_dir: Path | None = None,
+        log=print,
+        job_dir: Path | None = None,
+    ):
         self.recipe, self.compile_only = recipe, compile_only
+        self.job_dir: Path | None = job_dir  # the job dir whose recipe.yaml this is: its provenance tags trackers
+        require_packages(recipe.monitor.trackers)  # every rank, before anything is built
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         rank_env(recipe, int(os.environ.get("RANK", "0")), local_rank)  # before the Neuron runtime starts
         self.backend = make_backend(recipe.runtime_backend, local_rank)
@@ -453,6 +464,13 @@ class Trainer:
             previous=self._previous_phase(),
             resumed_from=self.start_step,  # the records of steps beyond it are retrained: they leave metrics.jsonl
         )
+        failed = True
+        if metrics.enabled:
+            try:
+                metrics.trackers = self._open_trackers(metrics.history_offset)
+            except BaseException:
+                metrics.close(failed)
+                raise
         spikes = SpikeDetector()
         profiler = StepProfiler(
             r,
@@ -550,10 +568,11 @@ class Trainer:
             self._finish_saves()  # exit waits for every save
             if spikes.spikes:
                 self.log(f"[trnrecipes] grad-norm spikes: {spikes.summary()}")
+            failed = False
         finally:
             signals.restore()
             self._prefetch.close()
-            metrics.close()
+            metrics.close(failed)
             profiler.close()
         result.checkpoints = list(self.checkpointer.saved)
         return result
@@ -562,6 +581,15 @@ class Trainer:
         """train.init_from; a relative path is taken from the repository root, like the data paths."""
         path = Path(self.recipe.train.init_from)
         return path if path.is_absolute() else REPO_ROOT / path
+
+    def _open_trackers(self, history_offset: int) -> list[Tracker]:
+        """MLflow and W&B runs (monitor.trackers), reopened where this run dir has them: rank 0 only."""
+        r = self.recipe
+        provenance = {}
+        with contextlib.suppress(OSError, ValueError, TypeError):  # no job dir, or none of ours: no provenance tags
+            provenance = dict(json.loads((self.job_dir / "provenance.json").read_text()))
+        run = TrackedRun(r.name, self.run_dir, r.to_dict(), provenance, self.start_step + history_offset)
+        return open_trackers(r.monitor.trackers, run, r.monitor.mlflow_experiment, r.monitor.wandb_project)
 
     def _previous_phase(self) -> tuple[Path, int] | None:
         """(the metrics.jsonl of the run train.init_from's checkpoint came from, that checkpoint's step): this run
@@ -650,8 +678,8 @@ def _crash_once(value: str | None) -> tuple[Path, int, int] | None:
     return crash
 
 
-def train(recipe: Recipe, compile_only: bool = False) -> RunResult:
-    trainer = Trainer(recipe, compile_only)
+def train(recipe: Recipe, compile_only: bool = False, job_dir: Path | None = None) -> RunResult:
+    trainer = Trainer(recipe, compile_only, job_dir=job_dir)
     try:
         result = trainer.run()
     except BaseException:

@@ -12,7 +12,8 @@ appear twice: readers take its later record (step_records).
 
 TensorBoard: the dropped steps' events stay in the tensorboard/ event files (a killed writer may not have flushed
 them); the resumed writer opens with a purge at the first step it trains again (SummaryWriter purge_step), which
-TensorBoard's event loader honours by hiding the points it wrote before at that step or later."""
+TensorBoard's event loader honours by hiding the points it wrote before at that step or later. MLflow deletes its
+values beyond S (train/trackers.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from pathlib import Path
 from trnrecipes.data.arrow import atomic_output
 from trnrecipes.files.run_files import METRICS, METRICS_DROPPED, TENSORBOARD
 from trnrecipes.plan.report import si
+from trnrecipes.train.trackers import Tracker, numbers
 
 
 class SpikeDetector:
@@ -92,6 +94,7 @@ class Metrics:
         self.enabled = enabled
         self.file = None
         self.tb = None
+        self.trackers: list[Tracker] = []  # MLflow, W&B: opened by the trainer once history_offset is known
         self.history_offset, self.phase = 0, None
         if not enabled:
             return
@@ -124,17 +127,21 @@ class Metrics:
         if self.phase is not None:
             record = record | {"phase": self.phase, "history_step": record["step"] + self.history_offset}
         self.file.write(json.dumps(record) + "\n")
+        x = record.get("history_step", record["step"])
+        values = numbers(record)
         if self.tb is not None:
-            x = record.get("history_step", record["step"])
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("step", "history_step", "phase"):
-                    self.tb.add_scalar(key, value, x)
+            for key, value in values.items():
+                self.tb.add_scalar(key, value, x)
+        for tracker in self.trackers:
+            tracker.log(values, x)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.file:
             self.file.close()
         if self.tb:
             self.tb.close()
+        for tracker in self.trackers:
+            tracker.close(failed)
 
 
 def _drop_beyond(path: Path, step: int, phase: int | None) -> None:

@@ -32,6 +32,7 @@ from trnrecipes.files.run_files import (
     METRICS,
     METRICS_DROPPED,
     TENSORBOARD,
+    TRACKERS,
 )
 from trnrecipes.schema import shown
 
@@ -150,7 +151,7 @@ def _archive(run_dir: Path) -> Path:
     while archive.exists():
         archive = archive.with_name(archive.name + "+")
     archive.mkdir(parents=True)
-    for name in (CHECKPOINTS, METRICS, METRICS_DROPPED, TENSORBOARD):
+    for name in (CHECKPOINTS, METRICS, METRICS_DROPPED, TENSORBOARD, TRACKERS):  # the next run: new tracker runs
         if (run_dir / name).exists():
             os.replace(run_dir / name, archive / name)
     return archive
