@@ -47,6 +47,15 @@ def test_the_model_makes_its_rope_tables_once_and_they_are_the_computed_ones(mon
     assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
 
 
+def test_the_rope_cache_keeps_at_most_max_tables_the_newest_ones(monkeypatch):
+    monkeypatch.setattr(rope, "_TABLES", {})
+    made = lambda n: (torch.full((n,), float(n)), torch.zeros(n))  # noqa: E731
+    for n in range(1, rope.MAX_TABLES + 5):  # a caller varying the length
+        cos, _ = rope.cached_tables(("len", n), lambda n=n: made(n))
+        assert cos[0] == n
+    assert list(rope._TABLES) == [("len", n) for n in range(5, rope.MAX_TABLES + 5)]
+
+
 @pytest.mark.parametrize("family", ["llama2", "neox"])
 def test_tables_made_in_inference_mode_serve_a_later_training_step(monkeypatch, family):
     monkeypatch.setattr(rope, "_TABLES", {})

@@ -19,6 +19,9 @@ from collections.abc import Callable
 import torch
 
 _TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+# A process uses a few (lengths x devices x dtypes: training's and validation's); bounded so that a caller varying
+# the length cannot grow it without end. The oldest goes first.
+MAX_TABLES = 16
 
 
 def cached_tables(
@@ -33,5 +36,7 @@ def cached_tables(
         return make()
     with torch.inference_mode(False), torch.no_grad():
         tables = make()
+    while len(_TABLES) >= MAX_TABLES:
+        del _TABLES[next(iter(_TABLES))]
     _TABLES[key] = tables
     return tables
