@@ -84,9 +84,11 @@ def test_a_checkpoint_from_before_the_new_recipe_keys_resumes(tmp_path):
     old = yaml.safe_load(yaml.safe_dump(current))
     del old["data"]["sources"], old["optim"]["state_dtype"], old["eval"]
     del old["cluster"]["tokens_per_s_per_node"], old["cluster"]["node_mtbf_hours"]
-    del old["slurm"]["restart_minutes"], old["slurm"]["hyperpod"]
+    del old["slurm"]["restart_minutes"], old["slurm"]["hyperpod"], old["monitor"]
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(old))
     assert resume_differences(tmp_path, current, None, []) == ([], [])
+    profiled = load_recipe("llama2-7b", 16, ["monitor.profile_steps=[5,6]", "monitor.trackers=[]"]).to_dict()
+    assert resume_differences(tmp_path, profiled, None, []) == ([], [])  # monitoring may change on resume
     old["optim"]["state_dtype"] = "bf16"  # but a real change is still refused
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(old))
     refused, _ = resume_differences(tmp_path, current, None, [])

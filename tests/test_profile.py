@@ -16,9 +16,7 @@ from test_train import run
 from trnrecipes.config.profiling import describe, neuron_profile_env
 from trnrecipes.config.recipe import load_recipe
 from trnrecipes.config.sections import RecipeError
-from trnrecipes.config.stacks import sdk_version
 from trnrecipes.jobs.render import render_job
-from trnrecipes.plan.layout import compute_layout
 from trnrecipes.train.profile import rank_env
 
 
@@ -45,16 +43,25 @@ def test_a_profiled_window_writes_a_trace_of_those_steps_forward_and_backward(tm
     assert not (tmp_path / "tensorboard").exists()  # monitor.trackers []: no TensorBoard writer
 
 
-def test_on_nxd_only_the_first_rank_of_each_node_keeps_the_runtime_capture(monkeypatch):
+def test_on_nxd_the_capture_is_kept_by_the_first_rank_of_each_node_of_a_launch_that_trains_the_window(
+    monkeypatch, tmp_path
+):
     recipe = load_recipe("llama2-7b", 4, ["monitor.profile_steps=[5,6]"])
     for rank, local_rank, expected in ((0, 0, "1"), (32, 0, "1"), (33, 1, "0"), (5, 5, "0")):
         monkeypatch.setenv("NEURON_RT_INSPECT_ENABLE", "1")  # as run.sbatch exports it to every worker
-        rank_env(recipe, rank, local_rank)
+        rank_env(recipe, rank, local_rank, str(tmp_path))
         assert os.environ["NEURON_RT_INSPECT_ENABLE"] == expected, (rank, local_rank)
     everyone = load_recipe("llama2-7b", 4, ["monitor.profile_steps=[5,6]", "monitor.profile_ranks=all"])
     monkeypatch.setenv("NEURON_RT_INSPECT_ENABLE", "1")
-    rank_env(everyone, 33, 1)
+    rank_env(everyone, 33, 1, str(tmp_path))
     assert os.environ["NEURON_RT_INSPECT_ENABLE"] == "1"
+    for step, expected in ((5, "1"), (6, "0")):  # a requeued launch resuming inside the window, then past it
+        (tmp_path / f"checkpoints/step_{step}").mkdir(parents=True)
+        (tmp_path / f"checkpoints/step_{step}/done").touch()
+        (tmp_path / f"checkpoints/step_{step + 10}").mkdir()  # an incomplete one does not count
+        monkeypatch.setenv("NEURON_RT_INSPECT_ENABLE", "1")
+        rank_env(recipe, 0, 0, str(tmp_path))
+        assert os.environ["NEURON_RT_INSPECT_ENABLE"] == expected, step
 
 
 @pytest.mark.parametrize(
@@ -80,16 +87,16 @@ def test_on_nxd_run_sbatch_sets_the_runtime_capture_for_the_training_step_only(t
     env = dict((name, value) for name, value, _ in neuron_profile_env(recipe))
     assert env["NEURON_RT_INSPECT_ENABLE"] == "1" and env["NEURON_RT_INSPECT_DEVICE_PROFILE"] == "1"
     assert env["NEURON_RT_INSPECT_SYSTEM_PROFILE"] == "0"
-    head, _ = run_sbatch.split("# ---- Train ----")
+    head, train = run_sbatch.split("# ---- Train ----")
     assert "export NEURON_RT_INSPECT_ENABLE=1" in head.split("# ---- Profiling")[1]  # after the health checks
     run_dir = re.search(r"^RUN_DIR=(\S+)$", run_sbatch, re.M).group(1)
     assert f"export NEURON_RT_INSPECT_OUTPUT_DIR={run_dir}/profile/neuron " in run_sbatch
     assert "NEURON_RT_INSPECT" not in compile_sbatch and "NEURON_RT_INSPECT" not in run_sbatch.split("# ---- Pre")[0]
-    # the executions before step 5 skipped where the SDK documents it (2.33), each micro-batch an execution
-    sdk = recipe.cluster.neuron_sdk
-    skip = env.get("NEURON_RT_INSPECT_DEVICE_PROFILE_NUM_WARMUP")
-    assert skip == (str(4 * compute_layout(recipe).grad_accum) if sdk_version(sdk) >= (2, 33) else None)
-    assert "neuron-" in describe(recipe) and "view -d RUN_DIR/profile/neuron" in describe(recipe)
+    unset = next(line for line in train.splitlines() if line.startswith("unset NEURON_RT_INSPECT_ENABLE"))
+    assert (
+        train.index("training exited") < train.index(unset) < train.index("then diagnose; fi")
+    )  # not for the health check
+    assert "each graph's first execution" in describe(recipe) and "view -d RUN_DIR/profile/neuron" in describe(recipe)
     plain = render_job(load_recipe("llama2-7b", 4), tmp_path / "plain", "test")
     assert "NEURON_RT_INSPECT" not in plain.files["run.sbatch"]
 

@@ -160,3 +160,50 @@ def test_a_store_without_sql_access_gets_a_new_run_linked_to_the_old_where_steps
     )
     assert json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"] == again.run_id
     assert [m.step for m in client.get_metric_history(first.run_id, "loss")] == [1, 2, 3]  # the old run untouched
+    client.delete_run(again.run_id)  # deleted in the UI: it takes no more values
+    kept = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+    fresh = MlflowTracker(TrackedRun("tiny", tmp_path, recipe, {}, resumed_from=3), "tiny", kept)
+    assert fresh.run_id not in (again.run_id, first.run_id)
+    fresh.log({"loss": 6.0}, 4)
+    client.delete_experiment(client.get_run(fresh.run_id).info.experiment_id)
+    with pytest.raises(RecipeError, match=r"the MLflow experiment 'tiny' in .* is deleted: restore it"):
+        MlflowTracker(TrackedRun("tiny", tmp_path / "other", recipe, {}, resumed_from=0), "tiny", None)
+
+
+def test_mlflow_without_sqlalchemy_is_refused_in_one_line_naming_the_package(monkeypatch):
+    from trnrecipes.train.trackers import require_packages
+
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # mlflow-skinny alone: its local store cannot open
+    with pytest.raises(RecipeError, match=r"asks for mlflow, but SQLAlchemy is not installed: install the tracking"):
+        require_packages(("tensorboard", "mlflow"))
+
+
+class _Tracker:
+    def __init__(self, fail: str = ""):
+        self.fail, self.logged, self.closed = fail, [], None
+
+    def log(self, values, step):
+        if self.fail == "log":
+            raise ConnectionError("tracking server unreachable")
+        self.logged.append((step, values["loss"]))
+
+    def close(self, failed):
+        if self.fail == "close":
+            raise ConnectionError("tracking server unreachable")
+        self.closed = failed
+
+
+def test_a_tracker_that_fails_is_dropped_with_one_warning_and_the_run_goes_on(tmp_path, capsys):
+    from trnrecipes.train.monitor import Metrics
+
+    metrics = Metrics(tmp_path, enabled=True, tensorboard=False, resumed_from=0)
+    down, fine, late = _Tracker("log"), _Tracker(), _Tracker("close")  # stand-ins for a server going away
+    metrics.trackers = [down, fine, late]
+    for step in (1, 2):
+        metrics.log({"step": step, "loss": 3.0 - step})
+    metrics.close(failed=False)
+    err = capsys.readouterr().err
+    assert err.count("_Tracker failed logging step 1 (ConnectionError: tracking server unreachable)") == 1
+    assert "_Tracker failed closing its run" in err and "metrics.jsonl and the console go on" in err
+    assert fine.logged == [(1, 2.0), (2, 1.0)] and fine.closed is False and late.logged == fine.logged
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]

@@ -12,17 +12,19 @@ from collections.abc import Iterable
 from trnrecipes.config.sections import Recipe
 from trnrecipes.schema import shown
 
-# Free to change on resume: how and where the run executes, how long it goes on, how it saves and logs, how it
-# started (init_from, init_optimizer: a resume reads the run's own checkpoint), what the eval job scores and where. The
-# tokenizer's path may change too: its files are compared instead.
+# Free to change on resume: how and where the run executes, how long it goes on, how it saves, logs and is profiled
+# (monitor), how it started (init_from, init_optimizer: a resume reads the run's own checkpoint), what the eval job
+# scores and where. The tokenizer's path may change too: its files are compared instead.
 FREE = ("name", "description", "run_dir", "cluster", "slurm", "compile", "checkpoint", "layout", "train.max_steps",
         "train.log_every", "train.val_every", "train.val_batches", "train.init_from", "train.init_optimizer",
-        "model.activation_checkpointing", "model.attention", "model.init_std", "batch.micro_batch", "data.tokenizer",
-        "data.eval_path", "eval")  # fmt: skip
-# Never: the weights would not load, or would compute something else (which residual form, which dims rotate).
+        "model.activation_checkpointing", "model.activation_checkpointing_full_layers", "model.attention",
+        "model.init_std", "batch.micro_batch", "data.tokenizer", "data.eval_path", "eval", "monitor")  # fmt: skip
+# Never: the weights would not load, or would compute something else (which residual form, which dims rotate, which
+# blocks hold how many experts of what width).
 FIXED = ("model.family", "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",
          "model.num_kv_heads", "model.ffn_hidden_size", "model.parallel_residual", "model.rotary_pct", "model.head_dim",
-         "model.tie_embeddings")  # fmt: skip
+         "model.tie_embeddings", "model.num_experts", "model.moe_intermediate_size", "model.decoder_sparse_step",
+         "model.mlp_only_layers")  # fmt: skip
 # Accepted changes of these reorder the data: the saved position would index other documents, so it is dropped.
 DATA_ORDER = ("data", "train.seed", "batch.seq_len")
 # Not recipe keys, but decisions allow_changes can take: a new DP size (each DP rank's position is its own).

@@ -3,11 +3,14 @@ capture variables that run.sbatch sets on torch-xla + NxD (trnrecipes/train/prof
 how on each path).
 
 torch-xla + NxD: the device work is in compiled graphs that torch.profiler does not see. The Neuron runtime captures
-them itself when NEURON_RT_INSPECT_ENABLE=1 ("Neuron Explorer Environment Variables", Neuron SDK docs 2.33:
-tools/neuron-explorer/environment-variables): run.sbatch sets the capture for the training step only, one device
-profile of each graph (model mode), skipping the executions before step `first` where the SDK documents
-NEURON_RT_INSPECT_DEVICE_PROFILE_NUM_WARMUP (2.33), and no whole-run system profile (it would grow for the whole
-job). The same page warns against combining that capture with torch.profiler, so nothing profiles in process there.
+them itself when NEURON_RT_INSPECT_ENABLE=1 ("Neuron Explorer Environment Variables", Neuron SDK docs:
+tools/neuron-explorer/environment-variables): run.sbatch sets the capture for the training step only, with one
+device profile of each graph per core (model mode: the graph's first execution in the launch, after its compile)
+and no system profile (it would grow for the whole job). That mode cannot be pointed at later steps on the stack's
+SDKs (2.21-2.28; the variable that skips executions, NEURON_RT_INSPECT_DEVICE_PROFILE_NUM_WARMUP, is documented from
+2.33), so there profile_steps turns the capture on for launches that train a step of the window and says that the
+first executions are what is profiled. The same page warns against combining the capture with torch.profiler, so
+nothing profiles in process there.
 """
 
 from __future__ import annotations
@@ -37,9 +40,12 @@ def describe(r: Recipe) -> str | None:
     ranks = "every rank" if r.monitor.profile_ranks == "all" else "the first rank of each node"
     steps = f"step {first}" if first == last else f"steps {first}-{last}"
     if profiles_in_process(r):
-        return f"profiling {steps} on {ranks} with torch.profiler: Chrome traces in RUN_DIR/{PROFILE_DIR}/"
+        # TorchNeuron's device activity needs its NeuronConfig (AWS's Neuron Explorer docs), not built here
+        host = " (host-side ops only on TorchNeuron)" if r.cluster.backend == "neuron" else ""
+        return f"profiling {steps} on {ranks} with torch.profiler{host}: Chrome traces in RUN_DIR/{PROFILE_DIR}/"
     return (
-        f"profiling from step {first} on {ranks} with the Neuron runtime's capture (one device profile per graph):"
+        f"profiling on {ranks} with the Neuron runtime's capture, for a launch that trains any of {steps}: one device"
+        f" profile of each graph's first execution (its steps cannot be chosen on this SDK) in"
         f" RUN_DIR/{PROFILE_DIR}/{NEURON_SUBDIR}/, {viewer(r, f'RUN_DIR/{PROFILE_DIR}/{NEURON_SUBDIR}')}"
     )
 
@@ -57,21 +63,9 @@ def neuron_profile_env(r: Recipe, run_dir: str = "RUN_DIR") -> list[tuple[str, s
     writing into `run_dir`."""
     if r.monitor.profile_steps is None or profiles_in_process(r):
         return []
-    first = r.monitor.profile_steps[0]
-    rows = [
+    return [
         ("NEURON_RT_INSPECT_ENABLE", "1", f"the Neuron runtime's profile capture (monitor.profile_steps; {ENV_DOC})"),
         ("NEURON_RT_INSPECT_OUTPUT_DIR", f"{run_dir}/{PROFILE_DIR}/{NEURON_SUBDIR}", "where the capture is written"),
         ("NEURON_RT_INSPECT_SYSTEM_PROFILE", "0", "no system profile: it would record the whole job"),
         ("NEURON_RT_INSPECT_DEVICE_PROFILE", "1", "one device profile of each compiled graph per core (model mode)"),
     ]
-    if sdk_version(r.cluster.neuron_sdk) >= (2, 33) and first > 1:
-        # Each graph's executions are counted apart: the step graph runs once per micro-batch.
-        skip = (first - 1) * r.layout.grad_accum
-        rows.append(
-            (
-                "NEURON_RT_INSPECT_DEVICE_PROFILE_NUM_WARMUP",
-                str(skip),
-                f"executions of each graph skipped before its profile: steps 1-{first - 1} (from SDK 2.33)",
-            )
-        )
-    return rows

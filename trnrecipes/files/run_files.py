@@ -43,3 +43,17 @@ def run_dir_of(checkpoint: Path) -> Path | None:
     if STEP_DIR.match(checkpoint.name) and checkpoint.parent.name == CHECKPOINTS:
         return checkpoint.parent.parent
     return None
+
+
+def newest_complete_step(run_dir: Path) -> int:
+    """The step of RUN_DIR's newest checkpoint that has its `done` file (0: none), as a resume would find it before
+    verifying its files."""
+    steps = [0]
+    try:
+        for entry in (Path(run_dir) / CHECKPOINTS).iterdir():
+            match = STEP_DIR.match(entry.name)
+            if match and (entry / DONE).exists():
+                steps.append(int(match.group(1)))
+    except OSError:
+        pass
+    return max(steps)

@@ -115,7 +115,8 @@ class Trainer:
         self.job_dir: Path | None = job_dir  # the job dir whose recipe.yaml this is: its provenance tags trackers
         require_packages(recipe.monitor.trackers)  # every rank, before anything is built
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        rank_env(recipe, int(os.environ.get("RANK", "0")), local_rank)  # before the Neuron runtime starts
+        # before the Neuron runtime starts
+        rank_env(recipe, int(os.environ.get("RANK", "0")), local_rank, os.environ.get("TRNRECIPES_RUN_DIR"))
         self.backend = make_backend(recipe.runtime_backend, local_rank)
         self.dims = ParallelDims(recipe, self.backend)
         self.layout = compute_layout(recipe)
@@ -457,20 +458,6 @@ class Trainer:
             self.log(f"[trnrecipes] {r.name}: already trained to step {self.start_step} of {steps}; nothing to do")
             result.already_done = True  # a success: a requeue after the last save must not fail the job
             return result
-        metrics = Metrics(
-            self.run_dir,
-            enabled=self.dims.rank == 0 and not self.compile_only,
-            tensorboard="tensorboard" in r.monitor.trackers,
-            previous=self._previous_phase(),
-            resumed_from=self.start_step,  # the records of steps beyond it are retrained: they leave metrics.jsonl
-        )
-        failed = True
-        if metrics.enabled:
-            try:
-                metrics.trackers = self._open_trackers(metrics.history_offset)
-            except BaseException:
-                metrics.close(failed)
-                raise
         spikes = SpikeDetector()
         profiler = StepProfiler(
             r,
@@ -494,6 +481,22 @@ class Trainer:
         tokens_per_step = r.batch.global_batch * r.batch.seq_len
         every_s = r.checkpoint.every_minutes * 60 if r.checkpoint.every_minutes else None
         last_save = time.monotonic()
+        # Opened just before the loop, whose `finally` closes them: a failure before (the data loader's) leaves no
+        # tracker run open.
+        metrics = Metrics(
+            self.run_dir,
+            enabled=self.dims.rank == 0 and not self.compile_only,
+            tensorboard="tensorboard" in r.monitor.trackers,
+            previous=self._previous_phase(),
+            resumed_from=self.start_step,  # the records of steps beyond it are retrained: they leave metrics.jsonl
+        )
+        failed = True
+        if metrics.enabled:
+            try:
+                metrics.trackers = self._open_trackers(metrics.history_offset)
+            except BaseException:
+                metrics.close(failed)
+                raise
         signals = _catch_stop_signals()
         clock = Clock(self.start_step, steps)
         if (profiling := describe_profiling(r)) and not self.compile_only:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -132,16 +133,31 @@ class Metrics:
         if self.tb is not None:
             for key, value in values.items():
                 self.tb.add_scalar(key, value, x)
-        for tracker in self.trackers:
-            tracker.log(values, x)
+        for tracker in list(self.trackers):
+            try:
+                tracker.log(values, x)
+            except Exception as err:  # a tracking server's outage must not stop a training run
+                self._drop_tracker(tracker, f"logging step {x}", err)
+
+    def _drop_tracker(self, tracker: Tracker, doing: str, err: Exception) -> None:
+        self.trackers.remove(tracker)
+        print(
+            f"[trnrecipes] warning: {type(tracker).__name__} failed {doing} ({type(err).__name__}: {err}); it logs"
+            " nothing more in this launch (metrics.jsonl and the console go on; a resume reopens it)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def close(self, failed: bool = False) -> None:
         if self.file:
             self.file.close()
         if self.tb:
             self.tb.close()
-        for tracker in self.trackers:
-            tracker.close(failed)
+        for tracker in list(self.trackers):
+            try:
+                tracker.close(failed)
+            except Exception as err:  # each tracker on its own; never hiding the error that ended the run
+                self._drop_tracker(tracker, "closing its run", err)
 
 
 def _drop_beyond(path: Path, step: int, phase: int | None) -> None:

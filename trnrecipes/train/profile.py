@@ -18,11 +18,17 @@ from pathlib import Path
 
 from trnrecipes.config.profiling import PROFILE_DIR, neuron_profile_env, profiles_in_process, profiles_this_rank
 from trnrecipes.config.sections import Recipe
+from trnrecipes.files.run_files import newest_complete_step
 
 
-def rank_env(r: Recipe, rank: int, local_rank: int) -> None:
-    """On torch-xla + NxD, before the runtime starts: a rank that is not to profile turns the capture off."""
-    if neuron_profile_env(r) and not profiles_this_rank(r, rank, local_rank):
+def rank_env(r: Recipe, rank: int, local_rank: int, run_dir: str | None) -> None:
+    """On torch-xla + NxD, before the runtime starts: the capture run.sbatch set is turned off on a rank that is not to
+    profile, and on every rank of a launch that resumes at or past the window's last step (`run_dir`'s newest
+    complete checkpoint; run.sbatch exports TRNRECIPES_RUN_DIR)."""
+    if not neuron_profile_env(r):
+        return
+    resumes_at = newest_complete_step(Path(run_dir)) if run_dir else 0
+    if not profiles_this_rank(r, rank, local_rank) or resumes_at >= r.monitor.profile_steps[1]:
         os.environ["NEURON_RT_INSPECT_ENABLE"] = "0"
 
 
@@ -35,10 +41,8 @@ class StepProfiler:
     ):
         self.window = r.monitor.profile_steps if profiles_in_process(r) and enabled else None
         self.enabled = self.window is not None and profiles_this_rank(r, rank, local_rank)
-        self.path = None
-        if self.enabled:
-            first, last = self.window
-            self.path = run_dir / PROFILE_DIR / f"rank{rank}-steps{first}-{last}.json"
+        self.path = None  # the trace's, once the first profiled step is known (a resume may start inside the window)
+        self.dir, self.rank, self.first = run_dir / PROFILE_DIR, rank, None
         self.device_type, self.log = device_type, log
         self._profiler = None
 
@@ -57,6 +61,8 @@ class StepProfiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._profiler = torch.profiler.profile(activities=activities)
             self._profiler.start()
+            self.first = n
+            self.path = self.dir / f"rank{self.rank}-steps{n}-{self.window[1]}.json"
         return torch.profiler.record_function(f"trnrecipes step {n}")
 
     def end_step(self, n: int) -> None:
@@ -69,7 +75,7 @@ class StepProfiler:
         self._profiler.export_chrome_trace(str(tmp))
         os.replace(tmp, self.path)  # a reader never sees half a trace
         self._profiler = None
-        self.log(f"[trnrecipes] profile of steps {self.window[0]}-{n}: {self.path} (open in https://ui.perfetto.dev)")
+        self.log(f"[trnrecipes] profile of steps {self.first}-{n}: {self.path} (open in https://ui.perfetto.dev)")
 
     def close(self) -> None:
         """A run that stops inside the window: the profiler is stopped, nothing is written."""

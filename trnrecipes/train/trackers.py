@@ -20,8 +20,11 @@ from trnrecipes.config.sections import RecipeError
 from trnrecipes.data.arrow import atomic_output
 from trnrecipes.files.run_files import MLFLOW_ARTIFACTS, MLFLOW_DB, TRACKERS, WANDB_DIR
 
-# tracker -> (the module it imports, the package that brings it)
-PACKAGES = {"mlflow": ("mlflow", "mlflow-skinny"), "wandb": ("wandb", "wandb")}
+# tracker -> (the module it imports, the package that brings it); MLflow's local store needs SQLAlchemy and alembic
+PACKAGES = {
+    "mlflow": (("mlflow", "mlflow-skinny"), ("sqlalchemy", "SQLAlchemy"), ("alembic", "alembic")),
+    "wandb": (("wandb", "wandb"),),
+}
 NOT_METRICS = ("step", "history_step", "phase")  # the x axis, not values
 PARAM_CHARS, TAG_CHARS = 6000, 8000  # MLflow's limits on a param's and a tag's value (mlflow.utils.validation)
 
@@ -46,11 +49,13 @@ class TrackedRun:
 def require_packages(trackers: tuple[str, ...]) -> None:
     """One line naming the extra if a tracker asked for is not installed (before anything is built)."""
     for name in trackers:
-        if name in PACKAGES and importlib.util.find_spec(PACKAGES[name][0]) is None:
-            raise RecipeError(
-                f"monitor.trackers asks for {name}, but {PACKAGES[name][1]} is not installed: install the tracking"
-                " extra (pip install -e '.[tracking]'; make setup installs it), or remove it from monitor.trackers"
-            )
+        for module, package in PACKAGES.get(name, ()):
+            if importlib.util.find_spec(module) is None:
+                raise RecipeError(
+                    f"monitor.trackers asks for {name}, but {package} is not installed: install the tracking extra"
+                    " (pip install -e '.[tracking]' in the job's Python; make setup does it in .venv), or remove"
+                    f" {name} from monitor.trackers"
+                )
 
 
 def numbers(record: dict) -> dict[str, float]:
@@ -117,8 +122,10 @@ class MlflowTracker:
         self.run_id: str | None = None
         previous = (kept or {}).get("run_id")  # a new run made here is linked to it by a tag
         if kept and kept.get("tracking_uri") == self.uri:
-            with contextlib.suppress(MlflowException, KeyError):  # deleted from the store: a new run
-                self.run_id = self.client.get_run(kept["run_id"]).info.run_id
+            with contextlib.suppress(MlflowException, KeyError):  # gone from the store: a new run
+                info = self.client.get_run(kept["run_id"]).info
+                # deleted in the UI (kept until garbage-collected): it takes no more values, so a new run too
+                self.run_id = info.run_id if info.lifecycle_stage == "active" else None
         if self.run_id is not None and not self._drop_beyond(run.resumed_from):
             previous, self.run_id = self.run_id, None
         if self.run_id is None:
@@ -132,6 +139,11 @@ class MlflowTracker:
         from mlflow.entities import Param, RunTag
 
         found = self.client.get_experiment_by_name(experiment)
+        if found is not None and found.lifecycle_stage != "active":
+            raise RecipeError(
+                f"the MLflow experiment {experiment!r} in {self.uri} is deleted: restore it (mlflow experiments"
+                " restore) or name another with monitor.mlflow_experiment"
+            )
         if found is not None:
             experiment_id = found.experiment_id
         else:  # the local store's artifacts in the run dir, not in ./mlruns wherever training was started
@@ -167,15 +179,14 @@ class MlflowTracker:
         """Delete the run's metric values beyond history step `step` (a killed attempt's, trained again now).
         MLflow has no API for that; its SQL stores hold them in two tables, edited here in one transaction. False
         where there are some and the store is not a SQL one (a tracking server): the caller starts a new run."""
-        from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric
-        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
         store = self.client._tracking_client.store
-        if not isinstance(store, SqlAlchemyStore):
+        if type(store).__name__ != "SqlAlchemyStore":  # its module needs SQLAlchemy, which a server's client may lack
             latest = self.client.get_run(self.run_id).data.metrics
             return not latest or all(
                 m.step <= step for key in latest for m in self.client.get_metric_history(self.run_id, key)
             )
+        from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric
+
         with store.ManagedSessionMaker(read_only=False) as session:
             mine = session.query(SqlMetric).filter(SqlMetric.run_uuid == self.run_id)
             if mine.filter(SqlMetric.step > step).delete() == 0:
