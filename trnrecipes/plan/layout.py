@@ -60,6 +60,12 @@ def compute_layout(r: Recipe) -> Layout:
             f" valid node counts: {_fmt(valid_node_counts(r))}"
         )
     dp = world // (tp * pp)
+    if dp % r.layout.ep:
+        raise RecipeError(
+            f"layout.ep {r.layout.ep} must divide the data-parallel degree {dp} ({nodes} node(s) x {wpn} workers /"
+            f" (tp {tp} x pp {pp})): expert-parallel groups are carved from the data-parallel ranks; valid ep:"
+            f" {_divisors(dp)}"
+        )
     if gbs % (mb * dp):
         raise RecipeError(
             f"batch.global_batch {gbs} is not divisible by micro_batch {mb} x data-parallel {dp} = {mb * dp}"
@@ -92,7 +98,7 @@ def valid_node_counts(r: Recipe, limit: int = 128) -> list[int]:
     found = []
     for n in range(1, limit + 1):
         world = n * wpn
-        if world % (tp * pp) or gbs % (mb * (world // (tp * pp))):
+        if world % (tp * pp) or gbs % (mb * (world // (tp * pp))) or (world // (tp * pp)) % r.layout.ep:
             continue
         accum = gbs // (mb * (world // (tp * pp)))
         if schedule_problem(r.layout.pp_schedule, pp, r.layout.pp_virtual_stages, accum) is None:
