@@ -564,14 +564,15 @@ def expert_parallel_problems(r: Recipe, on_torch: bool, backend_words: str) -> l
     DP degree it must divide needs the node count: trnrecipes.plan.layout)."""
     ep, experts = r.layout.ep, getattr(r.model, "num_experts", 0)
     if not experts:
-        return [f"layout.ep {ep}: model.num_experts is 0 (model.family {r.model.family}): no experts to share out over"
-                " expert-parallel ranks; use layout.ep 1"]  # fmt: skip
+        why = f"model.num_experts is 0 (model.family {r.model.family}): no experts to share out"
+        return [f"layout.ep {ep}: {why}; use layout.ep 1"]
     problems = []
     if experts % ep:
         valid = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
-        problems.append(f"layout.ep {ep} must divide model.num_experts {experts} (each expert-parallel rank holds"
-                        f" the same number); valid ep:"
-                        f" {valid}")  # fmt: skip
+        problems.append(
+            f"layout.ep {ep} must divide model.num_experts {experts} (each expert-parallel rank holds the same number);"
+            f" valid ep: {valid}"
+        )
     if not on_torch:
         problems.append(
             f"layout.ep {ep}: {backend_words} has no expert parallelism here (its all-to-all dispatch runs on"
