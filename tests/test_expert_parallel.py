@@ -131,3 +131,13 @@ def test_ep_must_divide_the_data_parallel_degree():
     with pytest.raises(RecipeError, match=r"layout.ep 4 must divide the data-parallel degree 2 .* valid ep: 1, 2$"):
         compute_layout(r)
     assert compute_layout(load_recipe(MOE, overrides=["cluster.workers_per_node=4", "layout.ep=4"])).dp == 4
+
+
+def test_plan_counts_each_ranks_share_of_the_experts():
+    """qwen3-moe-tiny: 3 sparse blocks of 8 experts x 3 x 64 x 64; at EP 2 a rank holds half of them."""
+    from trnrecipes.plan.layout import plan
+    from trnrecipes.plan.report import format_plan
+
+    one, two = (plan(load_recipe(MOE, overrides=["cluster.workers_per_node=2", f"layout.ep={ep}"])) for ep in (1, 2))
+    assert one["memory"]["weights"] - two["memory"]["weights"] == 3 * 8 * 3 * 64 * 64 / 2 * 4  # fp32 bytes
+    assert "ep" not in one and "TP 1 x PP 1 x DP 2 (EP 2)" in format_plan(two)

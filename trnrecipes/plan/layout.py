@@ -230,6 +230,8 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
         "peak_tflops": peak_tflops,
         "price_per_hour": price * layout.nodes if price is not None else None,  # None: no price known
     }
+    if r.layout.ep > 1:  # expert parallelism: only where used, so other plans keep their keys
+        out["ep"] = r.layout.ep
     if layout.pp > 1:
         out |= pipeline_plan(r, layout)
     out["memory"] = memory_plan(r, layout.dp, layout.grad_accum).to_dict()

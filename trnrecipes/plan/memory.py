@@ -107,6 +107,9 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     kv = getattr(m, "num_kv_heads", None)
     if kv is not None and tp > kv:  # each rank also holds a copy of one KV head (trnrecipes/parallel/kv_replication.py)
         params += layers * 2 * m.head_dim * m.hidden_size * (1 - kv / tp)
+    if lay.ep > 1:  # each rank holds 1 / ep of every sparse block's experts (trnrecipes/parallel/expert.py)
+        sparse = sum(m.is_sparse(i) for s in stages for i in s.layers)
+        params -= sparse * m.num_experts * 3 * m.hidden_size * m.moe_intermediate_size * (1 - 1 / lay.ep) / tp
     dtype = r.precision.dtype
     weight_bytes = 2 if dtype == "bf16" else 4
     sharded = dp if lay.fsdp else 1
