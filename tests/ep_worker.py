@@ -4,12 +4,12 @@ saving to OUT (rank 0) what the test compares.
     python tests/ep_worker.py OUT RUN_DIR EP [EP ...]
 
 - fixed[ep]: 4 steps on tests/train_worker.py's fixed micro-batches: losses, grad norms, the first step's averaged
-  gradients and the final weights, whole (experts gathered over the EP group); fixed["ep2-ac"] with activation
-  checkpointing;
+  gradients and the final weights, whole (experts gathered over the EP group); fixed["ep2-zero1"] with ZeRO-1 and,
+  with 2 ranks, fixed["ep2-ac"] with activation checkpointing;
 - with 2 ranks: runs of the real Trainer on the demo corpus, validation at steps 2 and 4: 4 steps straight at ep 1
-  and at ep 2, and resumes across ep through its checkpoints (2 steps at one ep, 2 more at the other, in one run
-  dir); and `dropless`: one sparse block whose router sends every token to
-  experts 0 and 7, at EP 2 against the single-device block on each rank's tokens.
+  and at ep 2, and resumes across ep (and ZeRO-1) through its checkpoints (2 steps at one layout, 2 more at the
+  other, in one run dir); and `dropless`: one sparse block whose router sends every token to experts 0 and 7, at
+  EP 2 against the single-device block on each rank's tokens.
 """
 
 from __future__ import annotations
@@ -108,12 +108,16 @@ def main() -> None:
     root = Path(run_dir)
     ParallelDims.close = lambda self: None  # one process group for every run (gloo hangs on a second one)
     results: dict = {"fixed": {ep: fixed(nproc, root / f"ep{ep}", f"layout.ep={ep}") for ep in map(int, eps)}}
+    results["fixed"]["ep2-zero1"] = fixed(nproc, root / "zero1", "layout.ep=2", "layout.zero1=true")
     if nproc == 2:
         results["fixed"]["ep2-ac"] = fixed(nproc, root / "ac", "layout.ep=2", "model.activation_checkpointing=full")
         results["straight"] = train(nproc, root / "straight", 4)
         results["ep2-then-ep1"] = [*train(nproc, root / "a", 2, "layout.ep=2")[:2], *train(nproc, root / "a", 4)[2:]]
         results["ep1-then-ep2"] = [*train(nproc, root / "b", 2)[:2], *train(nproc, root / "b", 4, "layout.ep=2")[2:]]
         results["ep2"] = train(nproc, root / "c", 4, "layout.ep=2")
+        zero1 = ("layout.ep=2", "layout.zero1=true")  # ZeRO-1's files: each DP rank's rows of the whole experts
+        results["zero1-ep2-then-ep1"] = [*train(nproc, root / "d", 2, *zero1)[:2], *train(nproc, root / "d", 4)[2:]]
+        results["ep1-then-zero1-ep2"] = [*train(nproc, root / "e", 2)[:2], *train(nproc, root / "e", 4, *zero1)[2:]]
         results["dropless"] = dropless(nproc)
     if dist.get_rank() == 0:
         torch.save(results, out)

@@ -62,14 +62,16 @@ def test_ep2_over_dp2_trains_as_ep1_each_rank_holding_half_the_experts(two_ranks
     assert ep2["local_experts"][EXPERTS] == (4, 128, 64)
     assert_trains_like(ep2, ep1)
     assert_trains_like(results["fixed"]["ep2-ac"], ep1)  # full activation checkpointing: the all-to-alls run again
+    assert_trains_like(results["fixed"]["ep2-zero1"], ep1)
 
 
 @pytest.mark.slow
 def test_ep2_and_ep4_over_dp4_train_as_ep1(four_ranks):
-    """EP 2 over DP 4: each expert on 2 ranks, its gradient summed over them (expert_replica_group); EP 4: on one."""
+    """EP 2 over DP 4: each expert on 2 ranks, its gradient summed over them (expert_replica_group); EP 4: on one.
+    EP 2 with ZeRO-1: the other parameters' moments split over the 4 DP ranks, the experts' kept whole per rank."""
     results, _ = four_ranks
-    for ep in (2, 4):
-        assert results["fixed"][ep]["local_experts"][EXPERTS] == (8 // ep, 128, 64)
+    for ep in (2, 4, "ep2-zero1"):
+        assert results["fixed"][ep]["local_experts"][EXPERTS] == (8 // (4 if ep == 4 else 2), 128, 64)
         assert_trains_like(results["fixed"][ep], results["fixed"][1])
 
 
@@ -81,7 +83,7 @@ def test_trainer_runs_and_checkpoints_hold_whole_experts_and_resume_across_ep(tw
     results, root = two_ranks
     straight = results["straight"]  # 4 losses, then the validation loss at step 4
     assert len(straight) == 5
-    for run in ("ep2", "ep2-then-ep1", "ep1-then-ep2"):
+    for run in ("ep2", "ep2-then-ep1", "ep1-then-ep2", "zero1-ep2-then-ep1", "ep1-then-zero1-ep2"):
         assert results[run] == pytest.approx(straight, rel=1e-4), run
     step_2 = root / "a/checkpoints/step_2"  # saved at EP 2
     with safe_open(step_2 / "model.safetensors", "pt") as f:
@@ -89,6 +91,9 @@ def test_trainer_runs_and_checkpoints_hold_whole_experts_and_resume_across_ep(tw
     with safe_open(step_2 / "optim-tp00-of-01.safetensors", "pt") as f:
         assert f.get_slice(f"exp_avg.{EXPERTS}").get_shape() == [8, 128, 64]
         assert f.get_tensor(f"exp_avg_sq.{EXPERTS}").count_nonzero() == 8 * 128 * 64  # every expert's, none zero
+    for dp_rank in (0, 1):  # saved at EP 2 with ZeRO-1: each DP rank's file holds its rows of the whole experts
+        with safe_open(root / f"d/checkpoints/step_2/optim-tp00-of-01-dp000{dp_rank}-of-0002.safetensors", "pt") as f:
+            assert f.get_slice(f"exp_avg.{EXPERTS}").get_shape() == [4, 128, 64]
 
 
 @pytest.mark.slow
@@ -111,14 +116,13 @@ MOE = "qwen3-moe-tiny"
         ("qwen3-tiny", "cluster.workers_per_node=2", "layout.ep 2: model.num_experts is 0 (model.family qwen3)"),
         (MOE, "cluster.workers_per_node=2 layout.ep=3", "layout.ep 3 must divide model.num_experts 8"),
         (MOE, "cluster.workers_per_node=2 layout.fsdp=true", "layout.ep 2 with layout.fsdp true"),
-        (MOE, "cluster.workers_per_node=2 layout.zero1=true", "layout.ep 2 with layout.zero1 true"),
         (MOE, "cluster.workers_per_node=4 layout.tp=2", "layout.tp 2, layout.pp 1 with model.num_experts 8"),
         (MOE, "cluster.workers_per_node=4 layout.pp=2", "layout.tp 1, layout.pp 2 with model.num_experts 8"),
         (MOE, "cluster.workers_per_node=2 cluster.backend=xla", "layout.ep 2: backend xla has no expert parallelism"),
         (MOE, "cluster.instance=trn1.32xlarge cluster.backend=neuron batch.global_batch=64",
          "neuronx-distributed's own MoE module, which this project does not build on"),
     ],
-    ids=["dense", "experts", "fsdp", "zero1", "tp", "pp", "xla", "nxd"],
+    ids=["dense", "experts", "fsdp", "tp", "pp", "xla", "nxd"],
 )  # fmt: skip
 def test_what_expert_parallelism_refuses(recipe, overrides, message):
     extra = [] if "layout.ep=" in overrides else ["layout.ep=2"]
@@ -139,5 +143,9 @@ def test_plan_counts_each_ranks_share_of_the_experts():
     from trnrecipes.plan.report import format_plan
 
     one, two = (plan(load_recipe(MOE, overrides=["cluster.workers_per_node=2", f"layout.ep={ep}"])) for ep in (1, 2))
-    assert one["memory"]["weights"] - two["memory"]["weights"] == 3 * 8 * 3 * 64 * 64 / 2 * 4  # fp32 bytes
+    half = 3 * 8 * 3 * 64 * 64 / 2  # the experts' parameters a rank no longer holds
+    assert one["memory"]["weights"] - two["memory"]["weights"] == half * 4  # fp32 bytes
+    zero1 = plan(load_recipe(MOE, overrides=["cluster.workers_per_node=2", "layout.ep=2", "layout.zero1=true"]))
+    others = one["memory"]["weights"] / 4 - 2 * half  # ZeRO-1 halves their moments; the rank's experts' stay whole
+    assert zero1["memory"]["optimizer"] == others * 8 / 2 + half * 8
     assert "ep" not in one and "TP 1 x PP 1 x DP 2 (EP 2)" in format_plan(two)

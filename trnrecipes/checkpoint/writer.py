@@ -51,6 +51,7 @@ from trnrecipes.parallel.expert import expert_layouts, gather_experts
 from trnrecipes.parallel.fsdp import tp_local
 from trnrecipes.parallel.kv_replication import describe, tp_block
 from trnrecipes.parallel.kv_replication import layouts as kv_layouts
+from trnrecipes.parallel.sharding import chunk_range
 
 RANK_WAIT_S = 3600.0  # rank 0 waits this long for the other ranks' files before giving up on a checkpoint
 
@@ -352,8 +353,9 @@ def snapshot(
     files: dict[str, object] = {}
     optim_dp = dims.dp if dims.shards_moments else 1
     stage = {"pp_rank": dims.pp_rank, "pp": dims.pp}
-    # Expert parallelism: the first EP group's ranks gather whole experts (its DP rank 0 keeps them), so the files
-    # hold the [num_experts, ...] tensors EP 1 has and resume at any ep.
+    # Expert parallelism: the first EP group's ranks gather whole experts (its DP rank 0 keeps them; under ZeRO-1
+    # every group gathers its moments, each rank keeping its file's rows), so the files hold the [num_experts, ...]
+    # tensors EP 1 has and resume at any ep.
     experts = expert_layouts(model)
     whole = lambda key, t: gather_experts(t, experts[key], dims.ep_group) if key in experts else t  # noqa: E731
     gathers = bool(experts) and dims.dp_rank < dims.ep
@@ -371,8 +373,12 @@ def snapshot(
         names = {id(p): name for name, p in model.named_parameters()}  # the optimizer holds the trained ones only
         for p, m, v in zip(optimizer.params, optimizer.exp_avg, optimizer.exp_avg_sq, strict=True):
             name = names[id(p)]
-            moments[f"exp_avg.{name}"] = _host(f"exp_avg.{name}", whole(name, m))
-            moments[f"exp_avg_sq.{name}"] = _host(f"exp_avg_sq.{name}", whole(name, v))
+            m, v = whole(name, m), whole(name, v)
+            if name in experts and dims.shards_moments:  # ZeRO-1 files: this DP rank's rows of the whole experts
+                start, stop = chunk_range(m.shape[0], dims.dp, dims.dp_rank)
+                m, v = m[start:stop], v[start:stop]
+            moments[f"exp_avg.{name}"] = _host(f"exp_avg.{name}", m)
+            moments[f"exp_avg_sq.{name}"] = _host(f"exp_avg_sq.{name}", v)
         dp_rank = dims.dp_rank if dims.shards_moments else 0
         if dims.dp_rank == 0 or dims.shards_moments:
             files[shard_file("optim", dims.tp_rank, dims.tp, dp_rank, optim_dp, **stage)] = moments
