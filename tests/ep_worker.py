@@ -4,12 +4,14 @@ saving to OUT (rank 0) what the test compares.
     python tests/ep_worker.py OUT RUN_DIR EP [EP ...]
 
 - fixed[ep]: 4 steps on tests/train_worker.py's fixed micro-batches: losses, grad norms, the first step's averaged
-  gradients and the final weights, whole (experts gathered over the EP group); fixed["ep2-zero1"] with ZeRO-1 and,
-  with 2 ranks, fixed["ep2-ac"] with activation checkpointing;
-- with 2 ranks: runs of the real Trainer on the demo corpus, validation at steps 2 and 4: 4 steps straight at ep 1
-  and at ep 2, and resumes across ep (and ZeRO-1) through its checkpoints (2 steps at one layout, 2 more at the
-  other, in one run dir); and `dropless`: one sparse block whose router sends every token to experts 0 and 7, at
-  EP 2 against the single-device block on each rank's tokens.
+  gradients and the final weights, whole (experts gathered over the EP group);
+- runs of the real Trainer on the demo corpus, validation at steps 2 and 4: 4 steps straight at ep 1, and resumes
+  across layouts through its checkpoints, in one run dir;
+- with 2 ranks: EP 2 with full activation checkpointing, resumes EP 2 -> 1 and 1 -> 2 (2 steps each), and
+  `dropless`: one sparse block whose router sends every token to experts 0 and 7, at EP 2 against the single-device
+  block on each rank's tokens;
+- with 4 ranks: EP 2 with ZeRO-1 and with FSDP (2 ranks hold each expert), and one step each of EP 2 + FSDP,
+  EP 2 + ZeRO-1, EP 1, EP 2 + FSDP, each resuming from the one before.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from train_worker import fixed_steps
 
 from recipes.qwen3.moe import SparseMLP
 from trnrecipes.config.recipe import load_recipe
-from trnrecipes.parallel.dims import ParallelDims
+from trnrecipes.parallel.dims import ParallelDims, full_tensor
 from trnrecipes.parallel.expert import ExpertShard, expert_layouts, gather_experts, shard_experts
 from trnrecipes.plan.layout import compute_layout
 from trnrecipes.train.loop import Trainer
@@ -48,7 +50,7 @@ def fixed(nproc: int, run_dir: Path, *overrides: str) -> dict:
         norms.append(float(trainer.reduce_and_clip()))
         if step == 0:
             for name, p in trainer.model.named_parameters():
-                g = p.grad.detach().clone()
+                g = full_tensor(p.grad).detach().clone()  # FSDP: whole over the ranks that split it
                 grads[name] = gather_experts(g, experts[name], trainer.dims.ep_group) if name in experts else g
         trainer.optimizer_step(step)
     result = {"losses": losses, "norms": norms, "grads": grads, "params": trainer.full_state_dict()}
@@ -59,12 +61,12 @@ def fixed(nproc: int, run_dir: Path, *overrides: str) -> dict:
 
 def train(nproc: int, run_dir: Path, steps: int, *overrides: str) -> list[float | None]:
     """The losses of steps 1 to `steps` (None before a resumed run's first), then the validation loss at the last."""
-    r = recipe(nproc, *overrides, f"run_dir={run_dir}", "checkpoint.every_steps=2", "train.val_every=2")
+    r = recipe(nproc, "checkpoint.every_steps=2", "train.val_every=2", *overrides, f"run_dir={run_dir}")
     trainer = Trainer(r, log=lambda *a, **k: None)
     try:
         start = trainer.start_step
         result = trainer.run(steps)
-        return [None] * start + result.losses + [result.val_losses[steps]]
+        return [None] * start + result.losses + [result.val_losses.get(steps)]
     finally:
         trainer.close()
 
@@ -108,17 +110,26 @@ def main() -> None:
     root = Path(run_dir)
     ParallelDims.close = lambda self: None  # one process group for every run (gloo hangs on a second one)
     results: dict = {"fixed": {ep: fixed(nproc, root / f"ep{ep}", f"layout.ep={ep}") for ep in map(int, eps)}}
-    results["fixed"]["ep2-zero1"] = fixed(nproc, root / "zero1", "layout.ep=2", "layout.zero1=true")
+    results["straight"] = train(nproc, root / "straight", 4)
+
+    def across(name: str, first: tuple[str, ...], then: tuple[str, ...]) -> list[float | None]:
+        """2 steps under `first`, then 2 more under `then` from its step_2, in one run dir."""
+        return [*train(nproc, root / name, 2, *first)[:2], *train(nproc, root / name, 4, *then)[2:]]
+
+    ep2 = ("layout.ep=2",)
     if nproc == 2:
-        results["fixed"]["ep2-ac"] = fixed(nproc, root / "ac", "layout.ep=2", "model.activation_checkpointing=full")
-        results["straight"] = train(nproc, root / "straight", 4)
-        results["ep2-then-ep1"] = [*train(nproc, root / "a", 2, "layout.ep=2")[:2], *train(nproc, root / "a", 4)[2:]]
-        results["ep1-then-ep2"] = [*train(nproc, root / "b", 2)[:2], *train(nproc, root / "b", 4, "layout.ep=2")[2:]]
-        results["ep2"] = train(nproc, root / "c", 4, "layout.ep=2")
-        zero1 = ("layout.ep=2", "layout.zero1=true")  # ZeRO-1's files: each DP rank's rows of the whole experts
-        results["zero1-ep2-then-ep1"] = [*train(nproc, root / "d", 2, *zero1)[:2], *train(nproc, root / "d", 4)[2:]]
-        results["ep1-then-zero1-ep2"] = [*train(nproc, root / "e", 2)[:2], *train(nproc, root / "e", 4, *zero1)[2:]]
+        results["fixed"]["ep2-ac"] = fixed(nproc, root / "ac", *ep2, "model.activation_checkpointing=full")
+        results["ep2-then-ep1"] = across("a", ep2, ())
+        results["ep1-then-ep2"] = across("b", (), ep2)
         results["dropless"] = dropless(nproc)
+    else:  # ZeRO-1 and FSDP where 2 ranks hold the same experts
+        for mode in ("zero1", "fsdp"):
+            results["fixed"][f"ep2-{mode}"] = fixed(nproc, root / mode, *ep2, f"layout.{mode}=true")
+        # One step each, saved every step, in one run dir: EP 2 + FSDP -> EP 2 + ZeRO-1 -> EP 1 -> EP 2 + FSDP
+        chain = [(*ep2, "layout.fsdp=true"), (*ep2, "layout.zero1=true"), (), (*ep2, "layout.fsdp=true")]
+        each = ("checkpoint.every_steps=1", "checkpoint.keep_last=4")
+        losses = [train(nproc, root / "chain", step, *layout, *each) for step, layout in enumerate(chain, 1)]
+        results["chain"] = [run[step] for step, run in enumerate(losses)] + [losses[-1][-1]]
     if dist.get_rank() == 0:
         torch.save(results, out)
     dist.barrier()

@@ -62,28 +62,28 @@ def test_ep2_over_dp2_trains_as_ep1_each_rank_holding_half_the_experts(two_ranks
     assert ep2["local_experts"][EXPERTS] == (4, 128, 64)
     assert_trains_like(ep2, ep1)
     assert_trains_like(results["fixed"]["ep2-ac"], ep1)  # full activation checkpointing: the all-to-alls run again
-    assert_trains_like(results["fixed"]["ep2-zero1"], ep1)
 
 
 @pytest.mark.slow
 def test_ep2_and_ep4_over_dp4_train_as_ep1(four_ranks):
     """EP 2 over DP 4: each expert on 2 ranks, its gradient summed over them (expert_replica_group); EP 4: on one.
-    EP 2 with ZeRO-1: the other parameters' moments split over the 4 DP ranks, the experts' kept whole per rank."""
+    EP 2 with ZeRO-1: the other parameters' moments split over the 4 DP ranks, the experts' kept whole per rank;
+    with FSDP: the other parameters split over the 4, the experts over the 2 ranks holding them."""
     results, _ = four_ranks
-    for ep in (2, 4, "ep2-zero1"):
+    for ep in (2, 4, "ep2-zero1", "ep2-fsdp"):
         assert results["fixed"][ep]["local_experts"][EXPERTS] == (8 // (4 if ep == 4 else 2), 128, 64)
         assert_trains_like(results["fixed"][ep], results["fixed"][1])
 
 
 @pytest.mark.slow
 def test_trainer_runs_and_checkpoints_hold_whole_experts_and_resume_across_ep(two_ranks):
-    """On the demo corpus: 4 steps at EP 2, and 2 steps at one ep then 2 more at the other from its step_2 (one run
-    dir), have the losses and step-4 validation loss of the straight EP 1 run (the same DP 2, so the data carries
-    over). The EP 2 save holds the [8, ...] experts and moments of EP 1."""
+    """On the demo corpus: 2 steps at one ep then 2 more at the other from its step_2 (one run dir) have the losses
+    and step-4 validation loss of the straight EP 1 run (the same DP 2, so the data carries over). The EP 2 save
+    holds the [8, ...] experts and moments of EP 1."""
     results, root = two_ranks
     straight = results["straight"]  # 4 losses, then the validation loss at step 4
     assert len(straight) == 5
-    for run in ("ep2", "ep2-then-ep1", "ep1-then-ep2", "zero1-ep2-then-ep1", "ep1-then-zero1-ep2"):
+    for run in ("ep2-then-ep1", "ep1-then-ep2"):
         assert results[run] == pytest.approx(straight, rel=1e-4), run
     step_2 = root / "a/checkpoints/step_2"  # saved at EP 2
     with safe_open(step_2 / "model.safetensors", "pt") as f:
@@ -91,9 +91,23 @@ def test_trainer_runs_and_checkpoints_hold_whole_experts_and_resume_across_ep(tw
     with safe_open(step_2 / "optim-tp00-of-01.safetensors", "pt") as f:
         assert f.get_slice(f"exp_avg.{EXPERTS}").get_shape() == [8, 128, 64]
         assert f.get_tensor(f"exp_avg_sq.{EXPERTS}").count_nonzero() == 8 * 128 * 64  # every expert's, none zero
-    for dp_rank in (0, 1):  # saved at EP 2 with ZeRO-1: each DP rank's file holds its rows of the whole experts
-        with safe_open(root / f"d/checkpoints/step_2/optim-tp00-of-01-dp000{dp_rank}-of-0002.safetensors", "pt") as f:
-            assert f.get_slice(f"exp_avg.{EXPERTS}").get_shape() == [4, 128, 64]
+
+
+@pytest.mark.slow
+def test_zero1_and_fsdp_checkpoints_hold_each_dp_ranks_rows_of_the_whole_experts(four_ranks):
+    """DP 4: one step each of EP 2 + FSDP, EP 2 + ZeRO-1, EP 1 and EP 2 + FSDP, each resuming from the one before,
+    has the losses and step-4 validation loss of the straight EP 1 run. The saves of EP 2 with FSDP (the experts
+    split over the 2 ranks holding them) and with ZeRO-1 (a rank's experts' moments whole) are ZeRO-1's files at EP 1:
+    DP rank d holds rows [2d, 2d + 2) of each whole [8, ...] expert moment, and the weights are whole."""
+    results, root = four_ranks
+    assert results["chain"] == pytest.approx(results["straight"], rel=1e-4)
+    for step in (1, 2):  # saved at EP 2 with FSDP, then with ZeRO-1
+        with safe_open(root / f"chain/checkpoints/step_{step}/model.safetensors", "pt") as f:
+            assert f.get_slice(EXPERTS).get_shape() == [8, 128, 64]
+        for dp_rank in range(4):
+            name = f"optim-tp00-of-01-dp000{dp_rank}-of-0004.safetensors"
+            with safe_open(root / f"chain/checkpoints/step_{step}/{name}", "pt") as f:
+                assert f.get_slice(f"exp_avg.{EXPERTS}").get_shape() == [2, 128, 64]
 
 
 @pytest.mark.slow
@@ -115,14 +129,13 @@ MOE = "qwen3-moe-tiny"
     [
         ("qwen3-tiny", "cluster.workers_per_node=2", "layout.ep 2: model.num_experts is 0 (model.family qwen3)"),
         (MOE, "cluster.workers_per_node=2 layout.ep=3", "layout.ep 3 must divide model.num_experts 8"),
-        (MOE, "cluster.workers_per_node=2 layout.fsdp=true", "layout.ep 2 with layout.fsdp true"),
         (MOE, "cluster.workers_per_node=4 layout.tp=2", "layout.tp 2, layout.pp 1 with model.num_experts 8"),
         (MOE, "cluster.workers_per_node=4 layout.pp=2", "layout.tp 1, layout.pp 2 with model.num_experts 8"),
         (MOE, "cluster.workers_per_node=2 cluster.backend=xla", "layout.ep 2: backend xla has no expert parallelism"),
         (MOE, "cluster.instance=trn1.32xlarge cluster.backend=neuron batch.global_batch=64",
          "neuronx-distributed's own MoE module, which this project does not build on"),
     ],
-    ids=["dense", "experts", "fsdp", "tp", "pp", "xla", "nxd"],
+    ids=["dense", "experts", "tp", "pp", "xla", "nxd"],
 )  # fmt: skip
 def test_what_expert_parallelism_refuses(recipe, overrides, message):
     extra = [] if "layout.ep=" in overrides else ["layout.ep=2"]
@@ -135,6 +148,11 @@ def test_ep_must_divide_the_data_parallel_degree():
     with pytest.raises(RecipeError, match=r"layout.ep 4 must divide the data-parallel degree 2 .* valid ep: 1, 2$"):
         compute_layout(r)
     assert compute_layout(load_recipe(MOE, overrides=["cluster.workers_per_node=4", "layout.ep=4"])).dp == 4
+    # FSDP splits a rank's experts over the dp / ep ranks holding them: evenly (8 / 2 = 4 experts over 8 / 2 = 4)
+    uneven = load_recipe(MOE, overrides=["cluster.workers_per_node=8", "batch.global_batch=16", "layout.ep=2",
+                                         "layout.fsdp=true", "model.num_experts=4"])  # fmt: skip
+    with pytest.raises(RecipeError, match=r"a rank's 2 experts do not split evenly over the 4 data-parallel ranks"):
+        compute_layout(uneven)
 
 
 def test_plan_counts_each_ranks_share_of_the_experts():
@@ -148,4 +166,6 @@ def test_plan_counts_each_ranks_share_of_the_experts():
     zero1 = plan(load_recipe(MOE, overrides=["cluster.workers_per_node=2", "layout.ep=2", "layout.zero1=true"]))
     others = one["memory"]["weights"] / 4 - 2 * half  # ZeRO-1 halves their moments; the rank's experts' stay whole
     assert zero1["memory"]["optimizer"] == others * 8 / 2 + half * 8
+    fsdp = plan(load_recipe(MOE, overrides=["cluster.workers_per_node=4", "layout.ep=2", "layout.fsdp=true"]))
+    assert fsdp["memory"]["weights"] == (others / 4 + half / 2) * 4  # the experts over the 2 ranks holding them
     assert "ep" not in one and "TP 1 x PP 1 x DP 2 (EP 2)" in format_plan(two)

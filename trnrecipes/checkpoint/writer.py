@@ -47,7 +47,7 @@ from trnrecipes.config.sections import Recipe
 from trnrecipes.config.stages import pipeline_stages
 from trnrecipes.data.order import DATA_ORDER
 from trnrecipes.parallel.dims import local_tensor
-from trnrecipes.parallel.expert import expert_layouts, gather_experts
+from trnrecipes.parallel.expert import expert_layouts, gather_experts, gather_replica_rows
 from trnrecipes.parallel.fsdp import tp_local
 from trnrecipes.parallel.kv_replication import describe, tp_block
 from trnrecipes.parallel.kv_replication import layouts as kv_layouts
@@ -354,8 +354,8 @@ def snapshot(
     optim_dp = dims.dp if dims.shards_moments else 1
     stage = {"pp_rank": dims.pp_rank, "pp": dims.pp}
     # Expert parallelism: the first EP group's ranks gather whole experts (its DP rank 0 keeps them; under ZeRO-1
-    # every group gathers its moments, each rank keeping its file's rows), so the files hold the [num_experts, ...]
-    # tensors EP 1 has and resume at any ep.
+    # and FSDP every group gathers its moments, each rank keeping its file's rows), so the files hold the
+    # [num_experts, ...] tensors EP 1 has and resume at any ep.
     experts = expert_layouts(model)
     whole = lambda key, t: gather_experts(t, experts[key], dims.ep_group) if key in experts else t  # noqa: E731
     gathers = bool(experts) and dims.dp_rank < dims.ep
@@ -373,8 +373,10 @@ def snapshot(
         names = {id(p): name for name, p in model.named_parameters()}  # the optimizer holds the trained ones only
         for p, m, v in zip(optimizer.params, optimizer.exp_avg, optimizer.exp_avg_sq, strict=True):
             name = names[id(p)]
+            if name in experts and dims.fsdp:  # FSDP: the rank's experts whole from the ranks holding them too
+                m, v = gather_replica_rows(m, dims), gather_replica_rows(v, dims)
             m, v = whole(name, m), whole(name, v)
-            if name in experts and dims.shards_moments:  # ZeRO-1 files: this DP rank's rows of the whole experts
+            if name in experts and dims.shards_moments:  # ZeRO-1's files: this DP rank's rows of the whole experts
                 start, stop = chunk_range(m.shape[0], dims.dp, dims.dp_rank)
                 m, v = m[start:stop], v[start:stop]
             moments[f"exp_avg.{name}"] = _host(f"exp_avg.{name}", m)

@@ -560,8 +560,8 @@ def check_recipe(r: Recipe) -> list[str]:
 
 
 def expert_parallel_problems(r: Recipe, on_torch: bool, backend_words: str) -> list[str]:
-    """layout.ep > 1: a model with experts that split evenly, on the torch backends, without FSDP (the DP degree it
-    must divide needs the node count: trnrecipes.plan.layout)."""
+    """layout.ep > 1: a model with experts that split evenly, on the torch backends (the DP degree it must divide
+    needs the node count: trnrecipes.plan.layout)."""
     ep, experts = r.layout.ep, getattr(r.model, "num_experts", 0)
     if not experts:
         why = f"model.num_experts is 0 (model.family {r.model.family}): no experts to share out"
@@ -578,11 +578,6 @@ def expert_parallel_problems(r: Recipe, on_torch: bool, backend_words: str) -> l
             f"layout.ep {ep}: {backend_words} has no expert parallelism here (its all-to-all dispatch runs on"
             " torch.distributed: cpu, cuda and TorchNeuron; on torch-xla + NxD it would have to be"
             " neuronx-distributed's own MoE module, which this project does not build on); use layout.ep 1"
-        )
-    if r.layout.fsdp:
-        problems.append(
-            f"layout.ep {ep} with layout.fsdp true: FSDP shards each parameter's rows over all data-parallel ranks,"
-            " whose experts differ under expert parallelism; not built yet: use layout.zero1 or layout.ep 1"
         )
     return problems
 

@@ -63,7 +63,7 @@ class ParallelDims:
         self.fsdp = recipe.layout.fsdp and self.dp > 1
         # Expert parallelism: groups of ep consecutive DP ranks share out the experts (trnrecipes/parallel/expert.py).
         self.ep, self.ep_rank = recipe.layout.ep, self.dp_rank % recipe.layout.ep
-        self.ep_group = self.expert_replica_group = None
+        self.ep_group = self.expert_replica_group = self.expert_fsdp_mesh = None
         self.mesh = self.dp_group = self.pp_group = None
         self.kv_group = None  # TP wider than the KV heads: the ranks sharing this rank's KV head (kv_replication.py)
         self.collectives_on_device = backend.collectives_on_device

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from trnrecipes.plan.layout import global_rank
 
@@ -27,10 +28,11 @@ class ExpertShard(NamedTuple):
         return self.num_experts // self.ep
 
 
-def init_expert_groups(dims) -> None:
+def init_expert_groups(dims, mesh_type: str) -> None:
     """Set dims.ep_group (this rank's EP group: `ep` consecutive DP ranks, group rank = ep_rank) and
-    dims.expert_replica_group (the dp / ep ranks of its DP group that hold the same experts). Every rank creates
-    every group, in the same order, as torch.distributed.new_group requires."""
+    dims.expert_replica_group (the dp / ep ranks of its DP group that hold the same experts; under FSDP also as
+    dims.expert_fsdp_mesh). Every rank creates every group, in the same order, as torch.distributed.new_group
+    requires."""
     if dims.ep == 1:
         return
     for pp_rank in range(dims.pp):
@@ -45,6 +47,8 @@ def init_expert_groups(dims) -> None:
                 group = dist.new_group(dp_ranks[ep_rank :: dims.ep])
                 if dims.rank in dp_ranks[ep_rank :: dims.ep]:
                     dims.expert_replica_group = group
+    if dims.fsdp:  # FSDP shards a rank's experts over the ranks that hold the same ones
+        dims.expert_fsdp_mesh = DeviceMesh.from_group(dims.expert_replica_group, mesh_type, mesh_dim_names=("dp",))
 
 
 def apply_expert_parallel(model: nn.Module, suffix: str, dims) -> None:
@@ -54,6 +58,27 @@ def apply_expert_parallel(model: nn.Module, suffix: str, dims) -> None:
         if name.endswith(suffix):
             experts = next(module.parameters()).shape[0]
             shard_experts(module, dims.ep_group, ExpertShard(dims.ep, dims.ep_rank, experts))
+
+
+def apply_expert_fsdp(model: nn.Module, suffix: str, dims) -> None:
+    """Under layout.fsdp, before the blocks are wrapped: each experts module its own FSDP unit over the ranks holding
+    the same experts. FSDP averages their gradients over those dp / ep ranks; the step divides them by ep more
+    (TorchBackend.reduce_and_clip; FSDP's own divide factor is a PREMUL_SUM reduction, which gloo has not)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for name, module in model.named_modules():
+        if name.endswith(suffix):
+            fully_shard(module, mesh=dims.expert_fsdp_mesh)
+
+
+def gather_replica_rows(t: torch.Tensor, dims) -> torch.Tensor:
+    """Under FSDP: a rank's experts whole from each replica's rows (even: the layout checks it), a collective."""
+    if dims.dp == dims.ep:
+        return t
+    out = t.new_empty((t.shape[0] * (dims.dp // dims.ep), *t.shape[1:]))
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    all_gather(out, t.detach().contiguous(), group=dims.expert_replica_group)
+    return out
 
 
 def shard_experts(module: nn.Module, group, shard: ExpertShard) -> None:

@@ -66,6 +66,13 @@ def compute_layout(r: Recipe) -> Layout:
             f" (tp {tp} x pp {pp})): expert-parallel groups are carved from the data-parallel ranks; valid ep:"
             f" {_divisors(dp)}"
         )
+    local = getattr(r.model, "num_experts", 0) // r.layout.ep
+    if r.layout.fsdp and r.layout.ep > 1 and local % (dp // r.layout.ep):
+        raise RecipeError(
+            f"layout.fsdp with layout.ep {r.layout.ep}: a rank's {local} experts do not split evenly over the"
+            f" {dp // r.layout.ep} data-parallel ranks holding the same ones (DP {dp} / EP {r.layout.ep}); use a"
+            f" layout.ep that makes them divide, or layout.zero1"
+        )
     if gbs % (mb * dp):
         raise RecipeError(
             f"batch.global_batch {gbs} is not divisible by micro_batch {mb} x data-parallel {dp} = {mb * dp}"

@@ -95,8 +95,10 @@ def fill_shards(
             continue
         rows = (dims.dp, dims.dp_rank) if dims.fsdp else (1, 0)  # FSDP: this DP rank's rows of the TP shard
         block = block_of(blocks, name, dims.tp_rank)  # NxD's tiled KV copies move o_proj's blocks
-        shard = experts.get(name)  # expert parallelism: this rank's experts
-        ep = (shard.ep, shard.ep_rank) if shard else (1, 0)
+        ep = (1, 0)
+        if (shard := experts.get(name)) is not None:  # expert parallelism: this rank's experts (FSDP: rows of them)
+            ep = (shard.ep, shard.ep_rank)
+            rows = (dims.dp // dims.ep, dims.dp_rank // dims.ep) if dims.fsdp else (1, 0)
         region = shard_region(full_shapes[name], shard_dim(p), dims.tp, block, *rows, experts=ep)
         if tuple(local.shape) != region.size:  # the sharding rule and the parallel layers disagree: a bug, not input
             raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the expected {region.size}")

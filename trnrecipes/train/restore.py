@@ -118,8 +118,9 @@ def restore_moments(path: Path, model, optimizer, dims, shard_dim: Callable[[tor
         dim = shard_dim(p)
         shape = full_shape(p, dims.tp, dim)
         ep, rows = (1, 0), (dims.dp, dims.dp_rank) if dims.shards_moments else (1, 0)
-        if (shard := experts.get(name)) is not None:  # expert parallelism: this rank's experts, all their rows
-            shape, ep, rows = (shard.num_experts, *shape[1:]), (shard.ep, shard.ep_rank), (1, 0)
+        if (shard := experts.get(name)) is not None:  # expert parallelism: this rank's experts (FSDP: rows of them)
+            shape, ep = (shard.num_experts, *shape[1:]), (shard.ep, shard.ep_rank)
+            rows = (dims.dp // dims.ep, dims.dp_rank // dims.ep) if dims.fsdp else (1, 0)
         block = block_of(blocks, name, dims.tp_rank)  # NxD's tiled KV copies move o_proj's blocks
         region = shard_region(shape, dim, dims.tp, block, *rows, experts=ep)
         reader.read_into(f"exp_avg.{name}", optimizer.exp_avg[i], shape, region.start)
