@@ -2,6 +2,7 @@
 torch backends. The DP ranks split into groups of `ep` consecutive DP ranks; EP rank j of a group holds the contiguous
 experts [j E/ep, (j+1) E/ep) of every sparse block. Each rank routes its own tokens (the router is replicated), one
 all-to-all sends each pick's row to its expert's rank and another brings the outputs back (dropless: no capacity).
+An expert's gradient holds its EP group's tokens: summed over the ranks holding the same experts, divided by dp.
 """
 
 from __future__ import annotations
