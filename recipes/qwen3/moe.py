@@ -2,8 +2,8 @@
 transformers' Qwen3MoeSparseMoeBlock and load_balancing_loss_func (Switch Transformer, equations 4-6).
 
 The experts are stacked tensors [E, ...] (transformers 5's layout, torchtitan's GroupedExperts'): expert parallelism
-later shards dim 0, and each expert's gate_up rows interleave gate and up as the dense MLP's, so a TP split of dim 1
-keeps whole SwiGLU units.
+(trnrecipes/parallel/expert.py) shards dim 0, and each expert's gate_up rows interleave gate and up as the dense
+MLP's, so a TP split of dim 1 keeps whole SwiGLU units.
 """
 
 from __future__ import annotations
@@ -41,13 +41,17 @@ class Experts(nn.Module):
         token = order // top_k
         # The split sizes are read on the host: one sync per sparse block (torch._grouped_mm would avoid it on GPUs).
         counts = torch.bincount(chosen.reshape(-1), minlength=self.gate_up.shape[0]).tolist()
-        rows = x.index_select(0, token).split(counts)
+        y = self.grouped(x.index_select(0, token), counts) * weights.reshape(-1, 1)[order]
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+    def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows [sum(counts), H] sorted by expert, counts[e] of them for this module's expert e: each through its
+        expert's SwiGLU. Expert parallelism (trnrecipes/parallel/expert.py) calls it with the rows of its experts."""
         outs = []
-        for expert, r in enumerate(rows):  # a loop over experts, not tokens
+        for expert, r in enumerate(rows.split(counts)):  # a loop over experts, not tokens
             gate, up = F.linear(r, self.gate_up[expert]).unflatten(-1, (-1, 2)).unbind(-1)
             outs.append(F.linear(F.silu(gate) * up, self.down[expert]))
-        y = torch.cat(outs) * weights.reshape(-1, 1)[order]
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        return torch.cat(outs)
 
 
 class SparseMLP(nn.Module):

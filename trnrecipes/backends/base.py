@@ -25,6 +25,7 @@ from torch import nn
 from trnrecipes.parallel.activation_checkpointing import apply_activation_checkpointing
 from trnrecipes.parallel.compile import compile_blocks
 from trnrecipes.parallel.dims import local_tensor
+from trnrecipes.parallel.expert import expert_layouts
 
 if TYPE_CHECKING:
     from trnrecipes.config.sections import Recipe
@@ -116,15 +117,24 @@ class Backend:
     # ------------------------------------------------------------------ the step
     def make_optimizer(self, model: nn.Module, recipe: Recipe, dims: ParallelDims):
         """AdamW over the model's trained parameters; under ZeRO-1 (dims.zero1) each DP rank keeps moments for, and
-        updates, only its rows of each parameter (trnrecipes.optim.adamw). Where train.compile compiles the blocks,
-        the optimizer step is compiled too: one graph per parameter group."""
+        updates, only its rows of each parameter (trnrecipes.optim.adamw), but of expert-parallel experts all of them
+        (each rank's experts are its own already; the dp / ep ranks holding the same ones update them alike). Where
+        train.compile compiles the blocks, the optimizer step is compiled too: one graph per parameter group."""
         from trnrecipes.optim.adamw import AdamW, no_decay_params
         from trnrecipes.optim.rounding import rounding_seed
 
         params = [p for p in model.parameters() if p.requires_grad]
-        rows = [dims.zero1_rows(local_tensor(p).shape[0]) for p in params] if dims.zero1 else None
+        sharded = expert_layouts(model)  # expert parallelism's experts: split by EP already, their moments kept whole
+        ids = {id(q) for name, q in model.named_parameters() if name in sharded}
+        experts = {i for i, p in enumerate(params) if id(p) in ids}
+        rows = None
+        if dims.zero1:
+            rows = [
+                (0, local_tensor(p).shape[0]) if i in experts else dims.zero1_rows(local_tensor(p).shape[0])
+                for i, p in enumerate(params)
+            ]
         p = recipe.precision
-        return AdamW(
+        optimizer = AdamW(
             params,
             recipe.optim,
             no_decay_params(model, recipe.optim.decay_norms_and_biases),
@@ -133,13 +143,18 @@ class Backend:
             rows=rows,
             compile_backend=self.compile_backend if self.compiles(recipe) else None,
         )
+        optimizer.whole_rows = experts
+        return optimizer
 
     def optimizer_step(self, optimizer, dims: ParallelDims) -> None:
         """One optimizer step (the learning rate already set); under ZeRO-1 each DP rank then shares the rows it
         updated, so every replica holds the whole updated weights."""
         optimizer.step()
         if optimizer.rows is not None:
-            dims.gather_zero1([local_tensor(p).data for p in optimizer.params], optimizer.rows)
+            shared = [i for i in range(len(optimizer.params)) if i not in optimizer.whole_rows]
+            dims.gather_zero1(
+                [local_tensor(optimizer.params[i]).data for i in shared], [optimizer.rows[i] for i in shared]
+            )
 
     def step(self, model: nn.Module, optimizer, dims: ParallelDims, max_norm: float) -> torch.Tensor:
         """Everything after backward: reduce and clip the gradients, step the optimizer (its lr already set);

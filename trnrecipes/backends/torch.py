@@ -13,6 +13,7 @@ from trnrecipes.backends.base import Backend
 from trnrecipes.config.sections import NodeError
 from trnrecipes.parallel import kv_replication
 from trnrecipes.parallel.dims import local_tensor
+from trnrecipes.parallel.expert import apply_expert_fsdp, apply_expert_parallel, expert_layouts, init_expert_groups
 from trnrecipes.parallel.fsdp import apply_fsdp, mesh_dim_placement, reshard
 from trnrecipes.parallel.pipeline import TorchPipeline, parameter_order
 
@@ -50,6 +51,7 @@ class TorchBackend(Backend):
             raise RuntimeError(
                 f"DP rank {dims.dp_rank} is rank {group_rank} of its DP group: the mesh and the layout disagree"
             )
+        init_expert_groups(dims, mesh_type)
 
     def select_device(self) -> None:
         """Make self.device the current device once the process group exists, before DeviceMesh picks one (on cpu
@@ -64,8 +66,16 @@ class TorchBackend(Backend):
             dims.kv_group = kv_replication.kv_groups(dims.mesh, dims.tp, layout)
 
     def parallelize(self, model: nn.Module, recipe: Recipe, dims: ParallelDims) -> None:
+        experts = None
+        if dims.ep > 1:  # first: the blocks' experts are cut before anything wraps the blocks
+            from trnrecipes.parallel.tensor import family_plan
+
+            experts = family_plan(recipe.model.family).EXPERTS
+            apply_expert_parallel(model, experts, dims)
         super().parallelize(model, recipe, dims)
         if dims.fsdp:
+            if experts is not None:
+                apply_expert_fsdp(model, experts, dims)
             apply_fsdp(model, dims.mesh["dp"])
 
     @staticmethod
@@ -78,8 +88,14 @@ class TorchBackend(Backend):
 
     def reduce_and_clip(self, model: nn.Module, dims: ParallelDims, max_norm: float) -> torch.Tensor:
         local_grads = _local_grads(model)
+        sharded = expert_layouts(model)  # expert parallelism's experts: their own reduction (_local_grads' order)
+        expert = [name in sharded for name, p in model.named_parameters() if p.grad is not None]
         if not dims.fsdp:  # FSDP's reduce-scatter has averaged them already
-            dims.average_over_dp(local_grads)
+            dims.average_over_dp([g for g, e in zip(local_grads, expert, strict=True) if not e])
+            dims.average_experts_over_dp([g for g, e in zip(local_grads, expert, strict=True) if e])
+        elif sharded:  # FSDP averaged the experts' over the dp / ep ranks holding them; EP 1's mean divides by dp
+            for g in (g for g, e in zip(local_grads, expert, strict=True) if e):
+                g.div_(dims.ep)
         if dims.kv_group is not None:  # replicated KV heads: each copy's gradient is its own query heads' share
             kv_replication.sync_grads(model, dims.kv_group)
         grad_norm = self._global_norm(model, dims, grads=True)
@@ -113,6 +129,8 @@ class TorchBackend(Backend):
                 squares[index[name]] = whole.float().pow(2).sum()
         if dims.fsdp:
             _sum_fsdp_squares(squares, model, index, dims)
+        if dims.ep > 1 and not dims.fsdp:  # each EP rank squared its own experts (FSDP's DP sum counts them once)
+            _sum_expert_squares(squares, model, index, dims)
         dims.sum_over_pp(squares)  # each entry is non-zero on one stage only: the sum is exact
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for square in squares:
@@ -148,6 +166,16 @@ def _sum_fsdp_squares(squares: torch.Tensor, model: nn.Module, index: dict[str, 
     across_tp = torch.where(split, squares, torch.zeros_like(squares))
     dist.all_reduce(across_tp, group=dims.mesh["tp"].get_group())
     squares.copy_(torch.where(split, across_tp, squares))
+
+
+def _sum_expert_squares(squares: torch.Tensor, model: nn.Module, index: dict[str, int], dims: ParallelDims) -> None:
+    """In place: the squared norms of sharded experts summed over the EP group (the others kept: the same there)."""
+    sharded = torch.zeros_like(squares, dtype=torch.bool)
+    for name in expert_layouts(model):
+        sharded[index[name]] = True
+    summed = torch.where(sharded, squares, torch.zeros_like(squares))
+    dist.all_reduce(summed, group=dims.ep_group)
+    squares.copy_(torch.where(sharded, summed, squares))
 
 
 def _local_grads(model: nn.Module) -> list[torch.Tensor]:

@@ -47,9 +47,11 @@ from trnrecipes.config.sections import Recipe
 from trnrecipes.config.stages import pipeline_stages
 from trnrecipes.data.order import DATA_ORDER
 from trnrecipes.parallel.dims import local_tensor
+from trnrecipes.parallel.expert import expert_layouts, gather_experts, gather_replica_rows
 from trnrecipes.parallel.fsdp import tp_local
 from trnrecipes.parallel.kv_replication import describe, tp_block
 from trnrecipes.parallel.kv_replication import layouts as kv_layouts
+from trnrecipes.parallel.sharding import chunk_range
 
 RANK_WAIT_S = 3600.0  # rank 0 waits this long for the other ranks' files before giving up on a checkpoint
 
@@ -351,24 +353,37 @@ def snapshot(
     files: dict[str, object] = {}
     optim_dp = dims.dp if dims.shards_moments else 1
     stage = {"pp_rank": dims.pp_rank, "pp": dims.pp}
-    if dims.dp_rank == 0 or dims.fsdp:
+    # Expert parallelism: the first EP group's ranks gather whole experts (its DP rank 0 keeps them; under ZeRO-1
+    # and FSDP every group gathers its moments, each rank keeping its file's rows), so the files hold the
+    # [num_experts, ...] tensors EP 1 has and resume at any ep.
+    experts = expert_layouts(model)
+    whole = lambda key, t: gather_experts(t, experts[key], dims.ep_group) if key in experts else t  # noqa: E731
+    gathers = bool(experts) and dims.dp_rank < dims.ep
+    if dims.dp_rank == 0 or dims.fsdp or gathers:
         weights = {}
         for k, v in model.state_dict().items():
             # FSDP: a gather over DP, one tensor at a time, that every DP rank takes part in; DP rank 0 keeps it.
-            t = tp_local(v) if dims.fsdp else v
+            t = whole(k, tp_local(v) if dims.fsdp else v)
             if dims.dp_rank == 0:
                 weights[k] = _host(k, t)
         if dims.dp_rank == 0:
             files[shard_file("model", dims.tp_rank, dims.tp, **stage)] = weights
-    if dims.dp_rank == 0 or dims.shards_moments:
+    if dims.dp_rank == 0 or dims.shards_moments or gathers:
         moments = {}
         names = {id(p): name for name, p in model.named_parameters()}  # the optimizer holds the trained ones only
         for p, m, v in zip(optimizer.params, optimizer.exp_avg, optimizer.exp_avg_sq, strict=True):
             name = names[id(p)]
+            if name in experts and dims.fsdp:  # FSDP: the rank's experts whole from the ranks holding them too
+                m, v = gather_replica_rows(m, dims), gather_replica_rows(v, dims)
+            m, v = whole(name, m), whole(name, v)
+            if name in experts and dims.shards_moments:  # ZeRO-1's files: this DP rank's rows of the whole experts
+                start, stop = chunk_range(m.shape[0], dims.dp, dims.dp_rank)
+                m, v = m[start:stop], v[start:stop]
             moments[f"exp_avg.{name}"] = _host(f"exp_avg.{name}", m)
             moments[f"exp_avg_sq.{name}"] = _host(f"exp_avg_sq.{name}", v)
         dp_rank = dims.dp_rank if dims.shards_moments else 0
-        files[shard_file("optim", dims.tp_rank, dims.tp, dp_rank, optim_dp, **stage)] = moments
+        if dims.dp_rank == 0 or dims.shards_moments:
+            files[shard_file("optim", dims.tp_rank, dims.tp, dp_rank, optim_dp, **stage)] = moments
     # TP wider than the KV heads: each rank saved its own rows; readers map them back (kv_replication.py)
     replicated, blocks = describe(kv_layouts(model)), tp_block(model)
     stage_dims = {

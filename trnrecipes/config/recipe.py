@@ -245,7 +245,7 @@ _SLURM_TIME = re.compile(r"([0-9]{1,4}-)?[0-9]{1,2}:[0-9]{2}:[0-9]{2}")
 # Every numeric field and its range (a tuple field: each item); None passes (the default applies). The model
 # section's come from its family: model_bounds().
 FIELD_BOUNDS: dict[str, Bound] = {
-    "layout.tp": POSITIVE, "layout.pp": POSITIVE, "layout.pp_virtual_stages": POSITIVE,
+    "layout.tp": POSITIVE, "layout.pp": POSITIVE, "layout.ep": POSITIVE, "layout.pp_virtual_stages": POSITIVE,
     "layout.pp_stage_layers": NON_NEGATIVE,
     "batch.global_batch": POSITIVE, "batch.micro_batch": POSITIVE, "batch.seq_len": POSITIVE,
     "optim.lr": POSITIVE, "optim.min_lr": NON_NEGATIVE, "optim.warmup_steps": NON_NEGATIVE,
@@ -485,6 +485,8 @@ def check_recipe(r: Recipe) -> list[str]:
         problems += _classification_problems(r, nxd)
     if hasattr(m, "layout_problems"):  # what a family does not run with yet (recipes/qwen3/spec.py)
         problems += m.layout_problems(lay, nxd)
+    if lay.ep > 1:
+        problems += expert_parallel_problems(r, on_torch, _backend_words(r, stack))
     need(
         r.train.init_optimizer == "reset" or r.train.init_from is not None,
         "train.init_optimizer 'keep' carries the optimizer state of train.init_from over; set train.init_from",
@@ -554,6 +556,29 @@ def check_recipe(r: Recipe) -> list[str]:
             f" use more than {lead + 300} s",
         )
     problems += check_allow_changes(r.checkpoint.allow_changes)
+    return problems
+
+
+def expert_parallel_problems(r: Recipe, on_torch: bool, backend_words: str) -> list[str]:
+    """layout.ep > 1: a model with experts that split evenly, on the torch backends (the DP degree it must divide
+    needs the node count: trnrecipes.plan.layout)."""
+    ep, experts = r.layout.ep, getattr(r.model, "num_experts", 0)
+    if not experts:
+        why = f"model.num_experts is 0 (model.family {r.model.family}): no experts to share out"
+        return [f"layout.ep {ep}: {why}; use layout.ep 1"]
+    problems = []
+    if experts % ep:
+        valid = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
+        problems.append(
+            f"layout.ep {ep} must divide model.num_experts {experts} (each expert-parallel rank holds the same number);"
+            f" valid ep: {valid}"
+        )
+    if not on_torch:
+        problems.append(
+            f"layout.ep {ep}: {backend_words} has no expert parallelism here (its all-to-all dispatch runs on"
+            " torch.distributed: cpu, cuda and TorchNeuron; on torch-xla + NxD it would have to be"
+            " neuronx-distributed's own MoE module, which this project does not build on); use layout.ep 1"
+        )
     return problems
 
 

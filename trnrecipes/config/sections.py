@@ -46,6 +46,9 @@ class LayoutConfig:
     # FSDP2 (torch's fully_shard): parameters, gradients and optimizer states sharded over the data-parallel group;
     # cpu and cuda. Checkpoints are the same files as without it.
     fsdp: bool = False
+    # Expert parallelism: a mixture of experts' experts shared out over groups of ep consecutive data-parallel ranks
+    # (trnrecipes/parallel/expert.py); ep divides the data-parallel degree and the number of experts.
+    ep: int = 1
 
 
 @dataclass(frozen=True)

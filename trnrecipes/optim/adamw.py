@@ -200,6 +200,8 @@ class AdamW:
         if rows is not None and len(rows) != len(self.params):
             raise ValueError(f"ZeRO-1 rows for {len(rows)} parameters, but {len(self.params)} are trained")
         self.rows = rows
+        # ZeRO-1: indices of parameters whose rows are all this rank's (expert parallelism's experts): not gathered
+        self.whole_rows: set[int] = set()
         self.betas, self.eps, self.weight_decay = cfg.betas, cfg.eps, cfg.weight_decay
         self.no_decay = no_decay or set()
         self.stochastic_rounding, self.seed = stochastic_rounding, seed

@@ -61,6 +61,9 @@ class ParallelDims:
         # FSDP2: parameters, gradients and moments sharded over the DP group (trnrecipes/parallel/fsdp.py), along the
         # same dim-0 rows of each TP-local tensor as ZeRO-1's moments (trnrecipes.parallel.sharding).
         self.fsdp = recipe.layout.fsdp and self.dp > 1
+        # Expert parallelism: groups of ep consecutive DP ranks share out the experts (trnrecipes/parallel/expert.py).
+        self.ep, self.ep_rank = recipe.layout.ep, self.dp_rank % recipe.layout.ep
+        self.ep_group = self.expert_replica_group = self.expert_fsdp_mesh = None
         self.mesh = self.dp_group = self.pp_group = None
         self.kv_group = None  # TP wider than the KV heads: the ranks sharing this rank's KV head (kv_replication.py)
         self.collectives_on_device = backend.collectives_on_device
@@ -79,11 +82,21 @@ class ParallelDims:
     def average_over_dp(self, tensors: list[torch.Tensor]) -> None:
         """In place: the mean over the data-parallel replicas (never over TP ranks, which hold different shards).
         Bucketed: the flat copy that one all-reduce needs is at most BUCKET_ELEMENTS, not the whole model's grads."""
-        if self.dp == 1 or not tensors:
-            return
+        if self.dp > 1:
+            self._sum_over_dp(tensors, self.dp_group)
+
+    def average_experts_over_dp(self, tensors: list[torch.Tensor]) -> None:
+        """In place, under expert parallelism: the DP mean of sharded experts' gradients, as EP 1 has it. A rank's
+        expert gradient holds the picks of its whole EP group already; summed over the dp / ep ranks that hold the
+        same experts (expert_replica_group) it holds every DP rank's, and is divided by dp as the rest."""
+        self._sum_over_dp(tensors, self.expert_replica_group if self.dp > self.ep else None)
+
+    def _sum_over_dp(self, tensors: list[torch.Tensor], group) -> None:
+        """In place: each tensor summed over `group` (None: this rank alone) and divided by dp."""
         for bucket in _buckets(tensors, BUCKET_ELEMENTS):
             flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
-            dist.all_reduce(flat, group=self.dp_group)
+            if group is not None:
+                dist.all_reduce(flat, group=group)
             flat /= self.dp
             offset = 0
             for t in bucket:

@@ -47,11 +47,21 @@ def chunk_range(n: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def shard_region(
-    full_shape: tuple[int, ...], tp_dim: int | None, tp: int, tp_rank: int, dp: int = 1, dp_rank: int = 0
+    full_shape: tuple[int, ...],
+    tp_dim: int | None,
+    tp: int,
+    tp_rank: int,
+    dp: int = 1,
+    dp_rank: int = 0,
+    experts: tuple[int, int] = (1, 0),
 ) -> Region:
     """The part of a full tensor held by TP rank `tp_rank` (split along tp_dim, None = replicated) and, when dp > 1,
-    by DP rank `dp_rank` of that TP-local tensor's dim 0 (ZeRO-1's optimizer-state slice)."""
+    by DP rank `dp_rank` of that TP-local tensor's dim 0 (ZeRO-1's optimizer-state slice). `experts` (ep, ep_rank):
+    stacked experts' dim 0 split first over the expert-parallel ranks."""
     start, size = [0] * len(full_shape), list(full_shape)
+    if experts[0] > 1:
+        a, b = chunk_range(full_shape[0], *experts)
+        start[0], size[0] = a, b - a
     if tp_dim is not None and tp > 1:
         a, b = chunk_range(full_shape[tp_dim], tp, tp_rank)
         start[tp_dim], size[tp_dim] = a, b - a

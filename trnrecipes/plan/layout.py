@@ -60,6 +60,19 @@ def compute_layout(r: Recipe) -> Layout:
             f" valid node counts: {_fmt(valid_node_counts(r))}"
         )
     dp = world // (tp * pp)
+    if dp % r.layout.ep:
+        raise RecipeError(
+            f"layout.ep {r.layout.ep} must divide the data-parallel degree {dp} ({nodes} node(s) x {wpn} workers /"
+            f" (tp {tp} x pp {pp})): expert-parallel groups are carved from the data-parallel ranks; valid ep:"
+            f" {_divisors(dp)}"
+        )
+    local = getattr(r.model, "num_experts", 0) // r.layout.ep
+    if r.layout.fsdp and r.layout.ep > 1 and local % (dp // r.layout.ep):
+        raise RecipeError(
+            f"layout.fsdp with layout.ep {r.layout.ep}: a rank's {local} experts do not split evenly over the"
+            f" {dp // r.layout.ep} data-parallel ranks holding the same ones (DP {dp} / EP {r.layout.ep}); use a"
+            f" layout.ep that makes them divide, or layout.zero1"
+        )
     if gbs % (mb * dp):
         raise RecipeError(
             f"batch.global_batch {gbs} is not divisible by micro_batch {mb} x data-parallel {dp} = {mb * dp}"
@@ -92,7 +105,7 @@ def valid_node_counts(r: Recipe, limit: int = 128) -> list[int]:
     found = []
     for n in range(1, limit + 1):
         world = n * wpn
-        if world % (tp * pp) or gbs % (mb * (world // (tp * pp))):
+        if world % (tp * pp) or gbs % (mb * (world // (tp * pp))) or (world // (tp * pp)) % r.layout.ep:
             continue
         accum = gbs // (mb * (world // (tp * pp)))
         if schedule_problem(r.layout.pp_schedule, pp, r.layout.pp_virtual_stages, accum) is None:
@@ -227,6 +240,8 @@ def plan(r: Recipe, seq_per_s: float | None = None, price_per_hour: float | None
     active = getattr(r.model, "active_params", None)  # a mixture of experts: what one token's forward reads
     if active is not None and active() != out["params"]:
         out["active_params"] = active()  # FLOPs/token, and so MFU, count these
+    if r.layout.ep > 1:  # expert parallelism: only where used, so other plans keep their keys
+        out["ep"] = r.layout.ep
     if layout.pp > 1:
         out |= pipeline_plan(r, layout)
     out["memory"] = memory_plan(r, layout.dp, layout.grad_accum).to_dict()

@@ -107,15 +107,24 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     kv = getattr(m, "num_kv_heads", None)
     if kv is not None and tp > kv:  # each rank also holds a copy of one KV head (trnrecipes/parallel/kv_replication.py)
         params += layers * 2 * m.head_dim * m.hidden_size * (1 - kv / tp)
+    experts = 0.0  # expert parallelism: each rank holds 1 / ep of every sparse block's experts (parallel/expert.py)
+    if lay.ep > 1:
+        sparse = sum(m.is_sparse(i) for s in stages for i in s.layers)
+        experts = sparse * m.num_experts * 3 * m.hidden_size * m.moe_intermediate_size / tp
+        params -= experts * (1 - 1 / lay.ep)
+        experts /= lay.ep
     dtype = r.precision.dtype
     weight_bytes = 2 if dtype == "bf16" else 4
     sharded = dp if lay.fsdp else 1
-    weights = params * weight_bytes / sharded
-    grads = params * weight_bytes / sharded
+    experts_split = dp // lay.ep if lay.fsdp else 1  # FSDP splits a rank's experts over the ranks holding them too
+    per_rank = (params - experts) / sharded + experts / experts_split
+    weights = per_rank * weight_bytes
+    grads = per_rank * weight_bytes
     moments = 4.0 if r.optim.state_dtype == "bf16" else 8.0
     if lay.zero1 and r.stack == "xla-nxd" and dtype == "bf16":
         moments += 4 + 4  # torch-xla's ZeRO-1 keeps fp32 master and gradient shards of bf16 parameters
-    optimizer = params * moments / (dp if lay.zero1 or lay.fsdp else 1)
+    # ZeRO-1 keeps the moments of a rank's experts whole (EP has split them already)
+    optimizer = ((params - experts) / (dp if lay.zero1 or lay.fsdp else 1) + experts / experts_split) * moments
     act_bytes = 4 if dtype == "fp32" else 2
     tokens = b.micro_batch * b.seq_len
     held = 1

@@ -25,7 +25,10 @@ def format_plan(p: dict[str, object], recipe: Recipe | None = None) -> str:
     rows = [
         ("recipe", f"{p['recipe']} on {p['nodes']} x {p['instance']} ({backend})"),
         ("workers", f"{p['nodes']} node(s) x {p['workers_per_node']} = {p['world_size']}"),
-        ("parallelism", f"TP {p['tp']} x PP {p['pp']} x DP {p['dp']}"),
+        (
+            "parallelism",
+            f"TP {p['tp']} x PP {p['pp']} x DP {p['dp']}{f' (EP {ep})' if (ep := p.get('ep', 1)) > 1 else ''}",
+        ),
         (
             "batch",
             f"micro-batch {p['micro_batch']} x grad-accum {p['grad_accum']} x DP {p['dp']}"

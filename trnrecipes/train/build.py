@@ -22,6 +22,7 @@ from trnrecipes.config.sections import Recipe
 from trnrecipes.config.stages import pipeline_stages, rank_stages
 from trnrecipes.models import build_model
 from trnrecipes.parallel.dims import local_tensor
+from trnrecipes.parallel.expert import expert_layouts
 from trnrecipes.parallel.kv_replication import block_of, tp_block
 from trnrecipes.parallel.kv_replication import layouts as kv_layouts
 from trnrecipes.parallel.pipeline import StagedModel
@@ -81,7 +82,7 @@ def fill_shards(
             f"{source or reader.path}: its weights do not fit this recipe's model"
             f" (missing {missing[:3]}, unexpected {extra[:3]})"
         )
-    replicated, blocks = kv_layouts(model), tp_block(model)
+    replicated, blocks, experts = kv_layouts(model), tp_block(model), expert_layouts(model)
     for name, p in model.named_parameters():
         local = local_tensor(p).data
         if (kv := replicated.get(name)) is not None:  # TP wider than the KV heads: two row ranges of the stored tensor
@@ -92,9 +93,13 @@ def fill_shards(
                 else:
                     fill_region(part, full_shapes[name], start, rules[name], seed, name)
             continue
-        rows = (dims.dp, dims.dp_rank) if dims.fsdp else ()  # FSDP: this DP rank's rows of the TP shard
+        rows = (dims.dp, dims.dp_rank) if dims.fsdp else (1, 0)  # FSDP: this DP rank's rows of the TP shard
         block = block_of(blocks, name, dims.tp_rank)  # NxD's tiled KV copies move o_proj's blocks
-        region = shard_region(full_shapes[name], shard_dim(p), dims.tp, block, *rows)
+        ep = (1, 0)
+        if (shard := experts.get(name)) is not None:  # expert parallelism: this rank's experts (FSDP: rows of them)
+            ep = (shard.ep, shard.ep_rank)
+            rows = (dims.dp // dims.ep, dims.dp_rank // dims.ep) if dims.fsdp else (1, 0)
+        region = shard_region(full_shapes[name], shard_dim(p), dims.tp, block, *rows, experts=ep)
         if tuple(local.shape) != region.size:  # the sharding rule and the parallel layers disagree: a bug, not input
             raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the expected {region.size}")
         if reader is not None:

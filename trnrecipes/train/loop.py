@@ -45,6 +45,7 @@ from trnrecipes.data.pack import Prefetcher, batches, split_documents
 from trnrecipes.data.sources import OpenedSource, data_stream, open_labelled, open_sources
 from trnrecipes.optim.schedule import lr_at
 from trnrecipes.parallel.dims import ParallelDims, local_tensor
+from trnrecipes.parallel.expert import expert_layouts, gather_experts
 from trnrecipes.parallel.kv_replication import layouts as kv_layouts
 from trnrecipes.parallel.kv_replication import stored_full
 from trnrecipes.plan.layout import compute_layout, plan
@@ -295,10 +296,12 @@ class Trainer:
                     f" {held_out} of {counts[0]} documents ({per_rank} per rank over"
                     f" {val_dp}): raise data.val_fraction or lower train.val_batches"
                 )
-        if self.dims.fsdp and 0 < val_dp < self.dims.dp:  # FSDP's forward gathers over DP: every rank must run it
+        # FSDP's forward gathers over DP, expert parallelism's exchanges tokens in its group: every rank must run it
+        if (self.dims.fsdp or self.dims.ep > 1) and 0 < val_dp < self.dims.dp:
+            under = "layout.fsdp" if self.dims.fsdp else f"layout.ep {self.dims.ep}"
             raise RecipeError(
                 f"data.val_fraction {d.val_fraction} leaves {held_out} validation document(s) of {fewest} for"
-                f" {self.dims.dp} data-parallel ranks; under layout.fsdp each rank needs one: raise data.val_fraction"
+                f" {self.dims.dp} data-parallel ranks; under {under} each rank needs one: raise data.val_fraction"
             )
         self.val_batches: list[torch.Tensor] = []
         if val_dp and self.dims.dp_rank < val_dp:
@@ -423,9 +426,13 @@ class Trainer:
         return float(counted[0] / counted[1])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """CPU weights with their TP shards gathered (under PP: this rank's stages only)."""
+        """CPU weights with their TP shards (and expert-parallel experts) gathered (under PP: this rank's stages
+        only). A collective: every rank takes part."""
         replicated = kv_layouts(self.model)  # replicated KV heads: in the stored layout, each once
-        return {k: stored_full(v, replicated.get(k)).detach().cpu() for k, v in self.model.state_dict().items()}
+        weights = {k: stored_full(v, replicated.get(k)).detach().cpu() for k, v in self.model.state_dict().items()}
+        for k, shard in expert_layouts(self.model).items():
+            weights[k] = gather_experts(weights[k], shard, self.dims.ep_group)
+        return weights
 
     def save(self, step: int, position: DataPosition | None) -> None:
         """Copy this rank's state to host memory (the only part the step waits for) and hand it to the writer.
@@ -472,6 +479,7 @@ class Trainer:
         loader, positions = self._train_loader(self.start_position)
         mode = "compile (tracing every graph; nothing is written)" if self.compile_only else "train"
         dp_mode = " (FSDP)" if self.dims.fsdp else " (ZeRO-1)" if self.dims.zero1 else ""
+        dp_mode += f" (experts over EP {self.dims.ep})" if self.dims.ep > 1 else ""
         compiled = "; torch.compile per block" if self.backend.compiles(r) else ""
         self.log(
             f"[trnrecipes] {mode}: {r.name} on {self.backend.name}{compiled}, {self.dims.world} rank(s) = PP {lay.pp}"

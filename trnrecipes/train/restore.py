@@ -22,6 +22,7 @@ from trnrecipes.config.changes import allows
 from trnrecipes.config.sections import Recipe
 from trnrecipes.data.blend import DataPosition, position_from_dict, restart_position
 from trnrecipes.data.order import DATA_ORDER
+from trnrecipes.parallel.expert import expert_layouts
 from trnrecipes.parallel.kv_replication import block_of, tp_block
 from trnrecipes.parallel.kv_replication import layouts as kv_layouts
 from trnrecipes.parallel.sharding import chunk_range, shard_region
@@ -103,7 +104,7 @@ def restore_moments(path: Path, model, optimizer, dims, shard_dim: Callable[[tor
     expected = {f"{key}.{name}" for name, _ in params for key in ("exp_avg", "exp_avg_sq")}
     if missing := sorted(expected - reader.names()):
         raise CheckpointError(f"{path}: no optimizer state for {missing[0]} ({len(missing)} missing)")
-    replicated, blocks = kv_layouts(model), tp_block(model)
+    replicated, blocks, experts = kv_layouts(model), tp_block(model), expert_layouts(model)
     for i, (name, p) in enumerate(params):
         if (kv := replicated.get(name)) is not None:  # TP wider than the KV heads: two row ranges of the stored tensor
             shape = (kv.stored_rows, *p.shape[1:])
@@ -116,8 +117,12 @@ def restore_moments(path: Path, model, optimizer, dims, shard_dim: Callable[[tor
             continue
         dim = shard_dim(p)
         shape = full_shape(p, dims.tp, dim)
+        ep, rows = (1, 0), (dims.dp, dims.dp_rank) if dims.shards_moments else (1, 0)
+        if (shard := experts.get(name)) is not None:  # expert parallelism: this rank's experts (FSDP: rows of them)
+            shape, ep = (shard.num_experts, *shape[1:]), (shard.ep, shard.ep_rank)
+            rows = (dims.dp // dims.ep, dims.dp_rank // dims.ep) if dims.fsdp else (1, 0)
         block = block_of(blocks, name, dims.tp_rank)  # NxD's tiled KV copies move o_proj's blocks
-        region = shard_region(shape, dim, dims.tp, block, dims.dp if dims.shards_moments else 1, dims.dp_rank)
+        region = shard_region(shape, dim, dims.tp, block, *rows, experts=ep)
         reader.read_into(f"exp_avg.{name}", optimizer.exp_avg[i], shape, region.start)
         reader.read_into(f"exp_avg_sq.{name}", optimizer.exp_avg_sq[i], shape, region.start)
     optimizer.set_steps(int(optimizer_steps))
