@@ -18,7 +18,7 @@ from trnrecipes.schema import shown
 FREE = ("name", "description", "run_dir", "cluster", "slurm", "compile", "checkpoint", "layout", "train.max_steps",
         "train.log_every", "train.val_every", "train.val_batches", "train.init_from", "train.init_optimizer",
         "model.activation_checkpointing", "model.attention", "model.init_std", "batch.micro_batch", "data.tokenizer",
-        "data.eval_path", "eval")  # fmt: skip
+        "data.eval_path", "eval", "k8s")  # fmt: skip
 # Never: the weights would not load, or would compute something else (which residual form, which dims rotate).
 FIXED = ("model.family", "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",
          "model.num_kv_heads", "model.ffn_hidden_size", "model.parallel_residual", "model.rotary_pct", "model.head_dim",
