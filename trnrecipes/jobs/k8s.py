@@ -211,27 +211,33 @@ def render_k8s(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = RE
     job = render_job(recipe, out, command, repo_root, **render_args)
     run_dir = run_dir_for(recipe, repo_root, render_args.get("runs_root"))
     manifest = pytorchjob(recipe, job.layout, repo_root, out, run_dir)
-    context = {
-        "r": recipe,
-        "layout": job.layout,
-        "command": command,
-        "job_dir": out,
-        "repo_root": repo_root,
-        "run_dir": run_dir,
-        "python": recipe.cluster.python or CONTAINER_PYTHON,
-        "wheels": job_wheels(recipe, repo_root),
-        "megatron": any(c.format == "megatron" for c in recipe.data.corpora()),
-        "manifest": manifest,
-        "signal_seconds": signal_seconds(recipe),
-    }
     env = _environment()
+    context = {"r": recipe, "layout": job.layout, "command": command, "job_dir": out, "repo_root": repo_root,
+               "run_dir": run_dir, "manifest": manifest}  # fmt: skip
     files = {
         "pytorchjob.yaml": f"# {_comment_line(command)}\n" + yaml.safe_dump(manifest, sort_keys=False),
-        "entrypoint.sh": env.get_template("k8s_entrypoint.sh.j2").render(context),
+        "entrypoint.sh": entrypoint_script(recipe, job.layout, out, command, repo_root, run_dir),
         "README.md": env.get_template("k8s_README.md.j2").render(context),
         "recipe.yaml": job.files["recipe.yaml"],
     }
     return Job(recipe, job.layout, out, files)
+
+
+def entrypoint_script(r: Recipe, layout: Layout, job_dir: Path, command: str, repo_root: Path, run_dir: Path) -> str:
+    """The pods' entrypoint.sh. Any recipe renders (the tests run it with the cpu backend); the manifest is Neuron's."""
+    context = {
+        "r": r,
+        "layout": layout,
+        "command": command,
+        "job_dir": job_dir,
+        "repo_root": repo_root,
+        "run_dir": run_dir,
+        "python": r.cluster.python or CONTAINER_PYTHON,
+        "wheels": job_wheels(r, repo_root),
+        "megatron": any(c.format == "megatron" for c in r.data.corpora()),
+        "signal_seconds": signal_seconds(r),
+    }
+    return _environment().get_template("k8s_entrypoint.sh.j2").render(context)
 
 
 def _comment_line(command: str) -> str:
