@@ -23,7 +23,6 @@ from trnrecipes.jobs.wheelhouse import job_wheels
 from trnrecipes.plan.layout import Layout
 from trnrecipes.schema import shown
 
-K8S_FILES = ("pytorchjob.yaml", "entrypoint.sh", "README.md")
 # The training operator's (kubeflow/training-operator v1.9.0, pkg/apis/kubeflow.org/v1/pytorch_types.go): the
 # container it reads exit codes from, and the Master's port it hands every pod as MASTER_PORT.
 CONTAINER = "pytorch"
