@@ -36,12 +36,13 @@ override sdk := $(value sdk)
 override python := $(value python)
 export recipe nodes out overrides force nodatacheck ckpt tasks limit baseline n sdk python
 
-.PHONY: help setup debian-tools data xla-venv sbatch eval plan demo demo-cls test lint format golden bench clean wheels
+.PHONY: help setup debian-tools data xla-venv sbatch k8s eval plan demo demo-cls test lint format golden bench clean wheels
 
 help:
 	@echo "make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...'] [force=1] [nodatacheck=1]   write jobs/NAME-Nn/{compile,run,eval}.sbatch (+ infer.sbatch for bert recipes)"
 	@echo "make recipe=NAME nodes=N plan [overrides='k=v ...']              layout, params, FLOPs, cost"
 	@echo "make eval ckpt=PATH [tasks=...] [limit=N]   the 128-node Llama 2 post's table (MMLU, BBH, reasoning, knowledge, reading, math, code) -> results.md"
+	@echo "make recipe=NAME nodes=N k8s [out=DIR] [overrides='k=v ...']   write jobs/NAME-Nn/k8s/: a PyTorchJob for Amazon EKS"
 	@echo "make demo        render a tiny recipe and run its run.sbatch locally (no Slurm, CPU)"
 	@echo "make demo-cls    the same for bert-tiny (classification), then its eval.sbatch: accuracy on Amazon snippets"
 	@echo "make test        lint + the whole test suite (unit, golden scripts, shellcheck, local launch)"
@@ -124,6 +125,11 @@ debian-tools:
 sbatch: $(CORE_STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...']" >&2; exit 2; }
 	@$(PY) -m trnrecipes sbatch --recipe "$$recipe" --nodes "$$nodes" --out "$$out" --overrides "$$overrides" $${force:+--force} $${nodatacheck:+--no-data-check}
+
+# The same job as a Kubeflow PyTorchJob for Amazon EKS: jobs/NAME-Nn/k8s/ (docs/jobs.md, "EKS").
+k8s: $(CORE_STAMP)
+	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N k8s [out=DIR] [overrides='k=v ...']" >&2; exit 2; }
+	@$(PY) -m trnrecipes k8s --recipe "$$recipe" --nodes "$$nodes" --out "$$out" --overrides "$$overrides" $${force:+--force} $${nodatacheck:+--no-data-check}
 
 # What a Neuron SDK's DLAMI venv lacks for trnrecipes, downloaded once into wheels/neuron-<sdk>/ on the shared file
 # system: every job script's first step installs from it, offline, what its node's Python lacks (docs/jobs.md).

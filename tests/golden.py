@@ -11,6 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trnrecipes.config.recipe import load_recipe
+from trnrecipes.jobs.k8s import render_k8s
 from trnrecipes.jobs.render import render_job, sbatch_command
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
@@ -36,6 +37,22 @@ CASES: list[tuple[str, int, str]] = [
 ]  # fmt: skip
 
 
+# `trnrecipes k8s` cases: <case dir>/k8s/ beside the sbatch scripts (the checkout stands in for the FSx mount).
+K8S_OVERRIDES = f"k8s.pvc=fsx-claim k8s.mount={FAKE_REPO}"
+# TorchNeuron (SDK 2.33) has no AWS container to default to: a stand-in image name.
+K8S_CASES: list[tuple[str, int, str]] = [
+    ("llama2-7b", 16, ""), ("llama3.1-8b", 32, ""),
+    ("llama2-7b-trn2", 16, "k8s.image=registry.example.com/trnrecipes/torchneuron:2.33"),
+]  # fmt: skip
+
+
+def render_k8s_case(name: str, nodes: int, extra: str = "") -> dict[str, str]:
+    overrides = f"{K8S_OVERRIDES} {extra}".strip()
+    recipe = load_recipe(name, nodes=nodes, overrides=overrides)
+    job_dir = FAKE_REPO / "jobs" / case_dir(name, nodes)
+    return render_k8s(recipe, job_dir, sbatch_command(name, nodes, overrides, verb="k8s"), FAKE_REPO).files
+
+
 def case_dir(name: str, nodes: int, variant: str = "") -> str:
     return f"{name}-{nodes}n" + (f"-{variant}" if variant else "")
 
@@ -57,6 +74,11 @@ def regenerate() -> None:
         out = GOLDEN_DIR / case_dir(*case)
         out.mkdir(parents=True, exist_ok=True)
         for file_name, text in render_case(*case).items():
+            (out / file_name).write_text(text)
+    for name, nodes, extra in K8S_CASES:
+        out = GOLDEN_DIR / case_dir(name, nodes) / "k8s"
+        out.mkdir(parents=True, exist_ok=True)
+        for file_name, text in render_k8s_case(name, nodes, extra).items():
             (out / file_name).write_text(text)
     stale = {p.name for p in GOLDEN_DIR.iterdir() if p.is_dir()} - {case_dir(*c) for c in CASES}
     for name in sorted(stale):

@@ -131,6 +131,19 @@ def _parser() -> argparse.ArgumentParser:
         " a worker's device memory (it warns instead): for a layout measured to fit",
     )
 
+    sub = verb(
+        "k8s",
+        _k8s,
+        "write a job dir's k8s/: a Kubeflow PyTorchJob for Amazon EKS (pytorchjob.yaml), the pods' entrypoint.sh,"
+        " README.md, recipe.yaml, provenance.json",
+    )
+    recipe_args(sub)
+    sub.add_argument("--out", default="", help="job directory (default: jobs/<recipe>-<nodes>n); writes its k8s/")
+    sub.add_argument("--force", action="store_true", help="replace a k8s dir's differing recipe.yaml")
+    sub.add_argument("--no-data-check", action="store_true", help="skip checking the corpora and data.tokenizer")
+    sub.add_argument("--no-memory-check", action="store_true", help="write the job even where the memory estimate"
+                     " says the layout does not fit")  # fmt: skip
+
     sub = verb("train", _train, "train from a resolved recipe (launched by run.sbatch under torchrun)")
     sub.add_argument("--config", required=True, help="resolved recipe.yaml from a job dir")
     sub.add_argument("--compile", action="store_true", help="trace every graph in a few steps, write nothing")
@@ -796,6 +809,35 @@ def _sbatch(args: argparse.Namespace) -> int:
         print("\n".join(eval_next_steps(recipe, job.job_dir, run_dir)))
     if nodes == 1:
         print(f"  or, without Slurm: bash {job.job_dir}/run.sbatch")
+    return 0
+
+
+def _k8s(args: argparse.Namespace) -> int:
+    from trnrecipes.config.recipe import find_recipe
+    from trnrecipes.jobs.k8s import render_k8s
+    from trnrecipes.jobs.render import default_job_dir, provenance, provenance_json, sbatch_command, write_job
+    from trnrecipes.jobs.storage import run_dir_problem, runs_root_from_env
+
+    nodes = parse_nodes(args.nodes)
+    recipe = load_recipe(args.recipe, nodes, args.overrides)
+    command = sbatch_command(args.recipe, nodes, args.overrides, args.out, verb="k8s")
+    job_dir = check_output(
+        args.out or default_job_dir(recipe), flag=_out_flag(args.out), inputs=[find_recipe(args.recipe)], directory=True
+    )
+    runs_root = runs_root_from_env()
+    job = render_k8s(recipe, job_dir, command, runs_root=runs_root, memory_check=not args.no_memory_check)
+    if problem := run_dir_problem(recipe, runs_root):
+        raise RecipeError(problem)
+    storage, warnings = _storage_and_data(recipe, runs_root, args.no_data_check, refuse=True)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    extra = {"provenance.json": provenance_json(provenance(job, command, find_recipe(args.recipe), args.overrides))}
+    changes = write_job(job, extra, force=args.force)
+    print(storage)
+    print(f"wrote {job.job_dir}/: {', '.join(sorted(job.files | extra))}")
+    if changes:
+        print("replaced its recipe.yaml; what changed:\n" + "\n".join(f"  {line}" for line in changes))
+    print(f"next (where kubectl reaches the cluster): kubectl apply -f {job.job_dir}/pytorchjob.yaml")
     return 0
 
 

@@ -18,7 +18,8 @@ from trnrecipes.schema import shown
 FREE = ("name", "description", "run_dir", "cluster", "slurm", "compile", "checkpoint", "layout", "train.max_steps",
         "train.log_every", "train.val_every", "train.val_batches", "train.init_from", "train.init_optimizer",
         "model.activation_checkpointing", "model.activation_checkpointing_full_layers", "model.attention",
-        "model.init_std", "batch.micro_batch", "data.tokenizer", "data.eval_path", "eval", "monitor")  # fmt: skip
+        "model.init_std", "batch.micro_batch", "data.tokenizer", "data.eval_path", "eval", "monitor",
+        "k8s")  # fmt: skip
 # Never: the weights would not load, or would compute something else (which residual form, which dims rotate, which
 # blocks hold how many experts of what width).
 FIXED = ("model.family", "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",

@@ -269,6 +269,19 @@ class EvalJobConfig:
 
 
 @dataclass(frozen=True)
+class K8sConfig:
+    """`trnrecipes k8s`'s settings: the Kubeflow PyTorchJob it writes (trnrecipes/jobs/k8s.py). Slurm ignores them."""
+
+    image: str | None = None  # None: AWS's Neuron training container for cluster.neuron_sdk, where one is published
+    pvc: str | None = None  # the PersistentVolumeClaim (FSx for Lustre) holding the checkout, job and run dirs
+    # Where the pods mount the claim's root: where the same file system is mounted here, so the checkout, the job dir
+    # and the run dir have the same paths in the pods (all three must be under it).
+    mount: str = "/fsx"
+    namespace: str = "default"
+    service_account: str | None = None  # None: the namespace's default service account
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     description: str
@@ -285,6 +298,7 @@ class Recipe:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     eval: EvalJobConfig = field(default_factory=EvalJobConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    k8s: K8sConfig = field(default_factory=K8sConfig)
     run_dir: str | None = None  # None = runs/<job name>; relative to the repository root
 
     @property

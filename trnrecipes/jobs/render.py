@@ -164,9 +164,10 @@ def _shown_value(values: dict[str, object], key: str) -> str:
     return "(absent)" if key not in values else "null" if values[key] is None else shown(values[key])
 
 
-def sbatch_command(recipe_arg: str, nodes: int, overrides: str = "", out: str = "") -> str:
-    """The command that re-creates a job dir; printed at the top of every script."""
-    argv = ["trnrecipes", "sbatch", "--recipe", recipe_arg, "--nodes", str(nodes)]
+def sbatch_command(recipe_arg: str, nodes: int, overrides: str = "", out: str = "", verb: str = "sbatch") -> str:
+    """The command that re-creates a job dir (`verb`: sbatch, or k8s for its k8s/); printed at the top of every
+    script."""
+    argv = ["trnrecipes", verb, "--recipe", recipe_arg, "--nodes", str(nodes)]
     if out:
         argv += ["--out", out]
     if overrides:

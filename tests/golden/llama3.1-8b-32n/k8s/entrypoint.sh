@@ -1,0 +1,132 @@
+#!/bin/bash
+# entrypoint.sh for llama3.1-8b-32n: every pod of k8s/pytorchjob.yaml runs it, one pod per node. Made by trnrecipes
+# from recipe llama3.1-8b. Do not edit; re-create with:
+#   trnrecipes k8s --recipe llama3.1-8b --nodes 32 --overrides 'k8s.pvc=fsx-claim k8s.mount=/opt/trnrecipes'
+# Layout: 32 node(s) x 32 workers = 1024; TP 32 x PP 1 x DP 32
+# Exit codes, read by the training operator's ExitCode restart policy, which fails the job on 1-127 and recreates the
+# pod on 128-255 (kubeflow/training-operator v1.9.0, pkg/apis/kubeflow.org/v1/common_types.go RestartPolicyExitCode;
+# IsRetryableExitCode: >= 128), at most runPolicy.backoffLimit (slurm.max_restarts: 3) times:
+#   0 done; 2 bad input, never retried (the same input fails the same way); 129 a node or transient fault
+#   (run.sbatch's exit 1), retried; 143 stopped on SIGTERM (an eviction) after the trainer's save, retried: resumes.
+set -euo pipefail
+
+# ---- Settings from the resolved recipe (every value quoted; edit recipe.yaml and re-create instead) ----
+JOB_DIR=/opt/trnrecipes/jobs/llama3.1-8b-32n/k8s
+REPO=/opt/trnrecipes
+RUN_DIR=/opt/trnrecipes/runs/llama3.1-8b-32n
+RECIPE="$JOB_DIR/recipe.yaml"
+PYTHON=/usr/local/bin/python  # cluster.python, else the Neuron training container's
+PYTHON="${TRNRECIPES_PYTHON:-$PYTHON}"
+EXPECTED_NODES=32
+WORKERS_PER_NODE=32
+RETRYABLE=129
+BAD_INPUT=2
+
+# ---- The rendezvous the training operator gives each pod (pkg/controller.v1/pytorch/envvar.go and master.go,
+# v1.9.0): MASTER_ADDR/MASTER_PORT (the Master pod's service), PET_NNODES (pods), PET_NPROC_PER_NODE (nprocPerNode)
+# and PET_NODE_RANK (Master 0, Worker i: i + 1). Static, as run.sbatch's: node rank = pod rank, the Master hosts
+# the store. The env table (trnrecipes/jobs/neuron_env.py) is set by the manifest. ----
+for name in MASTER_ADDR MASTER_PORT PET_NNODES PET_NPROC_PER_NODE PET_NODE_RANK; do
+  if [[ -z "${!name:-}" ]]; then
+    echo "error: $name is not set: run this script in a pod of k8s/pytorchjob.yaml (the training operator sets it)" >&2
+    exit "$BAD_INPUT"
+  fi
+done
+if [[ "$PET_NNODES" != "$EXPECTED_NODES" || "$PET_NPROC_PER_NODE" != "$WORKERS_PER_NODE" ]]; then
+  echo "error: this job was made for $EXPECTED_NODES pod(s) x $WORKERS_PER_NODE workers, the operator gives $PET_NNODES x $PET_NPROC_PER_NODE; re-create it with --nodes $PET_NNODES" >&2
+  exit "$BAD_INPUT"
+fi
+NNODES=$PET_NNODES
+NODE_RANK=$PET_NODE_RANK
+JOB_ID=${TRNRECIPES_JOB_NAME:-llama3.1-8b-32n}
+POD=${TRNRECIPES_POD:-$(hostname)}
+LOG_DIR="$JOB_DIR/logs/$JOB_ID/$POD-$(date +%Y%m%d-%H%M%S)"
+cd "$REPO"
+PATH="$(dirname "$PYTHON"):$PATH"
+export PATH MASTER_ADDR MASTER_PORT
+export TRNRECIPES_JOB_ID="$JOB_ID" TRNRECIPES_RESTART=0 TRNRECIPES_RUN_DIR="$RUN_DIR"
+echo "[trnrecipes] pod $POD: node $NODE_RANK of $NNODES x $WORKERS_PER_NODE workers, rendezvous $MASTER_ADDR:$MASTER_PORT; logs in $LOG_DIR"
+
+# ---- Pre-flight, as run.sbatch's on each node: the job's Python made ready from the wheelhouse, then trnrecipes
+# doctor --node. Exit 1 is this node's fault (devices, disk): retried. Anything else is the image's or the input's,
+# the same on every pod: bad input. ----
+WHEELS=/opt/trnrecipes/wheels/neuron-2.26
+WHEELS="${TRNRECIPES_WHEELS:-$WHEELS}"
+preflight() {
+  if [[ ! -x "$PYTHON" ]]; then
+    echo "error: $POD: the job's Python $PYTHON does not exist in this image; set cluster.python (or TRNRECIPES_PYTHON)" >&2
+    return 4
+  fi
+  if [[ -n "$WHEELS" ]]; then
+    "$PYTHON" -m trnrecipes.ops.ready --wheels "$WHEELS" --python "$PYTHON" || return $?
+  fi
+  "$PYTHON" -m trnrecipes.ops.doctor --config "$RECIPE" --job run --run-dir "$RUN_DIR" --python "$PYTHON" --node
+}
+rc=0
+preflight || rc=$?
+if ((rc == 1)); then
+  echo "[trnrecipes] the pre-flight found a fault of this node (above): exit $RETRYABLE, the pod is recreated" >&2
+  exit "$RETRYABLE"
+elif ((rc != 0)); then
+  echo "[trnrecipes] the pre-flight failed (above): bad input, not retried. Fix it and re-apply" >&2
+  exit "$BAD_INPUT"
+fi
+mkdir -p "$LOG_DIR" "$RUN_DIR"
+export TRNRECIPES_FATAL_FILE="$LOG_DIR/fatal"
+
+# The open-files limit up to 65535, as AWS's train_setup.sh do (ulimit -n 65535), never above the hard limit.
+soft=$(ulimit -Sn) hard=$(ulimit -Hn)
+if [[ "$soft" != unlimited ]] && ((soft < 65535)); then
+  if [[ "$hard" == unlimited ]] || ((hard >= 65535)); then ulimit -Sn 65535; else ulimit -Sn "$hard"; fi
+fi
+
+# ---- One launcher per pod; torchrun starts the workers (the same launch as run.sbatch's, node rank from the pod) ----
+TORCHRUN=("$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$WORKERS_PER_NODE"
+  --node-rank="$NODE_RANK" --rdzv-backend=static --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT"
+  --log-dir="${TMPDIR:-/tmp}/trnrecipes-logs" --tee=3 --local-ranks-filter=0)
+TRAIN=("${TORCHRUN[@]}" -m trnrecipes train --config "$RECIPE")
+
+# Health check first (a matmul per device, collectives over the job's group): a failing pod is retried.
+if ! "${TORCHRUN[@]}" -m trnrecipes health --config "$RECIPE" --collectives; then
+  if [[ -s "$TRNRECIPES_FATAL_FILE" ]]; then exit "$BAD_INPUT"; fi
+  exit "$RETRYABLE"
+fi
+
+# ---- Stop requests: SIGTERM (an eviction, kubectl delete) asks the trainer to save and stop, as run.sbatch's
+# pre-timeout signal does: it polls this file every step. The file is on the shared run dir, so every pod's ranks
+# stop with it. Removed only after the health check: its rendezvous needs every pod of this start, so none of the
+# previous start is still reading it. ----
+STOP_FILE="$RUN_DIR/.stop-$JOB_ID"
+export TRNRECIPES_STOP_FILE="$STOP_FILE"
+rm -f "$STOP_FILE" "$STOP_FILE.saved"
+STOP_REASON=""
+# shellcheck disable=SC2317  # called by the trap
+request_stop() {
+  STOP_REASON=terminated
+  echo "[trnrecipes] SIGTERM: asking training to save and stop (terminationGracePeriodSeconds 277)"
+  : >"$STOP_FILE"
+}
+trap request_stop TERM INT
+
+echo "[trnrecipes] command: $(printf '%q ' "${TRAIN[@]}")"
+"${TRAIN[@]}" &
+LAUNCHER=$!
+while kill -0 "$LAUNCHER" 2>/dev/null; do
+  wait "$LAUNCHER" || true
+done
+wait "$LAUNCHER" && status=0 || status=$?
+echo "[trnrecipes] training exited with status $status"
+if ((status == 0)); then
+  if [[ -n "$STOP_REASON" || -e "$STOP_FILE" ]]; then
+    echo "[trnrecipes] stopped after a save: exit 143, the pod is recreated and resumes from the newest checkpoint"
+    exit 143
+  fi
+  exit 0
+fi
+if [[ -s "$TRNRECIPES_FATAL_FILE" ]]; then
+  echo "[trnrecipes] training failed on something a restart would repeat; not retried. Fix it and re-apply:" >&2
+  sed 's/^[^:]*: //' "$TRNRECIPES_FATAL_FILE" | sort | uniq -c | sed 's/^ */  /' >&2
+  exit "$BAD_INPUT"
+fi
+echo "[trnrecipes] training failed (exit status $status): exit $RETRYABLE, the pod is recreated" >&2
+exit "$RETRYABLE"

@@ -1,0 +1,82 @@
+"""k8s/entrypoint.sh run for real: two local processes given the environment the training operator sets for a 2-pod
+PyTorchJob (MASTER_ADDR/MASTER_PORT, PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK) train pythia-tiny on the cpu
+backend through the pre-flight, the health check and the static torchrun launch; SIGTERM to one pod saves and
+stops both with the retryable 143, a second start resumes and ends 0; a missing corpus is exit 2 on both pods."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trnrecipes import REPO_ROOT
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.jobs.k8s import entrypoint_script
+from trnrecipes.jobs.render import render_job
+
+
+def write_job(tmp: Path, overrides: str = "") -> Path:
+    """pythia-tiny at 2 nodes x 1 worker, its recipe.yaml and entrypoint.sh in tmp/k8s."""
+    base = "cluster.workers_per_node=1 train.log_every=1 checkpoint.every_steps=2 checkpoint.async_save=false"
+    recipe = load_recipe("pythia-tiny", nodes=2, overrides=f"{base} run_dir={tmp}/run {overrides}")
+    job_dir = tmp / "k8s"
+    job = render_job(recipe, job_dir, "test", REPO_ROOT)
+    job_dir.mkdir(exist_ok=True)
+    (job_dir / "recipe.yaml").write_text(job.files["recipe.yaml"])
+    script = entrypoint_script(recipe, job.layout, job_dir, "test", REPO_ROOT, tmp / "run")
+    (job_dir / "entrypoint.sh").write_text(script)
+    return job_dir
+
+
+def start_pods(job_dir: Path, tmp: Path, tag: str) -> list[subprocess.Popen]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pods = []
+    for rank in range(2):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PET_NNODES": "2",
+               "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": "2",
+               "TRNRECIPES_JOB_NAME": "job", "TRNRECIPES_POD": f"pod{rank}", "TRNRECIPES_PYTHON": sys.executable,
+               "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(tmp)}  # fmt: skip
+        log = open(tmp / f"{tag}-pod{rank}.log", "w")  # the pod's whole life
+        pods.append(subprocess.Popen(["bash", str(job_dir / "entrypoint.sh")], env=env, stdout=log, stderr=log))
+    return pods
+
+
+def wait(pods: list[subprocess.Popen], tmp: Path, tag: str) -> tuple[list[int], str]:
+    codes = [pod.wait(timeout=240) for pod in pods]
+    logs = "".join((tmp / f"{tag}-pod{rank}.log").read_text()[-2000:] for rank in range(2))
+    return codes, logs
+
+
+@pytest.mark.slow  # ~80 s on 2 busy cores: two starts of 2 pods, each through doctor, health and train
+def test_sigterm_saves_and_stops_both_pods_retryably_and_a_restart_resumes(tmp_path):
+    job_dir = write_job(tmp_path, "train.max_steps=4 train.val_every=4")
+    pods = start_pods(job_dir, tmp_path, "first")
+    saved = tmp_path / "run" / "checkpoints" / "step_2"
+    deadline = time.time() + 180
+    while not saved.exists() and time.time() < deadline and all(p.poll() is None for p in pods):
+        time.sleep(0.5)
+    assert saved.exists(), wait(pods, tmp_path, "first")
+    pods[1].send_signal(signal.SIGTERM)  # as the kubelet does to the container's first process on an eviction
+    codes, logs = wait(pods, tmp_path, "first")
+    assert codes == [143, 143], logs  # retryable under ExitCode: the operator recreates the pods
+    steps = sorted(int(p.name.split("_")[1]) for p in saved.parent.glob("step_*"))
+    assert steps and steps[-1] < 4, steps  # stopped before the end, after a save
+
+    codes, logs = wait(start_pods(job_dir, tmp_path, "second"), tmp_path, "second")
+    assert codes == [0, 0], logs
+    assert "resum" in logs.lower() and (saved.parent / "step_4").exists(), logs
+
+
+def test_a_missing_corpus_is_exit_2_on_every_pod(tmp_path):
+    job_dir = write_job(tmp_path, f"train.max_steps=2 data.path={tmp_path}/missing.arrow")
+    codes, logs = wait(start_pods(job_dir, tmp_path, "bad"), tmp_path, "bad")
+    assert codes == [2, 2], logs
+    assert "missing.arrow" in logs and "training exited" not in logs
