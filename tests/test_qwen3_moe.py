@@ -169,6 +169,22 @@ def test_activation_checkpointing_gives_the_same_loss_and_grads(mode):
     assert torch.equal(losses[0], losses[1])
     for (name, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+    # the recompute in backward stores no routing: its graph would keep the block's activations until the next step
+    assert all(r.prob_sum.grad_fn is None for r in model.routings())
+
+
+def test_compiled_sparse_blocks_do_not_recompile_when_the_routing_changes():
+    import torch._dynamo
+
+    from trnrecipes.parallel.compile import compile_blocks
+
+    torch._dynamo.reset()
+    model = ours_from_hf(hf_model())
+    compile_blocks(model, "eager")  # the experts' split sizes are data: they run outside the graph
+    model(*batch(2)).backward()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for seed in (3, 4):  # other tokens, other experts' loads
+            model(*batch(seed)).backward()
 
 
 def _train(tmp_path, *extra):
@@ -207,6 +223,7 @@ def test_the_trainers_loss_adds_the_aux_term_times_its_coefficient(tmp_path):
         ("qwen3-moe-tiny", ["model.moe_intermediate_size=0"], "model.moe_intermediate_size 0 must be > 0"),
         ("qwen3-moe-tiny", ["model.router_aux_loss_coef=-1"], "router_aux_loss_coef"),
         ("qwen3-moe-tiny", ["layout.tp=2"], "layout.tp 2, layout.pp 1 with model.num_experts 8"),
+        ("qwen3-moe-tiny", ["model.decoder_sparse_step=5"], "model.num_experts 8 but no block is sparse"),
         ("qwen3-tiny", ["model.num_experts_per_tok=2"], "model.num_experts_per_tok 2 is set with model.num_experts 0"),
         ("qwen3-tiny", ["model.mlp_only_layers=[0]"], r"model.mlp_only_layers \[0\] is set with model.num_experts 0"),
     ],
@@ -236,6 +253,14 @@ def test_plan_counts_qwen3_30b_a3b_total_and_active_parameters_and_flops_from_th
     m = recipe.model
     assert p["flops_per_token"] == 6 * p["active_params"] + 12 * m.num_layers * m.num_heads * m.head_dim * 4096
     assert p["memory"]["verdict"] != "does not fit"
+    # a sparse block keeps its top-8 gathered rows, their outputs and the experts' SwiGLU: 76k elements a token
+    # against the 43k of a dense block of ffn_hidden_size; so the recipe checkpoints whole blocks
+    from trnrecipes.plan.memory import act_elements, moe_extra_elements
+
+    assert act_elements(2048, 6144) + moe_extra_elements(m, False) == 9 * 2048 + 2 * 8 * 2048 + 4 * 8 * 768 + 128
+    selective = plan(load_recipe("qwen3-30b-a3b-trn2", 16, ["model.activation_checkpointing=selective"]))
+    assert selective["memory"]["verdict"] == "does not fit"
+    assert selective["memory"]["activations"] > 1.7 * 48 * 4096 * 2 * act_elements(2048, 6144)
     assert "3,353,032,704 (3.35G) active per token" in format_plan(p, recipe)
     dense = plan(load_recipe("qwen3-8b-trn2", 1))
     assert "active_params" not in dense and "active per token" not in format_plan(dense)

@@ -33,6 +33,9 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))  # rows gate_0, up_0, gate_1, ... per expert
         self.down = nn.Parameter(torch.empty(e, h, i))
 
+    # Not compiled: the split sizes are data (a compiled block would recompile on each new set until torch's limit,
+    # then run eager); the rest of the block compiles around it, as under expert parallelism.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; chosen, weights [T, k]: each token through its k experts, weighted, summed. The T * k picks are
         sorted by expert so each expert runs once on its rows; no capacity, no dropped token."""
@@ -70,9 +73,13 @@ class SparseMLP(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        picks = torch.bincount(chosen.reshape(-1), minlength=probs.shape[1]).float()
-        self.routing = Routing(picks, probs.sum(dim=0), flat.shape[0])
-        return self.experts(flat, chosen, weights.to(logits.dtype)).view_as(x)
+        if torch._C._current_graph_task_id() == -1:
+            # Not during backward: activation checkpointing's recompute would store a routing whose graph (the
+            # block's recomputed activations) stays alive until the next forward; its values are the forward's.
+            picks = torch.bincount(chosen.reshape(-1), minlength=probs.shape[1]).float()
+            self.routing = Routing(picks, probs.sum(dim=0), flat.shape[0])
+        # In the residual's dtype, as transformers' (fp32 under bf16-mixed, not the autocast router's bf16)
+        return self.experts(flat, chosen, weights.to(flat.dtype)).view_as(x)
 
 
 def load_balancing_loss(routings: list[Routing]) -> torch.Tensor:

@@ -110,6 +110,12 @@ class Qwen3Config(DecoderConfig):
                 f"model.mlp_only_layers {list(self.mlp_only_layers)} names layer(s) {outside}; valid: 0 to"
                 f" {self.num_layers - 1} (model.num_layers {self.num_layers})"
             )
+        elif self.decoder_sparse_step > 0 and not any(map(self.is_sparse, range(self.num_layers))):
+            problems.append(
+                f"model.num_experts {self.num_experts} but no block is sparse (model.decoder_sparse_step"
+                f" {self.decoder_sparse_step}, mlp_only_layers {list(self.mlp_only_layers)}, {self.num_layers}"
+                " layers); set model.num_experts 0 for a dense model"
+            )
         return problems
 
     def tp_problems(self, tp: int) -> list[str]:

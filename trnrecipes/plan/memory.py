@@ -57,6 +57,20 @@ def elementwise_elements(h: int, f: int) -> int:
     return 6 * h + 2 * f
 
 
+def _sparse(m, layer: int) -> bool:
+    return bool(getattr(m, "num_experts", 0)) and m.is_sparse(layer)
+
+
+def moe_extra_elements(m, elementwise: bool) -> int:
+    """Elements a token's sparse block keeps beyond a dense SwiGLU MLP of ffn_hidden_size (0 for a dense model): its
+    top-k rows gathered for the experts and their outputs kept for the routing weights (2kh), the experts' SwiGLU
+    on them (4kI, as 4f; under elementwise their matmul outputs, 2kI) and the router's probabilities (E)."""
+    if not getattr(m, "num_experts", 0):
+        return 0
+    h, f, k, i, e = m.hidden_size, m.ffn_hidden_size, m.num_experts_per_tok, m.moe_intermediate_size, m.num_experts
+    return 2 * k * h + e + (2 * k * i - 2 * f if elementwise else 4 * k * i - 4 * f)
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     weights: float  # bytes per worker
@@ -149,9 +163,17 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     # the first activation_checkpointing_full_layers blocks of each stage are checkpointed whole, whatever the mode
     n_full = m.activation_checkpointing_full_layers
     whole = layers if m.activation_checkpointing == "full" else sum(min(len(s.layers), n_full) for s in stages)
+    # A mixture of experts' sparse blocks keep more than a dense MLP of ffn_hidden_size (moe_extra_elements)
+    moe_extra = moe_extra_elements(m, m.activation_checkpointing == "elementwise")
+    live_sparse = (
+        0
+        if m.activation_checkpointing == "full"
+        else sum(_sparse(m, i) for s in stages for i in list(s.layers)[n_full:])
+    )
     # one whole layer recomputed at a time (its probabilities too where blocks of another mode keep them)
-    recomputing = 0 if not whole else plain if m.activation_checkpointing == "full" else plain + probabilities
-    stored = (whole * h / split + (layers - whole) * per_layer) * held + recomputing
+    biggest = plain + (moe_extra if any(_sparse(m, i) for s in stages for i in s.layers) else 0)
+    recomputing = 0 if not whole else biggest if m.activation_checkpointing == "full" else biggest + probabilities
+    stored = (whole * h / split + (layers - whole) * per_layer + live_sparse * moe_extra) * held + recomputing
     activations = stored * tokens * act_bytes
     classifies = getattr(m, "num_labels", None) is not None
     rows = min(tokens, LOSS_CHUNK_ROWS[r.runtime_backend]) if r.runtime_backend in LOSS_CHUNK_ROWS else tokens
