@@ -78,6 +78,18 @@ def test_run_sbatch_runs_locally_with_quoted_paths(tmp_path):
     assert run_dir.is_dir() and not os.path.exists(canary)
 
 
+def test_qwen3_moe_trains_under_run_sbatch_with_its_experts_over_two_ranks(tmp_path):
+    job, run_dir = tmp_path / "job", tmp_path / "run"
+    overrides = f"layout.ep=2 run_dir={run_dir} train.max_steps=4 train.val_every=4"
+    done = run_cli("sbatch", "--recipe", "qwen3-moe-tiny", "--nodes", "1", "--out", str(job), "--overrides", overrides)
+    assert done.returncode == 0, done.stderr
+    done = _bash(job / "run.sbatch")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "train: qwen3-moe-tiny on cpu, 2 rank(s) = PP 1 x DP 2 (experts over EP 2) x TP 1" in done.stdout
+    assert re.search(r"step 4/4 \| loss [0-9.]+ \| val [0-9.]+ \|.* \| aux [0-9.]+ busiest [0-9.]+x \|", done.stdout)
+    assert (run_dir / "checkpoints/step_4/done").exists()
+
+
 def test_compile_sbatch_runs_locally(tmp_path):
     job = tmp_path / "job"
     assert run_cli("sbatch", "--recipe", "llama2-tiny", "--nodes", "1", "--out", str(job)).returncode == 0
