@@ -386,9 +386,15 @@ def _fake_zero1_optimizer(global_rank: int, tp: int, dp_groups: list[list[int]])
 def stand_in_dims(**fields) -> types.SimpleNamespace:
     """A ParallelDims stand-in for one rank built in this process: one of everything unless `fields` say otherwise;
     shards_moments derived as ParallelDims derives it."""
-    dims = dict(tp=1, tp_rank=0, dp=1, dp_rank=0, pp=1, pp_rank=0, world=1, rank=0, zero1=False, fsdp=False, mesh=None)
+    dims = dict(tp=1, tp_rank=0, dp=1, dp_rank=0, pp=1, pp_rank=0, world=1, rank=0, zero1=False, fsdp=False, mesh=None,
+                ep=1, ep_rank=0)  # fmt: skip
     dims |= fields
     return types.SimpleNamespace(**dims, shards_moments=dims["zero1"] or dims["fsdp"])
+
+
+def whole_region(shape, dim, tp, rank, *_, **__) -> Region:
+    """shard_region as if TP were 1: the TP-1 NxD stand-in makes whole layers."""
+    return shard_region(shape, dim, 1, 0)
 
 
 def _neuron_build(recipe, tp: int, rank: int) -> nn.Module:
@@ -411,7 +417,9 @@ def test_adapter_builds_nxd_layers_that_keep_the_function(monkeypatch, recipe, f
     tokens = torch.randint(0, model.args.vocab_size, (2, 16))
     with torch.no_grad():
         expected = model(tokens)
-    monkeypatch.setattr(build_module, "shard_region", lambda shape, dim, tp, rank: shard_region(shape, dim, 1, 0))
+    monkeypatch.setattr(
+        build_module, "shard_region", lambda shape, dim, tp, rank, *_, **__: shard_region(shape, dim, 1, 0)
+    )
     parallel = _neuron_build(r, 2, 0)  # tp 2 routes through NxD; the TP-1 stand-in makes whole layers
     with torch.no_grad():
         assert torch.equal(parallel(tokens), expected)  # weights filled into the right layers, hooks harmless
@@ -446,7 +454,9 @@ def test_the_neuron_head_loss_is_nxds_parallel_cross_entropy_over_the_labelled_t
     labels[0, :5] = -100
     expected = model(tokens, labels=labels)
     expected.backward()
-    monkeypatch.setattr(build_module, "shard_region", lambda shape, dim, tp, rank: shard_region(shape, dim, 1, 0))
+    monkeypatch.setattr(
+        build_module, "shard_region", lambda shape, dim, tp, rank, *_, **__: shard_region(shape, dim, 1, 0)
+    )
     parallel = _neuron_build(r, 2, 0)
     assert parallel.head_loss.__name__ == "nxd_head_loss"
     got = parallel(tokens, labels=labels)
