@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from nki_standin import install_flash_attn
-from test_neuron_parallel import install_fake_nxd, stand_in_dims
+from test_neuron_parallel import install_fake_nxd, stand_in_dims, whole_region
 
 from recipes.common.attention import CoreAttention, causal_attention
 from recipes.common.loss import IGNORE_INDEX
@@ -21,7 +21,6 @@ from trnrecipes.config.recipe import load_recipe
 from trnrecipes.config.sections import RecipeError
 from trnrecipes.models import build_model
 from trnrecipes.parallel.nki_attention import apply_attention_kernel, nki_flash_attention
-from trnrecipes.parallel.sharding import shard_region
 from trnrecipes.plan.memory import memory_plan
 from trnrecipes.train import build as build_module
 from trnrecipes.train.build import build_model_shard
@@ -146,7 +145,7 @@ def test_a_llama_trains_through_the_kernel_on_the_neuron_build(monkeypatch, sequ
         return gather(input_, **kwargs)
 
     monkeypatch.setattr(mappings, "gather_from_sequence_parallel_region", recorded_gather)
-    monkeypatch.setattr(build_module, "shard_region", lambda shape, dim, tp, rank: shard_region(shape, dim, 1, 0))
+    monkeypatch.setattr(build_module, "shard_region", whole_region)  # the TP-1 stand-in makes whole layers
     r = tiny_recipe(sequence_parallel, attention="nki_flash", activation_checkpointing=checkpointing)
     reference = build_model(dataclasses.replace(r.model, attention="sdpa"))
     reference.init_weights(seed=r.train.seed)
