@@ -417,9 +417,7 @@ def test_adapter_builds_nxd_layers_that_keep_the_function(monkeypatch, recipe, f
     tokens = torch.randint(0, model.args.vocab_size, (2, 16))
     with torch.no_grad():
         expected = model(tokens)
-    monkeypatch.setattr(
-        build_module, "shard_region", lambda shape, dim, tp, rank, *_, **__: shard_region(shape, dim, 1, 0)
-    )
+    monkeypatch.setattr(build_module, "shard_region", whole_region)
     parallel = _neuron_build(r, 2, 0)  # tp 2 routes through NxD; the TP-1 stand-in makes whole layers
     with torch.no_grad():
         assert torch.equal(parallel(tokens), expected)  # weights filled into the right layers, hooks harmless
@@ -454,9 +452,7 @@ def test_the_neuron_head_loss_is_nxds_parallel_cross_entropy_over_the_labelled_t
     labels[0, :5] = -100
     expected = model(tokens, labels=labels)
     expected.backward()
-    monkeypatch.setattr(
-        build_module, "shard_region", lambda shape, dim, tp, rank, *_, **__: shard_region(shape, dim, 1, 0)
-    )
+    monkeypatch.setattr(build_module, "shard_region", whole_region)
     parallel = _neuron_build(r, 2, 0)
     assert parallel.head_loss.__name__ == "nxd_head_loss"
     got = parallel(tokens, labels=labels)
