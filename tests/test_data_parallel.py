@@ -231,7 +231,10 @@ def test_ctrl_c_keeps_the_parts_in_one_line_without_a_traceback(tmp_path, capsys
     src = corpus(tmp_path / "in", files=6, each=100)
     out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
     argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "2"]
-    proc = started(argv, work, pause_s=0.5, start_new_session=True)
+    # 2 s a part: the Ctrl-C must land with parts still to do, also when a loaded machine (CI's) is slow to poll;
+    # at 0.5 s a CI run once saw the whole conversion done first (o.arrow written, exit 0)
+    proc = started(argv, work, pause_s=2.0, start_new_session=True)
+    assert proc.poll() is None, "the conversion ended before the test could interrupt it"
     os.killpg(proc.pid, signal.SIGINT)
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130 and "Traceback" not in err, err
