@@ -42,14 +42,18 @@ def hf_config(hidden=64, heads=4, kv=2, head_dim=32, ffn=96, tied=False, vocab=V
     )  # fmt: skip
 
 
-def hf_model(seed=0, **shape):
-    torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(hf_config(**shape)).eval()
+def randomized_norms(model):
+    """HF inits norms to 1; random ones catch a misplaced norm (q/k too)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # HF inits norms to 1; random ones catch a misplaced norm (q/k too)
+            if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     return model
+
+
+def hf_model(seed=0, **shape):
+    torch.manual_seed(seed)
+    return randomized_norms(transformers.Qwen3ForCausalLM(hf_config(**shape)).eval())
 
 
 def ours_from_hf(model) -> Qwen3:

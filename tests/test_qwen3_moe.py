@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import run_cli  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from test_convert import save_random  # noqa: E402
-from test_qwen3_model import OFFLINE, hidden_states  # noqa: E402
+from test_qwen3_model import OFFLINE, hidden_states, randomized_norms  # noqa: E402
 
 from recipes.qwen3.hf import args_from_hf_config, hf_config_from_args, state_dict_from_hf, state_dict_to_hf  # noqa: E402
 from recipes.qwen3.model import MLP, Qwen3, SparseMLP  # noqa: E402
@@ -41,12 +41,7 @@ def hf_config(tied=False, norm_topk=True, vocab=VOCAB, coef=COEF, step=1, mlp_on
 
 def hf_model(seed=0, **kw):
     torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(hf_config(**kw)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return model
+    return randomized_norms(transformers.Qwen3MoeForCausalLM(hf_config(**kw)).eval())
 
 
 def ours_from_hf(model) -> Qwen3:

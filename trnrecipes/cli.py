@@ -754,43 +754,54 @@ def _storage_and_data(recipe, runs_root: str | None, skip: bool, refuse: bool) -
     return line, problems + ([warning] if warning else []) + advice
 
 
-def _sbatch(args: argparse.Namespace) -> int:
+def _checked_job(args: argparse.Namespace, verb: str, render) -> tuple:
+    """What `sbatch` and `k8s` both do before writing (`render`: render_job or render_k8s): the recipe at its node
+    count, the command that re-creates the job dir, the job rendered (layout and memory checks first: they need no
+    file system), then the run dir, data and storage checks that refuse. (nodes, recipe, command, job, runs_root,
+    storage line, warnings)."""
     from trnrecipes.config.recipe import find_recipe
-    from trnrecipes.jobs.data_plan import data_plan, format_data_plan
-    from trnrecipes.jobs.render import (
-        default_job_dir,
-        provenance,
-        provenance_json,
-        render_job,
-        render_warnings,
-        sbatch_command,
-        write_job,
+    from trnrecipes.jobs.render import default_job_dir, sbatch_command
+    from trnrecipes.jobs.storage import run_dir_problem, runs_root_from_env
+
+    nodes = parse_nodes(args.nodes)
+    recipe = load_recipe(args.recipe, nodes, args.overrides)
+    command = sbatch_command(args.recipe, nodes, args.overrides, args.out, verb=verb)
+    job_dir = check_output(
+        args.out or default_job_dir(recipe), flag=_out_flag(args.out), inputs=[find_recipe(args.recipe)], directory=True
     )
-    from trnrecipes.jobs.storage import node_local_warnings, run_dir_for, run_dir_problem, runs_root_from_env
+    runs_root = runs_root_from_env()
+    job = render(recipe, job_dir, command, runs_root=runs_root, memory_check=not args.no_memory_check)
+    if problem := run_dir_problem(recipe, runs_root):
+        raise RecipeError(problem)
+    storage, warnings = _storage_and_data(recipe, runs_root, args.no_data_check, refuse=True)
+    return nodes, recipe, command, job, runs_root, storage, warnings
+
+
+def _write_with_provenance(args: argparse.Namespace, job, command: str) -> tuple[dict[str, str], list[str]]:
+    """The job's files and its provenance.json written (write_job's guards); (the extra files, what changed)."""
+    from trnrecipes.config.recipe import find_recipe
+    from trnrecipes.jobs.render import provenance, provenance_json, write_job
+
+    extra = {"provenance.json": provenance_json(provenance(job, command, find_recipe(args.recipe), args.overrides))}
+    return extra, write_job(job, extra, force=args.force)
+
+
+def _sbatch(args: argparse.Namespace) -> int:
+    from trnrecipes.jobs.data_plan import data_plan, format_data_plan
+    from trnrecipes.jobs.render import render_job, render_warnings
+    from trnrecipes.jobs.storage import node_local_warnings, run_dir_for
     from trnrecipes.jobs.wheelhouse import wheels_problem
     from trnrecipes.plan.eval_cost import eval_next_steps
     from trnrecipes.plan.layout import plan
     from trnrecipes.plan.report import format_plan
 
-    nodes = parse_nodes(args.nodes)
-    recipe = load_recipe(args.recipe, nodes, args.overrides)
-    command = sbatch_command(args.recipe, nodes, args.overrides, args.out)
-    job_dir = check_output(
-        args.out or default_job_dir(recipe), flag=_out_flag(args.out), inputs=[find_recipe(args.recipe)], directory=True
-    )
-    runs_root = runs_root_from_env()
-    # layout errors first: they need no file system
-    job = render_job(recipe, job_dir, command, runs_root=runs_root, memory_check=not args.no_memory_check)
-    if problem := run_dir_problem(recipe, runs_root):
-        raise RecipeError(problem)
-    storage, warnings = _storage_and_data(recipe, runs_root, args.no_data_check, refuse=True)
+    nodes, recipe, command, job, runs_root, storage, warnings = _checked_job(args, "sbatch", render_job)
     run_dir = run_dir_for(recipe, REPO_ROOT, runs_root)
     warnings += node_local_warnings(recipe, REPO_ROOT, job.job_dir, None if args.no_data_check else run_dir)
     wheels = wheels_problem(recipe, REPO_ROOT)
     for warning in [*render_warnings(recipe, job.job_dir), *warnings, *([wheels] if wheels else [])]:
         print(f"warning: {warning}", file=sys.stderr)
-    extra = {"provenance.json": provenance_json(provenance(job, command, find_recipe(args.recipe), args.overrides))}
-    changes = write_job(job, extra, force=args.force)
+    extra, changes = _write_with_provenance(args, job, command)
     print(format_plan(plan(recipe), recipe))
     print(
         "\n".join(format_data_plan(data_plan(recipe, REPO_ROOT, look=not args.no_data_check), recipe.train.max_steps))
@@ -813,26 +824,12 @@ def _sbatch(args: argparse.Namespace) -> int:
 
 
 def _k8s(args: argparse.Namespace) -> int:
-    from trnrecipes.config.recipe import find_recipe
     from trnrecipes.jobs.k8s import render_k8s
-    from trnrecipes.jobs.render import default_job_dir, provenance, provenance_json, sbatch_command, write_job
-    from trnrecipes.jobs.storage import run_dir_problem, runs_root_from_env
 
-    nodes = parse_nodes(args.nodes)
-    recipe = load_recipe(args.recipe, nodes, args.overrides)
-    command = sbatch_command(args.recipe, nodes, args.overrides, args.out, verb="k8s")
-    job_dir = check_output(
-        args.out or default_job_dir(recipe), flag=_out_flag(args.out), inputs=[find_recipe(args.recipe)], directory=True
-    )
-    runs_root = runs_root_from_env()
-    job = render_k8s(recipe, job_dir, command, runs_root=runs_root, memory_check=not args.no_memory_check)
-    if problem := run_dir_problem(recipe, runs_root):
-        raise RecipeError(problem)
-    storage, warnings = _storage_and_data(recipe, runs_root, args.no_data_check, refuse=True)
+    _, _, command, job, _, storage, warnings = _checked_job(args, "k8s", render_k8s)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    extra = {"provenance.json": provenance_json(provenance(job, command, find_recipe(args.recipe), args.overrides))}
-    changes = write_job(job, extra, force=args.force)
+    extra, changes = _write_with_provenance(args, job, command)
     print(storage)
     print(f"wrote {job.job_dir}/: {', '.join(sorted(job.files | extra))}")
     if changes:
