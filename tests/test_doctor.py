@@ -172,3 +172,14 @@ def test_a_missing_default_venv_names_the_releases_other_dlami_when_this_host_ha
     real = doctor.os.access
     monkeypatch.setattr(doctor.os, "access", lambda p, mode: p == other or real(p, mode))
     assert doctor._fix_python(recipe) == f"this host has SDK 2.28's other DLAMI venv: set cluster.python={other}"
+
+
+def test_a_tracker_whose_packages_are_missing_is_a_problem_naming_the_tracking_extra(monkeypatch, tmp_path):
+    """The run would stop at its start on the missing package: the pre-flight names it first, with the install."""
+    recipe = load_recipe("llama2-tiny", nodes=1, overrides="monitor.trackers=[tensorboard,mlflow]")
+    real = doctor._installed
+    monkeypatch.setattr(doctor, "_installed", lambda module: module != "sqlalchemy" and real(module))
+    problems, _ = doctor.check(recipe, "run", tmp_path / "run", node=False)
+    assert len(problems) == 1 and problems[0].startswith(f"SQLAlchemy not installed in {sys.executable}"), problems
+    assert problems[0].endswith("'[tracking]'")
+    assert doctor.check(load_recipe("llama2-tiny", nodes=1), "run", tmp_path / "run", node=False)[0] == []

@@ -187,10 +187,10 @@ class _Tracker:
             raise ConnectionError("tracking server unreachable")
         self.logged.append((step, values["loss"]))
 
-    def close(self, failed):
+    def close(self, outcome):
         if self.fail == "close":
             raise ConnectionError("tracking server unreachable")
-        self.closed = failed
+        self.closed = outcome
 
 
 def test_a_tracker_that_fails_is_dropped_with_one_warning_and_the_run_goes_on(tmp_path, capsys):
@@ -201,9 +201,35 @@ def test_a_tracker_that_fails_is_dropped_with_one_warning_and_the_run_goes_on(tm
     metrics.trackers = [down, fine, late]
     for step in (1, 2):
         metrics.log({"step": step, "loss": 3.0 - step})
-    metrics.close(failed=False)
+    metrics.close("finished")
     err = capsys.readouterr().err
     assert err.count("_Tracker failed logging step 1 (ConnectionError: tracking server unreachable)") == 1
     assert "_Tracker failed closing its run" in err and "metrics.jsonl and the console go on" in err
-    assert fine.logged == [(1, 2.0), (2, 1.0)] and fine.closed is False and late.logged == fine.logged
+    assert fine.logged == [(1, 2.0), (2, 1.0)] and fine.closed == "finished" and late.logged == fine.logged
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_stopped_launch_is_killed_in_mlflow_and_preempted_in_wandb_and_a_resume_reopens_it(monkeypatch, tmp_path):
+    """A stop (preemption, a time limit: saved, to be resumed) is not a finished run in either tracker."""
+    from mlflow import MlflowClient
+
+    from trnrecipes.train.trackers import WandbTracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    recipe = {"model": {"family": "llama2"}, "train": {"max_steps": 4}}
+    mlflow = MlflowTracker(TrackedRun("tiny", tmp_path, recipe, {}, resumed_from=0), "tiny", None)
+    wandb = WandbTracker(TrackedRun("tiny", tmp_path, recipe, {}, resumed_from=0), "tiny", None)
+    for tracker in (mlflow, wandb):
+        tracker.log({"loss": 9.0}, 1)
+        tracker.close("stopped")
+    client = MlflowClient(tracking_uri=mlflow.uri)
+    assert client.get_run(mlflow.run_id).info.status == "KILLED"
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    kinds = {r.WhichOneof("record_type"): r for r in wandb_records(run_file)}
+    assert "preempting" in kinds and kinds["exit"].exit.exit_code == 1
+    kept = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+    again = MlflowTracker(TrackedRun("tiny", tmp_path, recipe, {}, resumed_from=1), "tiny", kept)
+    assert again.run_id == mlflow.run_id and client.get_run(again.run_id).info.status == "RUNNING"
+    again.close("finished")
+    assert client.get_run(again.run_id).info.status == "FINISHED"

@@ -96,6 +96,14 @@ class TrainConfig:
     compile: bool | None = None
 
 
+# monitor.trackers -> (the module it imports, the package that brings it): MLflow's local store needs SQLAlchemy and
+# alembic. The tracking extra installs them; train/trackers.py and `doctor` check them.
+TRACKER_PACKAGES = {
+    "mlflow": (("mlflow", "mlflow-skinny"), ("sqlalchemy", "SQLAlchemy"), ("alembic", "alembic")),
+    "wandb": (("wandb", "wandb"),),
+}
+
+
 @dataclass(frozen=True)
 class MonitorConfig:
     # Where each step's metrics go besides metrics.jsonl and the console (global rank 0 only): tensorboard writes

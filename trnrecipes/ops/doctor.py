@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from trnrecipes import REPO_ROOT
+from trnrecipes.config.sections import TRACKER_PACKAGES
 
 JOBS = ("compile", "run", "eval", "infer")
 COMPILE_CACHE_MIN_BYTES = 10 * 2**30  # a 70B model's NEFFs are a few GB; less free than this fails mid-compile
@@ -69,7 +70,8 @@ def _install(python: str, what: str) -> str:
             f"{py} -m pip freeze --exclude-editable > /tmp/venv.txt && {py} -m pip install -c /tmp/venv.txt -r {reqs}"
             " on every node (srun --ntasks-per-node=1)"
         )
-    if sys.version_info < (3, 11):  # check() runs under the job's Python; .[train] and .[eval] pin for 3.11+
+    # check() runs under the job's Python; .[train] and .[eval] pin for 3.11+ (the tracking extra resolves on 3.10)
+    if sys.version_info < (3, 11) and what != "tracking":
         version = ".".join(map(str, sys.version_info[:2]))
         return (
             f"{python} is Python {version}, and the {what} install needs 3.11 or 3.12: run make setup where one is"
@@ -256,6 +258,9 @@ def check(
             )
         else:
             problems += [mine + p for p in lacking]
+        if here:  # monitor.trackers' packages (the tracking extra): missing, the run stops before it trains
+            tracking = {m: dist for name in recipe.monitor.trackers for m, dist in TRACKER_PACKAGES.get(name, ())}
+            problems += [mine + p for p in module_problems(tracking, python, "tracking")]
         problems += data_problems(recipe, REPO_ROOT)
         content, unchecked = corpus_problems(recipe, REPO_ROOT, scan=not node)  # a scan: once, not on every node
         problems += content

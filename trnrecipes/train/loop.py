@@ -56,7 +56,7 @@ from trnrecipes.train.restore import load
 from trnrecipes.train.resume_compat import check_resume
 from trnrecipes.train.run_dir import RunDirLock, require_writable, settle_checkpoints
 from trnrecipes.train.step_rng import step_seed
-from trnrecipes.train.trackers import TrackedRun, Tracker, open_trackers, require_packages
+from trnrecipes.train.trackers import Outcome, TrackedRun, Tracker, open_trackers, require_packages
 
 
 @dataclass
@@ -498,12 +498,12 @@ class Trainer:
             previous=self._previous_phase(),
             resumed_from=self.start_step,  # the records of steps beyond it are retrained: they leave metrics.jsonl
         )
-        failed = True
+        outcome: Outcome = "failed"
         if metrics.enabled:
             try:
                 metrics.trackers = self._open_trackers(metrics.history_offset)
             except BaseException:
-                metrics.close(failed)
+                metrics.close(outcome)
                 raise
         signals = _catch_stop_signals()
         clock = Clock(self.start_step, steps)
@@ -579,11 +579,11 @@ class Trainer:
             self._finish_saves()  # exit waits for every save
             if spikes.spikes:
                 self.log(f"[trnrecipes] grad-norm spikes: {spikes.summary()}")
-            failed = False
+            outcome = "stopped" if result.stopped_early else "finished"
         finally:
             signals.restore()
             self._prefetch.close()
-            metrics.close(failed)
+            metrics.close(outcome)
             profiler.close()
         result.checkpoints = list(self.checkpointer.saved)
         return result

@@ -28,7 +28,7 @@ from pathlib import Path
 from trnrecipes.data.arrow import atomic_output
 from trnrecipes.files.run_files import METRICS, METRICS_DROPPED, TENSORBOARD
 from trnrecipes.plan.report import si
-from trnrecipes.train.trackers import Tracker, numbers
+from trnrecipes.train.trackers import Outcome, Tracker, numbers
 
 
 class SpikeDetector:
@@ -148,14 +148,14 @@ class Metrics:
             flush=True,
         )
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, outcome: Outcome = "finished") -> None:
         if self.file:
             self.file.close()
         if self.tb:
             self.tb.close()
         for tracker in list(self.trackers):
             try:
-                tracker.close(failed)
+                tracker.close(outcome)
             except Exception as err:  # each tracker on its own; never hiding the error that ended the run
                 self._drop_tracker(tracker, "closing its run", err)
 

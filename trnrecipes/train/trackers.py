@@ -14,25 +14,25 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
-from trnrecipes.config.sections import RecipeError
+from trnrecipes.config.sections import TRACKER_PACKAGES, RecipeError
 from trnrecipes.data.arrow import atomic_output
 from trnrecipes.files.run_files import MLFLOW_ARTIFACTS, MLFLOW_DB, TRACKERS, WANDB_DIR
 
-# tracker -> (the module it imports, the package that brings it); MLflow's local store needs SQLAlchemy and alembic
-PACKAGES = {
-    "mlflow": (("mlflow", "mlflow-skinny"), ("sqlalchemy", "SQLAlchemy"), ("alembic", "alembic")),
-    "wandb": (("wandb", "wandb"),),
-}
 NOT_METRICS = ("step", "history_step", "phase")  # the x axis, not values
 PARAM_CHARS, TAG_CHARS = 6000, 8000  # MLflow's limits on a param's and a tag's value (mlflow.utils.validation)
+
+
+# How a launch ended: its last step trained, an error, or a stop asked for (a signal, the stop file: preemption or
+# a time limit) after a save, which a resume continues.
+Outcome = Literal["finished", "failed", "stopped"]
 
 
 class Tracker(Protocol):
     def log(self, values: dict[str, float], step: int) -> None: ...
 
-    def close(self, failed: bool) -> None: ...
+    def close(self, outcome: Outcome) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class TrackedRun:
 def require_packages(trackers: tuple[str, ...]) -> None:
     """One line naming the extra if a tracker asked for is not installed (before anything is built)."""
     for name in trackers:
-        for module, package in PACKAGES.get(name, ()):
+        for module, package in TRACKER_PACKAGES.get(name, ()):
             if importlib.util.find_spec(module) is None:
                 raise RecipeError(
                     f"monitor.trackers asks for {name}, but {package} is not installed: install the tracking extra"
@@ -214,8 +214,10 @@ class MlflowTracker:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
 
-    def close(self, failed: bool) -> None:
-        self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+    def close(self, outcome: Outcome) -> None:
+        # A stopped launch is KILLED (MLflow's status for a run ended from outside), not FINISHED: a resume reopens
+        # it RUNNING.
+        self.client.set_terminated(self.run_id, {"finished": "FINISHED", "failed": "FAILED"}.get(outcome, "KILLED"))
 
 
 class WandbTracker:
@@ -245,5 +247,7 @@ class WandbTracker:
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
 
-    def close(self, failed: bool) -> None:
-        self.run.finish(exit_code=1 if failed else 0)
+    def close(self, outcome: Outcome) -> None:
+        if outcome == "stopped":  # W&B's preempted state (a non-zero exit after mark_preempting): to be resumed
+            self.run.mark_preempting()
+        self.run.finish(exit_code=0 if outcome == "finished" else 1)
