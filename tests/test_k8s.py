@@ -18,7 +18,7 @@ from golden import FAKE_REPO, GOLDEN_DIR, K8S_CASES, K8S_OVERRIDES, case_dir, re
 
 from trnrecipes import REPO_ROOT
 from trnrecipes.config.recipe import load_recipe
-from trnrecipes.jobs.k8s import MANIFESTS, default_image, entrypoint_script
+from trnrecipes.jobs.k8s import MANIFESTS, default_image, dra_claim_template, entrypoint_script
 from trnrecipes.jobs.neuron_env import backend_env
 from trnrecipes.plan.layout import compute_layout
 
@@ -103,6 +103,34 @@ def test_kubernetes_schema_refuses_misspelt_fields():
     pod["template"]["spec"]["containers"][0]["volumeMount"] = []
     assert "'restartPolicyy' was unexpected" in kubernetes_error(job)
     assert "'volumeMount' was unexpected" in kubernetes_error(pod)
+
+
+def test_the_dra_alternative_meets_kubernetes_schema():
+    """The README's ResourceClaimTemplate, and a training pod changed as the README says, pass Kubernetes' schema."""
+    recipe = load_recipe("llama2-7b-trn2", nodes=16, overrides=K8S_OVERRIDES)
+    claim = dra_claim_template(recipe)
+    assert kubernetes_error(claim) is None
+    request = claim["spec"]["spec"]["devices"]["requests"][0]["exactly"]
+    assert (
+        request["deviceClassName"] == "neuron.aws.com"
+        and "'trn2.48xlarge'" in request["selectors"][0]["cel"]["expression"]
+    )
+    pod = kubernetes_objects(K8S_CASES[2])[-1]
+    resources = pod["template"]["spec"]["containers"][0]["resources"]
+    for counts in (resources["requests"], resources["limits"]):
+        del counts["aws.amazon.com/neuron"]
+    resources["claims"] = [{"name": "neurons"}]
+    pod["template"]["spec"]["resourceClaims"] = [
+        {"name": "neurons", "resourceClaimTemplateName": claim["metadata"]["name"]}
+    ]
+    assert kubernetes_error(pod) is None
+
+
+def test_the_schema_check_catches_a_misspelt_field_and_a_wrong_type():
+    job = manifest(K8S_CASES[0])
+    job["spec"]["runPolicy"]["backofLimit"] = 3
+    job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "x"
+    assert len(list(VALIDATOR.iter_errors(job))) == 2
 
 
 @pytest.mark.parametrize("case", K8S_CASES, ids=IDS)

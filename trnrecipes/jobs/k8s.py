@@ -41,6 +41,9 @@ MANIFESTS = {"compile": "compile-pytorchjob.yaml", "run": "pytorchjob.yaml", "ev
 JOB_NAME_LABEL = {"PyTorchJob": "training.kubeflow.org/job-name", "Job": "batch.kubernetes.io/job-name"}
 # The NVIDIA device plugin's resource, for an eval on GPUs (eval.gpus; NVIDIA k8s-device-plugin README).
 GPU_RESOURCE = "nvidia.com/gpu"
+# The Neuron DRA driver's DeviceClass (Amazon EKS user guide, "Manage Neuron devices on Amazon EKS": the driver
+# advertises Neuron devices as ResourceSlices of DeviceClass neuron.aws.com; Kubernetes 1.34 or later).
+NEURON_DEVICE_CLASS = "neuron.aws.com"
 
 
 @dataclass(frozen=True)
@@ -266,6 +269,22 @@ def eval_job(r: Recipe, image: str, job_dir: Path) -> dict:
     }
 
 
+def dra_claim_template(r: Recipe) -> dict:
+    """The Neuron DRA driver's way to the node's devices, instead of the device plugin's aws.amazon.com/neuron: a
+    ResourceClaimTemplate of every Neuron device of one cluster.instance node, as the Amazon EKS user guide's
+    example ("Manage Neuron devices on Amazon EKS", Request Neuron devices in a Pod). The README shows it; no
+    manifest uses it."""
+    instance = f"device.attributes['{NEURON_DEVICE_CLASS}'].instanceType == '{r.cluster.instance}'"
+    request = {"deviceClassName": NEURON_DEVICE_CLASS, "selectors": [{"cel": {"expression": instance}}],
+               "allocationMode": "All"}  # fmt: skip
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": f"{job_name(r)}-neurons", "namespace": r.k8s.namespace},
+        "spec": {"spec": {"devices": {"requests": [{"name": "neurons", "exactly": request}]}}},
+    }
+
+
 def kubectl_steps(r: Recipe, job_dir: Path) -> list[str]:
     """The commands that run the three jobs in order, each waiting for the one before (kubectl wait's -1s: a week,
     its longest)."""
@@ -296,7 +315,7 @@ def render_k8s(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = RE
     context = {"r": recipe, "layout": job.layout, "command": command, "job_dir": out, "repo_root": repo_root,
                "run_dir": run_dir, "image": image, "stack": recipe.stack, "names": MANIFESTS,
                "job_names": {mode: job_name(recipe, mode) for mode in MANIFESTS},
-               "steps": kubectl_steps(recipe, out),
+               "steps": kubectl_steps(recipe, out), "dra": yaml.safe_dump(dra_claim_template(recipe), sort_keys=False),
                "eval_python": default_python(recipe, repo_root, scoring=True),
                "eval_cpu_hours": eval_estimate(recipe)["cpu_hours"], "eval_cpus": EVAL_CPU_CORES}  # fmt: skip
     files = {
