@@ -1,7 +1,8 @@
 """k8s/entrypoint.sh run for real: two local processes given the environment the training operator sets for a 2-pod
 PyTorchJob (MASTER_ADDR/MASTER_PORT, PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK) train pythia-tiny on the cpu
 backend through the pre-flight, the health check and the static torchrun launch; SIGTERM to one pod saves and
-stops both with the retryable 143, a second start resumes and ends 0; a missing corpus is exit 2 on both pods."""
+stops both with the retryable 143, a second start resumes and ends 0, and the eval pod scores its last checkpoint; a
+missing corpus is exit 2 on both pods."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def start_pods(job_dir: Path, tmp: Path, tag: str) -> list[subprocess.Popen]:
                "TRNRECIPES_JOB_NAME": "job", "TRNRECIPES_POD": f"pod{rank}", "TRNRECIPES_PYTHON": sys.executable,
                "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(tmp)}  # fmt: skip
         log = open(tmp / f"{tag}-pod{rank}.log", "w")  # the pod's whole life
-        pods.append(subprocess.Popen(["bash", str(job_dir / "entrypoint.sh")], env=env, stdout=log, stderr=log))
+        argv = ["bash", str(job_dir / "entrypoint.sh"), "run"]
+        pods.append(subprocess.Popen(argv, env=env, stdout=log, stderr=log))
     return pods
 
 
@@ -55,8 +57,8 @@ def wait(pods: list[subprocess.Popen], tmp: Path, tag: str) -> tuple[list[int], 
     return codes, logs
 
 
-@pytest.mark.slow  # ~80 s on 2 busy cores: two starts of 2 pods, each through doctor, health and train
-def test_sigterm_saves_and_stops_both_pods_retryably_and_a_restart_resumes(tmp_path):
+@pytest.mark.slow  # ~95 s on 2 busy cores: two starts of 2 pods, each through doctor, health and train; an eval
+def test_sigterm_stops_both_pods_retryably_a_restart_resumes_and_the_eval_pod_scores_the_end(tmp_path):
     job_dir = write_job(tmp_path, "train.max_steps=4 train.val_every=4")
     pods = start_pods(job_dir, tmp_path, "first")
     saved = tmp_path / "run" / "checkpoints" / "step_2"
@@ -73,6 +75,14 @@ def test_sigterm_saves_and_stops_both_pods_retryably_and_a_restart_resumes(tmp_p
     codes, logs = wait(start_pods(job_dir, tmp_path, "second"), tmp_path, "second")
     assert codes == [0, 0], logs
     assert "resum" in logs.lower() and (saved.parent / "step_4").exists(), logs
+
+    # The eval Job's pod: no rendezvous, the run dir's newest checkpoint scored (one task, one item: ~15 s)
+    env = {**os.environ, "TRNRECIPES_JOB_NAME": "job-eval", "TRNRECIPES_POD": "eval", "PYTHONPATH": str(REPO_ROOT),
+           "TRNRECIPES_PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
+    argv = ["bash", str(job_dir / "entrypoint.sh"), "eval", "--tasks", "boolq", "--limit", "1"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (tmp_path / "run" / "eval" / "step_4" / "results.json").exists(), done.stdout[-2000:]
 
 
 def test_a_missing_corpus_is_exit_2_on_every_pod(tmp_path):

@@ -134,8 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = verb(
         "k8s",
         _k8s,
-        "write a job dir's k8s/: a Kubeflow PyTorchJob for Amazon EKS (pytorchjob.yaml), the pods' entrypoint.sh,"
-        " README.md, recipe.yaml, provenance.json",
+        "write a job dir's k8s/ for Amazon EKS: the compile and training Kubeflow PyTorchJobs (compile-pytorchjob.yaml,"
+        " pytorchjob.yaml), the eval Job (eval-job.yaml), the pods' entrypoint.sh, README.md, recipe.yaml,"
+        " provenance.json",
     )
     recipe_args(sub)
     sub.add_argument("--out", default="", help="job directory (default: jobs/<recipe>-<nodes>n); writes its k8s/")
@@ -824,7 +825,7 @@ def _sbatch(args: argparse.Namespace) -> int:
 
 
 def _k8s(args: argparse.Namespace) -> int:
-    from trnrecipes.jobs.k8s import render_k8s
+    from trnrecipes.jobs.k8s import kubectl_steps, render_k8s
 
     _, _, command, job, _, storage, warnings = _checked_job(args, "k8s", render_k8s)
     for warning in warnings:
@@ -834,7 +835,8 @@ def _k8s(args: argparse.Namespace) -> int:
     print(f"wrote {job.job_dir}/: {', '.join(sorted(job.files | extra))}")
     if changes:
         print("replaced its recipe.yaml; what changed:\n" + "\n".join(f"  {line}" for line in changes))
-    print(f"next (where kubectl reaches the cluster): kubectl apply -f {job.job_dir}/pytorchjob.yaml")
+    print("next, where kubectl reaches the cluster (each job waits for the one before):")
+    print("\n".join(f"  {line}" for line in kubectl_steps(job.recipe, job.job_dir)))
     return 0
 
 

@@ -550,7 +550,7 @@ def check_recipe(r: Recipe) -> list[str]:
     if t is not None and not problems:
         lead = signal_seconds(r)
         need(
-            _seconds(t) > lead + 300,
+            time_limit_seconds(t) > lead + 300,
             f"slurm.time_limit {t} leaves no time to train before the pre-timeout signal ({lead} s before the end"
             f"{'' if r.slurm.signal_seconds is not None else ', derived from the checkpoint size'});"
             f" use more than {lead + 300} s",
@@ -596,7 +596,7 @@ def _time_limit_problems(key: str, value: str | None) -> list[str]:
         return []
     if not _SLURM_TIME.fullmatch(value):
         return [f"{key} {shown(value)}: expected [D-]HH:MM:SS"]
-    if _seconds(value) == 0:
+    if time_limit_seconds(value) == 0:
         return [
             f"{key} {value} is zero, which Slurm reads as no time limit: give the limit as [D-]HH:MM:SS (e.g."
             f" 04:00:00), or leave {key} unset for the partition's"
@@ -604,7 +604,8 @@ def _time_limit_problems(key: str, value: str | None) -> list[str]:
     return []
 
 
-def _seconds(time_limit: str) -> int:
+def time_limit_seconds(time_limit: str) -> int:
+    """A checked [D-]HH:MM:SS limit in seconds (the k8s eval Job's activeDeadlineSeconds takes eval.time_limit)."""
     days, _, clock = time_limit.rpartition("-")
     h, m, s = (int(x) for x in clock.split(":"))
     return (int(days) if days else 0) * 86400 + h * 3600 + m * 60 + s

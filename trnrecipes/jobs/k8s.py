@@ -1,5 +1,6 @@
-"""Render a recipe as a Kubeflow PyTorchJob (kubeflow.org/v1) for Amazon EKS: the manifest, the pods' entrypoint and
-a README. The same env table, pre-flight and torchrun launch as run.sbatch; the pods' exit codes follow the training
+"""Render a recipe as Kubernetes jobs for Amazon EKS, the Slurm chain's three steps: a compile PyTorchJob, the
+training PyTorchJob (kubeflow.org/v1) and an eval Job (batch/v1), one entrypoint for all pods (its mode argument),
+and a README. The same env table, pre-flight and launches as the sbatch scripts; exit codes follow the training
 operator's ExitCode restart policy. No torch import, no Kubernetes client: plain dicts written as YAML.
 """
 
@@ -14,12 +15,15 @@ import yaml
 
 from trnrecipes import REPO_ROOT
 from trnrecipes.config.preemption import signal_seconds
+from trnrecipes.config.recipe import time_limit_seconds
 from trnrecipes.config.sections import Recipe, RecipeError
-from trnrecipes.config.stacks import sdk_version
+from trnrecipes.config.stacks import default_python, sdk_version
 from trnrecipes.jobs.neuron_env import JOB_USER, backend_env, local_cache_dir
-from trnrecipes.jobs.render import Job, _environment, objective, render_job
+from trnrecipes.jobs.render import Job, _environment, cache_leader_nodes, objective, render_job
 from trnrecipes.jobs.storage import run_dir_for
 from trnrecipes.jobs.wheelhouse import job_wheels
+from trnrecipes.plan.eval_cost import CPU_CORES as EVAL_CPU_CORES
+from trnrecipes.plan.eval_cost import eval_estimate, eval_mem_gb
 from trnrecipes.plan.layout import Layout
 from trnrecipes.schema import shown
 
@@ -29,6 +33,17 @@ CONTAINER = "pytorch"
 MASTER_PORT = 23456
 CONTAINER_USER = "root"  # AWS's Neuron training containers run as root: JOB_USER in the node-local cache path
 CONTAINER_PYTHON = "/usr/local/bin/python"  # the containers' Python (their Dockerfile.neuronx links it there)
+RETRYABLE_EXIT = 129  # the entrypoint's exit for a node's or transient fault (the exit-code contract's 1)
+# The three jobs of a k8s dir, in the order they run; each pod runs `entrypoint.sh <mode>`.
+MANIFESTS = {"compile": "compile-pytorchjob.yaml", "run": "pytorchjob.yaml", "eval": "eval-job.yaml"}
+# The label each kind of job puts on its pods with the job's name (training operator v1.9.0 constants.go
+# JobNameLabel; Kubernetes' batch.kubernetes.io/job-name, set by the Job controller since 1.27).
+JOB_NAME_LABEL = {"PyTorchJob": "training.kubeflow.org/job-name", "Job": "batch.kubernetes.io/job-name"}
+# The NVIDIA device plugin's resource, for an eval on GPUs (eval.gpus; NVIDIA k8s-device-plugin README).
+GPU_RESOURCE = "nvidia.com/gpu"
+# The Neuron DRA driver's DeviceClass (Amazon EKS user guide, "Manage Neuron devices on Amazon EKS": the driver
+# advertises Neuron devices as ResourceSlices of DeviceClass neuron.aws.com; Kubernetes 1.34 or later).
+NEURON_DEVICE_CLASS = "neuron.aws.com"
 
 
 @dataclass(frozen=True)
@@ -92,9 +107,8 @@ def _image(r: Recipe) -> str:
     return image
 
 
-def _check(r: Recipe, repo_root: Path, job_dir: Path, run_dir: Path) -> PodResources:
-    resources = POD_RESOURCES.get(r.cluster.instance)
-    if r.cluster.backend != "neuron" or resources is None:
+def _check(r: Recipe, repo_root: Path, job_dir: Path, run_dir: Path) -> None:
+    if r.cluster.backend != "neuron" or r.cluster.instance not in POD_RESOURCES:
         raise RecipeError(
             f"trnrecipes k8s renders Neuron training on {', '.join(POD_RESOURCES)}; cluster.instance is"
             f" {shown(r.cluster.instance)} with backend {r.cluster.backend}"
@@ -110,7 +124,6 @@ def _check(r: Recipe, repo_root: Path, job_dir: Path, run_dir: Path) -> PodResou
                 f"{what} {path} is not under k8s.mount {shown(r.k8s.mount)}, where the pods mount k8s.pvc; set"
                 " k8s.mount to the file system's mount point here (e.g. /fsx), with the checkout and run dir on it"
             )
-    return resources
 
 
 def _env(r: Recipe, job_dir: Path) -> list[dict[str, str]]:
@@ -121,70 +134,97 @@ def _env(r: Recipe, job_dir: Path) -> list[dict[str, str]]:
     return rows
 
 
-def _pod_template(r: Recipe, resources: PodResources, image: str, job_dir: Path, master: bool) -> dict:
+def _training_resources(r: Recipe) -> dict:
+    """A whole node of the instance: its Neuron devices and EFA interfaces (the device plugins' resources)."""
+    pod = POD_RESOURCES[r.cluster.instance]
+    counts = {"aws.amazon.com/neuron": pod.neuron_devices, "vpc.amazonaws.com/efa": pod.efa}
+    return {"requests": dict(counts), "limits": dict(counts)}
+
+
+def _eval_resources(r: Recipe) -> dict:
+    """eval.sbatch's request in Kubernetes terms: eval.cpus (default CPU_CORES unless GPUs or the whole node are asked
+    for, as its #SBATCH lines), the model's memory (eval.mem_gb; Slurm's G is GiB), eval.gpus of the NVIDIA device
+    plugin. eval.exclusive, eval.partition and eval.account are Slurm's alone: no Kubernetes request stands for them."""
+    requests, limits = {}, {}
+    cpus = r.eval.cpus or (None if r.eval.gpus or r.eval.exclusive else EVAL_CPU_CORES)
+    if cpus:
+        requests["cpu"] = cpus
+    if memory := eval_mem_gb(r):
+        requests["memory"] = limits["memory"] = f"{memory}Gi"
+    if r.eval.gpus:
+        requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = r.eval.gpus
+    return {"requests": requests, "limits": limits} if limits else {"requests": requests}
+
+
+def _pod_template(r: Recipe, image: str, job_dir: Path, mode: str, master: bool = False) -> dict:
+    """The pod template of every manifest: the entrypoint in `mode` with the env table and the claim mounted. Compile
+    and run pods take a whole node of cluster.instance and its node-local compile cache; the eval pod takes what
+    eval.sbatch asks for; only the run pod's grace period leaves room for the save on SIGTERM."""
+    training = mode != "eval"
+    kind = "PyTorchJob" if training else "Job"
     cache = local_cache_dir(r).replace(JOB_USER, CONTAINER_USER)
-    counts = {"aws.amazon.com/neuron": resources.neuron_devices, "vpc.amazonaws.com/efa": resources.efa}
+    mounts = [{"name": "shared", "mountPath": r.k8s.mount}]
+    volumes = [{"name": "shared", "persistentVolumeClaim": {"claimName": r.k8s.pvc}}]
+    if training:
+        mounts.append({"name": "compile-cache", "mountPath": cache})
+        volumes.append({"name": "compile-cache", "hostPath": {"path": cache, "type": "DirectoryOrCreate"}})
+    mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    volumes.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
     container = {
         "name": CONTAINER,
         "image": image,
-        "command": ["bash", str(job_dir / "entrypoint.sh")],
+        "command": ["bash", str(job_dir / "entrypoint.sh"), mode],
         "env": [
             *_env(r, job_dir),
-            {"name": "TRNRECIPES_JOB_NAME", "valueFrom": {"fieldRef": {"fieldPath": _label("job-name")}}},
+            {"name": "TRNRECIPES_JOB_NAME", "valueFrom": {"fieldRef": {"fieldPath": _label(JOB_NAME_LABEL[kind])}}},
             {"name": "TRNRECIPES_POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         ],
-        "resources": {"requests": dict(counts), "limits": dict(counts)},
-        "volumeMounts": [
-            {"name": "shared", "mountPath": r.k8s.mount},
-            {"name": "compile-cache", "mountPath": cache},
-            {"name": "shm", "mountPath": "/dev/shm"},
-        ],
+        "resources": _training_resources(r) if training else _eval_resources(r),
+        "volumeMounts": mounts,
     }
     if master:
         container["ports"] = [{"name": "pytorchjob-port", "containerPort": MASTER_PORT}]
-    spec = {
-        # The pre-timeout save's lead (slurm.signal_seconds or derived from the checkpoint size), after SIGTERM.
-        "terminationGracePeriodSeconds": signal_seconds(r),
-        "nodeSelector": {"node.kubernetes.io/instance-type": r.cluster.instance},
-        "containers": [container],
-        "volumes": [
-            {"name": "shared", "persistentVolumeClaim": {"claimName": r.k8s.pvc}},
-            {"name": "compile-cache", "hostPath": {"path": cache, "type": "DirectoryOrCreate"}},
-            {"name": "shm", "emptyDir": {"medium": "Memory"}},
-        ],
-    }
+    spec: dict = {}
+    if mode == "run":  # the pre-timeout save's lead (slurm.signal_seconds or derived from the checkpoint size)
+        spec["terminationGracePeriodSeconds"] = signal_seconds(r)
+    if training:
+        spec["nodeSelector"] = {"node.kubernetes.io/instance-type": r.cluster.instance}
+    else:
+        spec["restartPolicy"] = "Never"  # what a Job's podFailurePolicy requires
+    spec |= {"containers": [container], "volumes": volumes}
     if r.k8s.service_account:
         spec["serviceAccountName"] = r.k8s.service_account
     return {"metadata": {"labels": {"trnrecipes/job": r.job_name}}, "spec": spec}
 
 
-def job_name(r: Recipe) -> str:
-    """The PyTorchJob's name: the job name as a DNS label (pods and services are named <name>-worker-<i>)."""
+def job_name(r: Recipe, mode: str = "run") -> str:
+    """A job's Kubernetes name: the job name as a DNS label, `-compile` / `-eval` for those jobs. The cap leaves room
+    for the longest name made from it, the compile job's pods and services <name>-compile-worker-<i> (63 at most)."""
     name = r.job_name.lower().replace(".", "-").replace("_", "-")
     if not re.fullmatch(r"[a-z]([-a-z0-9]{0,40}[a-z0-9])?", name):
         raise RecipeError(
             f"slurm.job_name {shown(r.job_name)} does not make a Kubernetes name: letters, digits and - only,"
-            " starting with a letter, at most 42 characters (pods are named <name>-worker-<i>)"
+            " starting with a letter, at most 42 characters (the compile job's pods are named"
+            " <name>-compile-worker-<i>, at most 63)"
         )
-    return name
+    return name if mode == "run" else f"{name}-{mode}"
 
 
 def _label(name: str) -> str:
-    return f"metadata.labels['training.kubeflow.org/{name}']"
+    return f"metadata.labels['{name}']"
 
 
-def pytorchjob(r: Recipe, layout: Layout, repo_root: Path, job_dir: Path, run_dir: Path) -> dict:
-    """The PyTorchJob: a Master (node rank 0, hosting torchrun's static store) and N-1 Workers, one pod per node.
-    The operator sets MASTER_ADDR/MASTER_PORT, RANK and PET_NODE_RANK only where a Master replica exists
+def pytorchjob(r: Recipe, layout: Layout, image: str, job_dir: Path, mode: str = "run") -> dict:
+    """A PyTorchJob of the training pods (mode run, or compile: the same launch through the compiler): a Master
+    (node rank 0, hosting torchrun's static store) and N-1 Workers, one pod per node. The operator sets
+    MASTER_ADDR/MASTER_PORT, RANK and PET_NODE_RANK only where a Master replica exists
     (pkg/controller.v1/pytorch/envvar.go, v1.9.0); a Worker-only job gets them only from an elasticPolicy."""
-    resources = _check(r, repo_root, job_dir, run_dir)
-    image = _image(r)
     replicas = {"Master": 1, "Worker": layout.nodes - 1}
     specs = {
         kind: {
             "replicas": count,
             "restartPolicy": "ExitCode",
-            "template": _pod_template(r, resources, image, job_dir, master=kind == "Master"),
+            "template": _pod_template(r, image, job_dir, mode, master=kind == "Master"),
         }
         for kind, count in replicas.items()
         if count
@@ -192,7 +232,7 @@ def pytorchjob(r: Recipe, layout: Layout, repo_root: Path, job_dir: Path, run_di
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
-        "metadata": {"name": job_name(r), "namespace": r.k8s.namespace},
+        "metadata": {"name": job_name(r, mode), "namespace": r.k8s.namespace},
         "spec": {
             "nprocPerNode": str(layout.workers_per_node),
             "runPolicy": {"backoffLimit": r.slurm.max_restarts, "cleanPodPolicy": "None"},
@@ -201,20 +241,88 @@ def pytorchjob(r: Recipe, layout: Layout, repo_root: Path, job_dir: Path, run_di
     }
 
 
+def eval_job(r: Recipe, image: str, job_dir: Path) -> dict:
+    """The eval Job (batch/v1): one pod scores the run dir's newest checkpoint, as eval.sbatch does. Its exit codes
+    follow the PyTorchJobs': only the entrypoint's node fault (129) is retried, up to slurm.max_restarts times; any
+    other failure fails the Job at once (podFailurePolicy, GA in Kubernetes 1.31), and an eviction (the pod's
+    DisruptionTarget condition) is retried without counting."""
+    spec: dict = {
+        "backoffLimit": r.slurm.max_restarts,
+        "podFailurePolicy": {
+            "rules": [
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn", "values": [RETRYABLE_EXIT]},
+                },
+            ]
+        },
+    }
+    if r.eval.time_limit:  # eval.sbatch's --time
+        spec["activeDeadlineSeconds"] = time_limit_seconds(r.eval.time_limit)
+    spec["template"] = _pod_template(r, image, job_dir, "eval")
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": job_name(r, "eval"), "namespace": r.k8s.namespace},
+        "spec": spec,
+    }
+
+
+def dra_claim_template(r: Recipe) -> dict:
+    """The Neuron DRA driver's way to the node's devices, instead of the device plugin's aws.amazon.com/neuron: a
+    ResourceClaimTemplate of every Neuron device of one cluster.instance node, as the Amazon EKS user guide's
+    example ("Manage Neuron devices on Amazon EKS", Request Neuron devices in a Pod). The README shows it; no
+    manifest uses it."""
+    instance = f"device.attributes['{NEURON_DEVICE_CLASS}'].instanceType == '{r.cluster.instance}'"
+    request = {"deviceClassName": NEURON_DEVICE_CLASS, "selectors": [{"cel": {"expression": instance}}],
+               "allocationMode": "All"}  # fmt: skip
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": f"{job_name(r)}-neurons", "namespace": r.k8s.namespace},
+        "spec": {"spec": {"devices": {"requests": [{"name": "neurons", "exactly": request}]}}},
+    }
+
+
+def kubectl_steps(r: Recipe, job_dir: Path) -> list[str]:
+    """The commands that run the three jobs in order, each waiting for the one before (kubectl wait's -1s: a week,
+    its longest)."""
+    # The training operator's condition Succeeded (pkg/apis/kubeflow.org/v1 common_types.go), batch/v1's Complete.
+    done = {"compile": "Succeeded pytorchjob", "run": "Succeeded pytorchjob", "eval": "complete job"}
+    lines = []
+    for mode, file_name in MANIFESTS.items():
+        condition, kind = done[mode].split()
+        wait = f"kubectl wait -n {r.k8s.namespace} --for=condition={condition} --timeout=-1s {kind}/{job_name(r, mode)}"
+        lines += [f"kubectl apply -f {job_dir / file_name}", wait]
+    return lines
+
+
 def render_k8s(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = REPO_ROOT, **render_args) -> Job:
-    """The k8s dir of a job dir (job_dir/k8s): pytorchjob.yaml, entrypoint.sh, README.md and the resolved recipe.yaml
-    the pods train from. The layout and memory checks are render_job's."""
+    """The k8s dir of a job dir (job_dir/k8s): the compile PyTorchJob, the training PyTorchJob, the eval Job, their
+    entrypoint.sh, README.md and the resolved recipe.yaml the pods read. The layout and memory checks are
+    render_job's."""
     if objective(recipe) != "causal_lm":
         raise RecipeError(f"trnrecipes k8s renders causal-LM training; {recipe.name} is {objective(recipe)}")
     out = Path(os.path.abspath(k8s_dir(job_dir)))
     job = render_job(recipe, out, command, repo_root, **render_args)
     run_dir = run_dir_for(recipe, repo_root, render_args.get("runs_root"))
-    manifest = pytorchjob(recipe, job.layout, repo_root, out, run_dir)
+    _check(recipe, repo_root, out, run_dir)
+    image = _image(recipe)
+    manifests = {mode: pytorchjob(recipe, job.layout, image, out, mode) for mode in ("compile", "run")}
+    manifests["eval"] = eval_job(recipe, image, out)
     env = _environment()
     context = {"r": recipe, "layout": job.layout, "command": command, "job_dir": out, "repo_root": repo_root,
-               "run_dir": run_dir, "manifest": manifest}  # fmt: skip
+               "run_dir": run_dir, "image": image, "stack": recipe.stack, "names": MANIFESTS,
+               "job_names": {mode: job_name(recipe, mode) for mode in MANIFESTS},
+               "steps": kubectl_steps(recipe, out), "dra": yaml.safe_dump(dra_claim_template(recipe), sort_keys=False),
+               "eval_python": default_python(recipe, repo_root, scoring=True),
+               "eval_cpu_hours": eval_estimate(recipe)["cpu_hours"], "eval_cpus": EVAL_CPU_CORES}  # fmt: skip
     files = {
-        "pytorchjob.yaml": f"# {_comment_line(command)}\n" + yaml.safe_dump(manifest, sort_keys=False),
+        MANIFESTS[mode]: f"# {_comment_line(command)}\n" + yaml.safe_dump(manifest, sort_keys=False)
+        for mode, manifest in manifests.items()
+    }
+    files |= {
         "entrypoint.sh": entrypoint_script(recipe, job.layout, out, command, repo_root, run_dir),
         "README.md": env.get_template("k8s_README.md.j2").render(context),
         "recipe.yaml": job.files["recipe.yaml"],
@@ -223,7 +331,8 @@ def render_k8s(recipe: Recipe, job_dir: Path, command: str, repo_root: Path = RE
 
 
 def entrypoint_script(r: Recipe, layout: Layout, job_dir: Path, command: str, repo_root: Path, run_dir: Path) -> str:
-    """The pods' entrypoint.sh. Any recipe renders (the tests run it with the cpu backend); the manifest is Neuron's."""
+    """The entrypoint.sh of every pod, `entrypoint.sh compile|run|eval`. Any recipe renders (the tests run it with the
+    cpu backend); the manifests are Neuron's."""
     context = {
         "r": r,
         "layout": layout,
@@ -232,6 +341,10 @@ def entrypoint_script(r: Recipe, layout: Layout, job_dir: Path, command: str, re
         "repo_root": repo_root,
         "run_dir": run_dir,
         "python": r.cluster.python or CONTAINER_PYTHON,
+        "eval_python": default_python(r, repo_root, scoring=True),
+        "stack": r.stack,
+        "cache_leaders": " ".join(map(str, cache_leader_nodes(layout))),
+        "retryable": RETRYABLE_EXIT,
         "wheels": job_wheels(r, repo_root),
         "megatron": any(c.format == "megatron" for c in r.data.corpora()),
         "signal_seconds": signal_seconds(r),

@@ -1,13 +1,18 @@
 #!/bin/bash
-# entrypoint.sh for llama3.1-8b-32n: every pod of k8s/pytorchjob.yaml runs it, one pod per node. Made by trnrecipes
-# from recipe llama3.1-8b. Do not edit; re-create with:
+# entrypoint.sh for llama3.1-8b-32n: every pod of this k8s dir runs it, its first argument the pod's job:
+#   compile  each pod of compile-pytorchjob.yaml (one pod per node): the same launch as `run` through the compiler
+#   run      each pod of pytorchjob.yaml: the pre-flight, the health check, then training
+#   eval     the one pod of eval-job.yaml: the run dir's newest checkpoint evaluated (further arguments go to
+#            `trnrecipes eval run`, as eval.sbatch's do)
+# Made by trnrecipes from recipe llama3.1-8b. Do not edit; re-create with:
 #   trnrecipes k8s --recipe llama3.1-8b --nodes 32 --overrides 'k8s.pvc=fsx-claim k8s.mount=/opt/trnrecipes'
 # Layout: 32 node(s) x 32 workers = 1024; TP 32 x PP 1 x DP 32
 # Exit codes, read by the training operator's ExitCode restart policy, which fails the job on 1-127 and recreates the
 # pod on 128-255 (kubeflow/training-operator v1.9.0, pkg/apis/kubeflow.org/v1/common_types.go RestartPolicyExitCode;
-# IsRetryableExitCode: >= 128), at most runPolicy.backoffLimit (slurm.max_restarts: 3) times:
+# IsRetryableExitCode: >= 128), at most runPolicy.backoffLimit (slurm.max_restarts: 3) times, and by the eval
+# Job's podFailurePolicy (129 retried, any other failure final):
 #   0 done; 2 bad input, never retried (the same input fails the same way); 129 a node or transient fault
-#   (run.sbatch's exit 1), retried; 143 stopped on SIGTERM (an eviction) after the trainer's save, retried: resumes.
+#   (the sbatch scripts' exit 1), retried; 143 stopped on SIGTERM (an eviction) after the trainer's save, retried: resumes.
 set -euo pipefail
 
 # ---- Settings from the resolved recipe (every value quoted; edit recipe.yaml and re-create instead) ----
@@ -15,41 +20,57 @@ JOB_DIR=/opt/trnrecipes/jobs/llama3.1-8b-32n/k8s
 REPO=/opt/trnrecipes
 RUN_DIR=/opt/trnrecipes/runs/llama3.1-8b-32n
 RECIPE="$JOB_DIR/recipe.yaml"
-PYTHON=/usr/local/bin/python  # cluster.python, else the Neuron training container's
-PYTHON="${TRNRECIPES_PYTHON:-$PYTHON}"
 EXPECTED_NODES=32
 WORKERS_PER_NODE=32
 RETRYABLE=129
 BAD_INPUT=2
 
-# ---- The rendezvous the training operator gives each pod (pkg/controller.v1/pytorch/envvar.go and master.go,
-# v1.9.0): MASTER_ADDR/MASTER_PORT (the Master pod's service), PET_NNODES (pods), PET_NPROC_PER_NODE (nprocPerNode)
-# and PET_NODE_RANK (Master 0, Worker i: i + 1). Static, as run.sbatch's: node rank = pod rank, the Master hosts
-# the store. The env table (trnrecipes/jobs/neuron_env.py) is set by the manifest. ----
-for name in MASTER_ADDR MASTER_PORT PET_NNODES PET_NPROC_PER_NODE PET_NODE_RANK; do
-  if [[ -z "${!name:-}" ]]; then
-    echo "error: $name is not set: run this script in a pod of k8s/pytorchjob.yaml (the training operator sets it)" >&2
+MODE=${1:-}
+case "$MODE" in
+  compile | run) PYTHON=/usr/local/bin/python ;;  # cluster.python, else the Neuron training container's
+  # As eval.sbatch: scoring runs lm-eval and transformers at the checkout's pins, which a Neuron venv must not take.
+  eval) PYTHON=/opt/trnrecipes/.venv/bin/python ;;
+  *)
+    echo "error: entrypoint.sh takes the pod's job first: compile, run or eval (got '$MODE'); the manifests in $JOB_DIR pass it" >&2
     exit "$BAD_INPUT"
-  fi
-done
-if [[ "$PET_NNODES" != "$EXPECTED_NODES" || "$PET_NPROC_PER_NODE" != "$WORKERS_PER_NODE" ]]; then
-  echo "error: this job was made for $EXPECTED_NODES pod(s) x $WORKERS_PER_NODE workers, the operator gives $PET_NNODES x $PET_NPROC_PER_NODE; re-create it with --nodes $PET_NNODES" >&2
-  exit "$BAD_INPUT"
-fi
-NNODES=$PET_NNODES
-NODE_RANK=$PET_NODE_RANK
+    ;;
+esac
+shift
+PYTHON="${TRNRECIPES_PYTHON:-$PYTHON}"
 JOB_ID=${TRNRECIPES_JOB_NAME:-llama3.1-8b-32n}
 POD=${TRNRECIPES_POD:-$(hostname)}
 LOG_DIR="$JOB_DIR/logs/$JOB_ID/$POD-$(date +%Y%m%d-%H%M%S)"
 cd "$REPO"
 PATH="$(dirname "$PYTHON"):$PATH"
-export PATH MASTER_ADDR MASTER_PORT
+export PATH
 export TRNRECIPES_JOB_ID="$JOB_ID" TRNRECIPES_RESTART=0 TRNRECIPES_RUN_DIR="$RUN_DIR"
-echo "[trnrecipes] pod $POD: node $NODE_RANK of $NNODES x $WORKERS_PER_NODE workers, rendezvous $MASTER_ADDR:$MASTER_PORT; logs in $LOG_DIR"
 
-# ---- Pre-flight, as run.sbatch's on each node: the job's Python made ready from the wheelhouse, then trnrecipes
-# doctor --node. Exit 1 is this node's fault (devices, disk): retried. Anything else is the image's or the input's,
-# the same on every pod: bad input. ----
+if [[ "$MODE" != eval ]]; then
+  # ---- The rendezvous the training operator gives each pod (pkg/controller.v1/pytorch/envvar.go and master.go,
+  # v1.9.0): MASTER_ADDR/MASTER_PORT (the Master pod's service), PET_NNODES (pods), PET_NPROC_PER_NODE (nprocPerNode)
+  # and PET_NODE_RANK (Master 0, Worker i: i + 1). Static, as run.sbatch's: node rank = pod rank, the Master hosts
+  # the store. The env table (trnrecipes/jobs/neuron_env.py) is set by the manifest. ----
+  for name in MASTER_ADDR MASTER_PORT PET_NNODES PET_NPROC_PER_NODE PET_NODE_RANK; do
+    if [[ -z "${!name:-}" ]]; then
+      echo "error: $name is not set: entrypoint.sh $MODE runs in a pod of a PyTorchJob in $JOB_DIR (the training operator sets it)" >&2
+      exit "$BAD_INPUT"
+    fi
+  done
+  if [[ "$PET_NNODES" != "$EXPECTED_NODES" || "$PET_NPROC_PER_NODE" != "$WORKERS_PER_NODE" ]]; then
+    echo "error: this job was made for $EXPECTED_NODES pod(s) x $WORKERS_PER_NODE workers, the operator gives $PET_NNODES x $PET_NPROC_PER_NODE; re-create it with --nodes $PET_NNODES" >&2
+    exit "$BAD_INPUT"
+  fi
+  NNODES=$PET_NNODES
+  NODE_RANK=$PET_NODE_RANK
+  export MASTER_ADDR MASTER_PORT
+  echo "[trnrecipes] $MODE pod $POD: node $NODE_RANK of $NNODES x $WORKERS_PER_NODE workers, rendezvous $MASTER_ADDR:$MASTER_PORT; logs in $LOG_DIR"
+else
+  echo "[trnrecipes] eval pod $POD on $(hostname); logs in $LOG_DIR"
+fi
+
+# ---- Pre-flight, as the sbatch scripts' on each node: (compile, run) the job's Python made ready from the
+# wheelhouse, then trnrecipes doctor --node for this job. Exit 1 is this node's fault (devices, disk): retried.
+# Anything else is the image's or the input's, the same on every pod: bad input. ----
 WHEELS=/opt/trnrecipes/wheels/neuron-2.26
 WHEELS="${TRNRECIPES_WHEELS:-$WHEELS}"
 preflight() {
@@ -57,10 +78,10 @@ preflight() {
     echo "error: $POD: the job's Python $PYTHON does not exist in this image; set cluster.python (or TRNRECIPES_PYTHON)" >&2
     return 4
   fi
-  if [[ -n "$WHEELS" ]]; then
+  if [[ "$MODE" != eval && -n "$WHEELS" ]]; then
     "$PYTHON" -m trnrecipes.ops.ready --wheels "$WHEELS" --python "$PYTHON" || return $?
   fi
-  "$PYTHON" -m trnrecipes.ops.doctor --config "$RECIPE" --job run --run-dir "$RUN_DIR" --python "$PYTHON" --node
+  "$PYTHON" -m trnrecipes.ops.doctor --config "$RECIPE" --job "$MODE" --run-dir "$RUN_DIR" --python "$PYTHON" --node
 }
 rc=0
 preflight || rc=$?
@@ -74,17 +95,92 @@ fi
 mkdir -p "$LOG_DIR" "$RUN_DIR"
 export TRNRECIPES_FATAL_FILE="$LOG_DIR/fatal"
 
+if [[ "$MODE" == eval ]]; then
+  # ---- Evaluate, as eval.sbatch: the 128-node Llama 2 post's table (eval/registry.py; lm-eval, offline) and
+  # HumanEval pass@k (sandboxed: this job opts in with --allow-code-execution) on the newest complete checkpoint in
+  # the run dir, into RUN_DIR/eval/step_N; on the pod's GPUs where eval.gpus asks for them, else its CPUs. ----
+  EVAL=("$PYTHON" -m trnrecipes eval run --ckpt "$RUN_DIR" --allow-code-execution "$@")
+  echo "[trnrecipes] command: $(printf '%q ' "${EVAL[@]}")"
+  "${EVAL[@]}"
+  echo "[trnrecipes] eval job $JOB_ID done"
+  exit 0
+fi
+
 # The open-files limit up to 65535, as AWS's train_setup.sh do (ulimit -n 65535), never above the hard limit.
 soft=$(ulimit -Sn) hard=$(ulimit -Hn)
 if [[ "$soft" != unlimited ]] && ((soft < 65535)); then
   if [[ "$hard" == unlimited ]] || ((hard >= 65535)); then ulimit -Sn 65535; else ulimit -Sn "$hard"; fi
 fi
 
-# ---- One launcher per pod; torchrun starts the workers (the same launch as run.sbatch's, node rank from the pod) ----
+# ---- One launcher per pod; torchrun starts the workers (the same launch as the sbatch scripts', node rank from
+# the pod) ----
 TORCHRUN=("$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$WORKERS_PER_NODE"
   --node-rank="$NODE_RANK" --rdzv-backend=static --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT"
   --log-dir="${TMPDIR:-/tmp}/trnrecipes-logs" --tee=3 --local-ranks-filter=0)
 TRAIN=("${TORCHRUN[@]}" -m trnrecipes train --config "$RECIPE")
+
+# A launch that failed: on something a restart would repeat (the trainer's fatal file), bad input; else retried.
+launch_failed() {  # WHAT STATUS
+  if [[ -s "$TRNRECIPES_FATAL_FILE" ]]; then
+    echo "[trnrecipes] $1 failed on something a restart would repeat; not retried. Fix it and re-apply:" >&2
+    sed 's/^[^:]*: //' "$TRNRECIPES_FATAL_FILE" | sort | uniq -c | sed 's/^ */  /' >&2
+    exit "$BAD_INPUT"
+  fi
+  echo "[trnrecipes] $1 failed (exit status $2): exit $RETRYABLE, the pod is recreated" >&2
+  exit "$RETRYABLE"
+}
+
+# ---- The compile cache. Each pod compiles into its node's cache (NEURON_COMPILE_CACHE_URL, a hostPath: many
+# writers on one shared dir corrupt and slow it), and the compile job may land on other nodes than the run. So, as
+# compile.sbatch and run.sbatch do: after compiling, one pod per distinct set of graphs (node ranks $CACHE_LEADERS:
+# pods holding the same pipeline stages compile the same graphs) copies its cache to $CACHE_COPY on the shared
+# claim, and each run pod merges that copy into its node's cache before training. ----
+CACHE_COPY="$JOB_DIR/neuron-cache"
+CACHE_LEADERS=0
+
+if [[ "$MODE" == compile ]]; then
+  # SIGTERM while compiling has nothing to save: the pod is killed at the end of its grace period (Kubernetes'
+  # default, 30 s) and recreated (137).
+  # ---- Compile: neuron_parallel_compile around the very same launch as training, as compile.sbatch: it runs the
+  # trainer to collect its graphs (4 steps through one validation and one checkpoint pass, nothing written), then
+  # compiles them in parallel into the node's cache. ----
+  COPIED="$JOB_DIR/logs/$JOB_ID/cache-copied"  # one file per cache leader whose copy is whole
+  if ((NODE_RANK == 0)); then rm -rf "$COPIED"; fi  # before the launch: none can end before the Master has joined it
+  COMPILE=(neuron_parallel_compile "${TRAIN[@]}" --compile)
+  echo "[trnrecipes] command: $(printf '%q ' "${COMPILE[@]}")"
+  COMPILE_LOG="$LOG_DIR/neuron_parallel_compile.log"
+  status=0
+  "${COMPILE[@]}" 2>&1 | tee "$COMPILE_LOG" || status=$?
+  # A graph that failed to compile is cached as failed and training would not retry it: the same input fails again.
+  if FAILED=$(grep -Eo 'Total failed compilations: [1-9][0-9]*' "$COMPILE_LOG"); then
+    echo "error: neuron_parallel_compile reports '${FAILED//$'\n'/, }'; see $COMPILE_LOG. After fixing the cause," >&2
+    echo "       re-create the job with --retry_failed_compilation in compile.extra_flags (cached failures are not retried)." >&2
+    exit "$BAD_INPUT"
+  fi
+  if ((status != 0)); then launch_failed "neuron_parallel_compile" "$status"; fi
+  if [[ " $CACHE_LEADERS " == *" $NODE_RANK "* ]]; then
+    mkdir -p "$CACHE_COPY" "$COPIED"
+    cp -a -u "$NEURON_COMPILE_CACHE_URL/." "$CACHE_COPY/"
+    : >"$COPIED/$NODE_RANK"
+    echo "[trnrecipes] compiled graphs of node $NODE_RANK copied to $CACHE_COPY"
+  fi
+  # The operator marks the job Succeeded when the Master ends (pkg/controller.v1/pytorch/pytorchjob_controller.go):
+  # the Master waits (30 minutes at most) for the other leaders' copies, so the run never starts with half of them.
+  if ((NODE_RANK == 0)); then
+    for leader in $CACHE_LEADERS; do
+      for _ in $(seq 180); do [[ -e "$COPIED/$leader" ]] && break; sleep 10; done
+      [[ -e "$COPIED/$leader" ]] || echo "[trnrecipes] warning: node $leader's graphs did not reach $CACHE_COPY in 30 minutes: the run compiles what they lack" >&2
+    done
+  fi
+  echo "[trnrecipes] compile job $JOB_ID done"
+  exit 0
+fi
+
+# Seed this node's compile cache from the compile job's copy (node-local while running, never the shared claim).
+if [[ -d "$CACHE_COPY" ]]; then
+  mkdir -p "$NEURON_COMPILE_CACHE_URL"
+  cp -a -u "$CACHE_COPY/." "$NEURON_COMPILE_CACHE_URL/"
+fi
 
 # Health check first (a matmul per device, collectives over the job's group): a failing pod is retried.
 if ! "${TORCHRUN[@]}" -m trnrecipes health --config "$RECIPE" --collectives; then
@@ -123,10 +219,4 @@ if ((status == 0)); then
   fi
   exit 0
 fi
-if [[ -s "$TRNRECIPES_FATAL_FILE" ]]; then
-  echo "[trnrecipes] training failed on something a restart would repeat; not retried. Fix it and re-apply:" >&2
-  sed 's/^[^:]*: //' "$TRNRECIPES_FATAL_FILE" | sort | uniq -c | sed 's/^ */  /' >&2
-  exit "$BAD_INPUT"
-fi
-echo "[trnrecipes] training failed (exit status $status): exit $RETRYABLE, the pod is recreated" >&2
-exit "$RETRYABLE"
+launch_failed "training" "$status"
