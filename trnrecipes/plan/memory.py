@@ -10,8 +10,9 @@ Per worker (one NeuronCore or GPU), on the most loaded pipeline stage:
   of the activation dtype with none or selective checkpointing (selective recomputes the attention core, which
   scaled-dot-product attention never stores anyway: measured the same as none), plus the attention probabilities
   (heads x seq) without checkpointing where no flash kernel runs (off CUDA, and not model.attention nki_flash), the
-  layer inputs (h each) with full checkpointing plus one layer being recomputed; / TP with sequence parallelism (the
-  norms' inputs too);
+  layer inputs (h each) with full checkpointing plus one layer being recomputed (with its probabilities where they
+  are kept: a recompute materialises them too); / TP with sequence parallelism (the norms' inputs too); over
+  seq_len / CP tokens under context parallelism, plus the K and V rows attention gathers from the other CP ranks;
 - the loss phase: LOGIT_BYTES x vocab / TP bytes a row of logits (their fp32 values and their gradient), when the
   layers' activations are all still held but no gradient is yet: the larger of it and the gradients counts, not
   both. Rows: one chunk of the last micro-batch's tokens where the chunked loss runs eagerly (cpu, cuda, TorchNeuron:
@@ -140,7 +141,8 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     # ZeRO-1 keeps the moments of a rank's experts whole (EP has split them already)
     optimizer = ((params - experts) / (dp if lay.zero1 or lay.fsdp else 1) + experts / experts_split) * moments
     act_bytes = 4 if dtype == "fp32" else 2
-    tokens = b.micro_batch * b.seq_len
+    cp = getattr(lay, "cp", 1)  # context parallelism: a rank holds 1 / cp of each sequence's tokens
+    tokens = b.micro_batch * b.seq_len // cp
     held = 1
     if lay.pp > 1:  # the first rank holds the most: every micro-batch (GPipe), or up to PP of them (1F1B schedules)
         held = grad_accum if lay.pp_schedule == "gpipe" else min(lay.pp, grad_accum)
@@ -155,11 +157,16 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
         # (2h a token not counted, in both modes), NxD's re-gathers them in backward
         per_layer = kept / tp if lay.sequence_parallel else (kept - 2 * h) / tp + 2 * h
     flash = r.cluster.backend == "cuda" or getattr(m, "attention", "sdpa") == "nki_flash"
+    # a local query attends to the whole sequence's keys, so the probabilities span seq_len whatever cp is
     probabilities = m.num_heads / tp * b.seq_len if not flash else 0
+    # context parallelism all-gathers K and V over the CP ranks; attention keeps the other ranks' rows for backward:
+    # 2 x the KV heads this TP rank holds (at least one) x head_dim, for each of the (cp - 1) x tokens not its own
+    kv_heads = getattr(m, "num_kv_heads", None) or m.num_heads
+    gathered_kv = 2 * max(kv_heads / tp, 1) * m.head_dim * (cp - 1)
     if m.activation_checkpointing in ("none", "elementwise"):
         # without a flash kernel (CUDA's fused SDPA, Neuron's NKI kernel: they keep only a logsumexp row per head),
         # attention keeps its probabilities: heads/TP x seq per token, per layer
-        per_layer += probabilities
+        per_layer += probabilities + gathered_kv
     # the first activation_checkpointing_full_layers blocks of each stage are checkpointed whole, whatever the mode
     n_full = m.activation_checkpointing_full_layers
     whole = layers if m.activation_checkpointing == "full" else sum(min(len(s.layers), n_full) for s in stages)
@@ -172,7 +179,8 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     )
     # one whole layer recomputed at a time (its probabilities too where blocks of another mode keep them)
     biggest = plain + (moe_extra if any(_sparse(m, i) for s in stages for i in s.layers) else 0)
-    recomputing = 0 if not whole else biggest if m.activation_checkpointing == "full" else biggest + probabilities
+    # (scaled-dot-product attention without a flash kernel materialises the s x s probabilities in the recompute too)
+    recomputing = 0 if not whole else biggest + probabilities + gathered_kv
     stored = (whole * h / split + (layers - whole) * per_layer + live_sparse * moe_extra) * held + recomputing
     activations = stored * tokens * act_bytes
     classifies = getattr(m, "num_labels", None) is not None
