@@ -51,8 +51,10 @@ class ParallelDims:
                 f"launched with {self.world} rank(s), but recipe {recipe.name} at {layout.nodes} node(s) needs"
                 f" {layout.world_size} (PP {layout.pp} x DP {layout.dp} x TP {layout.tp}); use its run.sbatch"
             )
-        self.pp, self.dp, self.tp = layout.pp, layout.dp, layout.tp
-        self.pp_rank, self.dp_rank, self.tp_rank = rank_coords(self.rank, pp=self.pp, dp=self.dp, tp=self.tp)
+        self.pp, self.dp, self.cp, self.tp = layout.pp, layout.dp, layout.cp, layout.tp
+        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = rank_coords(
+            self.rank, pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp
+        )
         # ZeRO-1 (optimizer states sharded over the DP group) where the backend can (cpu, cuda; neuron through NxD's
         # zero-1 optimizer); elsewhere (xla) the states stay replicated and the trainer says so (zero1_unavailable).
         wanted = recipe.layout.zero1 and self.dp > 1
