@@ -387,7 +387,7 @@ def stand_in_dims(**fields) -> types.SimpleNamespace:
     """A ParallelDims stand-in for one rank built in this process: one of everything unless `fields` say otherwise;
     shards_moments derived as ParallelDims derives it."""
     dims = dict(tp=1, tp_rank=0, dp=1, dp_rank=0, pp=1, pp_rank=0, world=1, rank=0, zero1=False, fsdp=False, mesh=None,
-                ep=1, ep_rank=0)  # fmt: skip
+                ep=1, ep_rank=0, cp=1, cp_rank=0)  # fmt: skip
     dims |= fields
     return types.SimpleNamespace(**dims, shards_moments=dims["zero1"] or dims["fsdp"])
 

@@ -120,12 +120,17 @@ class Attention(nn.Module):
         q = q.reshape(b, s, groups * qpk, hd).transpose(1, 2)  # query head g*qpk + j uses kv head g, as in HF
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [b, groups, s, hd]
 
-        cos, sin = rope_tables(s, hd, self.rotary_base, x.device, x.dtype, self.rope_scaling)
+        cos, sin = self.rope(s, x.device, x.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
 
         o = self.core(q, k, v)
         return self.out(o.transpose(1, 2).reshape(b, s, -1))
+
+    def rope(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's (cos, sin) for positions 0..seq_len-1. The parallelize step may shadow it on an instance, as it swaps
+        core.kernel: context parallelism gives each rank its tokens' true positions (trnrecipes/parallel/context.py)."""
+        return rope_tables(seq_len, self.head_dim, self.rotary_base, device, dtype, self.rope_scaling)
 
 
 class MLP(nn.Module):

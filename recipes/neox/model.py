@@ -70,7 +70,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        cos, sin = rope_tables(self.args, s, x.device, x.dtype)
+        cos, sin = self.rope(s, x.device, x.dtype)
         # Heads are counted from the weight actually present (all of them, or this rank's shard).
         qkv = self.qkv(x).view(b, s, -1, 3 * self.head_dim).transpose(1, 2)
         q, k, v = qkv.chunk(3, dim=-1)
@@ -78,6 +78,11 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         y = self.core(q, k, v)
         return self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+    def rope(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's (cos, sin) for positions 0..seq_len-1. The parallelize step may shadow it on an instance, as it swaps
+        core.kernel: context parallelism gives each rank its tokens' true positions (trnrecipes/parallel/context.py)."""
+        return rope_tables(self.args, seq_len, device, dtype)
 
 
 class MLP(nn.Module):

@@ -45,12 +45,17 @@ class Attention(nn.Module):
         k = self.k_norm(k).transpose(1, 2)  # [b, groups, s, hd]
         v = v.transpose(1, 2)
 
-        cos, sin = rope_tables(s, hd, self.rotary_base, x.device, x.dtype)
+        cos, sin = self.rope(s, x.device, x.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
 
         o = self.core(q, k, v)
         return self.out(o.transpose(1, 2).reshape(b, s, -1))
+
+    def rope(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's (cos, sin) for positions 0..seq_len-1. The parallelize step may shadow it on an instance, as it swaps
+        core.kernel: context parallelism gives each rank its tokens' true positions (trnrecipes/parallel/context.py)."""
+        return rope_tables(seq_len, self.head_dim, self.rotary_base, device, dtype)
 
 
 def mlp_for_layer(args: Qwen3Config, layer: int) -> nn.Module:

@@ -40,6 +40,7 @@ class Backend:
     supports_zero1: ClassVar[bool] = False  # can shard optimizer states over the DP group (layout.zero1)
     supports_pp: ClassVar[bool] = False  # can run pipeline parallelism (layout.pp > 1): `pipeline`
     no_pp_reason: ClassVar[str] = "not built for it"
+    supports_cp: ClassVar[bool] = False  # can run context parallelism (layout.cp > 1): trnrecipes/parallel/context.py
     # The hardware rounds bf16 stochastically (Neuron's NEURON_RT_STOCHASTIC_ROUNDING_EN): our AdamW must not too.
     rounds_stochastically: ClassVar[bool] = False
     # torch.compile backend for train.compile (None: the backend compiles graphs its own way, e.g. XLA), and whether

@@ -12,6 +12,7 @@ from torch import nn
 from trnrecipes.backends.base import Backend
 from trnrecipes.config.sections import NodeError
 from trnrecipes.parallel import kv_replication
+from trnrecipes.parallel.context import apply_context_parallel, init_context_groups
 from trnrecipes.parallel.dims import local_tensor
 from trnrecipes.parallel.expert import apply_expert_fsdp, apply_expert_parallel, expert_layouts, init_expert_groups
 from trnrecipes.parallel.fsdp import apply_fsdp, mesh_dim_placement, reshard
@@ -27,6 +28,7 @@ class TorchBackend(Backend):
 
     supports_zero1 = True
     supports_pp = True
+    supports_cp = True
     compile_backend = "inductor"
     mesh_device_type: ClassVar[str | None] = None  # DeviceMesh's device type; None: the device's
 
@@ -43,14 +45,19 @@ class TorchBackend(Backend):
             dist.init_process_group(self.dist_backend, rank=dims.rank, world_size=dims.world)
         self.select_device()
         mesh_type = self.mesh_device_type or self.device.type
-        dims.mesh = init_device_mesh(mesh_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
-        dims.dp_group = dims.mesh["dp"].get_group()
+        # The layout's [pp, dp, cp, tp] order (trnrecipes.plan.layout.rank_coords); without CP the mesh it always was.
+        names = ("pp", "dp", "cp", "tp") if dims.cp > 1 else ("pp", "dp", "tp")
+        sizes = {"pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "tp": dims.tp}
+        dims.mesh = init_device_mesh(mesh_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+        dims.dp_group = dims.dp_cp_group = dims.mesh["dp"].get_group()
         dims.pp_group = dims.mesh["pp"].get_group()
         if (group_rank := dist.get_rank(dims.dp_group)) != dims.dp_rank:
             # Collectives that place data by group rank (ZeRO-1's all-gather) rely on it being dp_rank.
             raise RuntimeError(
                 f"DP rank {dims.dp_rank} is rank {group_rank} of its DP group: the mesh and the layout disagree"
             )
+        if dims.cp > 1:
+            init_context_groups(dims)
         init_expert_groups(dims, mesh_type)
 
     def select_device(self) -> None:
@@ -72,6 +79,8 @@ class TorchBackend(Backend):
 
             experts = family_plan(recipe.model.family).EXPERTS
             apply_expert_parallel(model, experts, dims)
+        if dims.cp > 1:  # the attention kernels and the forward swapped before checkpointing and FSDP wrap them
+            apply_context_parallel(model, dims)
         super().parallelize(model, recipe, dims)
         if dims.fsdp:
             if experts is not None:
@@ -93,7 +102,10 @@ class TorchBackend(Backend):
         if not dims.fsdp:  # FSDP's reduce-scatter has averaged them already
             dims.average_over_dp([g for g, e in zip(local_grads, expert, strict=True) if not e])
             dims.average_experts_over_dp([g for g, e in zip(local_grads, expert, strict=True) if e])
-        elif sharded:  # FSDP averaged the experts' over the dp / ep ranks holding them; EP 1's mean divides by dp
+        else:
+            # FSDP shards over DP only: a replica's CP ranks hold the same rows, each the gradient of its tokens' share
+            dims.average_over_cp(local_grads)
+            # FSDP averaged the experts' over the dp / ep ranks holding them; EP 1's mean divides by dp
             for g in (g for g, e in zip(local_grads, expert, strict=True) if e):
                 g.div_(dims.ep)
         if dims.kv_group is not None:  # replicated KV heads: each copy's gradient is its own query heads' share

@@ -20,6 +20,7 @@ class XlaBackend(TorchBackend):
     collectives_on_device = True  # XLA's process group reduces device tensors only
     supports_zero1 = False  # our ZeRO-1 gathers rows with eager gloo/nccl all-gathers, not traced for XLA
     supports_pp = False
+    supports_cp = False  # its all-gather of keys and values is an eager torch.distributed call, not traced for XLA
     no_pp_reason = "torch.distributed.pipelining has no XLA stage coordinator"
     pjrt_device = "CPU"
 

@@ -348,9 +348,13 @@ def snapshot(
     file per stage x TP rank; under FSDP gathered over DP first); moments likewise, or under ZeRO-1 and FSDP from
     every rank (its rows); shard dims from the first rank of each stage; the data position from the first stage's
     TP rank 0 of each DP group (every stage of a replica reads the same stream). No RNG state: stochastic rounding's
-    noise is a hash of the step (trnrecipes/optim/rounding.py) and dropout is seeded per step (train/step_rng.py)."""
+    noise is a hash of the step (trnrecipes/optim/rounding.py) and dropout is seeded per step (train/step_rng.py).
+    Under context parallelism CP rank 0 of each replica writes: the other CP ranks hold the same weights, moments and
+    data position (their collectives here run among ranks of one CP rank, so skipping them together is safe)."""
     _host = host.copy
     files: dict[str, object] = {}
+    if dims.cp_rank:
+        return files
     optim_dp = dims.dp if dims.shards_moments else 1
     stage = {"pp_rank": dims.pp_rank, "pp": dims.pp}
     # Expert parallelism: the first EP group's ranks gather whole experts (its DP rank 0 keeps them; under ZeRO-1

@@ -245,8 +245,8 @@ _SLURM_TIME = re.compile(r"([0-9]{1,4}-)?[0-9]{1,2}:[0-9]{2}:[0-9]{2}")
 # Every numeric field and its range (a tuple field: each item); None passes (the default applies). The model
 # section's come from its family: model_bounds().
 FIELD_BOUNDS: dict[str, Bound] = {
-    "layout.tp": POSITIVE, "layout.pp": POSITIVE, "layout.ep": POSITIVE, "layout.pp_virtual_stages": POSITIVE,
-    "layout.pp_stage_layers": NON_NEGATIVE,
+    "layout.tp": POSITIVE, "layout.pp": POSITIVE, "layout.ep": POSITIVE, "layout.cp": POSITIVE,
+    "layout.pp_virtual_stages": POSITIVE, "layout.pp_stage_layers": NON_NEGATIVE,
     "batch.global_batch": POSITIVE, "batch.micro_batch": POSITIVE, "batch.seq_len": POSITIVE,
     "optim.lr": POSITIVE, "optim.min_lr": NON_NEGATIVE, "optim.warmup_steps": NON_NEGATIVE,
     "optim.decay_steps": NON_NEGATIVE, "optim.betas": FRACTION, "optim.eps": POSITIVE,
@@ -419,9 +419,12 @@ def check_recipe(r: Recipe) -> list[str]:
     tp = r.layout.tp
     if not model_problems:  # the TP rule reads derived sizes (heads, KV groups) that need a consistent model
         problems += m.tp_problems(tp)
+    cp = r.layout.cp  # sequence parallelism splits each context-parallel rank's part of the sequence
     need(
-        not r.layout.sequence_parallel or b.seq_len % tp == 0,
-        f"batch.seq_len {b.seq_len} must be divisible by layout.tp {tp} with sequence parallelism",
+        not r.layout.sequence_parallel or b.seq_len % (tp * cp) == 0,
+        f"batch.seq_len {b.seq_len} must be divisible by layout.tp {tp}"
+        + (f" x layout.cp {cp} = {tp * cp}" if cp > 1 else "")
+        + " with sequence parallelism",
     )
     lay = r.layout
     split = split_problem(m.num_layers, lay.pp, lay.pp_virtual_stages, lay.pp_stage_layers, lay.pp_schedule)
@@ -487,6 +490,8 @@ def check_recipe(r: Recipe) -> list[str]:
         problems += m.layout_problems(lay, nxd)
     if lay.ep > 1:
         problems += expert_parallel_problems(r, on_torch, _backend_words(r, stack))
+    if lay.cp > 1:
+        problems += context_parallel_problems(r, on_torch, nxd, _backend_words(r, stack))
     need(
         r.train.init_optimizer == "reset" or r.train.init_from is not None,
         "train.init_optimizer 'keep' carries the optimizer state of train.init_from over; set train.init_from",
@@ -578,6 +583,53 @@ def expert_parallel_problems(r: Recipe, on_torch: bool, backend_words: str) -> l
             f"layout.ep {ep}: {backend_words} has no expert parallelism here (its all-to-all dispatch runs on"
             " torch.distributed: cpu, cuda and TorchNeuron; on torch-xla + NxD it would have to be"
             " neuronx-distributed's own MoE module, which this project does not build on); use layout.ep 1"
+        )
+    return problems
+
+
+def context_parallel_problems(r: Recipe, on_torch: bool, nxd: bool, backend_words: str) -> list[str]:
+    """layout.cp > 1 (trnrecipes/parallel/context.py): a causal language model on the torch backends whose sequence
+    cuts into 2 x cp equal chunks, without what it is not built with."""
+    cp, seq = r.layout.cp, r.batch.seq_len
+    problems = []
+    if seq % (2 * cp):
+        below = seq // (2 * cp) * 2 * cp
+        nearby = " or ".join(str(n) for n in (below, below + 2 * cp) if n > 0)
+        problems.append(
+            f"batch.seq_len {seq} with layout.cp {cp}: each sequence is cut into 2 x cp = {2 * cp} equal chunks (two"
+            f" a rank: the front and the back, for an even causal load); use a batch.seq_len divisible by {2 * cp},"
+            f" e.g. {nearby}"
+        )
+    if FAMILIES[r.model.family].objective != "causal_lm":
+        problems.append(
+            f"layout.cp {cp}: model.family {r.model.family} is not a causal language model (its attention sees the"
+            " whole padded sequence both ways); context parallelism is built for the causal families: use layout.cp 1"
+        )
+    if nxd:
+        problems.append(
+            f"layout.cp {cp}: {backend_words} runs the model through NxD, whose NxD Training has its own"
+            " context_parallel_size that this adapter does not wire; use layout.cp 1, or TorchNeuron"
+            " (cluster.neuron_sdk 2.33) on trn2/trn3"
+        )
+    elif not on_torch:
+        problems.append(
+            f"layout.cp {cp}: {backend_words} has no context parallelism (its all-gather of keys and values runs on"
+            " torch.distributed: cpu, cuda and TorchNeuron); use layout.cp 1"
+        )
+    if r.layout.pp > 1:
+        problems.append(
+            f"layout.cp {cp} with layout.pp {r.layout.pp}: context parallelism over pipeline stages is not built;"
+            " use layout.pp 1 (or layout.cp 1)"
+        )
+    if r.layout.ep > 1:
+        problems.append(
+            f"layout.cp {cp} with layout.ep {r.layout.ep}: expert parallelism with context parallelism is not built"
+            " (torchtitan carves EP from the dp x cp ranks); use layout.ep 1 or layout.cp 1"
+        )
+    if getattr(r.model, "num_experts", 0):
+        problems.append(
+            f"layout.cp {cp} with model.num_experts {r.model.num_experts}: the load-balancing loss is taken over a"
+            " micro-batch's whole sequences, which no rank holds under context parallelism; not built: use layout.cp 1"
         )
     return problems
 

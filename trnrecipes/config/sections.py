@@ -49,6 +49,10 @@ class LayoutConfig:
     # Expert parallelism: a mixture of experts' experts shared out over groups of ep consecutive data-parallel ranks
     # (trnrecipes/parallel/expert.py); ep divides the data-parallel degree and the number of experts.
     ep: int = 1
+    # Context parallelism: each sequence split over cp ranks, every one holding 2 of its 2 x cp chunks (the front and
+    # the back: causal load balancing) and attending over the whole sequence (trnrecipes/parallel/context.py).
+    # world = pp x dp x cp x tp; cpu, cuda and TorchNeuron.
+    cp: int = 1
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,7 @@ def cache_leader_nodes(layout: Layout) -> list[int]:
     """One node (SLURM_NODEID) per distinct set of pipeline stages: nodes holding the same stages compile the same
     graphs, so one of them copies its compile cache to the shared job dir instead of all writing it at once. Node n
     holds ranks n*W .. n*W + W - 1 (torchrun's static rendezvous, node rank = SLURM_NODEID), placed by rank_coords."""
-    dims = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
+    dims = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp}
     seen: dict[frozenset[int], int] = {}
     for node in range(layout.nodes):
         first = node * layout.workers_per_node

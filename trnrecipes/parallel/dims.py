@@ -1,7 +1,7 @@
-"""Where a rank sits in a training run: world = pp x dp x tp, TP fastest, then DP, then PP (as NxD and torchtitan lay
-ranks out: a TP group is consecutive ranks inside a node), the process groups each dim needs, and the few collectives
-the step loop uses beyond the model's own (DP gradient averaging, ZeRO-1's parameter gather, metric reductions that
-count each value once, agreeing on decisions)."""
+"""Where a rank sits in a training run: world = pp x dp x cp x tp, TP fastest, then CP, DP, PP (as NxD and torchtitan
+lay ranks out: a TP group is consecutive ranks inside a node; trnrecipes.plan.layout.rank_coords says why), the
+process groups each dim needs, and the few collectives the step loop uses beyond the model's own (gradient averaging
+over DP and CP, ZeRO-1's parameter gather, metric reductions that count each value once, agreeing on decisions)."""
 
 from __future__ import annotations
 
@@ -25,13 +25,14 @@ class Backend(Protocol):
     supports_pp: bool
     no_pp_reason: str
     supports_zero1: bool
+    supports_cp: bool
     collectives_on_device: bool
 
     def init_process_groups(self, dims: ParallelDims) -> None: ...
 
 
 class ParallelDims:
-    """This rank's place in the [pp, dp, tp] layout and the groups over each dim. Single process: no process group.
+    """This rank's place in the [pp, dp, cp, tp] layout and the groups over each dim. Single process: no process group.
 
     Metric reductions are written for pipeline stages: a value (the loss) may be held by some ranks only, and is
     averaged over the ranks that hold it, never divided by the world size."""
@@ -44,15 +45,23 @@ class ParallelDims:
                 f" pipeline parallelism runs on cpu, cuda and neuron. Train with layout.pp=1"
                 f"{_wider_tp_hint(recipe, layout.tp * layout.pp)}"
             )
+        if layout.cp > 1 and not backend.supports_cp:
+            raise RecipeError(
+                f"layout.cp {layout.cp}: backend {backend.name} has no context parallelism (its all-gather of keys and"
+                " values runs on torch.distributed: cpu, cuda and TorchNeuron); use layout.cp 1"
+            )
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         if self.world != layout.world_size:
+            cp = f" x CP {layout.cp}" if layout.cp > 1 else ""
             raise RecipeError(
                 f"launched with {self.world} rank(s), but recipe {recipe.name} at {layout.nodes} node(s) needs"
-                f" {layout.world_size} (PP {layout.pp} x DP {layout.dp} x TP {layout.tp}); use its run.sbatch"
+                f" {layout.world_size} (PP {layout.pp} x DP {layout.dp}{cp} x TP {layout.tp}); use its run.sbatch"
             )
-        self.pp, self.dp, self.tp = layout.pp, layout.dp, layout.tp
-        self.pp_rank, self.dp_rank, self.tp_rank = rank_coords(self.rank, pp=self.pp, dp=self.dp, tp=self.tp)
+        self.pp, self.dp, self.cp, self.tp = layout.pp, layout.dp, layout.cp, layout.tp
+        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = rank_coords(
+            self.rank, pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp
+        )
         # ZeRO-1 (optimizer states sharded over the DP group) where the backend can (cpu, cuda; neuron through NxD's
         # zero-1 optimizer); elsewhere (xla) the states stay replicated and the trainer says so (zero1_unavailable).
         wanted = recipe.layout.zero1 and self.dp > 1
@@ -65,6 +74,9 @@ class ParallelDims:
         self.ep, self.ep_rank = recipe.layout.ep, self.dp_rank % recipe.layout.ep
         self.ep_group = self.expert_replica_group = self.expert_fsdp_mesh = None
         self.mesh = self.dp_group = self.pp_group = None
+        # Context parallelism: the cp ranks sharing a replica's sequences (trnrecipes/parallel/context.py), and the
+        # dp x cp ranks whose gradients are averaged (each holds its part of the sequences' loss; the dp group at CP 1).
+        self.cp_group = self.dp_cp_group = None
         self.kv_group = None  # TP wider than the KV heads: the ranks sharing this rank's KV head (kv_replication.py)
         self.collectives_on_device = backend.collectives_on_device
         backend.init_process_groups(self)
@@ -80,24 +92,32 @@ class ParallelDims:
             dist.all_reduce(t, group=self.pp_group)
 
     def average_over_dp(self, tensors: list[torch.Tensor]) -> None:
-        """In place: the mean over the data-parallel replicas (never over TP ranks, which hold different shards).
-        Bucketed: the flat copy that one all-reduce needs is at most BUCKET_ELEMENTS, not the whole model's grads."""
-        if self.dp > 1:
-            self._sum_over_dp(tensors, self.dp_group)
+        """In place: the mean over the data-parallel replicas and, under context parallelism, over the CP ranks of
+        each (never over TP ranks, which hold different shards). A CP rank's gradient is that of its tokens' share of
+        the loss (trnrecipes/parallel/context.py weighs it so): the mean over the dp x cp ranks is DP's mean of the
+        whole sequences' loss. Bucketed: the flat copy that one all-reduce needs is at most BUCKET_ELEMENTS, not the
+        whole model's grads."""
+        if self.dp * self.cp > 1:
+            self._sum_over_dp(tensors, self.dp_cp_group, self.dp * self.cp)
+
+    def average_over_cp(self, tensors: list[torch.Tensor]) -> None:
+        """In place: the mean over this replica's CP ranks (under FSDP, which averaged over DP already)."""
+        if self.cp > 1:
+            self._sum_over_dp(tensors, self.cp_group, self.cp)
 
     def average_experts_over_dp(self, tensors: list[torch.Tensor]) -> None:
         """In place, under expert parallelism: the DP mean of sharded experts' gradients, as EP 1 has it. A rank's
         expert gradient holds the picks of its whole EP group already; summed over the dp / ep ranks that hold the
         same experts (expert_replica_group) it holds every DP rank's, and is divided by dp as the rest."""
-        self._sum_over_dp(tensors, self.expert_replica_group if self.dp > self.ep else None)
+        self._sum_over_dp(tensors, self.expert_replica_group if self.dp > self.ep else None, self.dp)
 
-    def _sum_over_dp(self, tensors: list[torch.Tensor], group) -> None:
-        """In place: each tensor summed over `group` (None: this rank alone) and divided by dp."""
+    def _sum_over_dp(self, tensors: list[torch.Tensor], group, ranks: int) -> None:
+        """In place: each tensor summed over `group` (None: this rank alone) and divided by `ranks`."""
         for bucket in _buckets(tensors, BUCKET_ELEMENTS):
             flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
             if group is not None:
                 dist.all_reduce(flat, group=group)
-            flat /= self.dp
+            flat /= ranks
             offset = 0
             for t in bucket:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))

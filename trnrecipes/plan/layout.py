@@ -1,9 +1,9 @@
 """Parallel layout, batch math and cost: the one place these numbers are computed (parameters and FLOPs: the
 family's spec, recipes/<family>/spec.py).
 
-world = nodes x workers/node; DP = world / (TP x PP); grad-accum = GBS / (micro-batch x DP). With PP > 1 the
-grad-accum micro-batches are the pipeline's micro-batches: which layers each stage holds, its parameters and the
-bubble come from trnrecipes/config/stages.py.
+world = nodes x workers/node; DP = world / (TP x CP x PP); grad-accum = GBS / (micro-batch x DP): the CP ranks of
+a replica share its sequences. With PP > 1 the grad-accum micro-batches are the pipeline's micro-batches: which
+layers each stage holds, its parameters and the bubble come from trnrecipes/config/stages.py.
 No torch import: `plan` and `sbatch` use this.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 from trnrecipes.config.cluster import Instance, get_instance
 from trnrecipes.config.families import ModelSection
@@ -35,6 +36,7 @@ class Layout:
     tp: int
     pp: int
     dp: int
+    cp: int
     micro_batch: int
     grad_accum: int
     global_batch: int
@@ -47,23 +49,24 @@ class Layout:
 
 def compute_layout(r: Recipe) -> Layout:
     nodes, wpn = r.cluster.nodes, r.workers_per_node
-    tp, pp, mb, gbs = r.layout.tp, r.layout.pp, r.batch.micro_batch, r.batch.global_batch
+    tp, pp, cp, mb, gbs = r.layout.tp, r.layout.pp, r.layout.cp, r.batch.micro_batch, r.batch.global_batch
     world = nodes * wpn
     if wpn % tp:
         raise RecipeError(
             f"layout.tp {tp} must divide the {wpn} workers of one {r.cluster.instance} node"
             f" (tensor parallel groups stay inside a node); valid tp: {_divisors(wpn)}"
         )
-    if world % (tp * pp):
+    model_ranks = tp * pp * cp  # the ranks of one data-parallel replica
+    if world % model_ranks:
         raise RecipeError(
-            f"{nodes} node(s) x {wpn} workers = {world} workers is not divisible by tp {tp} x pp {pp} = {tp * pp};"
+            f"{nodes} node(s) x {wpn} workers = {world} workers is not divisible by {_replica(r)} = {model_ranks};"
             f" valid node counts: {_fmt(valid_node_counts(r))}"
         )
-    dp = world // (tp * pp)
+    dp = world // model_ranks
     if dp % r.layout.ep:
         raise RecipeError(
             f"layout.ep {r.layout.ep} must divide the data-parallel degree {dp} ({nodes} node(s) x {wpn} workers /"
-            f" (tp {tp} x pp {pp})): expert-parallel groups are carved from the data-parallel ranks; valid ep:"
+            f" ({_replica(r)})): expert-parallel groups are carved from the data-parallel ranks; valid ep:"
             f" {_divisors(dp)}"
         )
     local = getattr(r.model, "num_experts", 0) // r.layout.ep
@@ -76,39 +79,57 @@ def compute_layout(r: Recipe) -> Layout:
     if gbs % (mb * dp):
         raise RecipeError(
             f"batch.global_batch {gbs} is not divisible by micro_batch {mb} x data-parallel {dp} = {mb * dp}"
-            f" ({nodes} node(s) x {wpn} workers / (tp {tp} x pp {pp}));"
+            f" ({nodes} node(s) x {wpn} workers / ({_replica(r)}));"
             f" valid node counts for this batch: {_fmt(valid_node_counts(r))};"
             f" valid global batches near {gbs} at {nodes} node(s): {_fmt(_nearby_multiples(gbs, mb * dp))}"
         )
     accum = gbs // (mb * dp)
     if problem := schedule_problem(r.layout.pp_schedule, pp, r.layout.pp_virtual_stages, accum):
         raise RecipeError(f"{problem} (at {nodes} node(s): DP {dp}; valid node counts: {_fmt(valid_node_counts(r))})")
-    return Layout(nodes, wpn, world, tp, pp, dp, mb, accum, gbs, r.batch.seq_len, gbs * r.batch.seq_len)
+    return Layout(nodes, wpn, world, tp, pp, dp, cp, mb, accum, gbs, r.batch.seq_len, gbs * r.batch.seq_len)
 
 
-def rank_coords(rank: int, *, pp: int, dp: int, tp: int) -> tuple[int, int, int]:
-    """(pp_rank, dp_rank, tp_rank) of a global rank in the [pp, dp, tp] layout (TP fastest, as NxD and torchtitan
-    lay ranks out: a TP group is consecutive ranks inside a node)."""
-    if not 0 <= rank < pp * dp * tp:
-        raise ValueError(f"rank {rank} is outside a world of {pp * dp * tp} (pp {pp} x dp {dp} x tp {tp})")
-    return rank // (dp * tp), rank // tp % dp, rank % tp
+def _replica(r: Recipe) -> str:
+    """'tp 2 x pp 1' (and ' x cp 4' where the layout has context parallelism) for messages."""
+    lay = r.layout
+    return f"tp {lay.tp} x pp {lay.pp}" + (f" x cp {lay.cp}" if lay.cp > 1 else "")
 
 
-def global_rank(*, pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
-    return (pp_rank * dp + dp_rank) * tp + tp_rank
+class RankCoords(NamedTuple):
+    pp_rank: int
+    dp_rank: int
+    cp_rank: int
+    tp_rank: int
+
+
+def rank_coords(rank: int, *, pp: int, dp: int, tp: int, cp: int = 1) -> RankCoords:
+    """Where a global rank sits in the [pp, dp, cp, tp] layout. TP fastest, as NxD and torchtitan lay ranks out: a
+    TP group is consecutive ranks inside a node, for its per-layer all-reduces. CP next, as torchtitan's mesh has it
+    (dp, cp, tp): a CP group all-gathers keys and values once a layer, less often than TP reduces, so it takes the
+    next-nearest ranks (inside a node where tp x cp fits one); DP, whose gradients are reduced once a step, outside
+    it, and PP outermost."""
+    world = pp * dp * cp * tp
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside a world of {world} (pp {pp} x dp {dp} x cp {cp} x tp {tp})")
+    return RankCoords(rank // (dp * cp * tp), rank // (cp * tp) % dp, rank // tp % cp, rank % tp)
+
+
+def global_rank(*, pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int, cp_rank: int = 0, cp: int = 1) -> int:
+    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
 def valid_node_counts(r: Recipe, limit: int = 128) -> list[int]:
-    """Node counts compute_layout accepts: the world divides into TP x PP, the batch into DP, and the pipeline
+    """Node counts compute_layout accepts: the world divides into TP x CP x PP, the batch into DP, and the pipeline
     schedule gets the micro-batches it needs."""
-    wpn, tp, pp, mb, gbs = r.workers_per_node, r.layout.tp, r.layout.pp, r.batch.micro_batch, r.batch.global_batch
+    wpn, mb, gbs = r.workers_per_node, r.batch.micro_batch, r.batch.global_batch
+    model_ranks = r.layout.tp * r.layout.pp * r.layout.cp
     found = []
     for n in range(1, limit + 1):
         world = n * wpn
-        if world % (tp * pp) or gbs % (mb * (world // (tp * pp))) or (world // (tp * pp)) % r.layout.ep:
+        if world % model_ranks or gbs % (mb * (world // model_ranks)) or (world // model_ranks) % r.layout.ep:
             continue
-        accum = gbs // (mb * (world // (tp * pp)))
-        if schedule_problem(r.layout.pp_schedule, pp, r.layout.pp_virtual_stages, accum) is None:
+        accum = gbs // (mb * (world // model_ranks))
+        if schedule_problem(r.layout.pp_schedule, r.layout.pp, r.layout.pp_virtual_stages, accum) is None:
             found.append(n)
     return found
 

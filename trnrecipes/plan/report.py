@@ -27,7 +27,8 @@ def format_plan(p: dict[str, object], recipe: Recipe | None = None) -> str:
         ("workers", f"{p['nodes']} node(s) x {p['workers_per_node']} = {p['world_size']}"),
         (
             "parallelism",
-            f"TP {p['tp']} x PP {p['pp']} x DP {p['dp']}{f' (EP {ep})' if (ep := p.get('ep', 1)) > 1 else ''}",
+            f"TP {p['tp']}{f' x CP {cp}' if (cp := p['cp']) > 1 else ''} x PP {p['pp']} x DP {p['dp']}"
+            f"{f' (EP {ep})' if (ep := p.get('ep', 1)) > 1 else ''}",
         ),
         (
             "batch",

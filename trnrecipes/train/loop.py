@@ -381,7 +381,9 @@ class Trainer:
     def train_step(self, step: int, loader, grad_accum: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: (this rank's mean loss, the global grad norm before clipping)."""
         dims = self.dims
-        self.backend.seed_rng(step_seed(self.recipe.train.seed, step, dims.dp_rank, dims.pp_rank))  # step_rng.py
+        # step_rng.py; a replica's CP ranks hold other tokens, so each draws its own (at CP 1: the DP rank)
+        data_rank = dims.dp_rank * dims.cp + dims.cp_rank
+        self.backend.seed_rng(step_seed(self.recipe.train.seed, step, data_rank, dims.pp_rank))
         loss = self.accumulate(loader, grad_accum)
         self.optimizer.set_lr(lr_at(step, self.recipe.optim))
         grad_norm = self.backend.step(self.model, self.optimizer, self.dims, self.recipe.optim.clip_grad_norm)
@@ -480,6 +482,7 @@ class Trainer:
         mode = "compile (tracing every graph; nothing is written)" if self.compile_only else "train"
         dp_mode = " (FSDP)" if self.dims.fsdp else " (ZeRO-1)" if self.dims.zero1 else ""
         dp_mode += f" (experts over EP {self.dims.ep})" if self.dims.ep > 1 else ""
+        dp_mode += f" x CP {lay.cp}" if lay.cp > 1 else ""
         compiled = "; torch.compile per block" if self.backend.compiles(r) else ""
         self.log(
             f"[trnrecipes] {mode}: {r.name} on {self.backend.name}{compiled}, {self.dims.world} rank(s) = PP {lay.pp}"

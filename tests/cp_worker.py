@@ -1,0 +1,108 @@
+"""Run under torchrun (4 ranks) by tests/test_context_parallel.py: tiny causal models at several layout.cp in one
+process group, saving to OUT (rank 0) what the test compares.
+
+    python tests/cp_worker.py OUT RUN_DIR
+
+- fixed[name]: 4 steps on tests/train_worker.py's fixed micro-batches (the same global batches in every layout):
+  the logged losses, the grad norms, the first step's averaged gradients (whole, in the stored layout) and the final
+  weights. llama3.1-tiny (GQA: 4 query heads over 1 KV head) at CP 1 (DP 4), CP 2 (DP 2), CP 4 (DP 1), TP 2 x CP 2
+  (the KV head replicated over TP) with and without sequence parallelism, CP 2 with ZeRO-1, FSDP, and selective,
+  elementwise and full activation checkpointing; neox-tiny and qwen3-tiny at CP 1 and CP 2 (2 steps);
+- resumed[name]: the weights and moments a CP 2 run (DP 2) held at its step-2 save and what a CP 1 run (DP 4)
+  restored from that save, and the reverse.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from train_worker import fixed_steps
+
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.parallel.dims import ParallelDims
+from trnrecipes.parallel.kv_replication import layouts, stored_full
+from trnrecipes.plan.layout import compute_layout
+from trnrecipes.train.loop import Trainer
+
+NPROC = 4
+SMALL = ["batch.seq_len=64", "batch.global_batch=8", "batch.micro_batch=2", "train.val_every=1000",
+         f"cluster.workers_per_node={NPROC}"]  # fmt: skip
+QUIET = {"log": lambda *a, **k: None}
+
+
+def fixed(run_dir: Path, name: str, steps: int, *overrides: str) -> dict:
+    trainer = Trainer(load_recipe(name, overrides=[*SMALL, *overrides]), run_dir=run_dir, **QUIET)
+    replicated = layouts(trainer.model)
+    grad_accum = compute_layout(trainer.recipe).grad_accum
+    losses, norms, grads = [], [], {}
+    for step, mine in enumerate(fixed_steps(trainer, steps)):
+        loss = trainer.accumulate(iter(mine), grad_accum)
+        losses.append(trainer.dims.mean_over_holders(loss, trainer.backend.device))  # the step's, as logged
+        norms.append(float(trainer.reduce_and_clip()))
+        if step == 0:
+            grads = {n: stored_full(p.grad, replicated.get(n)).clone() for n, p in trainer.model.named_parameters()}
+        trainer.optimizer_step(step)
+    result = {"losses": losses, "norms": norms, "grads": grads, "params": trainer.full_state_dict()}
+    trainer.close()
+    return result
+
+
+def state(trainer: Trainer) -> dict:
+    """The weights, whole, and this rank's moments by parameter name (DP and CP only here: whole tensors too)."""
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    opt = trainer.optimizer
+    moments = {
+        names[id(p)]: (m.clone(), v.clone()) for p, m, v in zip(opt.params, opt.exp_avg, opt.exp_avg_sq, strict=True)
+    }
+    return {"params": trainer.full_state_dict(), "moments": moments, "steps": opt.steps()}
+
+
+def resumed(run_dir: Path, first: tuple[str, ...], then: tuple[str, ...]) -> dict:
+    """2 steps under `first`, saved at step 2, then the state a run under `then` resumes with from that save."""
+    each = [*SMALL, f"run_dir={run_dir}", "checkpoint.every_steps=2", "checkpoint.allow_changes=[layout.dp]"]
+    trainer = Trainer(load_recipe("llama3.1-tiny", overrides=[*each, *first]), **QUIET)
+    trainer.run(2)
+    saved = state(trainer)
+    trainer.close()
+    trainer = Trainer(load_recipe("llama3.1-tiny", overrides=[*each, *then]), **QUIET)
+    restored = state(trainer)
+    trainer.close()
+    return {"saved": saved, "restored": restored, "start_step": trainer.start_step}
+
+
+def main() -> None:
+    out, run_dir = sys.argv[1:]
+    root = Path(run_dir)
+    ParallelDims.close = lambda self: None  # one process group for every run (gloo hangs on a second one)
+    cp2, llama = ("layout.cp=2",), "llama3.1-tiny"
+    layouts_ = {
+        "cp1": (),
+        "cp2": cp2,
+        "cp4": ("layout.cp=4",),
+        "tp2-cp2": ("layout.tp=2", *cp2),
+        "tp2-cp2-sp": ("layout.tp=2", *cp2, "layout.sequence_parallel=true"),
+        "cp2-zero1": (*cp2, "layout.zero1=true"),
+        "cp2-fsdp": (*cp2, "layout.fsdp=true"),
+        "cp2-selective": (*cp2, "model.activation_checkpointing=selective"),
+        "cp2-elementwise": (*cp2, "model.activation_checkpointing=elementwise"),
+        "cp2-full": (*cp2, "model.activation_checkpointing=full"),
+    }
+    results: dict = {"fixed": {k: fixed(root / k, llama, 4, *v) for k, v in layouts_.items()}}
+    for family in ("neox-tiny", "qwen3-tiny"):
+        for name, layout in (("cp1", ()), ("cp2", cp2)):
+            results["fixed"][f"{family}-{name}"] = fixed(root / f"{family}-{name}", family, 2, *layout)
+    results["resumed"] = {
+        "cp2-then-cp1": resumed(root / "a", cp2, ()),
+        "cp1-then-cp2": resumed(root / "b", (), cp2),
+    }
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

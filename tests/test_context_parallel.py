@@ -1,0 +1,181 @@
+"""Context parallelism (layout.cp, trnrecipes/parallel/context.py): the load-balanced split of a sequence and its
+inverse, exact chunked causal attention, and on real torch.distributed (gloo, 4 ranks: tests/cp_worker.py under
+torchrun) CP 2 and 4, TP 2 x CP 2, CP 2 with ZeRO-1, FSDP and activation checkpointing train as CP 1 (fp32: losses,
+every gradient, the weights), for llama3.1-tiny (GQA) and at CP 2 for neox-tiny and qwen3-tiny; a checkpoint written
+at CP 2 resumes at CP 1 bitwise in what it restores, and the reverse; the layout counts cp; the refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+
+from recipes.common.attention import causal_attention
+from trnrecipes.config.recipe import load_recipe
+from trnrecipes.config.sections import RecipeError
+from trnrecipes.parallel.context import chunked_causal_attention, local_positions, merge_sequence, split_sequence
+from trnrecipes.plan.layout import compute_layout, plan, rank_coords
+from trnrecipes.plan.report import format_plan
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_each_rank_holds_the_front_and_the_back_chunk_and_merging_gives_the_sequence_back(cp):
+    seq = 4 * cp
+    tokens = torch.arange(2 * seq).view(2, seq)  # [batch, sequence]
+    parts = [split_sequence(tokens, cp, r) for r in range(cp)]
+    c = seq // (2 * cp)
+    for r, part in enumerate(parts):
+        positions = local_positions(seq, cp, r)
+        assert positions.tolist() == [*range(r * c, (r + 1) * c), *range((2 * cp - 1 - r) * c, (2 * cp - r) * c)]
+        assert torch.equal(part, tokens[:, positions])
+    assert sorted(torch.cat([local_positions(seq, cp, r) for r in range(cp)]).tolist()) == list(range(seq))
+    # the causal work (keys each rank's queries see) is the same on every rank
+    assert len({int((local_positions(seq, cp, r) + 1).sum()) for r in range(cp)}) == 1
+    assert torch.equal(merge_sequence(torch.stack(parts), dim=1), tokens)
+    heads = torch.randn(2, 3, seq, 5)  # [b, heads, s, d]: the sequence on dim 2, as keys and values are gathered
+    assert torch.equal(merge_sequence(torch.stack([split_sequence(heads, cp, r, dim=2) for r in range(cp)]), 2), heads)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_chunked_causal_attention_is_causal_attention_over_the_whole_sequence(cp):
+    """Each rank's queries against the whole keys and values (GQA: 4 query heads over 2 KV heads), merged back in
+    order, give SDPA's causal attention of the whole sequence."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 8 * cp, 16, generator=g) for h in (4, 2, 2))
+    outputs = [chunked_causal_attention(split_sequence(q, cp, r, dim=2), k, v, cp, r) for r in range(cp)]
+    torch.testing.assert_close(merge_sequence(torch.stack(outputs), dim=2), causal_attention(q, k, v))
+
+
+def launch(tmp_path: Path) -> dict:
+    out = tmp_path / "out.pt"
+    worker = [str(REPO / "tests/cp_worker.py"), str(out), str(tmp_path / "runs")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--rdzv-backend=c10d",
+           "--rdzv-endpoint=127.0.0.1:0", *worker]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> dict:
+    return launch(tmp_path_factory.mktemp("cp"))
+
+
+def assert_trains_like(got: dict, want: dict) -> None:
+    """fp32: the same sums in other orders (attention in chunks, gradients over dp x cp), so equal to 1e-5."""
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
+    assert got["norms"] == pytest.approx(want["norms"], rel=1e-5)
+    assert got["grads"].keys() == want["grads"].keys()
+    for name, grad in want["grads"].items():
+        assert float((got["grads"][name] - grad).norm() / grad.norm()) < 1e-5, name
+    for name, p in want["params"].items():
+        torch.testing.assert_close(got["params"][name], p, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["cp2", "cp4", "tp2-cp2", "tp2-cp2-sp"])
+def test_context_parallel_trains_as_cp1(four_ranks, layout):
+    """llama3.1-tiny (4 query heads over 1 KV head, llama3 RoPE scaling) over 4 ranks: CP 2 (DP 2), CP 4 (DP 1) and
+    TP 2 x CP 2 (the KV head replicated over TP; with sequence parallelism too) as CP 1 (DP 4), 4 steps."""
+    assert_trains_like(four_ranks["fixed"][layout], four_ranks["fixed"]["cp1"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["zero1", "fsdp", "selective", "elementwise", "full"])
+def test_context_parallel_composes_with_sharding_and_activation_checkpointing(four_ranks, mode):
+    """CP 2 x DP 2 with ZeRO-1 or FSDP (sharded over DP; the CP ranks' gradients averaged after), and with core
+    attention (selective), everything but matmuls, attention and collectives (elementwise) or whole blocks (full)
+    recomputed in backward: the all-gather of keys and values runs again there."""
+    assert_trains_like(four_ranks["fixed"][f"cp2-{mode}"], four_ranks["fixed"]["cp1"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["neox-tiny", "qwen3-tiny"])
+def test_the_other_causal_families_train_at_cp2_as_at_cp1(four_ranks, family):
+    """NeoX (partial rotary, parallel residual) and Qwen3 (q/k norms before RoPE): 2 steps."""
+    assert_trains_like(four_ranks["fixed"][f"{family}-cp2"], four_ranks["fixed"][f"{family}-cp1"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["cp2-then-cp1", "cp1-then-cp2"])
+def test_a_checkpoint_resumes_across_cp_bitwise_in_what_it_restores(four_ranks, run):
+    """Saved at step 2 at one cp (CP rank 0 of each replica writes), resumed at the other: the weights and both
+    moments of every parameter, and the optimizer's step count, are the saving run's, bit for bit."""
+    result = four_ranks["resumed"][run]
+    saved, restored = result["saved"], result["restored"]
+    assert result["start_step"] == 2 and restored["steps"] == saved["steps"] == 2
+    assert saved["params"].keys() == restored["params"].keys() and saved["moments"].keys() == restored["moments"].keys()
+    for name, p in saved["params"].items():
+        assert torch.equal(restored["params"][name], p), name
+    for name, (m, v) in saved["moments"].items():
+        assert torch.equal(restored["moments"][name][0], m) and torch.equal(restored["moments"][name][1], v), name
+
+
+def tiny(*overrides: str):
+    return load_recipe("llama3.1-tiny", overrides=["cluster.workers_per_node=8", *overrides])
+
+
+def test_the_layout_counts_cp_between_dp_and_tp():
+    """world = pp x dp x cp x tp; a replica's CP ranks share its sequences (the batch divides by DP only); rank order
+    TP fastest, then CP, DP."""
+    lay = compute_layout(tiny("layout.cp=2", "layout.tp=2"))
+    assert (lay.world_size, lay.dp, lay.cp, lay.tp, lay.grad_accum) == (8, 2, 2, 2, 2)
+    assert [tuple(rank_coords(r, pp=1, dp=2, cp=2, tp=2)) for r in (0, 1, 2, 4, 7)] == [
+        (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (0, 1, 1, 1)]  # fmt: skip
+    assert "parallelism  TP 2 x CP 2 x PP 1 x DP 2" in format_plan(plan(tiny("layout.cp=2", "layout.tp=2")))
+    four = load_recipe("llama3.1-tiny", overrides=["cluster.workers_per_node=4"])
+    assert "parallelism  TP 1 x PP 1 x DP 4\n" in format_plan(plan(four))  # CP 1: the line as it was
+    with pytest.raises(RecipeError, match=r"8 workers is not divisible by tp 1 x pp 1 x cp 16 = 16"):
+        compute_layout(load_recipe("llama3.1-tiny", overrides=["cluster.workers_per_node=8", "layout.cp=16"]))
+
+
+def test_sbatch_renders_a_cp_job_and_refuses_a_sequence_that_does_not_cut_into_2_cp_chunks(cli, tmp_path):
+    out = tmp_path / "job"
+    ok = cli("sbatch", "--recipe", "llama3.1-tiny", "--nodes", "1", "--out", str(out),
+             "--overrides", "cluster.workers_per_node=4 layout.cp=2")  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert "= 4; TP 1 x CP 2 x PP 1 x DP 2;" in (out / "run.sbatch").read_text()
+    assert load_recipe(str(out / "recipe.yaml")).layout.cp == 2
+    bad = cli("sbatch", "--recipe", "llama3.1-tiny", "--nodes", "1", "--out", str(tmp_path / "bad"),
+              "--overrides", "cluster.workers_per_node=4 layout.cp=4 batch.seq_len=100")  # fmt: skip
+    assert bad.returncode == 2 and not (tmp_path / "bad").exists()
+    assert "batch.seq_len 100 with layout.cp 4: each sequence is cut into 2 x cp = 8 equal chunks" in bad.stderr
+    assert "use a batch.seq_len divisible by 8, e.g. 96 or 104" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "message"),
+    [
+        ("llama3.1-tiny", "layout.pp=2", "layout.cp 2 with layout.pp 2: context parallelism over pipeline stages is"
+         " not built"),
+        ("qwen3-moe-tiny", "layout.ep=2", "layout.cp 2 with layout.ep 2: expert parallelism with context parallelism"
+         " is not built (torchtitan carves EP from the dp x cp ranks)"),
+        ("qwen3-moe-tiny", "", "layout.cp 2 with model.num_experts 8: the load-balancing loss"),
+        ("llama3.1-tiny", "cluster.backend=xla", "layout.cp 2: backend xla has no context parallelism"),
+        ("llama2-7b", "cluster.nodes=1 batch.global_batch=16",
+         "NxD Training has its own context_parallel_size that this adapter does not wire"),
+        ("bert-tiny", "", "layout.cp 2: model.family bert is not a causal language model"),
+        ("llama3.1-tiny", "layout.tp=4 layout.sequence_parallel=true batch.seq_len=124",
+         "batch.seq_len 124 must be divisible by layout.tp 4 x layout.cp 2 = 8 with sequence parallelism"),
+    ],
+    ids=["pp", "ep", "moe", "xla", "nxd", "encoder", "sequence-parallel"],
+)  # fmt: skip
+def test_what_context_parallelism_refuses(recipe, overrides, message):
+    with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_recipe(recipe, overrides=["cluster.workers_per_node=8", "layout.cp=2", *overrides.split()])
+
+
+def test_parallel_dims_refuses_a_backend_without_context_parallelism():
+    """Where the recipe check cannot see the backend a run gets (the neuron backend's stack decides it)."""
+    from trnrecipes.parallel.dims import ParallelDims
+
+    backend = types.SimpleNamespace(name="xla", supports_pp=False, no_pp_reason="", supports_cp=False)
+    with pytest.raises(RecipeError, match=r"^layout.cp 2: backend xla has no context parallelism .* use layout.cp 1$"):
+        ParallelDims(tiny("layout.cp=2"), backend)
