@@ -141,7 +141,7 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     # ZeRO-1 keeps the moments of a rank's experts whole (EP has split them already)
     optimizer = ((params - experts) / (dp if lay.zero1 or lay.fsdp else 1) + experts / experts_split) * moments
     act_bytes = 4 if dtype == "fp32" else 2
-    cp = getattr(lay, "cp", 1)  # context parallelism: a rank holds 1 / cp of each sequence's tokens
+    cp = lay.cp  # context parallelism: a rank holds 1 / cp of each sequence's tokens
     tokens = b.micro_batch * b.seq_len // cp
     held = 1
     if lay.pp > 1:  # the first rank holds the most: every micro-batch (GPipe), or up to PP of them (1F1B schedules)
