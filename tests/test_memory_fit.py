@@ -59,7 +59,12 @@ def test_every_shipped_recipe_fits_at_its_published_layout(name):
 @pytest.mark.parametrize(
     "name, nodes, overrides, says",
     [
-        ("llama2-7b", 16, "layout.tp=1 layout.sequence_parallel=false", "it would fit with layout.tp=4"),
+        (
+            "llama2-7b",
+            16,
+            "layout.tp=1 layout.sequence_parallel=false",
+            "it would fit with layout.tp=4 layout.sequence_parallel=true",
+        ),
         ("neox20b", 4, "layout.pp=1 layout.zero1=false", "it would fit with layout.zero1=true"),
     ],
 )
@@ -77,8 +82,10 @@ def test_layouts_that_cannot_fit_are_refused_at_render_naming_what_would(tmp_pat
 
 
 def test_a_layout_within_ten_percent_is_warned_about_and_plan_prints_the_table():
-    # llama2-7b at TP8 with a 3x longer micro-batch: about 15 of 16 GiB
-    recipe = load_recipe("llama2-7b", nodes=16, overrides="batch.micro_batch=4 batch.global_batch=2048")
+    # llama2-7b at TP8 with 4 sequences of 3840 a micro-batch: about 15 of 16 GiB
+    recipe = load_recipe(
+        "llama2-7b", nodes=16, overrides="batch.micro_batch=4 batch.global_batch=2048 batch.seq_len=3840"
+    )
     estimate, _ = layout_memory(recipe)
     assert estimate.verdict == "tight", estimate.to_dict()
     (warning,) = [w for w in render_warnings(recipe) if w.startswith("memory:")]

@@ -180,7 +180,10 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     # one whole layer recomputed at a time (its probabilities too where blocks of another mode keep them)
     biggest = plain + (moe_extra if any(_sparse(m, i) for s in stages for i in s.layers) else 0)
     # (scaled-dot-product attention without a flash kernel materialises the s x s probabilities in the recompute too)
-    recomputing = 0 if not whole else biggest + probabilities + gathered_kv
+    # Where they are not kept per layer (selective, full), one layer's probabilities and gathered K/V are still
+    # materialised while its attention runs, in the forward and again in the recompute: at the peak once.
+    transient = 0 if m.activation_checkpointing in ("none", "elementwise") else probabilities + gathered_kv
+    recomputing = max(transient, (biggest + probabilities + gathered_kv) if whole else 0)
     stored = (whole * h / split + (layers - whole) * per_layer + live_sparse * moe_extra) * held + recomputing
     activations = stored * tokens * act_bytes
     classifies = getattr(m, "num_labels", None) is not None
@@ -212,6 +215,13 @@ def fits_with(r: Recipe, dp_of) -> list[str]:
     while pp <= r.model.num_layers:  # the smallest larger PP that fits
         tries.append((f"layout.pp={pp}", _with(r, "layout", pp=pp)))
         pp *= 2
+    cp = r.layout.cp * 2
+    while cp * r.layout.tp <= r.workers_per_node * r.cluster.nodes and r.batch.seq_len % (2 * cp) == 0:
+        # the smallest larger context parallelism that fits: long sequences, whose activations and attention
+        # probabilities it divides (it does not run with PP: the try leaves the pipeline, keeping its FSDP/ZeRO-1)
+        no_pp = " layout.pp=1" if r.layout.pp > 1 else ""
+        tries.append((f"layout.cp={cp}{no_pp}", _with(r, "layout", cp=cp, pp=1, pp_stage_layers=None)))
+        cp *= 2
     if r.batch.micro_batch > 1:
         tries.append(("batch.micro_batch=1", _with(r, "batch", micro_batch=1)))
     found = []
@@ -255,7 +265,8 @@ def memory_problem(r: Recipe, p: MemoryPlan, dp_of) -> str | None:
         f"; it would fit with {', or '.join(alternatives)}"
         if alternatives
         else (
-            "; no single change of activation checkpointing, ZeRO-1, TP, PP or micro-batch makes it fit: combine them"
+            "; no single change of activation checkpointing, ZeRO-1, TP, PP, CP or micro-batch makes it fit: combine"
+            " them"
         )
     )
     return (
