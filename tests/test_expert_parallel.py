@@ -210,3 +210,7 @@ def test_plan_counts_each_ranks_share_of_the_experts():
     fsdp = plan(load_recipe(MOE, overrides=["cluster.workers_per_node=4", "layout.ep=2", "layout.fsdp=true"]))
     assert fsdp["memory"]["weights"] == (others / 4 + half / 2) * 4  # the experts over the 2 ranks holding them
     assert "ep" not in one and "TP 1 x PP 1 x DP 2 (EP 2)" in format_plan(two)
+    # TP 2: the experts and routers whole on both TP ranks, the rest split
+    tp2 = plan(load_recipe(MOE, overrides=["cluster.workers_per_node=2", "layout.tp=2"]))
+    whole = 2 * half + 3 * 8 * 64  # the experts and the 3 routers
+    assert tp2["memory"]["weights"] == ((one["memory"]["weights"] / 4 - whole) / 2 + whole) * 4
