@@ -169,8 +169,10 @@ MOE = "qwen3-moe-tiny"
          "neuronx-distributed's own MoE module, which this project does not build on"),
         (MOE, "cluster.instance=trn1.32xlarge cluster.backend=neuron batch.global_batch=64 layout.tp=2 layout.ep=1",
          "model.family qwen3 runs on TorchNeuron .*, not on torch-xla \\+ NxD"),
+        (MOE, "cluster.workers_per_node=2 cluster.backend=xla layout.tp=2 layout.ep=1",
+         "layout.tp 2 with model.num_experts 8: backend xla does not split a mixture of experts' tokens"),
     ],
-    ids=["dense", "experts", "pp", "xla", "nxd", "nxd-tp"],
+    ids=["dense", "experts", "pp", "xla", "nxd", "nxd-tp", "xla-tp"],
 )  # fmt: skip
 def test_what_expert_parallelism_refuses(recipe, overrides, message):
     extra = [] if "layout.ep=" in overrides else ["layout.ep=2"]
