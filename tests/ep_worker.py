@@ -7,11 +7,13 @@ saving to OUT (rank 0) what the test compares.
   gradients and the final weights, whole (experts gathered over the EP group);
 - runs of the real Trainer on the demo corpus, validation at steps 2 and 4: 4 steps straight at ep 1, and resumes
   across layouts through its checkpoints, in one run dir;
-- with 2 ranks: EP 2 with full activation checkpointing, resumes EP 2 -> 1 and 1 -> 2 (2 steps each), and
+- with 2 ranks: EP 2 with full activation checkpointing, TP 2 (DP 1) with and without sequence parallelism,
+  resumes EP 2 -> 1 and 1 -> 2 (2 steps each), and
   `dropless`: one sparse block whose router sends every token to experts 0 and 7, at EP 2 against the single-device
   block on each rank's tokens;
-- with 4 ranks: EP 2 with ZeRO-1 and with FSDP (2 ranks hold each expert), and one step each of EP 2 + FSDP,
-  EP 2 + ZeRO-1, EP 1, EP 2 + FSDP, each resuming from the one before.
+- with 4 ranks: EP 2 with ZeRO-1 and with FSDP (2 ranks hold each expert), TP 2 x EP 2 (DP 2) alone, with ZeRO-1
+  and with FSDP + full activation checkpointing; one step each of EP 2 + FSDP, EP 2 + ZeRO-1, EP 1, EP 2 + FSDP,
+  each resuming from the one before; 2 fixed steps at TP 2 x EP 2 then 2 at TP 1 EP 1 (DP 4) from its step_2.
 """
 
 from __future__ import annotations
@@ -39,13 +41,20 @@ def recipe(nproc: int, *overrides: str):
     return load_recipe("qwen3-moe-tiny", overrides=[*SMALL, f"cluster.workers_per_node={nproc}", *overrides])
 
 
-def fixed(nproc: int, run_dir: Path, *overrides: str) -> dict:
+def fixed(nproc: int, run_dir: Path, *overrides: str, then: tuple[str, ...] | None = None) -> dict:
+    """`then`: after 2 steps, save step_2 and resume from it under the overrides `then` (another DP size) for 2."""
     trainer = Trainer(recipe(nproc, *overrides), run_dir=run_dir, log=lambda *a, **k: None)
-    experts = expert_layouts(trainer.model)
-    grad_accum = compute_layout(trainer.recipe).grad_accum
     losses, norms, grads = [], [], {}
-    for step, mine in enumerate(fixed_steps(trainer, 4)):
-        loss = trainer.accumulate(iter(mine), grad_accum)
+    for step in range(4):
+        if then is not None and step == 2:
+            trainer.save(2, None)
+            trainer.close()  # waits for the write
+            resumed = recipe(nproc, *then, "checkpoint.allow_changes=[layout.dp]")
+            trainer = Trainer(resumed, run_dir=run_dir, log=lambda *a, **k: None)
+            assert trainer.start_step == 2
+        experts = expert_layouts(trainer.model)
+        mine = fixed_steps(trainer, 4)[step]
+        loss = trainer.accumulate(iter(mine), compute_layout(trainer.recipe).grad_accum)
         losses.append(trainer.dims.mean_over_holders(loss, trainer.backend.device))  # the step's, as logged
         norms.append(float(trainer.reduce_and_clip()))
         if step == 0:
@@ -54,6 +63,11 @@ def fixed(nproc: int, run_dir: Path, *overrides: str) -> dict:
                 grads[name] = gather_experts(g, experts[name], trainer.dims.ep_group) if name in experts else g
         trainer.optimizer_step(step)
     result = {"losses": losses, "norms": norms, "grads": grads, "params": trainer.full_state_dict()}
+    # One more forward on the same micro-batch on every rank: its loss (with the load-balancing loss) and router
+    # health, whole over the TP ranks that each routed part of its tokens.
+    with torch.no_grad():
+        tokens = torch.randint(0, 4000, (2, 33), generator=torch.Generator().manual_seed(7))
+        result["same_batch"] = {"loss": float(trainer._forward(tokens)[0]), **trainer.model.router_health()}
     result["local_experts"] = {name: tuple(p.shape) for name, p in trainer.model.named_parameters() if name in experts}
     trainer.close()
     return result
@@ -119,12 +133,20 @@ def main() -> None:
     ep2 = ("layout.ep=2",)
     if nproc == 2:
         results["fixed"]["ep2-ac"] = fixed(nproc, root / "ac", *ep2, "model.activation_checkpointing=full")
+        results["fixed"]["tp2"] = fixed(nproc, root / "tp2", "layout.tp=2")
+        results["fixed"]["tp2-sp"] = fixed(nproc, root / "tp2-sp", "layout.tp=2", "layout.sequence_parallel=true")
         results["ep2-then-ep1"] = across("a", ep2, ())
         results["ep1-then-ep2"] = across("b", (), ep2)
         results["dropless"] = dropless(nproc)
     else:  # ZeRO-1 and FSDP where 2 ranks hold the same experts
         for mode in ("zero1", "fsdp"):
             results["fixed"][f"ep2-{mode}"] = fixed(nproc, root / mode, *ep2, f"layout.{mode}=true")
+        tp2 = ("layout.tp=2", *ep2)
+        results["fixed"]["tp2-ep2"] = fixed(nproc, root / "tp2", *tp2)
+        results["fixed"]["tp2-ep2-zero1"] = fixed(nproc, root / "tp2-zero1", *tp2, "layout.zero1=true")
+        ac = "model.activation_checkpointing=full"
+        results["fixed"]["tp2-ep2-fsdp-ac"] = fixed(nproc, root / "tp2-fsdp", *tp2, "layout.fsdp=true", ac)
+        results["fixed"]["tp2-ep2-then-tp1"] = fixed(nproc, root / "tp2-then-tp1", *tp2, then=())
         # One step each, saved every step, in one run dir: EP 2 + FSDP -> EP 2 + ZeRO-1 -> EP 1 -> EP 2 + FSDP
         chain = [(*ep2, "layout.fsdp=true"), (*ep2, "layout.zero1=true"), (), (*ep2, "layout.fsdp=true")]
         each = ("checkpoint.every_steps=1", "checkpoint.keep_last=4")

@@ -1,7 +1,8 @@
 """Expert parallelism (layout.ep, trnrecipes/parallel/expert.py) on real torch.distributed (gloo), qwen3-moe-tiny at
 seq 32 (tests/ep_worker.py under torchrun): EP 2 over DP 2, EP 2 and 4 over DP 4 train as EP 1 (4 steps: losses,
 grad norms, every gradient of the first step, the weights after the last), with activation checkpointing too;
-checkpoints hold whole [E, ...] experts and resume EP 2 -> 1 and 1 -> 2; dispatch is dropless; the refusals."""
+checkpoints hold whole [E, ...] experts and resume EP 2 -> 1 and 1 -> 2; dispatch is dropless; the refusals. Under
+TP 2 (with SP, with EP 2, ZeRO-1, FSDP) the experts stay whole per TP rank, each routing half the tokens."""
 
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def assert_trains_like(got: dict, want: dict) -> None:
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
     for name, p in want["params"].items():
         torch.testing.assert_close(got["params"][name], p, rtol=0, atol=1e-5, msg=name)
+    # The trained model's loss (cross-entropy + load-balancing) and router health on one micro-batch
+    assert got["same_batch"] == pytest.approx(want["same_batch"], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -76,6 +79,17 @@ def test_ep2_and_ep4_over_dp4_train_as_ep1(four_ranks):
 
 
 @pytest.mark.slow
+def test_tp2_trains_as_tp1_each_tp_rank_routing_half_the_tokens(two_ranks):
+    """TP 2 (DP 1) with and without sequence parallelism: attention and the dense MLP split over TP, the router and
+    experts whole on both ranks, their gradients summed over TP; the load-balancing loss and router health over both
+    ranks' tokens. Against EP 1 over DP 2: the same global batch."""
+    results, _ = two_ranks
+    for name in ("tp2", "tp2-sp"):
+        assert results["fixed"][name]["local_experts"] == {}
+        assert_trains_like(results["fixed"][name], results["fixed"][1])
+
+
+@pytest.mark.slow
 def test_trainer_runs_and_checkpoints_hold_whole_experts_and_resume_across_ep(two_ranks):
     """On the demo corpus: 2 steps at one ep then 2 more at the other from its step_2 (one run dir) have the losses
     and step-4 validation loss of the straight EP 1 run (the same DP 2, so the data carries over). The EP 2 save
@@ -91,6 +105,26 @@ def test_trainer_runs_and_checkpoints_hold_whole_experts_and_resume_across_ep(tw
     with safe_open(step_2 / "optim-tp00-of-01.safetensors", "pt") as f:
         assert f.get_slice(f"exp_avg.{EXPERTS}").get_shape() == [8, 128, 64]
         assert f.get_tensor(f"exp_avg_sq.{EXPERTS}").count_nonzero() == 8 * 128 * 64  # every expert's, none zero
+
+
+@pytest.mark.slow
+def test_tp2_by_ep2_trains_as_tp1_ep1_and_resumes_at_tp1(four_ranks):
+    """TP 2 x EP 2 (DP 2): each tp_rank's EP group exchanges its TP half of the tokens; alone, with ZeRO-1, and with
+    FSDP and full activation checkpointing, as TP 1 EP 1 over DP 4. Its step_2 holds whole experts and their moments,
+    and 2 more steps resumed from it at TP 1 EP 1 (DP 4) end as the 4 steps straight at TP 1 EP 1."""
+    results, root = four_ranks
+    for name in ("tp2-ep2", "tp2-ep2-zero1", "tp2-ep2-fsdp-ac"):
+        assert results["fixed"][name]["local_experts"][EXPERTS] == (4, 128, 64)
+        assert_trains_like(results["fixed"][name], results["fixed"][1])
+    resumed = results["fixed"]["tp2-ep2-then-tp1"]
+    assert resumed["local_experts"] == {}  # the last 2 steps at EP 1
+    assert_trains_like(resumed, results["fixed"][1])
+    step_2 = root / "tp2-then-tp1/checkpoints/step_2"  # a file per TP rank, each with the whole (replicated) experts
+    for tp_rank in range(2):
+        with safe_open(step_2 / f"model-tp0{tp_rank}-of-02.safetensors", "pt") as f:
+            assert f.get_slice(EXPERTS).get_shape() == [8, 128, 64]
+        with safe_open(step_2 / f"optim-tp0{tp_rank}-of-02.safetensors", "pt") as f:
+            assert f.get_tensor(f"exp_avg_sq.{EXPERTS}").count_nonzero() == 8 * 128 * 64  # every expert's moments
 
 
 @pytest.mark.slow
@@ -129,18 +163,27 @@ MOE = "qwen3-moe-tiny"
     [
         ("qwen3-tiny", "cluster.workers_per_node=2", "layout.ep 2: model.num_experts is 0 (model.family qwen3)"),
         (MOE, "cluster.workers_per_node=2 layout.ep=3", "layout.ep 3 must divide model.num_experts 8"),
-        (MOE, "cluster.workers_per_node=4 layout.tp=2", "layout.tp 2, layout.pp 1 with model.num_experts 8"),
-        (MOE, "cluster.workers_per_node=4 layout.pp=2", "layout.tp 1, layout.pp 2 with model.num_experts 8"),
+        (MOE, "cluster.workers_per_node=4 layout.pp=2", "layout.pp 2 with model.num_experts 8: the load-balancing"),
         (MOE, "cluster.workers_per_node=2 cluster.backend=xla", "layout.ep 2: backend xla has no expert parallelism"),
         (MOE, "cluster.instance=trn1.32xlarge cluster.backend=neuron batch.global_batch=64",
          "neuronx-distributed's own MoE module, which this project does not build on"),
+        (MOE, "cluster.instance=trn1.32xlarge cluster.backend=neuron batch.global_batch=64 layout.tp=2 layout.ep=1",
+         "model.family qwen3 runs on TorchNeuron .*, not on torch-xla \\+ NxD"),
+        (MOE, "cluster.workers_per_node=2 cluster.backend=xla layout.tp=2 layout.ep=1",
+         "layout.tp 2 with model.num_experts 8: backend xla does not split a mixture of experts' tokens"),
     ],
-    ids=["dense", "experts", "tp", "pp", "xla", "nxd"],
+    ids=["dense", "experts", "pp", "xla", "nxd", "nxd-tp", "xla-tp"],
 )  # fmt: skip
 def test_what_expert_parallelism_refuses(recipe, overrides, message):
     extra = [] if "layout.ep=" in overrides else ["layout.ep=2"]
     with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_recipe(recipe, overrides=[*overrides.split(), *extra])
+
+
+def test_experts_run_under_tensor_parallelism():
+    """TP splits attention and the dense MLP; the experts stay whole per TP rank, EP groups per tp_rank."""
+    r = load_recipe(MOE, overrides=["cluster.workers_per_node=4", "layout.tp=2", "layout.ep=2"])
+    assert (compute_layout(r).tp, compute_layout(r).dp) == (2, 2)
 
 
 def test_ep_must_divide_the_data_parallel_degree():
@@ -169,3 +212,7 @@ def test_plan_counts_each_ranks_share_of_the_experts():
     fsdp = plan(load_recipe(MOE, overrides=["cluster.workers_per_node=4", "layout.ep=2", "layout.fsdp=true"]))
     assert fsdp["memory"]["weights"] == (others / 4 + half / 2) * 4  # the experts over the 2 ranks holding them
     assert "ep" not in one and "TP 1 x PP 1 x DP 2 (EP 2)" in format_plan(two)
+    # TP 2: the experts and routers whole on both TP ranks, the rest split
+    tp2 = plan(load_recipe(MOE, overrides=["cluster.workers_per_node=2", "layout.tp=2"]))
+    whole = 2 * half + 3 * 8 * 64  # the experts and the 3 routers
+    assert tp2["memory"]["weights"] == ((one["memory"]["weights"] / 4 - whole) / 2 + whole) * 4

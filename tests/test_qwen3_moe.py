@@ -217,7 +217,7 @@ def test_the_trainers_loss_adds_the_aux_term_times_its_coefficient(tmp_path):
         ("qwen3-moe-tiny", ["model.mlp_only_layers=[4]"], r"mlp_only_layers \[4\] names layer\(s\) \[4\]; valid: 0"),
         ("qwen3-moe-tiny", ["model.moe_intermediate_size=0"], "model.moe_intermediate_size 0 must be > 0"),
         ("qwen3-moe-tiny", ["model.router_aux_loss_coef=-1"], "router_aux_loss_coef"),
-        ("qwen3-moe-tiny", ["layout.tp=2"], "layout.tp 2, layout.pp 1 with model.num_experts 8"),
+        ("qwen3-moe-tiny", ["layout.pp=2"], "layout.pp 2 with model.num_experts 8: the load-balancing loss"),
         ("qwen3-moe-tiny", ["model.decoder_sparse_step=5"], "model.num_experts 8 but no block is sparse"),
         ("qwen3-tiny", ["model.num_experts_per_tok=2"], "model.num_experts_per_tok 2 is set with model.num_experts 0"),
         ("qwen3-tiny", ["model.mlp_only_layers=[0]"], r"model.mlp_only_layers \[0\] is set with model.num_experts 0"),

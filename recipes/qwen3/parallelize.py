@@ -15,7 +15,8 @@ BRANCHES = ("attn", "mlp")
 # Norms over head_dim whose input [b, s, heads, head_dim] is split by heads (dim 2) on every TP rank: one weight
 # shared by the heads, replicated, its gradient summed over the ranks (torchtitan's Qwen3 plan does the same).
 HEAD_NORMS = ("attn.q_norm", "attn.k_norm")
-# Stacked experts [E, ...] (recipes/qwen3/moe.py) that expert parallelism (layout.ep) shards along dim 0.
+# Stacked experts [E, ...] (recipes/qwen3/moe.py) that expert parallelism (layout.ep) shards along dim 0. Under TP the
+# sparse MLP holding them is not split: each TP rank routes its share of the tokens (trnrecipes/parallel/tensor.py).
 EXPERTS = "mlp.experts"
 
 __all__ = ["BRANCHES", "COLUMN_PARALLEL", "EXPERTS", "HEAD_NORMS", "NORMS", "ROW_PARALLEL", "check_tensor_parallel"]

@@ -131,11 +131,10 @@ class Qwen3Config(DecoderConfig):
     def layout_problems(self, layout: Any, nxd: bool) -> list[str]:
         """What this family does not run with yet (layout: the recipe's layout section; nxd: torch-xla + NxD)."""
         problems = []
-        if self.num_experts and (layout.tp > 1 or layout.pp > 1):
+        if self.num_experts and layout.pp > 1:
             problems.append(
-                f"layout.tp {layout.tp}, layout.pp {layout.pp} with model.num_experts {self.num_experts}: experts are"
-                " not split over tensor-parallel ranks nor the load-balancing loss over pipeline stages yet; use"
-                " layout.tp 1 and layout.pp 1 (data parallel, ZeRO-1 or FSDP)"
+                f"layout.pp {layout.pp} with model.num_experts {self.num_experts}: the load-balancing loss is not"
+                " summed over pipeline stages yet; use layout.pp 1 (tensor, expert and data parallel, ZeRO-1 or FSDP)"
             )
         if nxd:
             problems.append(

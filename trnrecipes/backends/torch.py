@@ -14,7 +14,13 @@ from trnrecipes.config.sections import NodeError
 from trnrecipes.parallel import kv_replication
 from trnrecipes.parallel.context import apply_context_parallel, init_context_groups
 from trnrecipes.parallel.dims import local_tensor
-from trnrecipes.parallel.expert import apply_expert_fsdp, apply_expert_parallel, expert_layouts, init_expert_groups
+from trnrecipes.parallel.expert import (
+    apply_expert_fsdp,
+    apply_expert_parallel,
+    expert_layouts,
+    init_expert_groups,
+    tp_summed_params,
+)
 from trnrecipes.parallel.fsdp import apply_fsdp, mesh_dim_placement, reshard
 from trnrecipes.parallel.pipeline import TorchPipeline, parameter_order
 
@@ -97,6 +103,10 @@ class TorchBackend(Backend):
 
     def reduce_and_clip(self, model: nn.Module, dims: ParallelDims, max_norm: float) -> torch.Tensor:
         local_grads = _local_grads(model)
+        # Under TP a mixture of experts' router and experts (whole on every TP rank) saw this rank's tokens only: their
+        # gradients summed over TP once a step, after FSDP's reduce-scatter over DP and before the DP mean (linear, so
+        # in either order; each TP rank then holds the same sum and updates its copy, or its ZeRO-1/FSDP rows, alike).
+        dims.sum_over_tp([local_tensor(p.grad) for p in tp_summed_params(model) if p.grad is not None])
         sharded = expert_layouts(model)  # expert parallelism's experts: their own reduction (_local_grads' order)
         expert = [name in sharded for name, p in model.named_parameters() if p.grad is not None]
         if not dims.fsdp:  # FSDP's reduce-scatter has averaged them already

@@ -492,6 +492,12 @@ def check_recipe(r: Recipe) -> list[str]:
         problems += expert_parallel_problems(r, on_torch, _backend_words(r, stack))
     if lay.cp > 1:
         problems += context_parallel_problems(r, on_torch, nxd, _backend_words(r, stack))
+    if lay.tp > 1 and getattr(m, "num_experts", 0) and not on_torch and not nxd:  # NxD: the family's own refusal
+        problems.append(
+            f"layout.tp {lay.tp} with model.num_experts {m.num_experts}: {_backend_words(r, stack)} does not split a"
+            " mixture of experts' tokens over tensor-parallel ranks here (built and tested on torch.distributed: cpu,"
+            " cuda and TorchNeuron); use layout.tp 1"
+        )
     need(
         r.train.init_optimizer == "reset" or r.train.init_from is not None,
         "train.init_optimizer 'keep' carries the optimizer state of train.init_from over; set train.init_from",

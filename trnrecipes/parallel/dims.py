@@ -105,6 +105,20 @@ class ParallelDims:
         if self.cp > 1:
             self._sum_over_dp(tensors, self.cp_group, self.cp)
 
+    def sum_over_tp(self, tensors: list[torch.Tensor]) -> None:
+        """In place: each tensor summed over this rank's TP group (a TP-replicated parameter whose gradient each TP
+        rank computed on its own tokens: a mixture of experts' router and experts, trnrecipes/parallel/expert.py)."""
+        if self.tp == 1 or not tensors:
+            return
+        group = self.mesh["tp"].get_group()
+        for bucket in _buckets(tensors, BUCKET_ELEMENTS):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
     def average_experts_over_dp(self, tensors: list[torch.Tensor]) -> None:
         """In place, under expert parallelism: the DP mean of sharded experts' gradients, as EP 1 has it. A rank's
         expert gradient holds the picks of its whole EP group already; summed over the dp / ep ranks that hold the

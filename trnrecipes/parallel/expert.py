@@ -3,6 +3,8 @@ torch backends. The DP ranks split into groups of `ep` consecutive DP ranks; EP 
 experts [j E/ep, (j+1) E/ep) of every sparse block. Each rank routes its own tokens (the router is replicated), one
 all-to-all sends each pick's row to its expert's rank and another brings the outputs back (dropless: no capacity).
 An expert's gradient holds its EP group's tokens: summed over the ranks holding the same experts, divided by dp.
+Under TP the experts are whole on every TP rank, each routing 1/tp of the tokens (route_over_tp); EP groups are
+per tp_rank.
 """
 
 from __future__ import annotations
@@ -166,3 +168,46 @@ def _parallel_class(cls: type) -> type:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
     return _CLASSES[cls]
+
+
+def route_over_tp(model: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
+    """Under tensor parallelism, for the sparse MLPs `names` whose tokens the TP plan split over the TP ranks
+    (trnrecipes/parallel/tensor.py's token_split, torchtitan's "ETP 1"): their routing statistics are summed over the
+    TP group after each forward, so the load-balancing loss and router health are the replica's, as at TP 1; their
+    router and experts (plain tensors, whole on every TP rank) are marked for sum_over_tp."""
+    for name in names:
+        module = model.get_submodule(name)
+        module.tp_group = mesh.get_group()
+        module.register_forward_hook(_sum_routing_over_tp)
+
+
+def tp_summed_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters route_over_tp marked: each TP rank's gradient holds its own tokens' share only."""
+    return [p for m in model.modules() if getattr(m, "tp_group", None) is not None for p in m.parameters()]
+
+
+@torch.compiler.disable
+def _sum_routing_over_tp(module: nn.Module, _inputs: tuple, _output: torch.Tensor) -> None:
+    if torch._C._current_graph_task_id() != -1:
+        return  # activation checkpointing's recompute: the forward's routing stands (the forward did not set one)
+    routing, group = module.routing, module.tp_group
+    picks = routing.picks.clone()
+    dist.all_reduce(picks, group=group)
+    prob_sum = _SumOverGroup.apply(routing.prob_sum, group)
+    tokens = routing.tokens * dist.get_world_size(group)  # each TP rank routed as many (the sequence splits evenly)
+    module.routing = routing._replace(picks=picks, prob_sum=prob_sum, tokens=tokens)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """A sum over `group` whose gradient is the output's, unreduced: each TP rank's loss is the whole replica's, so
+    the gradient of its own share of the sum is the sum's gradient (reducing it too would count it tp times)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None

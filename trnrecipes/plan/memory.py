@@ -123,11 +123,13 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     if kv is not None and tp > kv:  # each rank also holds a copy of one KV head (trnrecipes/parallel/kv_replication.py)
         params += layers * 2 * m.head_dim * m.hidden_size * (1 - kv / tp)
     experts = 0.0  # expert parallelism: each rank holds 1 / ep of every sparse block's experts (parallel/expert.py)
-    if lay.ep > 1:
+    if getattr(m, "num_experts", 0):
         sparse = sum(m.is_sparse(i) for s in stages for i in s.layers)
-        experts = sparse * m.num_experts * 3 * m.hidden_size * m.moe_intermediate_size / tp
-        params -= experts * (1 - 1 / lay.ep)
-        experts /= lay.ep
+        whole = sparse * m.num_experts * 3 * m.hidden_size * m.moe_intermediate_size
+        params += (whole + sparse * m.num_experts * m.hidden_size) * (1 - 1 / tp)  # experts, router whole per TP rank
+        if lay.ep > 1:
+            experts = whole / lay.ep
+            params -= whole - experts
     dtype = r.precision.dtype
     weight_bytes = 2 if dtype == "bf16" else 4
     sharded = dp if lay.fsdp else 1
