@@ -173,7 +173,8 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     n_full = m.activation_checkpointing_full_layers
     whole = layers if m.activation_checkpointing == "full" else sum(min(len(s.layers), n_full) for s in stages)
     # A mixture of experts' sparse blocks keep more than a dense MLP of ffn_hidden_size (moe_extra_elements)
-    moe_extra = moe_extra_elements(m, m.activation_checkpointing == "elementwise")
+    # (under TP each rank routes and runs the experts for 1/tp of the tokens: parallel/expert.py's token split)
+    moe_extra = moe_extra_elements(m, m.activation_checkpointing == "elementwise") / tp
     live_sparse = (
         0
         if m.activation_checkpointing == "full"
