@@ -213,7 +213,8 @@ def test_the_recipe_check_refuses_it_where_the_kernel_does_not_run(overrides, sa
 
 def test_the_memory_estimate_stops_counting_attention_probabilities_with_the_kernel():
     """Without checkpointing, SDPA off CUDA keeps each layer's probabilities (heads / TP x seq a token); the flash
-    kernel keeps a logsumexp row instead. Selective checkpointing recomputes them either way."""
+    kernel keeps a logsumexp row instead. Selective checkpointing recomputes them: SDPA still materialises one
+    layer's at a time (in its forward and its recompute), the kernel none."""
     plans = {}
     for attention in ("sdpa", "nki_flash"):
         for checkpointing in ("none", "selective"):
@@ -223,7 +224,8 @@ def test_the_memory_estimate_stops_counting_attention_probabilities_with_the_ker
     m, tokens = r.model, r.batch.micro_batch * r.batch.seq_len
     probabilities = m.num_layers * m.num_heads / r.layout.tp * r.batch.seq_len * tokens * 2  # bf16-mixed: 2 bytes
     assert plans["sdpa", "none"] - plans["nki_flash", "none"] == pytest.approx(probabilities)
-    assert plans["nki_flash", "none"] == plans["nki_flash", "selective"] == plans["sdpa", "selective"]
+    assert plans["nki_flash", "none"] == plans["nki_flash", "selective"]
+    assert plans["sdpa", "selective"] - plans["nki_flash", "selective"] == pytest.approx(probabilities / m.num_layers)
 
 
 def test_a_run_resumes_across_a_change_of_kernel(tmp_path):
