@@ -5,11 +5,13 @@ process group, saving to OUT (rank 0) what the test compares.
 
 - fixed[name]: 4 steps on tests/train_worker.py's fixed micro-batches (the same global batches in every layout):
   the logged losses, the grad norms, the first step's averaged gradients (whole, in the stored layout) and the final
-  weights. llama3.1-tiny (GQA: 4 query heads over 1 KV head) at CP 1 (DP 4), CP 2 (DP 2), CP 4 (DP 1), TP 2 x CP 2
-  (the KV head replicated over TP) with and without sequence parallelism, CP 2 with ZeRO-1, FSDP, and selective,
-  elementwise and full activation checkpointing; neox-tiny and qwen3-tiny at CP 1 and CP 2 (2 steps);
-- resumed[name]: the weights and moments a CP 2 run (DP 2) held at its step-2 save and what a CP 1 run (DP 4)
-  restored from that save, and the reverse.
+  weights, and rank 0's numbers of parameter and moment elements (sharded over dp x cp under ZeRO-1 and FSDP).
+  llama3.1-tiny (GQA: 4 query heads over 1 KV head) at CP 1 (DP 4), CP 2 (DP 2), CP 4 (DP 1), TP 2 x CP 2 (the KV
+  head replicated over TP) with and without sequence parallelism, CP 2 and CP 4 with ZeRO-1 and FSDP, CP 2 with
+  selective, elementwise and full activation checkpointing; neox-tiny and qwen3-tiny at CP 1 and CP 2 (2 steps);
+- resumed[name]: the weights and whole moments a run held at its step-2 save, the files of that save, and what a run
+  in another layout restored from it: CP 2 (DP 2) -> CP 1 (DP 4) and the reverse, CP 2 + FSDP -> CP 1 without it and
+  -> CP 1 with ZeRO-1.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.distributed as dist
 from train_worker import fixed_steps
 
 from trnrecipes.config.recipe import load_recipe
-from trnrecipes.parallel.dims import ParallelDims
+from trnrecipes.parallel.dims import ParallelDims, local_tensor
 from trnrecipes.parallel.kv_replication import layouts, stored_full
 from trnrecipes.plan.layout import compute_layout
 from trnrecipes.train.loop import Trainer
@@ -46,17 +48,25 @@ def fixed(run_dir: Path, name: str, steps: int, *overrides: str) -> dict:
             grads = {n: stored_full(p.grad, replicated.get(n)).clone() for n, p in trainer.model.named_parameters()}
         trainer.optimizer_step(step)
     result = {"losses": losses, "norms": norms, "grads": grads, "params": trainer.full_state_dict()}
+    result["local_params"] = sum(local_tensor(p).numel() for p in trainer.model.parameters())
+    result["local_moments"] = sum(m.numel() for m in trainer.optimizer.exp_avg)
     trainer.close()
     return result
 
 
 def state(trainer: Trainer) -> dict:
-    """The weights, whole, and this rank's moments by parameter name (DP and CP only here: whole tensors too)."""
+    """The weights and the moments, whole, by parameter name (DP and CP only here: under ZeRO-1 and FSDP each rank's
+    rows, in shard order = global rank order, concatenated)."""
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     opt = trainer.optimizer
     moments = {
-        names[id(p)]: (m.clone(), v.clone()) for p, m, v in zip(opt.params, opt.exp_avg, opt.exp_avg_sq, strict=True)
+        names[id(p)]: (local_tensor(m).clone(), local_tensor(v).clone())
+        for p, m, v in zip(opt.params, opt.exp_avg, opt.exp_avg_sq, strict=True)
     }
+    if trainer.dims.shards_moments:
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, moments)
+        moments = {n: tuple(torch.cat([rank[n][i] for rank in every]) for i in (0, 1)) for n in moments}
     return {"params": trainer.full_state_dict(), "moments": moments, "steps": opt.steps()}
 
 
@@ -67,6 +77,7 @@ def resumed(run_dir: Path, first: tuple[str, ...], then: tuple[str, ...]) -> dic
     trainer.run(2)
     saved = state(trainer)
     trainer.close()
+    saved["files"] = sorted(f.name for f in (run_dir / "checkpoints/step_2").iterdir())
     trainer = Trainer(load_recipe("llama3.1-tiny", overrides=[*each, *then]), **QUIET)
     restored = state(trainer)
     trainer.close()
@@ -86,6 +97,8 @@ def main() -> None:
         "tp2-cp2-sp": ("layout.tp=2", *cp2, "layout.sequence_parallel=true"),
         "cp2-zero1": (*cp2, "layout.zero1=true"),
         "cp2-fsdp": (*cp2, "layout.fsdp=true"),
+        "cp4-zero1": ("layout.cp=4", "layout.zero1=true"),  # DP 1: sharded over the CP ranks alone
+        "cp4-fsdp": ("layout.cp=4", "layout.fsdp=true"),
         "cp2-selective": (*cp2, "model.activation_checkpointing=selective"),
         "cp2-elementwise": (*cp2, "model.activation_checkpointing=elementwise"),
         "cp2-full": (*cp2, "model.activation_checkpointing=full"),
@@ -97,6 +110,8 @@ def main() -> None:
     results["resumed"] = {
         "cp2-then-cp1": resumed(root / "a", cp2, ()),
         "cp1-then-cp2": resumed(root / "b", (), cp2),
+        "cp2-fsdp-then-cp1": resumed(root / "c", (*cp2, "layout.fsdp=true"), ()),
+        "cp2-fsdp-then-cp1-zero1": resumed(root / "d", (*cp2, "layout.fsdp=true"), ("layout.zero1=true",)),
     }
     if dist.get_rank() == 0:
         torch.save(results, out)

@@ -1,8 +1,10 @@
 """Context parallelism (layout.cp, trnrecipes/parallel/context.py): the load-balanced split of a sequence and its
 inverse, exact chunked causal attention, and on real torch.distributed (gloo, 4 ranks: tests/cp_worker.py under
 torchrun) CP 2 and 4, TP 2 x CP 2, CP 2 with ZeRO-1, FSDP and activation checkpointing train as CP 1 (fp32: losses,
-every gradient, the weights), for llama3.1-tiny (GQA) and at CP 2 for neox-tiny and qwen3-tiny; a checkpoint written
-at CP 2 resumes at CP 1 bitwise in what it restores, and the reverse; the layout counts cp; the refusals."""
+every gradient, the weights), for llama3.1-tiny (GQA) and at CP 2 for neox-tiny and qwen3-tiny; ZeRO-1 and FSDP shard
+over the dp x cp ranks (at DP 1 too); a checkpoint written at CP 2 resumes at CP 1 bitwise in what it restores, and
+the reverse, and one written at CP 2 under FSDP (dp x cp moment files) at CP 1 without FSDP and with ZeRO-1; the
+layout counts cp; the refusals."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from recipes.common.attention import causal_attention
 from trnrecipes.config.recipe import load_recipe
 from trnrecipes.config.sections import RecipeError
 from trnrecipes.parallel.context import chunked_causal_attention, local_positions, merge_sequence, split_sequence
+from trnrecipes.parallel.sharding import chunk_range
 from trnrecipes.plan.layout import compute_layout, plan, rank_coords
 from trnrecipes.plan.report import format_plan
 
@@ -90,10 +93,27 @@ def test_context_parallel_trains_as_cp1(four_ranks, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["zero1", "fsdp", "selective", "elementwise", "full"])
 def test_context_parallel_composes_with_sharding_and_activation_checkpointing(four_ranks, mode):
-    """CP 2 x DP 2 with ZeRO-1 or FSDP (sharded over DP; the CP ranks' gradients averaged after), and with core
-    attention (selective), everything but matmuls, attention and collectives (elementwise) or whole blocks (full)
-    recomputed in backward: the all-gather of keys and values runs again there."""
+    """CP 2 x DP 2 with ZeRO-1 or FSDP (sharded over the dp x cp ranks; FSDP's reduce-scatter averages over them),
+    and with core attention (selective), everything but matmuls, attention and collectives (elementwise) or whole
+    blocks (full) recomputed in backward: the all-gather of keys and values runs again there."""
     assert_trains_like(four_ranks["fixed"][f"cp2-{mode}"], four_ranks["fixed"]["cp1"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["cp2-zero1", "cp2-fsdp", "cp4-zero1", "cp4-fsdp"])
+def test_zero1_and_fsdp_shard_over_the_dp_x_cp_ranks(four_ranks, layout):
+    """As torchtitan's dp_shard_cp: at CP 2 x DP 2 and CP 4 x DP 1 each rank keeps 1/4 of every parameter's dim-0
+    rows (shard index dp_rank x cp + cp_rank; rank 0 the first chunk) of the moments, and under FSDP of the
+    parameters too, not the 1/dp (at DP 1 all) of sharding over DP alone; and trains as CP 1."""
+    got, whole = four_ranks["fixed"][layout], four_ranks["fixed"]["cp1"]["params"]
+    first = 0  # elements of the first of 4 chunks of each tensor's rows
+    for p in whole.values():
+        start, stop = chunk_range(p.shape[0], 4, 0)
+        first += (stop - start) * p[0].numel()
+    assert first < sum(p.numel() for p in whole.values()) / 3
+    assert got["local_moments"] == first
+    assert got["local_params"] == (first if layout.endswith("fsdp") else sum(p.numel() for p in whole.values()))
+    assert_trains_like(got, four_ranks["fixed"]["cp1"])
 
 
 @pytest.mark.slow
@@ -104,12 +124,19 @@ def test_the_other_causal_families_train_at_cp2_as_at_cp1(four_ranks, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["cp2-then-cp1", "cp1-then-cp2"])
+@pytest.mark.parametrize("run", ["cp2-then-cp1", "cp1-then-cp2", "cp2-fsdp-then-cp1", "cp2-fsdp-then-cp1-zero1"])
 def test_a_checkpoint_resumes_across_cp_bitwise_in_what_it_restores(four_ranks, run):
-    """Saved at step 2 at one cp (CP rank 0 of each replica writes), resumed at the other: the weights and both
-    moments of every parameter, and the optimizer's step count, are the saving run's, bit for bit."""
+    """Saved at step 2 at one cp (CP rank 0 of each replica writes; under FSDP every rank of dp x cp its moments'
+    rows, 4 files), resumed at the other (CP 1 without FSDP: the 4 files re-chunked into whole moments; with ZeRO-1
+    at DP 4: each rank its rows): the weights and both moments of every parameter, and the optimizer's step count,
+    are the saving run's, bit for bit."""
     result = four_ranks["resumed"][run]
     saved, restored = result["saved"], result["restored"]
+    optim_files = [f for f in saved["files"] if f.startswith("optim")]
+    if "fsdp" in run:
+        assert optim_files == [f"optim-tp00-of-01-dp{i:04d}-of-0004.safetensors" for i in range(4)]
+    else:
+        assert optim_files == ["optim-tp00-of-01.safetensors"]
     assert result["start_step"] == 2 and restored["steps"] == saved["steps"] == 2
     assert saved["params"].keys() == restored["params"].keys() and saved["moments"].keys() == restored["moments"].keys()
     for name, p in saved["params"].items():

@@ -124,3 +124,18 @@ def test_the_loss_phase_counts_a_chunk_of_each_ranks_vocabulary_columns_where_th
             r = load_recipe("llama3.1-8b", overrides=[*seq, *layout, *backend.split()])
             assert r.model.vocab_size == vocab and (r.stack == "cuda") is (rows == 4096)
             assert memory_plan(r, dp=1, grad_accum=1).loss == pytest.approx(LOGIT_BYTES * rows * vocab / tp)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "zero1"])
+def test_under_context_parallelism_fsdp_and_zero1_divide_the_states_by_dp_x_cp(mode):
+    """They shard over the dp x cp ranks (torchtitan's dp_shard_cp; trnrecipes/parallel/fsdp.py): at CP 2 x DP 2 a
+    rank holds the moments (and under FSDP the weights and gradients) DP 4 holds, half of what DP 2 alone would."""
+
+    def at(cp: int, dp: int):
+        overrides = ["cluster.workers_per_node=4", f"layout.cp={cp}", f"layout.{mode}=true"]
+        return memory_plan(load_recipe("llama3.1-tiny", overrides=overrides), dp=dp, grad_accum=1)
+
+    cp2, dp4, dp2 = at(2, 2), at(1, 4), at(1, 2)
+    assert cp2.optimizer == pytest.approx(dp4.optimizer) and cp2.optimizer == pytest.approx(dp2.optimizer / 2)
+    states = (cp2.weights, cp2.grads)
+    assert states == pytest.approx((dp4.weights, dp4.grads) if mode == "fsdp" else (dp2.weights, dp2.grads))

@@ -389,7 +389,8 @@ def stand_in_dims(**fields) -> types.SimpleNamespace:
     dims = dict(tp=1, tp_rank=0, dp=1, dp_rank=0, pp=1, pp_rank=0, world=1, rank=0, zero1=False, fsdp=False, mesh=None,
                 ep=1, ep_rank=0, cp=1, cp_rank=0)  # fmt: skip
     dims |= fields
-    return types.SimpleNamespace(**dims, shards_moments=dims["zero1"] or dims["fsdp"])
+    shard = dict(shard_n=dims["dp"] * dims["cp"], shard_rank=dims["dp_rank"] * dims["cp"] + dims["cp_rank"])
+    return types.SimpleNamespace(**dims, **shard, shards_moments=dims["zero1"] or dims["fsdp"])
 
 
 def whole_region(shape, dim, tp, rank, *_, **__) -> Region:

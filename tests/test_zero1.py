@@ -163,7 +163,8 @@ def _gather_rank(rank: int, world: int, store: str, out: str) -> None:
     # bf16: [5]. 7 all-gathers for 9 tensors.
     parallel_dims.BUCKET_ELEMENTS, parallel_dims.GATHER_ALONE_ELEMENTS = 20, 4
     dims = parallel_dims.ParallelDims.__new__(parallel_dims.ParallelDims)  # only the fields gather_zero1 reads
-    dims.zero1, dims.dp, dims.dp_rank, dims.dp_group = True, world, rank, dist.group.WORLD
+    dims.zero1, dims.dp, dims.dp_rank, dims.cp, dims.cp_rank = True, world, rank, 1, 0
+    dims.shard_group = dist.group.WORLD
     truth = [torch.randn(shape, generator=torch.Generator().manual_seed(i)).to(dtype) for i, (shape, dtype) in
              enumerate(GATHER_SHAPES)]  # fmt: skip
     truth[0][1, 2], truth[4][9] = -0.0, float("nan")  # bitwise: signed zero and NaN come through as they are

@@ -21,7 +21,7 @@ from trnrecipes.parallel.expert import (
     init_expert_groups,
     tp_summed_params,
 )
-from trnrecipes.parallel.fsdp import apply_fsdp, mesh_dim_placement, reshard
+from trnrecipes.parallel.fsdp import SHARD_DIM, apply_fsdp, mesh_dim_placement, reshard
 from trnrecipes.parallel.pipeline import TorchPipeline, parameter_order
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class TorchBackend(Backend):
         names = ("pp", "dp", "cp", "tp") if dims.cp > 1 else ("pp", "dp", "tp")
         sizes = {"pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "tp": dims.tp}
         dims.mesh = init_device_mesh(mesh_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
-        dims.dp_group = dims.dp_cp_group = dims.mesh["dp"].get_group()
+        dims.dp_group = dims.dp_cp_group = dims.shard_group = dims.mesh["dp"].get_group()
         dims.pp_group = dims.mesh["pp"].get_group()
         if (group_rank := dist.get_rank(dims.dp_group)) != dims.dp_rank:
             # Collectives that place data by group rank (ZeRO-1's all-gather) rely on it being dp_rank.
@@ -64,6 +64,13 @@ class TorchBackend(Backend):
             )
         if dims.cp > 1:
             init_context_groups(dims)
+            dims.shard_group = dims.dp_cp_group
+            if (group_rank := dist.get_rank(dims.shard_group)) != dims.shard_rank:
+                # ZeRO-1's all-gather and FSDP's flattened mesh place rows by group rank: it must be the shard index.
+                raise RuntimeError(
+                    f"shard index {dims.shard_rank} (DP rank {dims.dp_rank} x CP {dims.cp} + CP rank {dims.cp_rank})"
+                    f" is rank {group_rank} of its dp x cp group: the mesh and the layout disagree"
+                )
         init_expert_groups(dims, mesh_type)
 
     def select_device(self) -> None:
@@ -91,7 +98,7 @@ class TorchBackend(Backend):
         if dims.fsdp:
             if experts is not None:
                 apply_expert_fsdp(model, experts, dims)
-            apply_fsdp(model, dims.mesh["dp"])
+            apply_fsdp(model, shard_mesh(dims))
 
     @staticmethod
     def shard_dim(p: torch.Tensor) -> int | None:
@@ -109,12 +116,10 @@ class TorchBackend(Backend):
         dims.sum_over_tp([local_tensor(p.grad) for p in tp_summed_params(model) if p.grad is not None])
         sharded = expert_layouts(model)  # expert parallelism's experts: their own reduction (_local_grads' order)
         expert = [name in sharded for name, p in model.named_parameters() if p.grad is not None]
-        if not dims.fsdp:  # FSDP's reduce-scatter has averaged them already
+        if not dims.fsdp:  # FSDP's reduce-scatter over the dp x cp ranks has averaged them already
             dims.average_over_dp([g for g, e in zip(local_grads, expert, strict=True) if not e])
             dims.average_experts_over_dp([g for g, e in zip(local_grads, expert, strict=True) if e])
         else:
-            # FSDP shards over DP only: a replica's CP ranks hold the same rows, each the gradient of its tokens' share
-            dims.average_over_cp(local_grads)
             # FSDP averaged the experts' over the dp / ep ranks holding them; EP 1's mean divides by dp
             for g in (g for g, e in zip(local_grads, expert, strict=True) if e):
                 g.div_(dims.ep)
@@ -176,10 +181,10 @@ class CudaBackend(TorchBackend):
 
 
 def _sum_fsdp_squares(squares: torch.Tensor, model: nn.Module, index: dict[str, int], dims: ParallelDims) -> None:
-    """In place: per-parameter squared norms from each rank's FSDP rows to whole parameters. Summed over DP (each
-    rank holds distinct rows), then over TP for the parameters TP splits (a TP-replicated one is the same on every
-    TP rank and must count once)."""
-    dist.all_reduce(squares, group=dims.dp_group)
+    """In place: per-parameter squared norms from each rank's FSDP rows to whole parameters. Summed over the shard
+    group (dp x cp: each rank holds distinct rows), then over TP for the parameters TP splits (a TP-replicated one is
+    the same on every TP rank and must count once)."""
+    dist.all_reduce(squares, group=dims.shard_group)
     if dims.tp == 1:
         return
     split = torch.zeros_like(squares, dtype=torch.bool)
@@ -188,6 +193,15 @@ def _sum_fsdp_squares(squares: torch.Tensor, model: nn.Module, index: dict[str, 
     across_tp = torch.where(split, squares, torch.zeros_like(squares))
     dist.all_reduce(across_tp, group=dims.mesh["tp"].get_group())
     squares.copy_(torch.where(split, across_tp, squares))
+
+
+def shard_mesh(dims: ParallelDims):
+    """FSDP's 1-D mesh over the shard group: the DP dim at CP 1 (the mesh FSDP always had), else the dp and cp dims
+    flattened into one (torchtitan's dp_shard_cp), whose ranks come in shard-index order (dp_rank x cp + cp_rank).
+    A dim of the layout's mesh, not a mesh of its own: FSDP composes with TP's DTensors over a shared root mesh."""
+    if dims.cp == 1:
+        return dims.mesh["dp"]
+    return dims.mesh["dp", "cp"]._flatten(SHARD_DIM)
 
 
 def _sum_expert_squares(squares: torch.Tensor, model: nn.Module, index: dict[str, int], dims: ParallelDims) -> None:

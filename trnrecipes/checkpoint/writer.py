@@ -344,18 +344,21 @@ def snapshot(
     num_docs: int,
     shard_dim: Callable[[torch.Tensor], int | None],
 ) -> dict[str, object]:
-    """This rank's files for checkpoint `step`: weights from DP rank 0 of each TP group of each pipeline stage (one
-    file per stage x TP rank; under FSDP gathered over DP first); moments likewise, or under ZeRO-1 and FSDP from
-    every rank (its rows); shard dims from the first rank of each stage; the data position from the first stage's
-    TP rank 0 of each DP group (every stage of a replica reads the same stream). No RNG state: stochastic rounding's
-    noise is a hash of the step (trnrecipes/optim/rounding.py) and dropout is seeded per step (train/step_rng.py).
-    Under context parallelism CP rank 0 of each replica writes: the other CP ranks hold the same weights, moments and
+    """This rank's files for checkpoint `step`: weights from shard rank 0 (DP rank 0, CP rank 0) of each TP group of
+    each pipeline stage (one file per stage x TP rank; under FSDP gathered over the shard group first); moments
+    likewise, or under ZeRO-1 and FSDP from every rank of the shard group (its rows: dp x cp files, the count recorded
+    as optim_dp, so that any other layout re-chunks them); shard dims from the first rank of each stage; the data
+    position from the first stage's TP rank 0 and CP rank 0 of each DP group (every stage and CP rank of a replica
+    reads the same stream). No RNG state: stochastic rounding's noise is a hash of the step
+    (trnrecipes/optim/rounding.py) and dropout is seeded per step (train/step_rng.py). Under context parallelism
+    without ZeRO-1 or FSDP, CP rank 0 of each replica writes: the other CP ranks hold the same weights, moments and
     data position (their collectives here run among ranks of one CP rank, so skipping them together is safe)."""
     _host = host.copy
     files: dict[str, object] = {}
-    if dims.cp_rank:
+    if dims.cp_rank and not dims.shards_moments:
         return files
-    optim_dp = dims.dp if dims.shards_moments else 1
+    optim_dp = dims.shard_n if dims.shards_moments else 1
+    first = dims.shard_rank == 0  # the rank that writes what is whole (without sharding here, cp_rank is 0)
     stage = {"pp_rank": dims.pp_rank, "pp": dims.pp}
     # Expert parallelism: the first EP group's ranks gather whole experts (its DP rank 0 keeps them; under ZeRO-1
     # and FSDP every group gathers its moments, each rank keeping its file's rows), so the files hold the
@@ -363,16 +366,16 @@ def snapshot(
     experts = expert_layouts(model)
     whole = lambda key, t: gather_experts(t, experts[key], dims.ep_group) if key in experts else t  # noqa: E731
     gathers = bool(experts) and dims.dp_rank < dims.ep
-    if dims.dp_rank == 0 or dims.fsdp or gathers:
+    if first or dims.fsdp or gathers:
         weights = {}
         for k, v in model.state_dict().items():
-            # FSDP: a gather over DP, one tensor at a time, that every DP rank takes part in; DP rank 0 keeps it.
+            # FSDP: a gather over the shard group, one tensor at a time, that all its ranks join; shard rank 0 keeps it
             t = whole(k, tp_local(v) if dims.fsdp else v)
-            if dims.dp_rank == 0:
+            if first:
                 weights[k] = _host(k, t)
-        if dims.dp_rank == 0:
+        if first:
             files[shard_file("model", dims.tp_rank, dims.tp, **stage)] = weights
-    if dims.dp_rank == 0 or dims.shards_moments or gathers:
+    if first or dims.shards_moments or gathers:
         moments = {}
         names = {id(p): name for name, p in model.named_parameters()}  # the optimizer holds the trained ones only
         for p, m, v in zip(optimizer.params, optimizer.exp_avg, optimizer.exp_avg_sq, strict=True):
@@ -380,14 +383,14 @@ def snapshot(
             if name in experts and dims.fsdp:  # FSDP: the rank's experts whole from the ranks holding them too
                 m, v = gather_replica_rows(m, dims), gather_replica_rows(v, dims)
             m, v = whole(name, m), whole(name, v)
-            if name in experts and dims.shards_moments:  # ZeRO-1's files: this DP rank's rows of the whole experts
-                start, stop = chunk_range(m.shape[0], dims.dp, dims.dp_rank)
+            if name in experts and dims.shards_moments:  # ZeRO-1's files: this shard rank's rows of whole experts
+                start, stop = chunk_range(m.shape[0], dims.shard_n, dims.shard_rank)
                 m, v = m[start:stop], v[start:stop]
             moments[f"exp_avg.{name}"] = _host(f"exp_avg.{name}", m)
             moments[f"exp_avg_sq.{name}"] = _host(f"exp_avg_sq.{name}", v)
-        dp_rank = dims.dp_rank if dims.shards_moments else 0
-        if dims.dp_rank == 0 or dims.shards_moments:
-            files[shard_file("optim", dims.tp_rank, dims.tp, dp_rank, optim_dp, **stage)] = moments
+        index = dims.shard_rank if dims.shards_moments else 0
+        if first or dims.shards_moments:
+            files[shard_file("optim", dims.tp_rank, dims.tp, index, optim_dp, **stage)] = moments
     # TP wider than the KV heads: each rank saved its own rows; readers map them back (kv_replication.py)
     replicated, blocks = describe(kv_layouts(model)), tp_block(model)
     stage_dims = {
@@ -411,8 +414,8 @@ def snapshot(
             "num_docs": num_docs,  # the corpus the data positions index (resume refuses another)
             "data_order": DATA_ORDER,  # how documents were ordered: a position from another order means nothing
         }
-    if dims.pp > 1 and dims.dp_rank == 0 and dims.tp_rank == 0:
+    if dims.pp > 1 and first and dims.tp_rank == 0:
         files[stage_shards_file(dims.pp_rank, dims.pp)] = stage_dims
-    if dims.tp_rank == 0 and dims.pp_rank == 0 and position is not None:
+    if dims.tp_rank == 0 and dims.pp_rank == 0 and dims.cp_rank == 0 and position is not None:
         files[data_file(dims.dp_rank)] = position.to_dict()
     return files

@@ -65,7 +65,7 @@ def rounding_seed(seed: int, dims) -> int:
     """Seed of the stochastic-rounding noise: one per TP rank and pipeline stage (their tensors differ: the same noise
     at the same places of same-shaped layers would correlate their rounding), the same on every DP replica. The
     replicas apply the same averaged update to the same weights; different noise would round them apart, and nothing
-    re-syncs them. Under ZeRO-1 or FSDP each row is rounded by one DP rank and then shared, so there each DP rank has
-    its own noise too (its rows' counters start at 0 like every other rank's)."""
-    dp_rank = dims.dp_rank if getattr(dims, "shards_moments", False) else 0
-    return seed + dims.tp_rank + (getattr(dims, "pp_rank", 0) << 12) + (dp_rank << 20)
+    re-syncs them. Under ZeRO-1 or FSDP each row is rounded by one rank of the shard group (dp x cp) and then shared,
+    so there each shard rank has its own noise too (its rows' counters start at 0 like every other rank's)."""
+    shard = getattr(dims, "shard_rank", dims.dp_rank) if getattr(dims, "shards_moments", False) else 0
+    return seed + dims.tp_rank + (getattr(dims, "pp_rank", 0) << 12) + (shard << 20)

@@ -62,14 +62,14 @@ class ParallelDims:
         self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = rank_coords(
             self.rank, pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp
         )
-        # ZeRO-1 (optimizer states sharded over the DP group) where the backend can (cpu, cuda; neuron through NxD's
-        # zero-1 optimizer); elsewhere (xla) the states stay replicated and the trainer says so (zero1_unavailable).
-        wanted = recipe.layout.zero1 and self.dp > 1
+        # ZeRO-1 (optimizer states sharded over the shard group) where the backend can (cpu, cuda; neuron through
+        # NxD's zero-1 optimizer); elsewhere (xla) the states stay replicated and the trainer says so.
+        wanted = recipe.layout.zero1 and self.shard_n > 1
         self.zero1 = wanted and backend.supports_zero1
         self.zero1_unavailable = wanted and not self.zero1
-        # FSDP2: parameters, gradients and moments sharded over the DP group (trnrecipes/parallel/fsdp.py), along the
-        # same dim-0 rows of each TP-local tensor as ZeRO-1's moments (trnrecipes.parallel.sharding).
-        self.fsdp = recipe.layout.fsdp and self.dp > 1
+        # FSDP2: parameters, gradients and moments sharded over the shard group (trnrecipes/parallel/fsdp.py), along
+        # the same dim-0 rows of each TP-local tensor as ZeRO-1's moments (trnrecipes.parallel.sharding).
+        self.fsdp = recipe.layout.fsdp and self.shard_n > 1
         # Expert parallelism: groups of ep consecutive DP ranks share out the experts (trnrecipes/parallel/expert.py).
         self.ep, self.ep_rank = recipe.layout.ep, self.dp_rank % recipe.layout.ep
         self.ep_group = self.expert_replica_group = self.expert_fsdp_mesh = None
@@ -77,9 +77,23 @@ class ParallelDims:
         # Context parallelism: the cp ranks sharing a replica's sequences (trnrecipes/parallel/context.py), and the
         # dp x cp ranks whose gradients are averaged (each holds its part of the sequences' loss; the dp group at CP 1).
         self.cp_group = self.dp_cp_group = None
+        self.shard_group = None  # the ranks ZeRO-1 and FSDP shard over (shard_n): dp_cp_group, the DP group at CP 1
         self.kv_group = None  # TP wider than the KV heads: the ranks sharing this rank's KV head (kv_replication.py)
         self.collectives_on_device = backend.collectives_on_device
         backend.init_process_groups(self)
+
+    @property
+    def shard_n(self) -> int:
+        """How many ranks ZeRO-1 and FSDP split the states over: the dp x cp ranks of this TP rank and stage
+        (torchtitan's dp_shard_cp: a replica's CP ranks hold the same weights, so they share out their states too).
+        DP at CP 1."""
+        return self.dp * self.cp
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's index among them: dp_rank x cp + cp_rank, its rank in shard_group (dp_rank at CP 1). A property:
+        a backend may take dp_rank from its own library after __init__ (NxD)."""
+        return self.dp_rank * self.cp + self.cp_rank
 
     @property
     def holds_loss(self) -> bool:
@@ -99,11 +113,6 @@ class ParallelDims:
         whole model's grads."""
         if self.dp * self.cp > 1:
             self._sum_over_dp(tensors, self.dp_cp_group, self.dp * self.cp)
-
-    def average_over_cp(self, tensors: list[torch.Tensor]) -> None:
-        """In place: the mean over this replica's CP ranks (under FSDP, which averaged over DP already)."""
-        if self.cp > 1:
-            self._sum_over_dp(tensors, self.cp_group, self.cp)
 
     def sum_over_tp(self, tensors: list[torch.Tensor]) -> None:
         """In place: each tensor summed over this rank's TP group (a TP-replicated parameter whose gradient each TP
@@ -139,32 +148,33 @@ class ParallelDims:
 
     @property
     def shards_moments(self) -> bool:
-        """Whether each DP rank holds the moments of its rows only (ZeRO-1 or FSDP)."""
+        """Whether each rank of the shard group holds the moments of its rows only (ZeRO-1 or FSDP)."""
         return self.zero1 or self.fsdp
 
     def zero1_rows(self, local_rows: int) -> tuple[int, int]:
-        """ZeRO-1: the dim-0 rows of a TP-local tensor whose optimizer state this DP rank holds and updates."""
+        """ZeRO-1: the dim-0 rows of a TP-local tensor whose optimizer state this rank of the shard group holds and
+        updates."""
         if not self.zero1:
             return 0, local_rows
-        return chunk_range(local_rows, self.dp, self.dp_rank)
+        return chunk_range(local_rows, self.shard_n, self.shard_rank)
 
     def gather_zero1(self, locals_: list[torch.Tensor], rows: list[tuple[int, int]]) -> None:
-        """After a ZeRO-1 step each DP rank has updated only its rows: give every replica all of them, in place, by
+        """After a ZeRO-1 step each shard rank has updated only its rows: give every rank all of them, in place, by
         all-gathers: half the traffic of the all-reduce of -0.0-filled copies this used to be, and the values are
         the owners' bitwise. A tensor whose rows split evenly and of which each rank sends at least
         GATHER_ALONE_ELEMENTS is gathered straight into itself, with no copy but of this rank's rows; the rest
         (norms, biases, uneven splits, small shards at a large DP) go in buckets of up to BUCKET_ELEMENTS per device
         and dtype, each rank's rows padded to torch.chunk's row count (chunk_range), so that small tensors do not
-        cost a collective each. The gathered slots come in DP-group rank order, which TorchBackend.init_process_groups
-        checked is dp_rank's."""
+        cost a collective each. The gathered slots come in shard-group rank order, which
+        TorchBackend.init_process_groups checked is shard_rank's."""
         if not self.zero1:
             return
         small: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, tuple[int, int]]]] = {}
         with torch.no_grad():
             for t, span in zip(locals_, rows, strict=True):
-                into_itself = t.shape[0] % self.dp == 0 and t.is_contiguous()
-                if into_itself and t.numel() // self.dp >= GATHER_ALONE_ELEMENTS:
-                    _all_gather(t.view(-1), t[span[0] : span[1]].reshape(-1).clone(), self.dp_group)
+                into_itself = t.shape[0] % self.shard_n == 0 and t.is_contiguous()
+                if into_itself and t.numel() // self.shard_n >= GATHER_ALONE_ELEMENTS:
+                    _all_gather(t.view(-1), t[span[0] : span[1]].reshape(-1).clone(), self.shard_group)
                 else:
                     small.setdefault((t.device, t.dtype), []).append((t, span))
             for items in small.values():
@@ -172,10 +182,11 @@ class ParallelDims:
                     self._all_gather_rows(bucket)
 
     def _all_gather_rows(self, bucket: list[tuple[torch.Tensor, tuple[int, int]]]) -> None:
-        """One all-gather of every DP rank's rows of these same-dtype tensors (see gather_zero1), then one or two
+        """One all-gather of every shard rank's rows of these same-dtype tensors (see gather_zero1), then one or two
         copies per tensor (not one per tensor and rank: at DP 64 that would be 64 small copies a parameter)."""
-        # Per tensor: the rows each rank sends, padded to ceil(n / dp) (torch.chunk's split), of `width` elements.
-        shapes = [(t.shape[0], -(-t.shape[0] // self.dp), t.numel() // max(t.shape[0], 1)) for t, _ in bucket]
+        # Per tensor: the rows each rank sends, padded to ceil(n / shard_n) (torch.chunk's split), `width` elements.
+        parts = self.shard_n
+        shapes = [(t.shape[0], -(-t.shape[0] // parts), t.numel() // max(t.shape[0], 1)) for t, _ in bucket]
         slots = [chunk * width for _, chunk, width in shapes]
         first = bucket[0][0]
         mine = torch.empty(sum(slots), dtype=first.dtype, device=first.device)  # the padding is never read
@@ -184,9 +195,9 @@ class ParallelDims:
             own = t[start:stop].reshape(-1)
             mine[offset : offset + own.numel()].copy_(own)
             offset += slot
-        gathered = torch.empty(self.dp * mine.numel(), dtype=mine.dtype, device=mine.device)
-        _all_gather(gathered, mine, self.dp_group)
-        per_rank = gathered.view(self.dp, -1)
+        gathered = torch.empty(parts * mine.numel(), dtype=mine.dtype, device=mine.device)
+        _all_gather(gathered, mine, self.shard_group)
+        per_rank = gathered.view(parts, -1)
         offset = 0
         for (t, _), (n, chunk, width), slot in zip(bucket, shapes, slots, strict=True):
             if t.numel():

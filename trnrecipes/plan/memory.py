@@ -3,8 +3,9 @@ the capacity and warns within 10% of it (torch-free).
 
 Per worker (one NeuronCore or GPU), on the most loaded pipeline stage:
 - weights and gradients: the stage's parameters / TP, at 2 bytes each in bf16, 4 in fp32 and bf16-mixed (fp32
-  master weights, autocast in the forward); / DP as well under FSDP;
-- AdamW: two moments, 8 bytes a parameter in fp32 or 4 in bf16 (optim.state_dtype), / DP under ZeRO-1 or FSDP;
+  master weights, autocast in the forward); / (DP x CP) as well under FSDP (it shards over the dp x cp ranks);
+- AdamW: two moments, 8 bytes a parameter in fp32 or 4 in bf16 (optim.state_dtype), / (DP x CP) under ZeRO-1 or
+  FSDP;
 - activations of the micro-batches a stage holds at once (1: no pipeline; under 1F1B and interleaved schedules
   min(PP, micro-batches) on the first stage; GPipe: all of them), per token and layer ACT_ELEMENTS(h, f) elements
   of the activation dtype with none or selective checkpointing (selective recomputes the attention core, which
@@ -132,7 +133,8 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
             params -= whole - experts
     dtype = r.precision.dtype
     weight_bytes = 2 if dtype == "bf16" else 4
-    sharded = dp if lay.fsdp else 1
+    shard_n = dp * lay.cp  # ZeRO-1 and FSDP shard over the dp x cp ranks (ParallelDims.shard_n; DP at CP 1)
+    sharded = shard_n if lay.fsdp else 1
     experts_split = dp // lay.ep if lay.fsdp else 1  # FSDP splits a rank's experts over the ranks holding them too
     per_rank = (params - experts) / sharded + experts / experts_split
     weights = per_rank * weight_bytes
@@ -141,7 +143,7 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
     if lay.zero1 and r.stack == "xla-nxd" and dtype == "bf16":
         moments += 4 + 4  # torch-xla's ZeRO-1 keeps fp32 master and gradient shards of bf16 parameters
     # ZeRO-1 keeps the moments of a rank's experts whole (EP has split them already)
-    optimizer = ((params - experts) / (dp if lay.zero1 or lay.fsdp else 1) + experts / experts_split) * moments
+    optimizer = ((params - experts) / (shard_n if lay.zero1 or lay.fsdp else 1) + experts / experts_split) * moments
     act_bytes = 4 if dtype == "fp32" else 2
     cp = lay.cp  # context parallelism: a rank holds 1 / cp of each sequence's tokens
     tokens = b.micro_batch * b.seq_len // cp

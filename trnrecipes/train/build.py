@@ -93,7 +93,7 @@ def fill_shards(
                 else:
                     fill_region(part, full_shapes[name], start, rules[name], seed, name)
             continue
-        rows = (dims.dp, dims.dp_rank) if dims.fsdp else (1, 0)  # FSDP: this DP rank's rows of the TP shard
+        rows = (dims.shard_n, dims.shard_rank) if dims.fsdp else (1, 0)  # FSDP: this shard rank's rows of the TP shard
         block = block_of(blocks, name, dims.tp_rank)  # NxD's tiled KV copies move o_proj's blocks
         ep = (1, 0)
         if (shard := experts.get(name)) is not None:  # expert parallelism: this rank's experts (FSDP: rows of them)

@@ -108,8 +108,10 @@ def restore_moments(path: Path, model, optimizer, dims, shard_dim: Callable[[tor
     for i, (name, p) in enumerate(params):
         if (kv := replicated.get(name)) is not None:  # TP wider than the KV heads: two row ranges of the stored tensor
             shape = (kv.stored_rows, *p.shape[1:])
-            # ZeRO-1 (ours or NxD's): this DP rank's rows of the local tensor, split as the files are
-            rows = chunk_range(kv.local_rows, dims.dp, dims.dp_rank) if dims.shards_moments else (0, kv.local_rows)
+            # ZeRO-1 (ours or NxD's): this shard rank's rows of the local tensor, split as the files are
+            rows = (0, kv.local_rows)
+            if dims.shards_moments:
+                rows = chunk_range(kv.local_rows, dims.shard_n, dims.shard_rank)
             for local_row, stored_row, n in kv.row_pieces(dims.tp_rank, *rows):
                 start = (stored_row, *[0] * (len(shape) - 1))
                 for key, moments in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
@@ -117,7 +119,7 @@ def restore_moments(path: Path, model, optimizer, dims, shard_dim: Callable[[tor
             continue
         dim = shard_dim(p)
         shape = full_shape(p, dims.tp, dim)
-        ep, rows = (1, 0), (dims.dp, dims.dp_rank) if dims.shards_moments else (1, 0)
+        ep, rows = (1, 0), (dims.shard_n, dims.shard_rank) if dims.shards_moments else (1, 0)
         if (shard := experts.get(name)) is not None:  # expert parallelism: this rank's experts (FSDP: rows of them)
             shape, ep = (shard.num_experts, *shape[1:]), (shard.ep, shard.ep_rank)
             rows = (dims.dp // dims.ep, dims.dp_rank // dims.ep) if dims.fsdp else (1, 0)
