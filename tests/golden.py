@@ -34,7 +34,7 @@ CASES: list[tuple[str, int, str]] = [
     ("llama3.1-tiny", 1, ""),
     ("qwen3-tiny", 1, ""), ("qwen3-8b-trn2", 1, ""), ("qwen3-8b-trn2", 4, "trn3"), ("qwen3-moe-tiny", 1, ""),
     ("qwen3-30b-a3b-trn2", 16, ""),
-    ("llama3.1-8b-128k-trn2", 16, ""), ("qwen3-8b-32k-trn2", 4, ""),
+    ("llama3.1-8b-128k-trn2", 16, ""), ("llama3.1-70b-128k-trn2", 16, ""), ("qwen3-8b-32k-trn2", 4, ""),
 ]  # fmt: skip
 
 

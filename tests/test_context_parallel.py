@@ -177,7 +177,10 @@ def test_sbatch_renders_a_cp_job_and_refuses_a_sequence_that_does_not_cut_into_2
     assert "use a batch.seq_len divisible by 8, e.g. 96 or 104" in bad.stderr
 
 
-@pytest.mark.parametrize(("name", "nodes", "smallest"), [("llama3.1-8b-128k-trn2", 16, 8), ("qwen3-8b-32k-trn2", 4, 4)])
+@pytest.mark.parametrize(
+    ("name", "nodes", "smallest"),
+    [("llama3.1-8b-128k-trn2", 16, 8), ("llama3.1-70b-128k-trn2", 16, 16), ("qwen3-8b-32k-trn2", 4, 4)],
+)
 def test_the_long_context_recipes_fit_with_cp_and_not_without_it(name, nodes, smallest, tmp_path):
     """plan's memory estimate: the recipe's CP layout fits a worker; at CP 1 the same model does not, and the refusal
     names the smallest CP that fits (the layer's s x s probabilities, over seq_len / cp local tokens, dominate)."""

@@ -181,3 +181,13 @@ def test_many_epochs_and_a_small_tokenizer_are_warned_of_by_sbatch_and_plan(cli,
         )
     quiet = cli("plan", "--recipe", "llama2-tiny", "--nodes", "1")  # the shipped recipe: neither
     assert "memorise" not in quiet.stderr and "under half" not in quiet.stderr
+
+
+def test_a_missing_init_from_checkpoint_is_a_data_problem_naming_the_conversion(tmp_path):
+    """A long-context stage starts from a converted checkpoint: missing, the job would stop after the queue."""
+    data_problems = data_check.data_problems
+    recipe = load_recipe("llama3.1-8b-128k-trn2", overrides=f"train.init_from={tmp_path / 'ckpt'}")
+    (problem,) = [p for p in data_problems(recipe, tmp_path) if p.startswith("train.init_from")]
+    assert f"{tmp_path / 'ckpt'} does not exist" in problem and "trnrecipes convert from-hf --hf" in problem
+    (tmp_path / "ckpt").mkdir()
+    assert not [p for p in data_problems(recipe, tmp_path) if p.startswith("train.init_from")]

@@ -226,4 +226,20 @@ def data_problems(recipe: Recipe, repo_root: Path) -> list[str]:
         problems += check_corpus_file(label, source.path, source.format, d.tokenizer, repo_root)
     if d.eval_path:
         problems += check_corpus_file("data.eval_path", d.eval_path, "arrow", d.tokenizer, repo_root)
-    return problems + _check_tokenizer(recipe, repo_root)
+    return problems + _check_tokenizer(recipe, repo_root) + _check_init_from(recipe, repo_root)
+
+
+def _check_init_from(recipe: Recipe, repo_root: Path) -> list[str]:
+    """train.init_from, the checkpoint a fine-tune or a long-context stage starts from: missing, the job would stop
+    at its start, after the queue."""
+    if recipe.train.init_from is None:
+        return []
+    path = Path(recipe.train.init_from)
+    full = path if path.is_absolute() else repo_root / path
+    if full.exists():
+        return []
+    return [
+        f"train.init_from {path}: {full} does not exist; point it at a trnrecipes checkpoint (a run's"
+        f" checkpoints/step_N), or make one with `trnrecipes convert from-hf --hf <Hugging Face model dir> --out {path}"
+        f" --recipe {recipe.name}`"
+    ]
