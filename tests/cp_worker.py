@@ -102,6 +102,15 @@ def main() -> None:
         "cp2-selective": (*cp2, "model.activation_checkpointing=selective"),
         "cp2-elementwise": (*cp2, "model.activation_checkpointing=elementwise"),
         "cp2-full": (*cp2, "model.activation_checkpointing=full"),
+        # the long-context recipes' layout, TP x CP x FSDP with SP: two KV heads, so that TP 2 replicates none
+        "cp1-kv2": ("model.num_kv_heads=2",),
+        "tp2-cp2-fsdp": (
+            "model.num_kv_heads=2",
+            "layout.tp=2",
+            *cp2,
+            "layout.sequence_parallel=true",
+            "layout.fsdp=true",
+        ),
     }
     results: dict = {"fixed": {k: fixed(root / k, llama, 4, *v) for k, v in layouts_.items()}}
     for family in ("neox-tiny", "qwen3-tiny"):

@@ -71,7 +71,7 @@ def four_ranks(tmp_path_factory) -> dict:
     return launch(tmp_path_factory.mktemp("cp"))
 
 
-def assert_trains_like(got: dict, want: dict) -> None:
+def assert_trains_like(got: dict, want: dict, weights_atol: float = 1e-5) -> None:
     """fp32: the same sums in other orders (attention in chunks, gradients over dp x cp), so equal to 1e-5."""
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
     assert got["norms"] == pytest.approx(want["norms"], rel=1e-5)
@@ -79,7 +79,7 @@ def assert_trains_like(got: dict, want: dict) -> None:
     for name, grad in want["grads"].items():
         assert float((got["grads"][name] - grad).norm() / grad.norm()) < 1e-5, name
     for name, p in want["params"].items():
-        torch.testing.assert_close(got["params"][name], p, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(got["params"][name], p, rtol=0, atol=weights_atol, msg=name)
 
 
 @pytest.mark.slow
@@ -114,6 +114,16 @@ def test_zero1_and_fsdp_shard_over_the_dp_x_cp_ranks(four_ranks, layout):
     assert got["local_moments"] == first
     assert got["local_params"] == (first if layout.endswith("fsdp") else sum(p.numel() for p in whole.values()))
     assert_trains_like(got, four_ranks["fixed"]["cp1"])
+
+
+@pytest.mark.slow
+def test_tp_by_cp_with_fsdp_trains_as_cp1(four_ranks):
+    """The long-context recipes' combination: TP 2 + SP x CP 2 with FSDP over the dp x cp ranks (here the 2 CP
+    ranks: DP 1), llama3.1-tiny with 2 KV heads (none replicated over TP), as CP 1 of the same model."""
+    # The weights after 4 steps within 5e-5: the vocab-parallel embedding's gradient, summed in another order over
+    # TP and the reduce-scatter, differs in its last bits (within 1e-5 relative, checked), and Adam's m / sqrt(v)
+    # turns that into up to ~2e-5 on the rows whose gradients are near zero (measured 1.9e-5; every other weight 1e-6)
+    assert_trains_like(four_ranks["fixed"]["tp2-cp2-fsdp"], four_ranks["fixed"]["cp1-kv2"], weights_atol=5e-5)
 
 
 @pytest.mark.slow

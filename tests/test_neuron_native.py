@@ -143,7 +143,7 @@ def test_unset_train_compile_stays_eager_and_bf16_rounds_in_software(native_on_c
     )
     # TorchNeuron has no documented stochastic-rounding switch: our AdamW rounds (on trn1 the runtime does).
     model = torch.nn.Linear(4, 4).to(torch.bfloat16)
-    optimizer = backend.make_optimizer(model, recipe, types.SimpleNamespace(zero1=False, tp_rank=0))
+    optimizer = backend.make_optimizer(model, recipe, types.SimpleNamespace(zero1=False, tp=1, tp_rank=0))
     assert optimizer.stochastic_rounding
 
 

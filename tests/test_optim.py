@@ -301,3 +301,33 @@ def test_plot_overlays_two_runs(tmp_path, cli):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     done = cli("plot", str(tmp_path / "missing"))
     assert done.returncode == 2 and "no metrics.jsonl" in done.stderr
+
+
+def test_each_tp_rank_rounds_the_parameters_it_holds_whole_alike_so_their_copies_stay_equal():
+    """Stochastic rounding under TP: a parameter every TP rank holds whole (a norm, a mixture of experts' router and
+    experts) gets the same update on each; with noise seeded per TP rank its copies would round apart, each step, for
+    good. Two TP ranks' optimizers built as the trainer builds them (plain tensors: replicated) keep them equal."""
+    import types
+
+    from trnrecipes.backends.torch import TorchBackend
+    from trnrecipes.config.recipe import load_recipe
+    from trnrecipes.models import build_model
+
+    recipe = load_recipe("llama2-tiny", overrides="precision.dtype=bf16 precision.stochastic_rounding=true")
+    backend = TorchBackend.create("cpu", 0)
+    weights = []
+    for tp_rank in (0, 1):
+        model = build_model(recipe.model).to(torch.bfloat16)
+        model.init_weights(seed=0)
+        dims = types.SimpleNamespace(tp=2, tp_rank=tp_rank, pp_rank=0, dp_rank=0, zero1=False, shards_moments=False)
+        optimizer = backend.make_optimizer(model, recipe, dims)
+        optimizer.set_lr(1e-3)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            for p in optimizer.params:
+                p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+            optimizer.step()
+        weights.append([p.detach().clone() for p in optimizer.params])
+    assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
+    # the sharded ones keep noise of their own per TP rank: the same seed for both only where replicated
+    assert optimizer.tp_replicated_seed != optimizer.seed

@@ -142,6 +142,9 @@ class Backend:
             stochastic_rounding=p.stochastic_rounding and p.dtype == "bf16" and not self.rounds_stochastically,
             seed=rounding_seed(recipe.train.seed, dims),
             rows=rows,
+            # under TP, the parameters each TP rank holds whole round alike on every TP rank (their copies stay equal)
+            tp_replicated={id(q) for q in params if self.shard_dim(q) is None} if dims.tp > 1 else None,
+            tp_replicated_seed=rounding_seed(recipe.train.seed, dims, tp_replicated=True),
             compile_backend=self.compile_backend if self.compiles(recipe) else None,
         )
         optimizer.whole_rows = experts

@@ -426,6 +426,13 @@ def check_recipe(r: Recipe) -> list[str]:
         + (f" x layout.cp {cp} = {tp * cp}" if cp > 1 else "")
         + " with sequence parallelism",
     )
+    experts = getattr(m, "num_experts", 0)
+    need(  # under TP each rank routes 1/tp of a sequence's tokens (trnrecipes/parallel/expert.py)
+        r.layout.sequence_parallel or not experts or tp == 1 or b.seq_len % tp == 0,
+        f"batch.seq_len {b.seq_len} must be divisible by layout.tp {tp} with model.num_experts {experts} (each TP"
+        f" rank routes 1/{tp} of a sequence's tokens); e.g. {b.seq_len // tp * tp or tp} or"
+        f" {(b.seq_len // tp + 1) * tp}",
+    )
     lay = r.layout
     split = split_problem(m.num_layers, lay.pp, lay.pp_virtual_stages, lay.pp_stage_layers, lay.pp_schedule)
     need(split is None, split or "")

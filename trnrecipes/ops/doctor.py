@@ -78,6 +78,11 @@ def _install(python: str, what: str) -> str:
             " found (make setup python=PATH names it), or set cluster.python (or TRNRECIPES_PYTHON) to a Python that"
             " has them"
         )
+    if what == "tracking":  # beside a stack's packages (a Neuron venv's protobuf, numpy): held to what is there
+        return (
+            f"{py} -m pip freeze --exclude-editable > /tmp/venv.txt && {py} -m pip install -c /tmp/venv.txt -e"
+            f" {shlex.quote(str(REPO_ROOT))}'[tracking]'"
+        )
     return f"{py} -m pip install -e {shlex.quote(str(REPO_ROOT))}'[{what}]'"
 
 

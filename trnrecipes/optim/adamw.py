@@ -195,6 +195,10 @@ class AdamW:
         seed: int = 0,
         rows: list[tuple[int, int]] | None = None,  # ZeRO-1: per parameter, the dim-0 rows this rank updates
         compile_backend: str | None = None,  # torch.compile the step with this backend (train.compile)
+        # id()s of the parameters every TP rank holds whole, and their rounding seed (the same on every TP rank):
+        # their own groups, so that each TP rank rounds its copy with the same noise (optim/rounding.rounding_seed)
+        tp_replicated: set[int] | None = None,
+        tp_replicated_seed: int | None = None,
     ):
         self.params = [p for p in params if p.requires_grad]
         if rows is not None and len(rows) != len(self.params):
@@ -205,6 +209,8 @@ class AdamW:
         self.betas, self.eps, self.weight_decay = cfg.betas, cfg.eps, cfg.weight_decay
         self.no_decay = no_decay or set()
         self.stochastic_rounding, self.seed = stochastic_rounding, seed
+        self.tp_replicated = tp_replicated or set()
+        self.tp_replicated_seed = seed if tp_replicated_seed is None else tp_replicated_seed
         device = local_tensor(self.params[0]).device
         self.lr = torch.zeros((), dtype=torch.float32, device=device)
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
@@ -259,16 +265,17 @@ class AdamW:
         bias2 = 1 - beta2**self.step_count
         step_size = self.lr / bias1
         shrink = 1 - self.lr * self.weight_decay if self.weight_decay else None
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
         for i, p in enumerate(self.params):
             if p.grad is None:
                 continue
             param = self._mine(p, i)
             if param.numel():  # a ZeRO-1 rank may own no rows of a small parameter
-                groups.setdefault((param.device, param.dtype), []).append(i)
-        for (device, _), indices in groups.items():
+                groups.setdefault((param.device, param.dtype, id(p) in self.tp_replicated), []).append(i)
+        for (device, _, replicated), indices in groups.items():
             scalars = [None if t is None else t.to(device) for t in (bias2, step_size, shrink)]
-            constants = tuple(stream_constant(self.seed, indices[0], s) for s in (WEIGHTS, EXP_AVG, EXP_AVG_SQ))
+            seed = self.tp_replicated_seed if replicated else self.seed
+            constants = tuple(stream_constant(seed, indices[0], s) for s in (WEIGHTS, EXP_AVG, EXP_AVG_SQ))
             if self.compiled_update is not None:
                 self._update(self.compiled_update, indices, 0, constants, scalars)
                 continue

@@ -61,11 +61,15 @@ def round_flat_(flat: torch.Tensor, start: int, key: torch.Tensor) -> torch.Tens
     return flat
 
 
-def rounding_seed(seed: int, dims) -> int:
+def rounding_seed(seed: int, dims, tp_replicated: bool = False) -> int:
     """Seed of the stochastic-rounding noise: one per TP rank and pipeline stage (their tensors differ: the same noise
     at the same places of same-shaped layers would correlate their rounding), the same on every DP replica. The
     replicas apply the same averaged update to the same weights; different noise would round them apart, and nothing
     re-syncs them. Under ZeRO-1 or FSDP each row is rounded by one rank of the shard group (dp x cp) and then shared,
-    so there each shard rank has its own noise too (its rows' counters start at 0 like every other rank's)."""
+    so there each shard rank has its own noise too (its rows' counters start at 0 like every other rank's).
+    `tp_replicated`: the seed of the parameters every TP rank holds whole (norms, a mixture of experts' router and
+    experts): the same on every TP rank, for the same reason as across replicas: each applies the same update to
+    the same copy, and noise of its own would round the copies apart."""
     shard = getattr(dims, "shard_rank", dims.dp_rank) if getattr(dims, "shards_moments", False) else 0
-    return seed + dims.tp_rank + (getattr(dims, "pp_rank", 0) << 12) + (shard << 20)
+    tp = 0 if tp_replicated else dims.tp_rank
+    return seed + tp + (getattr(dims, "pp_rank", 0) << 12) + (shard << 20)

@@ -32,6 +32,11 @@ from recipes.common.loss import IGNORE_INDEX, VocabShard, vocab_parallel_cross_e
 from trnrecipes.parallel.expert import route_over_tp
 
 
+def _outside(name: str, block: str | None) -> bool:
+    """Whether module `name` is neither the sparse block `block` nor inside it ("mlp_norm" is outside "mlp")."""
+    return block is None or not (name == block or name.startswith(block + "."))
+
+
 def family_plan(family: str):
     return importlib.import_module(f"recipes.{family}.parallelize")
 
@@ -68,12 +73,12 @@ def tensor_parallel_styles(
         moe = sparse_moe_name(plan) if i in sparse_layers else None
         if moe is not None:  # the dense MLP's styles do not apply to it
             styles[prefix + moe] = token_split(sequence_parallel)
-        skip = (moe, f"{moe}.") if moe else ()
+
         for name in plan.COLUMN_PARALLEL:
-            if not name.startswith(skip):
+            if _outside(name, moe):
                 styles[prefix + name] = ColwiseParallel()
         for name in plan.ROW_PARALLEL:
-            if not name.startswith(skip):
+            if _outside(name, moe):
                 styles[prefix + name] = RowwiseParallel(output_layouts=seq) if sequence_parallel else RowwiseParallel()
         for name in getattr(plan, "HEAD_NORMS", ()):  # input split by heads (dim 2) with or without SP
             styles[prefix + name] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -81,7 +86,7 @@ def tensor_parallel_styles(
             for name in plan.NORMS:
                 styles[prefix + name] = SequenceParallel()
             for name in plan.BRANCHES:
-                if not name.startswith(skip):
+                if _outside(name, moe):
                     styles[prefix + name] = PrepareModuleInput(
                         input_layouts=(seq,), desired_input_layouts=(Replicate(),)
                     )

@@ -160,9 +160,12 @@ if [[ "$MODE" == compile ]]; then
   if ((status != 0)); then launch_failed "neuron_parallel_compile" "$status"; fi
   if [[ " $CACHE_LEADERS " == *" $NODE_RANK "* ]]; then
     mkdir -p "$CACHE_COPY" "$COPIED"
-    cp -a -u "$NEURON_COMPILE_CACHE_URL/." "$CACHE_COPY/"
+    if cp -a -u "$NEURON_COMPILE_CACHE_URL/." "$CACHE_COPY/"; then
+      echo "[trnrecipes] compiled graphs of node $NODE_RANK copied to $CACHE_COPY"
+    else  # the claim full or not writable: the run compiles these graphs itself (slower, not wrong)
+      echo "[trnrecipes] warning: copying node $NODE_RANK's compiled graphs to $CACHE_COPY failed; the run will compile them again" >&2
+    fi
     : >"$COPIED/$NODE_RANK"
-    echo "[trnrecipes] compiled graphs of node $NODE_RANK copied to $CACHE_COPY"
   fi
   # The operator marks the job Succeeded when the Master ends (pkg/controller.v1/pytorch/pytorchjob_controller.go):
   # the Master waits (30 minutes at most) for the other leaders' copies, so the run never starts with half of them.
@@ -178,8 +181,9 @@ fi
 
 # Seed this node's compile cache from the compile job's copy (node-local while running, never the shared claim).
 if [[ -d "$CACHE_COPY" ]]; then
-  mkdir -p "$NEURON_COMPILE_CACHE_URL"
-  cp -a -u "$CACHE_COPY/." "$NEURON_COMPILE_CACHE_URL/"
+  if ! { mkdir -p "$NEURON_COMPILE_CACHE_URL" && cp -a -u "$CACHE_COPY/." "$NEURON_COMPILE_CACHE_URL/"; }; then
+    echo "[trnrecipes] warning: merging $CACHE_COPY into $NEURON_COMPILE_CACHE_URL failed; graphs not there compile again" >&2
+  fi
 fi
 
 # Health check first (a matmul per device, collectives over the job's group): a failing pod is retried.
