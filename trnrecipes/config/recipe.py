@@ -430,8 +430,7 @@ def check_recipe(r: Recipe) -> list[str]:
     need(  # under TP each rank routes 1/tp of a sequence's tokens (trnrecipes/parallel/expert.py)
         r.layout.sequence_parallel or not experts or tp == 1 or b.seq_len % tp == 0,
         f"batch.seq_len {b.seq_len} must be divisible by layout.tp {tp} with model.num_experts {experts} (each TP"
-        f" rank routes 1/{tp} of a sequence's tokens); e.g. {b.seq_len // tp * tp or tp} or"
-        f" {(b.seq_len // tp + 1) * tp}",
+        f" rank routes 1/{tp} of a sequence's tokens); e.g. {_nearby_lengths(b.seq_len, tp)}",
     )
     lay = r.layout
     split = split_problem(m.num_layers, lay.pp, lay.pp_virtual_stages, lay.pp_stage_layers, lay.pp_schedule)
@@ -606,12 +605,10 @@ def context_parallel_problems(r: Recipe, on_torch: bool, nxd: bool, backend_word
     cp, seq = r.layout.cp, r.batch.seq_len
     problems = []
     if seq % (2 * cp):
-        below = seq // (2 * cp) * 2 * cp
-        nearby = " or ".join(str(n) for n in (below, below + 2 * cp) if n > 0)
         problems.append(
             f"batch.seq_len {seq} with layout.cp {cp}: each sequence is cut into 2 x cp = {2 * cp} equal chunks (two"
             f" a rank: the front and the back, for an even causal load); use a batch.seq_len divisible by {2 * cp},"
-            f" e.g. {nearby}"
+            f" e.g. {_nearby_lengths(seq, 2 * cp)}"
         )
     if FAMILIES[r.model.family].objective != "causal_lm":
         problems.append(
@@ -645,6 +642,12 @@ def context_parallel_problems(r: Recipe, on_torch: bool, nxd: bool, backend_word
             " micro-batch's whole sequences, which no rank holds under context parallelism; not built: use layout.cp 1"
         )
     return problems
+
+
+def _nearby_lengths(seq_len: int, multiple: int) -> str:
+    """'96 or 104': the positive multiples of `multiple` on either side of `seq_len`, for messages."""
+    below = seq_len // multiple * multiple
+    return " or ".join(str(n) for n in (below, below + multiple) if n > 0)
 
 
 def _backend_words(r: Recipe, stack: str | None) -> str:

@@ -266,8 +266,8 @@ def _check_size(backend, findings: Findings, mib: int, fault: float) -> list[tup
     import torch
     import torch.distributed as dist
 
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    from trnrecipes.parallel.collectives import all_gather_into, reduce_scatter_into
+
     rank, world, device = findings.rank, findings.world, backend.device
     buf = torch.empty(mib * (1 << 20) // 4 // world * world, device=device)
     view, nbytes = buf.view(world, -1), buf.numel() * buf.element_size()
@@ -278,7 +278,7 @@ def _check_size(backend, findings: Findings, mib: int, fault: float) -> list[tup
         buf[:1].cpu()
 
     # all-gather: slot r holds rank r's value r + 1
-    secs = _timed(lambda: all_gather(buf, view[rank]), lambda: view[rank].fill_(rank + 1 + fault), wait)
+    secs = _timed(lambda: all_gather_into(buf, view[rank], None), lambda: view[rank].fill_(rank + 1 + fault), wait)
     wrong = (view != slots[:, None]).any(dim=1).cpu().tolist()
     for r in (r for r, w in enumerate(wrong) if w):
         findings.note("all_gather", r)
@@ -296,7 +296,7 @@ def _check_size(backend, findings: Findings, mib: int, fault: float) -> list[tup
     def fill_slots() -> None:
         view.copy_((slots + (rank + 1 + fault))[:, None].expand_as(view))
 
-    secs = _timed(lambda: reduce_scatter(view[rank], buf), fill_slots, wait)
+    secs = _timed(lambda: reduce_scatter_into(view[rank], buf, None), fill_slots, wait)
     if bool((view[rank] != world * (world + 1) / 2 + world * (rank + 1)).any()):
         findings.note("reduce_scatter", rank)
     rows.append(("reduce_scatter", mib, nbytes, secs, (world - 1) / world))

@@ -6,3 +6,13 @@ neuronx-distributed adapters for Trainium's torch-xla stack (nxd.py, nxd_pipelin
 Torch. Imports config/, plan/ and recipes/common; never backends/, train/ or checkpoint/ (dims.py names what it
 needs of a backend as a Protocol).
 """
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def with_mixin(mixin: type, cls: type) -> type:
+    """`cls` with `mixin`'s methods first (a module's class swapped in place for it, as FSDP2's fully_shard does):
+    one class per (mixin, class), made once, named <Mixin><Class>."""
+    if (mixin, cls) not in _MIXED:
+        _MIXED[mixin, cls] = type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
+    return _MIXED[mixin, cls]

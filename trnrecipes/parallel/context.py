@@ -16,6 +16,8 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from recipes.common.attention import CoreAttention
 from recipes.common.loss import IGNORE_INDEX
+from trnrecipes.parallel import with_mixin
+from trnrecipes.parallel.collectives import all_gather_into, reduce_scatter_into
 from trnrecipes.plan.layout import global_rank
 
 
@@ -64,15 +66,13 @@ class _GatherParts(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group, cp: int) -> torch.Tensor:
         ctx.group = group
         out = x.new_empty((cp, *x.shape))
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        all_gather(out.view(-1), x.reshape(-1), group=group)  # flat: gloo wants the parts stacked along dim 0
+        all_gather_into(out.view(-1), x.reshape(-1), group)  # flat: gloo wants the parts stacked along dim 0
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty(grad.shape[1:])
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # likewise
-        reduce_scatter(out.view(-1), grad.reshape(-1), group=ctx.group)
+        reduce_scatter_into(out.view(-1), grad.reshape(-1), ctx.group)
         return out, None, None
 
 
@@ -172,14 +172,4 @@ def apply_context_parallel(model: nn.Module, dims) -> None:
         if hasattr(module, "rope"):
             module.rope = context_parallel_rope(module.rope, cp, cp_rank)
     model.context_parallel = (cp, cp_rank)
-    model.__class__ = _parallel_class(type(model))
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def _parallel_class(cls: type) -> type:
-    """`cls` with ContextParallel's forward (one class per family class, as FSDP2's fully_shard makes them)."""
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ContextParallel{cls.__name__}", (ContextParallel, cls), {})
-    return _CLASSES[cls]
+    model.__class__ = with_mixin(ContextParallel, type(model))

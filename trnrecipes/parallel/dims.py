@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from trnrecipes.config.recipe import check_recipe
 from trnrecipes.config.sections import Recipe, RecipeError
+from trnrecipes.parallel.collectives import all_gather_into
 from trnrecipes.parallel.sharding import chunk_range
 from trnrecipes.plan.layout import compute_layout, rank_coords
 
@@ -112,35 +113,28 @@ class ParallelDims:
         whole sequences' loss. Bucketed: the flat copy that one all-reduce needs is at most BUCKET_ELEMENTS, not the
         whole model's grads."""
         if self.dp * self.cp > 1:
-            self._sum_over_dp(tensors, self.dp_cp_group, self.dp * self.cp)
+            self._mean_over(tensors, self.dp_cp_group, self.dp * self.cp)
 
     def sum_over_tp(self, tensors: list[torch.Tensor]) -> None:
         """In place: each tensor summed over this rank's TP group (a TP-replicated parameter whose gradient each TP
         rank computed on its own tokens: a mixture of experts' router and experts, trnrecipes/parallel/expert.py)."""
-        if self.tp == 1 or not tensors:
-            return
-        group = self.mesh["tp"].get_group()
-        for bucket in _buckets(tensors, BUCKET_ELEMENTS):
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        if self.tp > 1:
+            self._mean_over(tensors, self.mesh["tp"].get_group(), 1)
 
     def average_experts_over_dp(self, tensors: list[torch.Tensor]) -> None:
         """In place, under expert parallelism: the DP mean of sharded experts' gradients, as EP 1 has it. A rank's
         expert gradient holds the picks of its whole EP group already; summed over the dp / ep ranks that hold the
         same experts (expert_replica_group) it holds every DP rank's, and is divided by dp as the rest."""
-        self._sum_over_dp(tensors, self.expert_replica_group if self.dp > self.ep else None, self.dp)
+        self._mean_over(tensors, self.expert_replica_group if self.dp > self.ep else None, self.dp)
 
-    def _sum_over_dp(self, tensors: list[torch.Tensor], group, ranks: int) -> None:
-        """In place: each tensor summed over `group` (None: this rank alone) and divided by `ranks`."""
+    def _mean_over(self, tensors: list[torch.Tensor], group, ranks: int) -> None:
+        """In place: each tensor summed over `group` (None: this rank alone) and divided by `ranks` (1: the sum)."""
         for bucket in _buckets(tensors, BUCKET_ELEMENTS):
             flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
             if group is not None:
                 dist.all_reduce(flat, group=group)
-            flat /= ranks
+            if ranks > 1:
+                flat /= ranks
             offset = 0
             for t in bucket:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -174,7 +168,7 @@ class ParallelDims:
             for t, span in zip(locals_, rows, strict=True):
                 into_itself = t.shape[0] % self.shard_n == 0 and t.is_contiguous()
                 if into_itself and t.numel() // self.shard_n >= GATHER_ALONE_ELEMENTS:
-                    _all_gather(t.view(-1), t[span[0] : span[1]].reshape(-1).clone(), self.shard_group)
+                    all_gather_into(t.view(-1), t[span[0] : span[1]].reshape(-1).clone(), self.shard_group)
                 else:
                     small.setdefault((t.device, t.dtype), []).append((t, span))
             for items in small.values():
@@ -196,7 +190,7 @@ class ParallelDims:
             mine[offset : offset + own.numel()].copy_(own)
             offset += slot
         gathered = torch.empty(parts * mine.numel(), dtype=mine.dtype, device=mine.device)
-        _all_gather(gathered, mine, self.shard_group)
+        all_gather_into(gathered, mine, self.shard_group)
         per_rank = gathered.view(parts, -1)
         offset = 0
         for (t, _), (n, chunk, width), slot in zip(bucket, shapes, slots, strict=True):
@@ -247,12 +241,6 @@ class ParallelDims:
 
 BUCKET_ELEMENTS = 1 << 24  # 64 MB of fp32 per gradient all-reduce
 GATHER_ALONE_ELEMENTS = 1 << 18  # ZeRO-1: a tensor of which each rank sends this many is all-gathered on its own
-
-
-def _all_gather(output: torch.Tensor, input_: torch.Tensor, group) -> None:
-    """Every rank's `input_` concatenated into `output`, in rank order."""
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    all_gather(output, input_, group=group)
 
 
 def _buckets(items: list, limit: int, size=lambda t: t.numel()) -> list[list]:

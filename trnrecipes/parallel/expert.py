@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from trnrecipes.parallel import with_mixin
+from trnrecipes.parallel.collectives import all_gather_into
 from trnrecipes.plan.layout import global_rank
 
 
@@ -79,8 +81,7 @@ def gather_replica_rows(t: torch.Tensor, dims) -> torch.Tensor:
     if dims.dp == dims.ep:
         return t
     out = t.new_empty((t.shape[0] * (dims.dp // dims.ep), *t.shape[1:]))
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    all_gather(out, t.detach().contiguous(), group=dims.expert_replica_group)
+    all_gather_into(out, t.detach().contiguous(), dims.expert_replica_group)
     return out
 
 
@@ -91,7 +92,7 @@ def shard_experts(module: nn.Module, group, shard: ExpertShard) -> None:
         local = p[shard.ep_rank * shard.local : (shard.ep_rank + 1) * shard.local]  # meta: a shape; else the values
         setattr(module, pname, nn.Parameter(local.detach().clone(), requires_grad=p.requires_grad))
     module.expert_shard, module.ep_group = shard, group
-    module.__class__ = _parallel_class(type(module))
+    module.__class__ = with_mixin(ExpertParallel, type(module))
 
 
 def expert_layouts(model: nn.Module) -> dict[str, ExpertShard]:
@@ -107,8 +108,7 @@ def expert_layouts(model: nn.Module) -> dict[str, ExpertShard]:
 def gather_experts(t: torch.Tensor, shard: ExpertShard, group) -> torch.Tensor:
     """The whole [num_experts, ...] tensor from each EP rank's block (a collective over the EP group)."""
     out = t.new_empty((shard.num_experts, *t.shape[1:]))
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    all_gather(out, t.detach().contiguous(), group=group)
+    all_gather_into(out, t.detach().contiguous(), group)
     return out
 
 
@@ -158,16 +158,6 @@ class ExpertParallel:
         out = out.index_select(0, by_expert.argsort())
         y = _AllToAll.apply(out, sent, received, self.ep_group) * weights.reshape(-1, 1)[order]
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def _parallel_class(cls: type) -> type:
-    """`cls` with ExpertParallel's forward (one class per family class, as FSDP2's fully_shard makes them)."""
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
-    return _CLASSES[cls]
 
 
 def route_over_tp(model: nn.Module, names: list[str], mesh: DeviceMesh) -> None:

@@ -73,7 +73,6 @@ def tensor_parallel_styles(
         moe = sparse_moe_name(plan) if i in sparse_layers else None
         if moe is not None:  # the dense MLP's styles do not apply to it
             styles[prefix + moe] = token_split(sequence_parallel)
-
         for name in plan.COLUMN_PARALLEL:
             if _outside(name, moe):
                 styles[prefix + name] = ColwiseParallel()

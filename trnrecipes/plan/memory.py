@@ -182,11 +182,10 @@ def _rank_plan(r: Recipe, stages: list, dp: int, grad_accum: int) -> MemoryPlan:
         if m.activation_checkpointing == "full"
         else sum(_sparse(m, i) for s in stages for i in list(s.layers)[n_full:])
     )
-    # one whole layer recomputed at a time (its probabilities too where blocks of another mode keep them)
-    biggest = plain + (moe_extra if any(_sparse(m, i) for s in stages for i in s.layers) else 0)
-    # (scaled-dot-product attention without a flash kernel materialises the s x s probabilities in the recompute too)
-    # Where they are not kept per layer (selective, full), one layer's probabilities and gathered K/V are still
+    # One whole layer recomputed at a time, with its probabilities (SDPA without a flash kernel materialises them in
+    # the recompute too) and gathered K/V. Where those are not kept per layer (selective, full), one layer's are still
     # materialised while its attention runs, in the forward and again in the recompute: at the peak once.
+    biggest = plain + (moe_extra if any(_sparse(m, i) for s in stages for i in s.layers) else 0)
     transient = 0 if m.activation_checkpointing in ("none", "elementwise") else probabilities + gathered_kv
     recomputing = max(transient, (biggest + probabilities + gathered_kv) if whole else 0)
     stored = (whole * h / split + (layers - whole) * per_layer + live_sparse * moe_extra) * held + recomputing

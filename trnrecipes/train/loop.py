@@ -381,9 +381,9 @@ class Trainer:
     def train_step(self, step: int, loader, grad_accum: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: (this rank's mean loss, the global grad norm before clipping)."""
         dims = self.dims
-        # step_rng.py; a replica's CP ranks hold other tokens, so each draws its own (at CP 1: the DP rank)
-        data_rank = dims.dp_rank * dims.cp + dims.cp_rank
-        self.backend.seed_rng(step_seed(self.recipe.train.seed, step, data_rank, dims.pp_rank))
+        # step_rng.py; a replica's CP ranks hold other tokens, so each draws its own: the rank's index among the
+        # dp x cp ranks (ParallelDims.shard_rank; at CP 1 the DP rank)
+        self.backend.seed_rng(step_seed(self.recipe.train.seed, step, dims.shard_rank, dims.pp_rank))
         loss = self.accumulate(loader, grad_accum)
         self.optimizer.set_lr(lr_at(step, self.recipe.optim))
         grad_norm = self.backend.step(self.model, self.optimizer, self.dims, self.recipe.optim.clip_grad_norm)
