@@ -2,7 +2,8 @@
 incremental training (train.init_from at another data-parallel size, on a second data file, optimizer kept).
 
 A small synthetic corpus (sentiment words in filler text) and a WordPiece tokenizer trained on it keep these fast
-and independent of the prepared data; tests/test_cls_accuracy.py trains on the shipped Rotten Tomatoes data.
+and independent of the prepared data; `make demo-cls` (tests/test_readme.py) trains on the shipped Rotten Tomatoes
+data.
 """
 
 from __future__ import annotations

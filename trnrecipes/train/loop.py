@@ -307,6 +307,23 @@ class Trainer:
         if val_dp and self.dims.dp_rank < val_dp:
             it = batches(self._stream("val", 0, self.dims.dp_rank, val_dp, None), b.micro_batch)
             self.val_batches = [torch.from_numpy(next(it)[0]) for _ in range(self.recipe.train.val_batches)]
+        if self.classify and val_dp:
+            self._log_majority_class()
+
+    def _log_majority_class(self) -> None:
+        """Log the validation examples' most frequent class and its share: the accuracy a model that learned nothing
+        reaches, the number val acc must beat. A collective (class counts summed over every rank: each TP copy of a
+        replica adds its counts once more, which the share cancels)."""
+        counts = torch.zeros(self.recipe.model.num_labels)
+        if self.dims.holds_loss:
+            for tokens in self.val_batches:
+                counts += torch.bincount(tokens[:, -1], minlength=len(counts)).float()
+        counts = self.dims.sum_over_ranks(counts, self.backend.device)
+        share = float(counts.max() / counts.sum())
+        self.log(
+            f"[trnrecipes] validation: majority class {int(counts.argmax())} at {share:.3f} of the examples"
+            f" (the accuracy of a model that learned nothing: val acc must beat it)"
+        )
 
     def _stream(self, part: str, seed: int, dp_rank: int, dp: int, start):
         """Packed text (one token stream cut into samples; several sources blended by weight) or one padded,
