@@ -5,11 +5,14 @@ with inductor, is on by default for cuda only (without TP) and refused on xla/ne
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo
+from conftest import REPO
 
 from recipes.common.loss import IGNORE_INDEX
 from trnrecipes.backends.torch import CudaBackend, TorchBackend
@@ -137,3 +140,21 @@ def test_compile_defaults_on_for_cuda_only_and_is_refused_on_xla_and_neuron():
         load_recipe("llama2-tiny", overrides=["cluster.backend=xla", "train.compile=true"])
     with pytest.raises(RecipeError, match=re.escape("train.compile true: backend neuron")):
         load_recipe("llama2-7b", overrides=["train.compile=true"])
+
+
+def test_a_run_that_does_not_compile_never_imports_dynamo(tmp_path):
+    """torch._dynamo costs about 1.5 s of CPU at each rank's start: a run without train.compile, TP or FSDP never
+    imports it. What must run eagerly under compile is only marked (recipes/common/eager.py: the experts of a mixture
+    here) and building on meta skips torch's Python fills, whose first call imports it."""
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['trnrecipes', 'train', '--config', 'qwen3-moe-tiny', 'cluster.workers_per_node=1',"
+        " 'batch.seq_len=32', 'batch.global_batch=2', 'batch.micro_batch=2', 'train.max_steps=2',"
+        f" 'train.val_every=1', 'train.compile=false', 'run_dir={tmp_path}']\n"
+        "try:\n    runpy.run_module('trnrecipes', run_name='__main__')\n"
+        "except SystemExit as e:\n    assert not e.code, e\n"
+        "print('dynamo imported:', 'torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "step 2/2" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "dynamo imported: False" in done.stdout

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recipes.common.eager import eager_under_compile
 from recipes.qwen3.spec import Qwen3Config
 
 
@@ -35,7 +36,7 @@ class Experts(nn.Module):
 
     # Not compiled: the split sizes are data (a compiled block would recompile on each new set until torch's limit,
     # then run eager); the rest of the block compiles around it, as under expert parallelism.
-    @torch.compiler.disable
+    @eager_under_compile
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; chosen, weights [T, k]: each token through its k experts, weighted, summed. The T * k picks are
         sorted by expert so each expert runs once on its rows; no capacity, no dropped token."""

@@ -29,8 +29,12 @@ train.compile there).
 
 from __future__ import annotations
 
+import functools
+
+import torch
 from torch import nn
 
+from recipes.common.eager import MARK
 from trnrecipes.parallel.compile_fixes import fix_rng_states_after_opaque_values
 
 
@@ -38,10 +42,44 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     """torch.compile every block of `model.layers` (a ModuleList, or a pipeline rank's ModuleDict) in place with
     `backend`; returns how many. Idempotent: compiling a compiled block again only replaces its compile options."""
     fix_rng_states_after_opaque_values()  # checkpointed blocks under DTensor TP, off CUDA (compile_fixes.py)
+    disable_marked(model)
     blocks = list(model.layers.children())
     for block in blocks:
         block.compile(backend=backend, dynamic=False)
     return len(blocks)
+
+
+def disable_marked(model: nn.Module) -> None:
+    """torch.compiler.disable, in place, on what recipes.common.eager marked in `model`: a module's forward (its class
+    becomes a subclass with the disabled forward), a callable held as a module's attribute (context parallelism's
+    attention kernel, a functools.partial, and RoPE) and forward hooks (the routing statistics' sum over TP)."""
+    for module in model.modules():
+        if _marked(type(module).forward):
+            module.__class__ = _with_eager_forward(type(module))
+        for name, value in list(vars(module).items()):
+            if _marked(value):
+                setattr(module, name, _disabled(value))
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key, hook in list(hooks.items()):
+                if _marked(hook):
+                    hooks[key] = _disabled(hook)
+
+
+def _marked(value) -> bool:
+    """Marked and not yet disabled (disable_marked may run again: torch's wrapper copies the mark)."""
+    fn = value.func if isinstance(value, functools.partial) else value
+    return callable(fn) and getattr(fn, MARK, False) and not getattr(fn, "_torchdynamo_disable", False)
+
+
+def _disabled(value):
+    if isinstance(value, functools.partial):
+        return functools.partial(torch.compiler.disable(value.func), *value.args, **value.keywords)
+    return torch.compiler.disable(value)
+
+
+@functools.cache
+def _with_eager_forward(cls: type) -> type:
+    return type(cls.__name__, (cls,), {"forward": torch.compiler.disable(cls.forward), "__module__": cls.__module__})
 
 
 def is_compiled(module: nn.Module) -> bool:

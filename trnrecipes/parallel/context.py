@@ -7,18 +7,22 @@ tokens, and gradients are averaged over the dp x cp ranks (ParallelDims.average_
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from recipes.common.attention import CoreAttention
+from recipes.common.eager import eager_under_compile
 from recipes.common.loss import IGNORE_INDEX
 from trnrecipes.parallel import with_mixin
 from trnrecipes.parallel.collectives import all_gather_into, reduce_scatter_into
 from trnrecipes.plan.layout import global_rank
+
+if TYPE_CHECKING:
+    from torch.nn.attention.bias import CausalBias
 
 
 def split_sequence(t: torch.Tensor, cp: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
@@ -103,13 +107,16 @@ def causal_masks(c: int, cp: int, cp_rank: int) -> tuple[CausalBias, CausalBias]
     see, aligned to the lower right. As CausalBias, which SDPA passes to a kernel that takes the mask as such (flash,
     memory-efficient) and materialises only where none does (CPU). Cached, and first made by ContextParallel.forward
     outside any checkpointed region: a CausalBias is a tensor subclass, which elementwise checkpointing's dispatch
-    mode does not let one make."""
+    mode does not let one make. Imported here: torch.nn.attention.bias imports torch._dynamo (see
+    recipes/common/eager.py)."""
+    from torch.nn.attention.bias import causal_lower_right
+
     return tuple(causal_lower_right(c, (chunk + 1) * c) for chunk in (cp_rank, 2 * cp - 1 - cp_rank))
 
 
 # Eager under train.compile, as expert parallelism's exchange is: the collectives run in torch.distributed's own
 # calls, not traced; the blocks' other parts still compile.
-@torch.compiler.disable
+@eager_under_compile
 def context_parallel_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, cp: int, cp_rank: int
 ) -> torch.Tensor:
@@ -130,7 +137,7 @@ def context_parallel_rope(rope, cp: int, cp_rank: int):
     rank's tokens: the whole sequence's tables (made once, cached by the family), this rank's rows of them. Eager
     under train.compile, so the whole tables stay cached rather than recomputed in every compiled block."""
 
-    @torch.compiler.disable
+    @eager_under_compile
     def local_rope(seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope(seq_len * cp, device, dtype)
         return split_sequence(cos, cp, cp_rank, dim=0), split_sequence(sin, cp, cp_rank, dim=0)

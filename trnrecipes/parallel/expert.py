@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from recipes.common.eager import eager_under_compile
 from trnrecipes.parallel import with_mixin
 from trnrecipes.parallel.collectives import all_gather_into
 from trnrecipes.plan.layout import global_rank
@@ -139,7 +140,7 @@ class ExpertParallel:
 
     # Eager under train.compile: traced, the all-to-alls' data-dependent split sizes recompile the block at every new
     # count until dynamo's recompile limit (torch 2.13); the blocks' other parts still compile.
-    @torch.compiler.disable
+    @eager_under_compile
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         ep, local = self.expert_shard.ep, self.expert_shard.local
         top_k = chosen.shape[1]
@@ -176,7 +177,7 @@ def tp_summed_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if getattr(m, "tp_group", None) is not None for p in m.parameters()]
 
 
-@torch.compiler.disable
+@eager_under_compile
 def _sum_routing_over_tp(module: nn.Module, _inputs: tuple, _output: torch.Tensor) -> None:
     if torch._C._current_graph_task_id() != -1:
         return  # activation checkpointing's recompute: the forward's routing stands (the forward did not set one)

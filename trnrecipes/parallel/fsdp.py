@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
 
 SHARD_DIM = "dp_cp"  # the name of the flattened dp x cp mesh dim FSDP shards over under context parallelism
 
@@ -64,6 +63,8 @@ def tp_local(t: torch.Tensor) -> torch.Tensor:
     every rank of it must call it), its TP shard kept; a plain tensor as it is."""
     if getattr(t, "placements", None) is None:
         return t
+    from torch.distributed.tensor import Replicate  # here: a run without DTensors never imports it (~1 s of CPU)
+
     names = t.device_mesh.mesh_dim_names or ()
     for name in ("dp", SHARD_DIM):
         if name in names and not t.placements[dp := names.index(name)].is_replicate():
