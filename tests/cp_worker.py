@@ -11,7 +11,10 @@ process group, saving to OUT (rank 0) what the test compares.
   selective, elementwise and full activation checkpointing; neox-tiny and qwen3-tiny at CP 1 and CP 2 (2 steps);
 - resumed[name]: the weights and whole moments a run held at its step-2 save, the files of that save, and what a run
   in another layout restored from it: CP 2 (DP 2) -> CP 1 (DP 4) and the reverse, CP 2 + FSDP -> CP 1 without it and
-  -> CP 1 with ZeRO-1.
+  -> CP 1 with ZeRO-1;
+- received[name][rank]: the token ids and labels (and the count of labelled tokens the loss is weighed by) of the
+  first training micro-batch each rank's loader yields and of its first validation batch, at CP 2 (DP 2) and at
+  TP 2 (CP 1, DP 2: the same DP rank on the same global rank, whole samples).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def fixed(run_dir: Path, name: str, steps: int, *overrides: str) -> dict:
     grad_accum = compute_layout(trainer.recipe).grad_accum
     losses, norms, grads = [], [], {}
     for step, mine in enumerate(fixed_steps(trainer, steps)):
-        loss = trainer.accumulate(iter(mine), grad_accum)
+        loss = trainer.accumulate(map(trainer.rank_batch, mine), grad_accum)  # under CP each rank its chunks
         losses.append(trainer.dims.mean_over_holders(loss, trainer.backend.device))  # the step's, as logged
         norms.append(float(trainer.reduce_and_clip()))
         if step == 0:
@@ -52,6 +55,24 @@ def fixed(run_dir: Path, name: str, steps: int, *overrides: str) -> dict:
     result["local_moments"] = sum(m.numel() for m in trainer.optimizer.exp_avg)
     trainer.close()
     return result
+
+
+def received(run_dir: Path, *overrides: str) -> list[dict]:
+    """By global rank: what the model is given of the first training micro-batch the rank's loader yields and of
+    its first validation batch (a whole [b, s + 1] batch's inputs and labels; under CP, SequenceChunks' fields)."""
+    trainer = Trainer(load_recipe("llama3.1-tiny", overrides=[*SMALL, *overrides]), run_dir=run_dir, **QUIET)
+    loader, _ = trainer._train_loader(None)
+    mine = {"train": next(loader), "val": trainer.val_batches[0]}
+    trainer._prefetch.close()
+    trainer.close()
+    for part, b in mine.items():
+        if isinstance(b, torch.Tensor):
+            mine[part] = {"tokens": b[:, :-1], "labels": b[:, 1:], "labelled": torch.tensor(b[:, 1:].numel())}
+        else:
+            mine[part] = {"tokens": b.tokens, "labels": b.labels, "labelled": b.labelled}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
 
 
 def state(trainer: Trainer) -> dict:
@@ -122,6 +143,7 @@ def main() -> None:
         "cp2-fsdp-then-cp1": resumed(root / "c", (*cp2, "layout.fsdp=true"), ()),
         "cp2-fsdp-then-cp1-zero1": resumed(root / "d", (*cp2, "layout.fsdp=true"), ("layout.zero1=true",)),
     }
+    results["received"] = {"cp2": received(root / "r-cp2", *cp2), "tp2": received(root / "r-tp2", "layout.tp=2")}
     if dist.get_rank() == 0:
         torch.save(results, out)
     dist.barrier()

@@ -3,8 +3,8 @@ inverse, exact chunked causal attention, and on real torch.distributed (gloo, 4 
 torchrun) CP 2 and 4, TP 2 x CP 2, CP 2 with ZeRO-1, FSDP and activation checkpointing train as CP 1 (fp32: losses,
 every gradient, the weights), for llama3.1-tiny (GQA) and at CP 2 for neox-tiny and qwen3-tiny; ZeRO-1 and FSDP shard
 over the dp x cp ranks (at DP 1 too); a checkpoint written at CP 2 resumes at CP 1 bitwise in what it restores, and
-the reverse, and one written at CP 2 under FSDP (dp x cp moment files) at CP 1 without FSDP and with ZeRO-1; the
-layout counts cp; the refusals."""
+the reverse, and one written at CP 2 under FSDP (dp x cp moment files) at CP 1 without FSDP and with ZeRO-1; each
+CP rank's loader yields only its chunks of the samples; the layout counts cp; the refusals."""
 
 from __future__ import annotations
 
@@ -153,6 +153,22 @@ def test_a_checkpoint_resumes_across_cp_bitwise_in_what_it_restores(four_ranks, 
         assert torch.equal(restored["params"][name], p), name
     for name, (m, v) in saved["moments"].items():
         assert torch.equal(restored["moments"][name][0], m) and torch.equal(restored["moments"][name][1], v), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", ["train", "val"])
+def test_each_cp_rank_reads_only_its_chunks_of_the_samples_packed_at_the_full_length(four_ranks, part):
+    """At CP 2 each rank's loader yields (and moves to the device) seq_len / 2 token ids and labels a sample: its
+    chunks of the whole packed samples a CP-1 run reads at the same DP rank (TP 2 x DP 2 here), with the whole
+    samples' count of labelled tokens; its validation batches likewise."""
+    cp2, whole = four_ranks["received"]["cp2"], four_ranks["received"]["tp2"]
+    for rank, (got, samples) in enumerate(zip(cp2, whole, strict=True)):
+        got, samples = got[part], samples[part]
+        assert samples["tokens"].shape == (2, 64)  # batch.micro_batch 2 x batch.seq_len 64
+        assert got["tokens"].shape == got["labels"].shape == (2, 32), rank
+        assert torch.equal(got["tokens"], split_sequence(samples["tokens"], 2, rank % 2)), rank
+        assert torch.equal(got["labels"], split_sequence(samples["labels"], 2, rank % 2)), rank
+        assert int(got["labelled"]) == int(samples["labelled"]) == 2 * 64, rank
 
 
 def tiny(*overrides: str):

@@ -1,12 +1,14 @@
 """layout.cp: context parallelism for the causal families on the torch backends. Each sequence is cut into 2 x cp
 chunks and CP rank r holds chunks r and 2cp-1-r (the front and the back: every rank's causal attention work is the
-same). Its queries attend over the whole sequence, whose keys and values are all-gathered over the CP group in each
-attention; RoPE rotates each token by its true position; the loss is weighed by the rank's share of the labelled
-tokens, and gradients are averaged over the dp x cp ranks (ParallelDims.average_over_dp)."""
+same); its loader keeps only those (SequenceChunks, cut on the host before the device copy). Its queries attend over
+the whole sequence, whose keys and values are all-gathered over the CP group in each attention; RoPE rotates each
+token by its true position; the loss is weighed by the rank's share of the labelled tokens, and gradients are
+averaged over the dp x cp ranks (ParallelDims.average_over_dp)."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +39,34 @@ def merge_sequence(parts: torch.Tensor, dim: int) -> torch.Tensor:
     reverse rank order."""
     front, back = parts.chunk(2, dim=dim + 1)
     return torch.cat([*front.unbind(0), *reversed(back.unbind(0))], dim)
+
+
+@dataclass(frozen=True)
+class SequenceChunks:
+    """What a CP rank reads of a micro-batch: its two chunks of the token ids and of the labels ([b, s / cp] each),
+    and `labelled`, the number of labelled tokens of the whole sequences (0-d), which weighs its loss. The count
+    comes with the batch from the host, which sees the whole samples before it cuts them, rather than from an
+    all-reduce over the CP group: no collective (nor a wait on one) in each micro-batch's forward."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    labelled: torch.Tensor
+
+    @classmethod
+    def of(cls, samples: torch.Tensor, cp: int, cp_rank: int) -> SequenceChunks:
+        """CP rank `cp_rank`'s part of packed samples [b, s + 1] (inputs s[:-1], labels s[1:], as at CP 1)."""
+        labels = samples[:, 1:]
+        return cls(
+            split_sequence(samples[:, :-1], cp, cp_rank),
+            split_sequence(labels, cp, cp_rank),
+            (labels != IGNORE_INDEX).sum(),
+        )
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> SequenceChunks:
+        """On `device` (what a backend's loader calls on each batch)."""
+        return SequenceChunks(
+            *(t.to(device, non_blocking=non_blocking) for t in (self.tokens, self.labels, self.labelled))
+        )
 
 
 def local_positions(seq_len: int, cp: int, cp_rank: int, device: torch.device | None = None) -> torch.Tensor:
@@ -147,23 +177,27 @@ def context_parallel_rope(rope, cp: int, cp_rank: int):
 
 class ContextParallel:
     """A causal language model's forward on this CP rank's part of each sequence (mixed in before the family's
-    class by apply_context_parallel). Given the whole micro-batch's tokens and labels [b, s], it runs the family's
-    forward on its chunks of both. The family's loss is the mean over this rank's labelled tokens; multiplied by cp
-    x its share of the micro-batch's labelled tokens, the CP ranks' mean (the gradient average) is the mean over all
-    of them, as at CP 1 (every rank holds the whole labels: no collective). Without labels: the logits of its chunks."""
+    class by apply_context_parallel): `tokens` and `labels` are its two chunks already ([b, s / cp], a
+    SequenceChunks' fields), `labelled` the whole micro-batch's count of labelled tokens. The family's loss is the
+    mean over this rank's labelled tokens; multiplied by cp x its share of that count, the CP ranks' mean (the
+    gradient average) is the mean over all of them, as at CP 1. Without labels: the logits of its chunks."""
 
     context_parallel: tuple[int, int]  # (cp, cp_rank)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, labelled: torch.Tensor | None = None
+    ) -> torch.Tensor:
         cp, cp_rank = self.context_parallel
-        causal_masks(tokens.shape[1] // (2 * cp), cp, cp_rank)
-        mine = split_sequence(tokens, cp, cp_rank)
+        causal_masks(tokens.shape[1] // 2, cp, cp_rank)
         if labels is None:
-            return super().forward(mine)
-        held = split_sequence(labels, cp, cp_rank)
-        loss = super().forward(mine, labels=held)
-        share = cp * (held != IGNORE_INDEX).sum() / (labels != IGNORE_INDEX).sum().clamp_min(1)
-        return loss * share
+            return super().forward(tokens)
+        if labelled is None:
+            raise TypeError(
+                "under context parallelism the loss needs `labelled`, the labelled tokens of the whole sequences"
+                " (SequenceChunks.labelled): this rank holds only its chunks of the labels"
+            )
+        loss = super().forward(tokens, labels=labels)
+        return loss * (cp * (labels != IGNORE_INDEX).sum() / labelled.clamp_min(1))
 
 
 def apply_context_parallel(model: nn.Module, dims) -> None:

@@ -1,10 +1,11 @@
 """The step loop: the same code on cpu, cuda, xla and neuron (the Amazon Search M5 post's XLA discipline applied
 everywhere).
 
-One optimizer step = grad_accum micro-batches of fixed shape [micro_batch, seq_len + 1] (forward + backward, a
-graph cut after each), gradients averaged over the DATA-parallel group only (dividing by the world size under TP
-is the divergence bug the 128-node Llama 2 post reports), the global grad norm across TP shards, clipping, AdamW, and a
-graph cut after the optimizer step. Validation and checkpoint passes use the same fixed shapes, so XLA compiles nothing
+One optimizer step = grad_accum micro-batches of fixed shape [micro_batch, seq_len + 1] (under context parallelism
+each rank reads its two chunks of them: SequenceChunks) (forward + backward, a graph cut after each), gradients
+averaged over the DATA-parallel group only (dividing by the world size under TP is the divergence bug the 128-node
+Llama 2 post reports), the global grad norm across TP shards, clipping, AdamW, and a graph cut after the optimizer
+step. Validation and checkpoint passes use the same fixed shapes, so XLA compiles nothing
 new after the first of each.
 
 A checkpoint write that fails on any rank stops every rank at the next step (the writer's health rides on the
@@ -44,6 +45,7 @@ from trnrecipes.data.classify import ClassificationStream
 from trnrecipes.data.pack import Prefetcher, batches, split_documents
 from trnrecipes.data.sources import OpenedSource, data_stream, open_labelled, open_sources
 from trnrecipes.optim.schedule import lr_at
+from trnrecipes.parallel.context import SequenceChunks
 from trnrecipes.parallel.dims import ParallelDims, local_tensor
 from trnrecipes.parallel.expert import expert_layouts, gather_experts
 from trnrecipes.parallel.kv_replication import layouts as kv_layouts
@@ -70,10 +72,13 @@ class RunResult:
     position: DataPosition | None = None
 
 
-def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss of a [b, s + 1] batch. Every family's forward takes labels: the fused head +
-    cross-entropy, or full logits where the head is tensor parallel (recipes/common/loss.py decides)."""
-    return model(tokens[:, :-1], labels=tokens[:, 1:])
+def _loss(model: torch.nn.Module, batch: torch.Tensor | SequenceChunks) -> torch.Tensor:
+    """Mean next-token loss of a [b, s + 1] batch, or of a CP rank's chunks of one. Every family's forward takes
+    labels: the fused head + cross-entropy, or full logits where the head is tensor parallel (recipes/common/loss.py
+    decides)."""
+    if isinstance(batch, SequenceChunks):
+        return model(batch.tokens, labels=batch.labels, labelled=batch.labelled)
+    return model(batch[:, :-1], labels=batch[:, 1:])
 
 
 def compact_grads(model: torch.nn.Module) -> None:
@@ -303,10 +308,12 @@ class Trainer:
                 f"data.val_fraction {d.val_fraction} leaves {held_out} validation document(s) of {fewest} for"
                 f" {self.dims.dp} data-parallel ranks; under {under} each rank needs one: raise data.val_fraction"
             )
-        self.val_batches: list[torch.Tensor] = []
+        self.val_batches: list[torch.Tensor | SequenceChunks] = []
         if val_dp and self.dims.dp_rank < val_dp:
             it = batches(self._stream("val", 0, self.dims.dp_rank, val_dp, None), b.micro_batch)
-            self.val_batches = [torch.from_numpy(next(it)[0]) for _ in range(self.recipe.train.val_batches)]
+            self.val_batches = [
+                self.rank_batch(torch.from_numpy(next(it)[0])) for _ in range(self.recipe.train.val_batches)
+            ]
         if self.classify and val_dp:
             self._log_majority_class()
 
@@ -324,6 +331,14 @@ class Trainer:
             f"[trnrecipes] validation: majority class {int(counts.argmax())} at {share:.3f} of the examples"
             f" (the accuracy of a model that learned nothing: val acc must beat it)"
         )
+
+    def rank_batch(self, samples: torch.Tensor) -> torch.Tensor | SequenceChunks:
+        """What this rank reads (and its loader moves to the device) of a micro-batch of packed samples [b, s + 1]:
+        all of it, or under context parallelism its two chunks of each sample (packed at the full length: where
+        documents start is a property of the whole sample)."""
+        if self.dims.cp == 1:
+            return samples
+        return SequenceChunks.of(samples, self.dims.cp, self.dims.cp_rank)
 
     def _stream(self, part: str, seed: int, dp_rank: int, dp: int, start):
         """Packed text (one token stream cut into samples; several sources blended by weight) or one padded,
@@ -343,7 +358,7 @@ class Trainer:
         def host_batches():
             for array, position in self._prefetch:
                 positions.append(position)  # popped in the same order as the batches are consumed
-                yield torch.from_numpy(array)
+                yield self.rank_batch(torch.from_numpy(array))
 
         return self.backend.loader(host_batches()), positions
 
@@ -377,7 +392,7 @@ class Trainer:
         self.train_correct = correct if self.classify else None
         return loss_sum / grad_accum
 
-    def _forward(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, batch: torch.Tensor | SequenceChunks) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(mean loss, correct predictions or None for a language model) of one micro-batch."""
         if self.classify:
             return _classify(self.model, batch, self.recipe.model.pad_token_id)
@@ -418,9 +433,9 @@ class Trainer:
         else:
             total = torch.zeros((), dtype=torch.float32, device=self.backend.device)
             correct = torch.zeros((), dtype=torch.float32, device=self.backend.device)
-            for tokens in self.val_batches:
+            for batch in self.val_batches:
                 with self._autocast():
-                    loss, right = self._forward(tokens.to(self.backend.device))
+                    loss, right = self._forward(batch.to(self.backend.device))
                     total = total + loss.float()
                 if right is not None:
                     correct = correct + right
