@@ -553,9 +553,9 @@ def _jsonl_texts(
     f: InputFile, text_field: str, bad: BadRecords, read: ReadCount | None
 ) -> Iterator[pa.Array | list[str]]:
     """The texts of a JSON-lines file in blocks of about JSON_BLOCK_BYTES of lines: what _jsonl reads, quicker. A
-    block pyarrow's JSON reader reads as json does comes as Arrow (json_lines.py); any other is read line by line:
-    a line that is an object with text at `text_field` is taken as it is, and any other (blank, bad, text that is not
-    a string) goes through _json_record, which says what is wrong with it."""
+    block msgspec (or pyarrow's JSON reader) reads as json does comes as Arrow (json_lines.py); any other is read
+    line by line: a line that is an object with text at `text_field` is taken as it is, and any other (blank, bad,
+    text that is not a string) goes through _json_record, which says what is wrong with it."""
     loads, i = json.loads, 0
     with open_lines(f.path, read) as fh:
         for block in _byte_blocks(fh, f.name):
