@@ -63,6 +63,9 @@ LINE_BY_LINE = {
     "a trailing comma": b'{"text": "a", "n": [1,]}',
     "a leading zero elsewhere": b'{"text": "a", "n": 01}',
     "a long digit run in a text (the check is cheap, so it errs on the safe side)": b'{"text": "' + b"7" * 5000 + b'"}',
+    "a lone surrogate cutting a text": b'{"text": "a\\ud83d"}',
+    "nesting json reads with its room (1100 levels)": b'{"text": "a", "n": ' + b"[" * 1100 + b"]" * 1100 + b"}",
+    "nesting json refuses (5000 levels)": b'{"text": "a", "n": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}",
 }
 
 # Read as json does by msgspec, but line by line with pyarrow's reader: its checks are cheap, so they err on the safe
@@ -128,13 +131,46 @@ def test_a_file_with_each_gives_the_texts_and_bad_records_of_the_line_by_line_re
     assert quick.sink.getvalue() == one_by_one.sink.getvalue() and quick.count == one_by_one.count
 
 
-def test_nesting_deeper_than_json_takes_goes_line_by_line_with_msgspec(parser):
-    """json raises RecursionError (as the line-by-line reader will); pyarrow's reader takes any depth."""
-    line = b'{"text": "a", "n": ' + b"[" * 5000 + b"]" * 5000 + b"}"
-    with pytest.raises(RecursionError):
-        json.loads(line)
-    texts = arrow_texts(line, newlines(line), "text")
-    assert texts is None if parser == "msgspec" else texts.to_pylist() == ["a"]
+def nested(depth: int) -> bytes:
+    return b'{"text": "a", "y": 0, "n": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+
+
+def test_nesting_at_the_limit_is_taken_and_one_level_more_refused_whatever_the_block(parser, tmp_path):
+    """How deep json_loads reads does not depend on the caller's stack; msgspec reads less deep, pyarrow's reader
+    any depth, so a line at the limit goes line by line with both, and the verdict is json's in either loop."""
+    deepest = next(d for d in range(1000, 2000) if not _reads(nested(d + 1)))
+    assert _reads(nested(deepest)) and deepest > json_lines.MAX_OPENERS
+    for depth, taken in ((deepest, True), (deepest + 1, False)):
+        line = nested(depth)
+        assert arrow_texts(line, newlines(line), "text") is None
+        src = InputFile(write(tmp_path / f"{depth}.jsonl", b'{"text": "before", "y": 1}\n' + line + b"\n"), "jsonl")
+        quick, labelled = BadRecords("skip"), BadRecords("skip")
+        texts = [t for b, _ in file_texts(src, "text", quick, None) for t in _listed(b)]
+        assert texts == [text for text, _ in file_records(src, "text", labelled, "y")]  # the labelled loop
+        assert texts == (["before", "a"] if taken else ["before"]) and quick.first == labelled.first
+        if not taken:
+            assert quick.first.startswith(f"{src.name}:2: JSON nested too deep for Python's json module to read (")
+
+
+def _reads(line: bytes) -> bool:
+    try:
+        json_lines.json_loads(line)
+    except RecursionError:
+        return False
+    return True
+
+
+def _listed(texts) -> list:
+    return texts.to_pylist() if isinstance(texts, pa.Array) else texts
+
+
+def test_a_lone_surrogate_is_a_bad_record_named_in_the_labelled_loop_too(tmp_path):
+    """json reads `\\ud83d` alone as a surrogate, which no UTF-8 (and so no Arrow string) can hold: a bad record."""
+    src = InputFile(write(tmp_path / "l.jsonl", b'{"text": "ok", "y": 1}\n{"text": "x\\ud83d", "y": 0}\n'), "jsonl")
+    bad = BadRecords("skip")
+    assert list(file_records(src, "text", bad, "y")) == [("ok", 1)]
+    reason = "field 'text' holds an unpaired surrogate escape (\\ud83d): not encodable as UTF-8"
+    assert bad.first == f"{src.name}:2: {reason}"
 
 
 @pytest.mark.parametrize("name", ["body text", "t\u00e9xt", "1st", "", 'say "hi"', "back\\slash", "tab\tbed"])

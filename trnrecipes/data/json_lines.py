@@ -7,6 +7,7 @@ three times as fast as json, pyarrow's reader 1.5 times; the texts come out as A
 from __future__ import annotations
 
 import functools
+import json
 import re
 import struct
 import sys
@@ -26,6 +27,10 @@ except ImportError:  # not installed (a Neuron SDK venv): pyarrow's reader inste
 # with none is blank, as `not text.strip()` says. tests/test_json_lines.py checks the set against Python's.
 NOT_SPACE = r"[^\t-\r\x1c- \x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}\x{205f}\x{3000}]"
 MAX_BLOCK = (1 << 31) - 2  # the reader's block size is an int32; a larger block goes line by line
+# Calls of room json_loads gives json on a RecursionError: it then reads about 1190 levels of nesting, whatever the
+# caller's stack, deeper than msgspec reads under the default recursion limit (998 less the stack)
+RECURSION_ROOM = 1200
+MAX_OPENERS = 1024  # a line with more `[` and `{` than this goes line by line with pyarrow's reader (any depth)
 NEWLINE, OPEN, CLOSE, CR = b"\n{}\r"
 
 
@@ -43,6 +48,30 @@ def arrow_texts(block: bytes, lines: np.ndarray, text_field: str) -> pa.Array | 
     if decode is not None:
         return _decoded_texts(block, lines, decode)
     return _read_texts(block, data, lines, text_field)
+
+
+def json_loads(line: str | bytes) -> object:
+    """json.loads, where nesting too deep for the stack left (a RecursionError) is tried again with RECURSION_ROOM
+    frames of room: how deep a line may nest is then the same from any caller, so the line-by-line reader takes a
+    line or refuses it wherever it is met (Python 3.11 and before: 3.12's json counts C recursion, not this limit)."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(limit - _recursion_left() + RECURSION_ROOM)
+        try:
+            return json.loads(line)
+        finally:
+            sys.setrecursionlimit(limit)
+
+
+def _recursion_left(calls: int = 0) -> int:
+    """How many calls deeper than this one the recursion limit allows: the stack's depth as the limit counts it
+    (generators resumed from C count more than their frames), found by recursing to it (rare: a line nested deep)."""
+    try:
+        return _recursion_left(calls + 1)
+    except RecursionError:
+        return calls
 
 
 @functools.lru_cache(maxsize=8)
@@ -66,7 +95,7 @@ def _decoded_texts(block: bytes, lines: np.ndarray, decode: Callable[[bytes], ob
     starts = np.concatenate(([0], ends[:-1] + 1))
     try:
         texts = [decode(view[start:end]).text for start, end in zip(starts.tolist(), ends.tolist(), strict=True)]
-    except (ValueError, RecursionError):  # DecodeError, ValidationError; nesting about as deep as json refuses
+    except (ValueError, RecursionError):  # DecodeError, ValidationError; nesting less deep than json_loads reads
         return None
     return pa.array(texts, pa.large_string())
 
@@ -74,8 +103,8 @@ def _decoded_texts(block: bytes, lines: np.ndarray, decode: Callable[[bytes], ob
 def _read_texts(block: bytes, data: np.ndarray, lines: np.ndarray, text_field: str) -> pa.Array | None:
     """The texts by pyarrow's reader, where it reads what json does. Checked first, since the reader takes liberties
     (two objects on a line, NaN's cousins Inf and -NaN) and crashes on a line `null` (Apache Arrow, "NULL Pointer
-    Dereference bug"); its errors and nulls are the rest."""
-    if not _one_object_a_line(block, lines) or _nonstandard_number(block, data):
+    Dereference bug"), and reads any depth of nesting; its errors and nulls are the rest."""
+    if not _one_object_a_line(block, lines) or _nonstandard_number(block, data) or _many_openers(data, lines):
         return None
     schema = pa.schema([pa.field(text_field, pa.large_string())])
     options = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
@@ -109,6 +138,14 @@ def _one_object_a_line(block: bytes, lines: np.ndarray) -> bool:
     crlf = last == CR
     last[crlf] = data[ends[crlf] - 2]
     return bool(np.all(last == CLOSE))
+
+
+def _many_openers(data: np.ndarray, lines: np.ndarray) -> bool:
+    """A line with more than MAX_OPENERS `[` and `{` (in its text too): it could nest deeper than json_loads reads."""
+    openers = np.flatnonzero((data | 0x20) == OPEN)  # `[` is `{` less 0x20
+    if len(openers) <= MAX_OPENERS:
+        return False
+    return int(np.bincount(np.searchsorted(lines, openers)).max()) > MAX_OPENERS
 
 
 def _utf8(block: bytes) -> bool:
