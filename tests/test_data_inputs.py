@@ -220,6 +220,16 @@ def bad_inputs(root: Path) -> dict[str, tuple[Path, str, str]]:
         "null Arrow row": (root / "nulls.arrow", ": row 1", "text is null"),
         "invalid UTF-8": (write(root / "utf8.txt", b"good\n\xff\xfe bad\n"), ":2", "invalid UTF-8 ("),
         "invalid UTF-8 in JSON": (write(root / "u.jsonl.zst", b'{"text": "\xff"}\n'), ":1", "invalid UTF-8 ("),
+        "nesting too deep for json": (
+            write(root / "deep.jsonl", docs("good") + b'{"text": "a", "n": ' + b"[" * 5000 + b"]" * 5000 + b"}\n"),
+            ":2",
+            "JSON nested too deep for Python's json module to read (maximum recursion depth exceeded",
+        ),
+        "a lone surrogate escape": (
+            write(root / "surrogate.json", docs("good") + b'{"text": "cut \\ud83d"}\n'),
+            ":2",
+            "field 'text' holds an unpaired surrogate escape (\\ud83d): not encodable as UTF-8",
+        ),
     }
     return {kind: (path, f"{path}{place}", reason) for kind, (path, place, reason) in made.items()}
 
@@ -227,7 +237,7 @@ def bad_inputs(root: Path) -> dict[str, tuple[Path, str, str]]:
 @pytest.mark.parametrize(
     "kind",
     ["malformed JSON", "null text", "no text field", "null Parquet row", "null Arrow row", "invalid UTF-8",
-     "invalid UTF-8 in JSON"],
+     "invalid UTF-8 in JSON", "nesting too deep for json", "a lone surrogate escape"],
 )  # fmt: skip
 def test_a_bad_record_is_an_error_naming_its_place_when_it_is_met(tmp_path, capsys, kind):
     (tmp_path / "in").mkdir()
@@ -248,8 +258,8 @@ def test_skip_lists_each_rejected_record_with_place_and_reason_and_prints_the_co
     files = [path for path, _, _ in bad.values()]
     out, rejects = tmp_path / "o.arrow", tmp_path / "o.arrow.rejects.jsonl"
     code, stdout, _ = to_arrow(capsys, "--in", *files, "--out", out, "--on-bad-record", "skip")
-    assert code == 0 and stdout == f"wrote {out}: 7 documents, rejected 7 bad records (listed in {rejects})\n"
-    assert texts_of(out) == ["good"] * 7
+    assert code == 0 and stdout == f"wrote {out}: 9 documents, rejected 9 bad records (listed in {rejects})\n"
+    assert texts_of(out) == ["good"] * 9
     listed = [json.loads(line) for line in rejects.read_text().splitlines()]
     by_place = {f"{r['file']}{':' + str(r['line']) if 'line' in r else ': row ' + str(r['row'])}": r for r in listed}
     assert sorted(by_place) == sorted(place for _, place, _ in bad.values())

@@ -22,7 +22,6 @@ from __future__ import annotations
 import gzip
 import io
 import itertools
-import json
 import os
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from trnrecipes.data import DataError, listed
 from trnrecipes.data.bad_records import BadRecords, rejects_of
 from trnrecipes.data.corpus_writer import CorpusWriter, corpus_schema, shard_dir_output
 from trnrecipes.data.inputs import InputFile, find_inputs, input_names
-from trnrecipes.data.json_lines import arrow_texts, non_blank
+from trnrecipes.data.json_lines import arrow_texts, json_loads, non_blank
 from trnrecipes.data.manifest import MANIFEST, read_manifest
 from trnrecipes.schema import clipped, shown
 
@@ -553,10 +552,10 @@ def _jsonl_texts(
     f: InputFile, text_field: str, bad: BadRecords, read: ReadCount | None
 ) -> Iterator[pa.Array | list[str]]:
     """The texts of a JSON-lines file in blocks of about JSON_BLOCK_BYTES of lines: what _jsonl reads, quicker. A
-    block pyarrow's JSON reader reads as json does comes as Arrow (json_lines.py); any other is read line by line:
-    a line that is an object with text at `text_field` is taken as it is, and any other (blank, bad, text that is not
-    a string) goes through _json_record, which says what is wrong with it."""
-    loads, i = json.loads, 0
+    block msgspec (or pyarrow's JSON reader) reads as json does comes as Arrow (json_lines.py); any other is read
+    line by line: a line that is an object with text at `text_field` is taken as it is, and any other (blank, bad,
+    text that is not a string) goes through _json_record, which says what is wrong with it."""
+    i = 0
     with open_lines(f.path, read) as fh:
         for block in _byte_blocks(fh, f.name):
             newlines = np.flatnonzero(np.frombuffer(block, np.uint8) == ord("\n"))
@@ -568,11 +567,12 @@ def _jsonl_texts(
             for raw in _split_lines(block):
                 i += 1
                 try:
-                    text = loads(raw.decode())[text_field]
-                    if type(text) is str:
+                    text = json_loads(raw.decode())[text_field]
+                    # a surrogate comes only from a \u escape (raw.decode() refuses one encoded in UTF-8)
+                    if type(text) is str and (text.isascii() or b"\\u" not in raw or not _unpaired_surrogate(text)):
                         texts.append(text)
                         continue
-                except (ValueError, KeyError, TypeError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                except (ValueError, KeyError, TypeError, RecursionError):  # UnicodeDecodeError, JSONDecodeError
                     pass
                 if (record := _json_record(raw, f.name, i, text_field, bad, None)) is not None:
                     texts.append(record[0])
@@ -611,9 +611,11 @@ def _parsed(line: str, text_field: str | None) -> tuple[dict, str | None]:
     """(record, None), or (_, what is wrong with the line): not JSON, not an object, or (with `text_field`) without
     text there."""
     try:
-        record = json.loads(line)
+        record = json_loads(line)
     except ValueError as err:  # JSONDecodeError, and an integer too long for int()
         return {}, f"not valid JSON ({clipped(err)})"
+    except RecursionError as err:
+        return {}, f"JSON nested too deep for Python's json module to read ({clipped(err)})"
     if not isinstance(record, dict):
         return {}, f"a JSON {type(record).__name__}, not an object (a record)"
     if text_field is None:
@@ -624,7 +626,19 @@ def _parsed(line: str, text_field: str | None) -> tuple[dict, str | None]:
         return record, f"field {text_field!r} is null"
     if not isinstance(record[text_field], str):
         return record, f"field {text_field!r} is {type(record[text_field]).__name__}, not text"
+    if not record[text_field].isascii() and (surrogate := _unpaired_surrogate(record[text_field])):
+        return record, f"field {text_field!r} holds an unpaired surrogate escape ({surrogate}): not encodable as UTF-8"
     return record, None
+
+
+def _unpaired_surrogate(text: str) -> str | None:
+    """The first unpaired surrogate in `text` (json reads one from an escape alone: no UTF-8, so no Arrow string, can
+    hold it), as that escape (\\ud800), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"\\u{ord(err.object[err.start]):04x}"
+    return None
 
 
 def read_row_lines(f: Path) -> Iterator[tuple[str, str]]:

@@ -1,36 +1,110 @@
-"""The text field of a block of JSON lines read by pyarrow's C++ JSON reader, where the block is one it reads as
-Python's json module reads each line: else None, and the caller reads the block line by line (arrow.py), which
-names each bad record's line. About twice as fast, and the texts come out as Arrow, not Python strings.
+"""The text field of a block of JSON lines read by msgspec, a line at a time, or where it is not installed (a Neuron
+SDK venv) by pyarrow's C++ JSON reader, where the block is one they read as Python's json module reads each line: else
+None, and the caller reads the block line by line (arrow.py), which names each bad record's line. msgspec is two to
+three times as fast as json, pyarrow's reader 1.5 times; the texts come out as Arrow either way.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 import struct
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
+try:
+    import msgspec
+except ImportError:  # not installed (a Neuron SDK venv): pyarrow's reader instead
+    msgspec = None
+
 # A character that str.isspace() does not count (every other is one of these, which str.strip() removes): a text
 # with none is blank, as `not text.strip()` says. tests/test_json_lines.py checks the set against Python's.
 NOT_SPACE = r"[^\t-\r\x1c- \x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}\x{205f}\x{3000}]"
 MAX_BLOCK = (1 << 31) - 2  # the reader's block size is an int32; a larger block goes line by line
+# Calls of room json_loads gives json on a RecursionError: it then reads about 1190 levels of nesting, whatever the
+# caller's stack, deeper than msgspec reads under the default recursion limit (998 less the stack)
+RECURSION_ROOM = 1200
+MAX_OPENERS = 1024  # a line with more `[` and `{` than this goes line by line with pyarrow's reader (any depth)
 NEWLINE, OPEN, CLOSE, CR = b"\n{}\r"
 
 
 def arrow_texts(block: bytes, lines: np.ndarray, text_field: str) -> pa.Array | None:
     """The texts (large_string) at `text_field` of the JSON lines in `block`, one per line (`lines`: the positions
-    of its newlines; the last line may lack one), or None where the reader could read them otherwise than Python's
-    json module does line by line, or a line is bad: then every line must be read by json. Checked first, since the
-    reader takes liberties (two objects on a line, NaN's cousins Inf and -NaN, invalid UTF-8 outside the text) and
-    crashes on a line `null` (Apache Arrow, "NULL Pointer Dereference bug"); its errors and nulls are the rest."""
-    if not block or len(block) > MAX_BLOCK or not _one_object_a_line(block, lines) or not _utf8(block):
+    of its newlines; the last line may lack one), or None where a line is bad or could be read otherwise than
+    Python's json module reads it: then every line must be read by json. Both parsers take what json refuses
+    (invalid UTF-8 outside the text, an integer of more digits than int() takes), so that is checked first."""
+    if not block or len(block) > MAX_BLOCK or not _utf8(block):
         return None
     data = np.frombuffer(block, np.uint8)
-    if _long_digit_run(block, data) or _nonstandard_number(block, data):
+    if _long_digit_run(block, data):
+        return None
+    decode = _text_decoder(text_field) if msgspec is not None else None
+    if decode is not None:
+        return _decoded_texts(block, lines, decode)
+    return _read_texts(block, data, lines, text_field)
+
+
+def json_loads(line: str | bytes) -> object:
+    """json.loads, where nesting too deep for the stack left (a RecursionError) is tried again with RECURSION_ROOM
+    frames of room: how deep a line may nest is then the same from any caller, so the line-by-line reader takes a
+    line or refuses it wherever it is met (Python 3.11 and before: 3.12's json counts C recursion, not this limit)."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(limit - _recursion_left() + RECURSION_ROOM)
+        try:
+            return json.loads(line)
+        finally:
+            sys.setrecursionlimit(limit)
+
+
+def _recursion_left(calls: int = 0) -> int:
+    """How many calls deeper than this one the recursion limit allows: the stack's depth as the limit counts it
+    (generators resumed from C count more than their frames), found by recursing to it (rare: a line nested deep)."""
+    try:
+        return _recursion_left(calls + 1)
+    except RecursionError:
+        return calls
+
+
+@functools.lru_cache(maxsize=8)
+def _text_decoder(text_field: str) -> Callable[[bytes], object] | None:
+    """msgspec's decoder of one JSON line to a record of its text at `text_field` (a string: else an error), other
+    fields skipped (still checked as JSON); None for a name it cannot match (a quote, backslash or control
+    character in it)."""
+    try:
+        record = msgspec.defstruct("Record", [("text", str)], rename={"text": text_field}, gc=False)
+    except ValueError:
+        return None
+    return msgspec.json.Decoder(record).decode
+
+
+def _decoded_texts(block: bytes, lines: np.ndarray, decode: Callable[[bytes], object]) -> pa.Array | None:
+    """Each line decoded alone (a view of it: no copy), so it must be one object and nothing else (past JSON's
+    whitespace, a CR among it), as for json. msgspec refuses what json refuses (and NaN, Infinity, a lone surrogate,
+    a blank line: line by line then) and takes the last of duplicate keys as json does."""
+    view = memoryview(block)
+    ends = lines if block[-1] == NEWLINE else np.append(lines, len(block))
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    try:
+        texts = [decode(view[start:end]).text for start, end in zip(starts.tolist(), ends.tolist(), strict=True)]
+    except (ValueError, RecursionError):  # DecodeError, ValidationError; nesting less deep than json_loads reads
+        return None
+    return pa.array(texts, pa.large_string())
+
+
+def _read_texts(block: bytes, data: np.ndarray, lines: np.ndarray, text_field: str) -> pa.Array | None:
+    """The texts by pyarrow's reader, where it reads what json does. Checked first, since the reader takes liberties
+    (two objects on a line, NaN's cousins Inf and -NaN) and crashes on a line `null` (Apache Arrow, "NULL Pointer
+    Dereference bug"), and reads any depth of nesting; its errors and nulls are the rest."""
+    if not _one_object_a_line(block, lines) or _nonstandard_number(block, data) or _many_openers(data, lines):
         return None
     schema = pa.schema([pa.field(text_field, pa.large_string())])
     options = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
@@ -66,8 +140,16 @@ def _one_object_a_line(block: bytes, lines: np.ndarray) -> bool:
     return bool(np.all(last == CLOSE))
 
 
+def _many_openers(data: np.ndarray, lines: np.ndarray) -> bool:
+    """A line with more than MAX_OPENERS `[` and `{` (in its text too): it could nest deeper than json_loads reads."""
+    openers = np.flatnonzero((data | 0x20) == OPEN)  # `[` is `{` less 0x20
+    if len(openers) <= MAX_OPENERS:
+        return False
+    return int(np.bincount(np.searchsorted(lines, openers)).max()) > MAX_OPENERS
+
+
 def _utf8(block: bytes) -> bool:
-    """Valid UTF-8 throughout (the reader passes invalid bytes through, and skips them outside the text)."""
+    """Valid UTF-8 throughout (both parsers skip invalid bytes outside the text; pyarrow's passes them in it)."""
     offsets = pa.py_buffer(struct.pack("<qq", 0, len(block)))
     try:
         pa.Array.from_buffers(pa.large_string(), 1, [None, offsets, pa.py_buffer(block)]).validate(full=True)
