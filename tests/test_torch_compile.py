@@ -158,3 +158,57 @@ def test_a_run_that_does_not_compile_never_imports_dynamo(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "step 2/2" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     assert "dynamo imported: False" in done.stdout
+
+
+def test_compile_blocks_disables_everything_marked_eager():
+    """What recipes/common/eager.py marks is disabled (as torch.compiler.disable) by compile_blocks wherever the model
+    holds it: a module's forward (through a mixin), a callable attribute, a functools.partial of a marked function,
+    and a forward hook; nothing unmarked is touched, and compiling again changes nothing more."""
+    import functools
+
+    from recipes.common.eager import eager_under_compile
+
+    @eager_under_compile
+    def kernel(x, *, scale):
+        return x * scale
+
+    @eager_under_compile
+    def hook(module, inputs, output):
+        return None
+
+    class Mixin:
+        @eager_under_compile
+        def forward(self, x):
+            return x
+
+    class Inner(Mixin, torch.nn.Linear):
+        pass
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner(2, 2)
+            self.kernel = functools.partial(kernel, scale=2.0)
+            self.closure = eager_under_compile(lambda x: x)
+            self.plain = lambda x: x
+            self.inner.register_forward_hook(hook)
+
+        def forward(self, x):
+            return self.closure(self.kernel(self.inner(x)))
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Block()])
+    compile_blocks(model, "eager")
+    block = model.layers[0]
+    disabled = lambda f: getattr(f, "_torchdynamo_disable", False)  # noqa: E731
+    assert disabled(type(block.inner).forward) and isinstance(block.inner, Inner)
+    assert type(block.inner).__name__ == "Inner"
+    assert disabled(block.kernel.func) and block.kernel.keywords == {"scale": 2.0}
+    assert disabled(block.closure) and not disabled(block.plain)
+    assert all(disabled(h) for h in block.inner._forward_hooks.values())
+    assert not disabled(type(block).forward)
+    before = (type(block.inner), block.kernel.func, block.closure)
+    compile_blocks(model, "eager")
+    assert (type(block.inner), block.kernel.func, block.closure) == before
+    x = torch.ones(1, 2)
+    torch.testing.assert_close(block(x), 2 * block.inner(x))
