@@ -77,6 +77,16 @@ PYARROW_REFUSES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def default_recursion_limit():
+    """Python's default recursion limit, which `trnrecipes data to-arrow` runs under: how deep json and msgspec read
+    depends on it, and inductor raises it to 2000 when a test in the same process compiles."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    yield
+    sys.setrecursionlimit(limit)
+
+
 @pytest.fixture(params=["msgspec", "pyarrow"])
 def parser(request, monkeypatch) -> str:
     """Which parser arrow_texts uses: msgspec where it is installed, else pyarrow's reader (forced here)."""

@@ -28,7 +28,8 @@ except ImportError:  # not installed (a Neuron SDK venv): pyarrow's reader inste
 NOT_SPACE = r"[^\t-\r\x1c- \x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}\x{205f}\x{3000}]"
 MAX_BLOCK = (1 << 31) - 2  # the reader's block size is an int32; a larger block goes line by line
 # Calls of room json_loads gives json on a RecursionError: it then reads about 1190 levels of nesting, whatever the
-# caller's stack, deeper than msgspec reads under the default recursion limit (998 less the stack)
+# caller's stack, deeper than msgspec reads under the default recursion limit (998 less the stack), which the CLI
+# runs under (a process that raised the limit, as inductor does to 2000, lets both read deeper)
 RECURSION_ROOM = 1200
 MAX_OPENERS = 1024  # a line with more `[` and `{` than this goes line by line with pyarrow's reader (any depth)
 NEWLINE, OPEN, CLOSE, CR = b"\n{}\r"
