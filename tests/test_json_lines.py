@@ -133,12 +133,20 @@ def test_a_file_with_each_gives_the_texts_and_bad_records_of_the_line_by_line_re
     a bad record named by its line; NaN is read."""
     lines = [b'{"text": "before"}', {**LINE_BY_LINE, **MSGSPEC_REFUSES, **PYARROW_REFUSES}[what], b'{"text": "after"}']
     src = InputFile(write(tmp_path / "one.jsonl", b"\n".join(lines) + b"\n"), "jsonl")
+    readers_agree(src)
+
+
+def readers_agree(src: InputFile) -> tuple[list, int]:
+    """Reads `src` both ways, block by block (file_texts) and line by line (file_records), skipping bad records, and
+    checks they give the same texts and the same rejects; returns the blocks (Arrow arrays or lists of texts) and
+    the count of bad records."""
     quick, one_by_one = BadRecords("skip"), BadRecords("skip")
     quick.sink, one_by_one.sink = io.StringIO(), io.StringIO()
     blocks = [texts for texts, _ in file_texts(src, "text", quick, None)]
     texts = [t for b in blocks for t in (b.to_pylist() if isinstance(b, pa.Array) else b)]
     assert texts == [text for text, _ in file_records(src, "text", one_by_one, None)]
     assert quick.sink.getvalue() == one_by_one.sink.getvalue() and quick.count == one_by_one.count
+    return blocks, quick.count
 
 
 def nested(depth: int) -> bytes:
@@ -232,10 +240,6 @@ def test_a_file_of_good_and_bad_blocks_reads_as_line_by_line_with_the_same_lines
         if k % 7 == 3:
             lines += [odd[k % len(odd)], b"{broken", b""]
     src = InputFile(write(tmp_path / "mixed.jsonl", b"\n".join(lines) + b"\n"), "jsonl")
-    quick, one_by_one = BadRecords("skip"), BadRecords("skip")
-    quick.sink, one_by_one.sink = io.StringIO(), io.StringIO()
-    blocks = [texts for texts, _ in file_texts(src, "text", quick, None)]
-    texts = [t for b in blocks for t in (b.to_pylist() if isinstance(b, pa.Array) else b)]
-    assert texts == [text for text, _ in file_records(src, "text", one_by_one, None)]
-    assert quick.sink.getvalue() == one_by_one.sink.getvalue() and quick.count == one_by_one.count > 8
+    blocks, rejected = readers_agree(src)
+    assert rejected > 8
     assert sum(isinstance(b, pa.Array) for b in blocks) > 10 and sum(isinstance(b, list) for b in blocks) > 3

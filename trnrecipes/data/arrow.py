@@ -569,7 +569,7 @@ def _jsonl_texts(
                 try:
                     text = json_loads(raw.decode())[text_field]
                     # a surrogate comes only from a \u escape (raw.decode() refuses one encoded in UTF-8)
-                    if type(text) is str and (text.isascii() or b"\\u" not in raw or not _unpaired_surrogate(text)):
+                    if type(text) is str and (b"\\u" not in raw or not _unpaired_surrogate(text)):
                         texts.append(text)
                         continue
                 except (ValueError, KeyError, TypeError, RecursionError):  # UnicodeDecodeError, JSONDecodeError
@@ -626,7 +626,7 @@ def _parsed(line: str, text_field: str | None) -> tuple[dict, str | None]:
         return record, f"field {text_field!r} is null"
     if not isinstance(record[text_field], str):
         return record, f"field {text_field!r} is {type(record[text_field]).__name__}, not text"
-    if not record[text_field].isascii() and (surrogate := _unpaired_surrogate(record[text_field])):
+    if surrogate := _unpaired_surrogate(record[text_field]):
         return record, f"field {text_field!r} holds an unpaired surrogate escape ({surrogate}): not encodable as UTF-8"
     return record, None
 
@@ -634,6 +634,8 @@ def _parsed(line: str, text_field: str | None) -> tuple[dict, str | None]:
 def _unpaired_surrogate(text: str) -> str | None:
     """The first unpaired surrogate in `text` (json reads one from an escape alone: no UTF-8, so no Arrow string, can
     hold it), as that escape (\\ud800), or None."""
+    if text.isascii():  # most texts: no encoding needed to know
+        return None
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:

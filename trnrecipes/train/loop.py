@@ -323,8 +323,8 @@ class Trainer:
         replica adds its counts once more, which the share cancels)."""
         counts = torch.zeros(self.recipe.model.num_labels)
         if self.dims.holds_loss:
-            for tokens in self.val_batches:
-                counts += torch.bincount(tokens[:, -1], minlength=len(counts)).float()
+            for batch in self.val_batches:  # each sample's label is its last column, as _classify reads it
+                counts += torch.bincount(batch[:, -1], minlength=len(counts)).float()
         counts = self.dims.sum_over_ranks(counts, self.backend.device)
         share = float(counts.max() / counts.sum())
         self.log(
