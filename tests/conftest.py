@@ -26,6 +26,12 @@ def run_cli(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> 
     )
 
 
+def rank_launcher(nproc: int) -> list[str]:
+    """The command that starts `nproc` ranks of the script or `-m module` after it: tests/ranks.py, torchrun's
+    environment without torchrun's own start-up."""
+    return [sys.executable, str(REPO / "tests" / "ranks.py"), str(nproc)]
+
+
 @pytest.fixture
 def cli():
     return run_cli

@@ -12,14 +12,13 @@ import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from conftest import REPO, run_cli
+from conftest import REPO, rank_launcher, run_cli
 
 from trnrecipes.checkpoint import read_model_checkpoint
 from trnrecipes.checkpoint.format import ShardReader
@@ -171,8 +170,7 @@ def test_incremental_training_from_a_dp2_checkpoint_continues_at_dp1_on_new_data
     optimizer kept. Phase 2 starts from the saved weights and moments bitwise; its metrics hold both phases."""
     first = tmp_path / "phase1"
     phase1 = overrides(corpus, "a", **{"cluster.workers_per_node": 2, "train.max_steps": 20})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", "-m", "trnrecipes", "train", "--config",
+    cmd = [*rank_launcher(2), "-m", "trnrecipes", "train", "--config",
            str(REPO / "recipes/bert/bert-tiny.yaml"), *phase1, f"run_dir={first}"]  # fmt: skip
     done = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
@@ -245,10 +243,8 @@ def test_tensor_parallel_bert_equals_one_rank(corpus, tmp_path):
     losses = {}
     for tp in (1, 2):
         run_dir = tmp_path / f"tp{tp}"
-        launch = ["-m", "torch.distributed.run", f"--nproc-per-node={tp}", "--rdzv-backend=c10d",
-                  "--rdzv-endpoint=127.0.0.1:0"]  # fmt: skip
         config = str(REPO / "recipes/bert/bert-tiny.yaml")
-        cmd = [sys.executable, *launch, "-m", "trnrecipes", "train", "--config", config, *common,
+        cmd = [*rank_launcher(tp), "-m", "trnrecipes", "train", "--config", config, *common,
                f"cluster.workers_per_node={tp}", f"layout.tp={tp}", f"run_dir={run_dir}"]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)

@@ -1,6 +1,6 @@
 """train.compile under DTensor tensor parallelism, composed as torchtitan composes them (the TP plan, activation
 checkpointing, compile per block, FSDP2 last): compiled TP 2 trains as eager TP 2 does, with sequence parallelism
-and under FSDP over 2 more ranks, never recompiles after its warm-up and resumes bitwise. Real torchrun, gloo and
+and under FSDP over 2 more ranks, never recompiles after its warm-up and resumes bitwise. Real gloo ranks and
 DTensor through the real Trainer (tests/compiled_tp_worker.py). The backend is aot_eager: dynamo and AOTAutograd,
 where compiled TP broke on torch 2.13 (an AsyncCollectiveTensor as a block's input lost its DTensor gradient), run
 as they do for inductor; inductor's own kernels under TP are not what is checked (tests/test_torch_compile.py runs
@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, rank_launcher
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +29,7 @@ LAYOUTS = {
 def test_compiled_tp_trains_as_eager_never_recompiles_and_resumes_bitwise(tmp_path: Path, layout: str):
     workers, name, over = LAYOUTS[layout]
     out = tmp_path / "runs.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={workers}", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", str(REPO / "tests/compiled_tp_worker.py"), str(out), str(tmp_path), name,
+    cmd = [*rank_launcher(workers), str(REPO / "tests/compiled_tp_worker.py"), str(out), str(tmp_path), name,
            f"cluster.workers_per_node={workers}", *SMALL, *over]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COMPILE_BACKEND": "aot_eager"}
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)

@@ -1,6 +1,6 @@
 """Context parallelism (layout.cp, trnrecipes/parallel/context.py): the load-balanced split of a sequence and its
-inverse, exact chunked causal attention, and on real torch.distributed (gloo, 4 ranks: tests/cp_worker.py under
-torchrun) CP 2 and 4, TP 2 x CP 2, CP 2 with ZeRO-1, FSDP and activation checkpointing train as CP 1 (fp32: losses,
+inverse, exact chunked causal attention, and on real torch.distributed (gloo, 4 ranks: tests/cp_worker.py, each
+a process) CP 2 and 4, TP 2 x CP 2, CP 2 with ZeRO-1, FSDP and activation checkpointing train as CP 1 (fp32: losses,
 every gradient, the weights), for llama3.1-tiny (GQA) and at CP 2 for neox-tiny and qwen3-tiny; ZeRO-1 and FSDP shard
 over the dp x cp ranks (at DP 1 too); a checkpoint written at CP 2 resumes at CP 1 bitwise in what it restores, and
 the reverse, and one written at CP 2 under FSDP (dp x cp moment files) at CP 1 without FSDP and with ZeRO-1; each
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, rank_launcher
 
 from recipes.common.attention import causal_attention
 from trnrecipes.config.recipe import load_recipe
@@ -58,8 +57,7 @@ def test_chunked_causal_attention_is_causal_attention_over_the_whole_sequence(cp
 def launch(tmp_path: Path) -> dict:
     out = tmp_path / "out.pt"
     worker = [str(REPO / "tests/cp_worker.py"), str(out), str(tmp_path / "runs")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", *worker]  # fmt: skip
+    cmd = [*rank_launcher(4), *worker]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -8,12 +8,11 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, rank_launcher
 from safetensors.torch import load_file, save_file
 
 from trnrecipes.config.recipe import load_recipe
@@ -74,8 +73,7 @@ def test_fresh_resumed_and_checkpointed_runs_are_bitwise_equal_and_another_seed_
 def masks(tmp_path: Path, *layout: str) -> list[dict[str, torch.Tensor]]:
     """Each of 2 gloo ranks' dropout masks in one step on the same micro-batches (tests/dropout_worker.py)."""
     out = tmp_path / "masks"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", str(REPO / "tests/dropout_worker.py"), str(out), "bert-tiny", *SMALL,
+    cmd = [*rank_launcher(2), str(REPO / "tests/dropout_worker.py"), str(out), "bert-tiny", *SMALL,
            "cluster.workers_per_node=2", f"run_dir={tmp_path / 'run'}", *layout]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)

@@ -1,5 +1,5 @@
 """Expert parallelism (layout.ep, trnrecipes/parallel/expert.py) on real torch.distributed (gloo), qwen3-moe-tiny at
-seq 32 (tests/ep_worker.py under torchrun): EP 2 over DP 2, EP 2 and 4 over DP 4 train as EP 1 (4 steps: losses,
+seq 32 (tests/ep_worker.py, 2 or 4 gloo ranks): EP 2 over DP 2, EP 2 and 4 over DP 4 train as EP 1 (4 steps: losses,
 grad norms, every gradient of the first step, the weights after the last), with activation checkpointing too;
 checkpoints hold whole [E, ...] experts and resume EP 2 -> 1 and 1 -> 2; dispatch is dropless; the refusals. Under
 TP 2 (with SP, with EP 2, ZeRO-1, FSDP) the experts stay whole per TP rank, each routing half the tokens."""
@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, rank_launcher
 from safetensors import safe_open
 
 from trnrecipes.config.recipe import load_recipe
@@ -26,8 +25,7 @@ EXPERTS = "layers.1.mlp.experts.gate_up"  # qwen3-moe-tiny: 8 experts, [8, 2 x 6
 def launch(tmp_path: Path, nproc: int, *eps: int) -> tuple[dict, Path]:
     out, root = tmp_path / "out.pt", tmp_path / "runs"
     worker = [str(REPO / "tests/ep_worker.py"), str(out), str(root), *map(str, eps)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", *worker]  # fmt: skip
+    cmd = [*rank_launcher(nproc), *worker]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import REPO
+from conftest import REPO, rank_launcher
 from safetensors import safe_open
 from test_resume import last_losses, logged_steps
 from test_zero1 import launch
@@ -31,8 +30,7 @@ def worker(tmp_path: Path, nproc: int, overrides: list[str], steps: int) -> tupl
     """tests/train_worker.py under torchrun on llama2-tiny: rank 0's result (grads of step 1, norms, full weights)
     and every rank's moment / parameter element counts."""
     out = tmp_path / f"w{abs(hash(tuple(overrides)))}.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", str(REPO / "tests/train_worker.py"), str(out), "llama2-tiny",
+    cmd = [*rank_launcher(nproc), str(REPO / "tests/train_worker.py"), str(out), "llama2-tiny",
            f"cluster.workers_per_node={nproc}", *FIXED, *overrides]  # fmt: skip
     env = {**os.environ, "TRAIN_WORKER_STEPS": str(steps), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
@@ -105,8 +103,7 @@ def launch_failing(tmp_path: Path, *overrides: str) -> str:
     recipe = load_recipe("llama2-tiny", overrides=over)
     cfg = tmp_path / "failing.yaml"
     cfg.write_text(yaml.safe_dump(recipe.to_dict()))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", "-m", "trnrecipes", "train", "--config", str(cfg)]  # fmt: skip
+    cmd = [*rank_launcher(2), "-m", "trnrecipes", "train", "--config", str(cfg)]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode != 0, done.stdout[-3000:]
     return done.stdout + done.stderr

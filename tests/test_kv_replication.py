@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO
+from conftest import REPO, rank_launcher
 
 from trnrecipes.checkpoint.format import CheckpointError, consolidate
 from trnrecipes.config.recipe import load_recipe
@@ -69,8 +69,7 @@ def _torchrun(tmp_path: Path, tp: int, dp: int = 1, *extra: str) -> dict:
     worker = [str(REPO / "tests/train_worker.py"), str(out), "llama3.1-tiny", *EIGHT_HEADS,
               f"cluster.workers_per_node={tp * dp}", f"layout.tp={tp}", *extra]  # fmt: skip
     cmd = [sys.executable, *worker] if tp * dp == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * dp}", "--rdzv-backend=c10d",
-        "--rdzv-endpoint=127.0.0.1:0", *worker]  # fmt: skip
+        *rank_launcher(tp * dp), *worker]  # fmt: skip
     env = {**os.environ, "TRAIN_WORKER_STEPS": "5"}
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -111,9 +110,8 @@ def _config(tmp_path: Path, name: str, steps: int, *overrides: str) -> Path:
 
 
 def _train(cfg: Path, nproc: int) -> str:
-    launch = ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-              "--rdzv-endpoint=127.0.0.1:0"] if nproc > 1 else []  # fmt: skip
-    cmd = [sys.executable, *launch, "-m", "trnrecipes", "train", "--config", str(cfg)]
+    launch = rank_launcher(nproc) if nproc > 1 else [sys.executable]
+    cmd = [*launch, "-m", "trnrecipes", "train", "--config", str(cfg)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
-from conftest import REPO
+from conftest import REPO, rank_launcher
 from torch._dynamo.testing import CompileCounterWithBackend
 from train_worker import fixed_steps
 
@@ -36,8 +36,7 @@ SMALL = ["batch.seq_len=32", "batch.global_batch=8", "batch.micro_batch=2"]
 
 def run_worker(tmp_path: Path, script: str, overrides: list[str], tag: str) -> dict:
     out = tmp_path / f"{tag}.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", str(REPO / "tests" / script), str(out), "llama2-tiny",
+    cmd = [*rank_launcher(2), str(REPO / "tests" / script), str(out), "llama2-tiny",
            "cluster.workers_per_node=2", *SMALL, *overrides]  # fmt: skip
     env = {**os.environ, "TRAIN_WORKER_STEPS": "3", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)

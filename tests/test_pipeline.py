@@ -1,4 +1,4 @@
-"""Pipeline parallelism on real torch.distributed (gloo) under torchrun, OMP_NUM_THREADS=1, fp32, 5 AdamW steps with
+"""Pipeline parallelism on real torch.distributed (gloo), a process a rank, OMP_NUM_THREADS=1, fp32, 5 AdamW steps with
 clipping active: a pipelined run is bitwise the unpipelined one (losses, every gradient, grad and parameter norms,
 validation loss, final weights), for both families, every schedule, an uneven split, activation checkpointing, and
 with TP (SP off and on) and DP beside it. Checkpoints cross PP sizes both ways and survive SIGKILL."""
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO
+from conftest import REPO, rank_launcher
 from test_resume import finish, last_losses, wait_for_step
 
 from trnrecipes.config.recipe import load_recipe
@@ -28,18 +28,17 @@ FIXED = ["batch.seq_len=32", "batch.global_batch=4", "batch.micro_batch=1", "opt
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same intra-op threads for every layout: bitwise comparable
 
 
-def torchrun(nproc: int, *args: str) -> list[str]:
+def launcher(nproc: int, *args: str) -> list[str]:
     if nproc == 1:
         return [sys.executable, *args]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-            "--rdzv-endpoint=127.0.0.1:0", *args]  # fmt: skip
+    return [*rank_launcher(nproc), *args]  # fmt: skip
 
 
 def worker(tmp_path: Path, name: str, nproc: int, *overrides: str) -> dict:
     """tests/pp_worker.py's records, joined over ranks: each parameter from whichever stage holds it (replicas and
     TP ranks must agree on everything they both report)."""
     out = tmp_path / f"{name}-{nproc}-{abs(hash(overrides))}"
-    cmd = torchrun(nproc, str(REPO / "tests/pp_worker.py"), str(out), name, *FIXED,
+    cmd = launcher(nproc, str(REPO / "tests/pp_worker.py"), str(out), name, *FIXED,
                    f"cluster.workers_per_node={nproc}", *overrides)  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -140,7 +139,7 @@ def config(tmp_path: Path, run: Path, pp: int, steps: int) -> Path:
 
 
 def train(tmp_path: Path, run: Path, pp: int, steps: int) -> subprocess.Popen:
-    cmd = torchrun(pp, "-m", "trnrecipes", "train", "--config", str(config(tmp_path, run, pp, steps)))
+    cmd = launcher(pp, "-m", "trnrecipes", "train", "--config", str(config(tmp_path, run, pp, steps)))
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
 
 
@@ -192,7 +191,7 @@ def test_a_sigkilled_pp2_run_resumes_bitwise(tmp_path: Path, straight):
     run = tmp_path / "run"
     proc = train(tmp_path, run, 2, STEPS)
     wait_for_step(run, 12, proc)
-    kill_tree(proc.pid)  # torchrun and both workers, mid-run
+    kill_tree(proc.pid)  # the launcher and both workers, mid-run
     proc.wait()
     out = finish(train(tmp_path, run, 2, STEPS))
     resumed = re.search(r"resuming from \S+ \(step (\d+)\)", out)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO
+from conftest import REPO, rank_launcher
 from safetensors.torch import load_file
 
 from trnrecipes.checkpoint import verify
@@ -183,8 +183,7 @@ def test_resume_with_another_dp_and_tp_layout(tmp_path: Path):
         two = load_recipe("llama2-tiny", overrides=[*base, "cluster.workers_per_node=2", f"run_dir={run}", *layout])
         cfg2 = tmp_path / f"two{i}.yaml"
         cfg2.write_text(yaml.safe_dump({**two.to_dict(), "train": {**two.to_dict()["train"], "max_steps": 8}}))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-               "--rdzv-endpoint=127.0.0.1:0", "-m", "trnrecipes", "train", "--config", str(cfg2)]  # fmt: skip
+        cmd = [*rank_launcher(2), "-m", "trnrecipes", "train", "--config", str(cfg2)]  # fmt: skip
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert "resuming from" in done.stdout and "(step 5)" in done.stdout

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, rank_launcher
 
 import recipes.common.init as init_module
 from recipes.common.init import fill_region, init_full
@@ -84,8 +83,7 @@ def test_init_follows_the_family_rules():
 
 def _build(tmp_path: Path, name: str, weights: str, overrides: list[str]) -> tuple[dict, list[dict]]:
     out = tmp_path / f"{name}-{weights != '-'}.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", str(REPO / "tests/build_worker.py"), str(out), weights, name,
+    cmd = [*rank_launcher(2), str(REPO / "tests/build_worker.py"), str(out), weights, name,
            *overrides]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO
+from conftest import REPO, rank_launcher
 
 from trnrecipes.checkpoint import verify_training
 from trnrecipes.checkpoint.format import CheckpointWriteError, latest_checkpoint, step_dirs
@@ -286,8 +286,7 @@ def test_two_ranks_stop_together_at_the_next_step_when_rank_1_cannot_write(tmp_p
     cfg.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     script = tmp_path / "rank1_small_files.py"
     script.write_text(RANK_1_SMALL_FILES)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", str(script), "train", "--config", str(cfg)]  # fmt: skip
+    cmd = [*rank_launcher(2), str(script), "train", "--config", str(cfg)]  # fmt: skip
     began = time.monotonic()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and time.monotonic() - began < 120, done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,22 +1,20 @@
 """TP=2 over two gloo processes equals TP=1 (logits and every gradient), for each decoder family, with and without
-sequence parallelism. Real torchrun, real DTensor; see tests/tp_worker.py."""
+sequence parallelism. Real gloo processes, real DTensor; see tests/tp_worker.py."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, rank_launcher
 
 pytestmark = pytest.mark.slow
 
 
 def test_tp2_equals_tp1_for_each_decoder_family(tmp_path):
     out = tmp_path / "tp.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", str(REPO / "tests" / "tp_worker.py"), str(out)]  # fmt: skip
+    cmd = [*rank_launcher(2), str(REPO / "tests" / "tp_worker.py"), str(out)]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())

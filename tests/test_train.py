@@ -1,5 +1,5 @@
 """The training engine on CPU: loss falls for every tiny recipe, DP/TP gradient averaging, bf16 + stochastic
-rounding, stop requests and compile mode. Real data (the demo corpus), real torchrun for the 2-process cases."""
+rounding, stop requests and compile mode. Real data (the demo corpus), real gloo processes for the 2-process cases."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, rank_launcher
 
 from trnrecipes.config.cluster import get_instance
 from trnrecipes.config.recipe import load_recipe
@@ -67,8 +67,7 @@ def _torchrun(tmp_path: Path, name: str, overrides: list[str], nproc: int) -> di
     if nproc == 1:
         cmd = [sys.executable, *worker]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-               "--rdzv-endpoint=127.0.0.1:0", *worker]  # fmt: skip
+        cmd = [*rank_launcher(nproc), *worker]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return torch.load(out, weights_only=True)

@@ -1,16 +1,15 @@
 """The vocab-parallel cross-entropy: each TP rank keeps [chunk, V / tp] logits of its own head rows. Against
 F.cross_entropy on the whole head, and TP 2 against TP 1 (loss and every gradient) for both families, GQA and
-sequence parallelism included. Real torchrun and gloo; see tests/vocab_loss_worker.py."""
+sequence parallelism included. Real gloo processes; see tests/vocab_loss_worker.py."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, rank_launcher
 from torch import nn
 
 from trnrecipes.parallel.tensor import vocab_parallel_head_loss
@@ -20,8 +19,7 @@ from trnrecipes.parallel.tensor import vocab_parallel_head_loss
 def tp2(tmp_path_factory) -> list[dict]:
     """Every rank's results of one 2-process run (rank order)."""
     out = tmp_path_factory.mktemp("vocab") / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", str(REPO / "tests" / "vocab_loss_worker.py"), str(out)]  # fmt: skip
+    cmd = [*rank_launcher(2), str(REPO / "tests" / "vocab_loss_worker.py"), str(out)]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())

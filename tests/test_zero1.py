@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import REPO
+from conftest import REPO, rank_launcher
 from test_resume import finish, last_losses, start
 
 from trnrecipes.checkpoint import verify_training
@@ -26,8 +25,7 @@ FIXED = ["batch.seq_len=32", "batch.global_batch=8", "batch.micro_batch=2", "opt
 
 def worker(tmp_path: Path, overrides: list[str], steps: int) -> tuple[dict, list[dict], list[dict]]:
     out = tmp_path / f"w{abs(hash(tuple(overrides)))}.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", str(REPO / "tests/train_worker.py"), str(out), "pythia-tiny",
+    cmd = [*rank_launcher(2), str(REPO / "tests/train_worker.py"), str(out), "pythia-tiny",
            *overrides]  # fmt: skip
     env = {**os.environ, "TRAIN_WORKER_STEPS": str(steps), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
@@ -63,8 +61,7 @@ def launch(tmp_path: Path, run: Path, nproc: int, steps: int, *overrides: str) -
     cfg.write_text(yaml.safe_dump({**recipe.to_dict(), "train": {**recipe.to_dict()["train"], "max_steps": steps}}))
     if nproc == 1:
         return finish(start(cfg))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", "-m", "trnrecipes", "train", "--config", str(cfg)]  # fmt: skip
+    cmd = [*rank_launcher(nproc), "-m", "trnrecipes", "train", "--config", str(cfg)]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
