@@ -19,7 +19,7 @@ TINY = ["cluster.workers_per_node=1", "batch.seq_len=64", "batch.global_batch=4"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 GEN_TOKS = 48  # BBH's own cap is 1024 tokens per answer: 27 subtasks x 2 runs would take minutes on a tiny model
 # lm-eval's window (prompt + answer; prompts are cut from the left to fit), the same on both sides of the parity test:
-# the default 2048 spends most of these tests in the 50k-vocabulary head over the long 5- and 8-shot prompts.
+# the default 2048 spends most of these tests on the long 5- and 8-shot prompts.
 WINDOW = 384
 
 

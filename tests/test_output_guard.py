@@ -45,7 +45,7 @@ NO_CLASH = {"preprocess": {"same", "symlink", "hardlink", "holds_input"}, "plot"
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """A BERT classifier (predict, embed) and a pythia-tiny language model with the GPT-2 tokenizer (convert, eval),
+    """A BERT classifier (predict, embed) and a pythia-tiny language model with the demo tokenizer (convert, eval),
     each a real checkpoint, copied into every case's directory."""
     root = tmp_path_factory.mktemp("guard")
     tokenizer = BertWordPieceTokenizer(lowercase=True)
