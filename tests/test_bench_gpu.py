@@ -43,16 +43,17 @@ def bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_bench_gpu_runs_each_row_after_its_loss_check(tmp_path):
-    """ours, ours-compile (train.compile=true, compiled with aot_eager: no C++ build) and transformers eager, fp32,
-    2 layers."""
+def test_bench_gpu_runs_each_row_after_its_loss_check_and_the_optimizer_step_alone(tmp_path):
+    """ours, ours-compile (train.compile=true, compiled with aot_eager: no C++ build), ours-compile with bf16 moments
+    and transformers eager, fp32, 2 layers; then the optimizer step alone, ours eager / compiled / compiled with bf16
+    moments against torch's AdamW. One run: each row is its own process anyway."""
     out = tmp_path / "result.json"
     done = bench(
-        "--tiny", "--rows", "ours,ours-compile,hf", "--steps", "2", "--peak-tflops", "0.19",
-        "--compile-backend", "aot_eager", "--json", str(out),
+        "--tiny", "--rows", "ours,ours-compile,ours-compile-bf16-state,hf,optimizer", "--steps", "2",
+        "--peak-tflops", "0.19", "--compile-backend", "aot_eager", "--json", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    ran = ["ours", "ours-compile", "hf"]
+    ran = ["ours", "ours-compile", "ours-compile-bf16-state", "hf"]
     table = {m["row"]: m for m in TABLE_ROW.finditer(done.stdout)}
     assert list(table) == ran, done.stdout
     for row in table.values():
@@ -68,11 +69,12 @@ def test_bench_gpu_runs_each_row_after_its_loss_check(tmp_path):
     assert done.stdout.index("loss check ours:") < done.stdout.index("| ours |")
 
     assert re.search(r"^ours/hf: [\d.]+x tokens/s, [\d.]+x peak memory$", done.stdout, re.M), done.stdout
+    assert re.search(r"^ours-compile-bf16-state/hf: [\d.]+x tokens/s", done.stdout, re.M), done.stdout
     result = json.loads(out.read_text())
     assert list(result["rows"]) == ran
     assert result["shape"]["dtype"] == "fp32" and result["shape"]["device"] == "cpu"
     assert result["failed"] == []
-    assert "ours/hf" in result["ratios"]
+    assert "ours/hf" in result["ratios"] and "ours-compile/hf" in result["ratios"]
     for name, r in result["rows"].items():
         assert r["check"]["ok"] and r["check"]["row"] == name
         assert len(r["step_s"]) == 2 and len(r["losses"]) == 1 + 2  # warm-up + timed steps
@@ -81,23 +83,8 @@ def test_bench_gpu_runs_each_row_after_its_loss_check(tmp_path):
     assert result["rows"]["ours"]["graphs"] == 0  # train.compile=false: eager
     assert result["rows"]["hf"]["graphs"] == 0
     assert result["rows"]["ours-compile"]["graphs"] >= 1  # train.compile=true: the blocks were compiled
-    assert "ours-compile/hf" in result["ratios"]
+    assert result["rows"]["ours-compile-bf16-state"]["graphs"] >= 2  # the blocks and the optimizer step
 
-
-@pytest.mark.slow
-def test_bench_gpu_runs_the_bf16_state_row_and_the_optimizer_step_alone(tmp_path):
-    """The rows the compiled optimizer brought: ours-compile with bf16 moments (its loss check, the table, the ratios)
-    and the optimizer step alone, ours eager / compiled / compiled with bf16 moments against torch's AdamW."""
-    out = tmp_path / "result.json"
-    done = bench(
-        "--tiny", "--rows", "ours-compile-bf16-state,hf,optimizer", "--steps", "2",
-        "--compile-backend", "aot_eager", "--json", str(out),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    table = {m["row"]: m for m in TABLE_ROW.finditer(done.stdout)}
-    assert list(table) == ["ours-compile-bf16-state", "hf"], done.stdout
-    assert [m["row"] for m in CHECK.finditer(done.stdout)] == ["ours-compile-bf16-state", "hf"]
-    assert re.search(r"^ours-compile-bf16-state/hf: [\d.]+x tokens/s", done.stdout, re.M), done.stdout
     timed = re.search(r"^optimizer step over ([\d.]+)M parameters \(median\): (.*)$", done.stdout, re.M)
     assert timed, done.stdout
     names = [part.rsplit(" ", 2)[0] for part in timed[2].split(", ")]
@@ -107,13 +94,10 @@ def test_bench_gpu_runs_the_bf16_state_row_and_the_optimizer_step_alone(tmp_path
         assert re.search(
             line + (r" \(target <= 1.5x: (met|not met)\)$" if "compiled" in name else "$"), done.stdout, re.M
         )
-    result = json.loads(out.read_text())
-    assert list(result["rows"]) == ["ours-compile-bf16-state", "hf"] and result["failed"] == []
     assert set(result["optimizer"]["median_s"]) == set(names)
     assert all(t > 0 for t in result["optimizer"]["median_s"].values())
     assert result["optimizer"]["params"] == pytest.approx(float(timed[1]) * 1e6, rel=0.05)  # printed to 2 decimals
     assert set(result["ratios"]["optimizer"]) == set(names[:-1])
-    assert result["rows"]["ours-compile-bf16-state"]["graphs"] >= 2  # the blocks and the optimizer step
 
 
 def test_the_7b_preset_is_the_whole_model_at_the_batch_an_80gb_gpu_holds():
