@@ -111,7 +111,7 @@ def test_a_missing_gradient_after_warm_up_is_a_new_graph_not_a_silent_mismatch()
 def test_compiled_stochastic_rounding_resumes_bitwise_from_a_state_dict():
     """A compiled optimizer loaded from an eager one's state dict after 3 steps goes on exactly as the eager one. The
     layout of the parametrized test above (bf16 weights rounded stochastically, bf16 moments): its graphs come from
-    inductor's cache, not a second compile of several minutes."""
+    inductor's cache, not a second compile."""
     eager, compiled = pair(MIXED, "bf16", sr=True)
     run(eager, range(3))
     for dst, src in zip(compiled.params, eager.params, strict=True):

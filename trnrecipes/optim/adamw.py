@@ -83,17 +83,16 @@ def adamw_update(
     bias2: torch.Tensor,
     step_size: torch.Tensor,
     shrink: torch.Tensor | None,
-    step_count: torch.Tensor,
     betas: tuple[float, float],
     eps: float,
-    rounding: tuple[int, int, int, int] | None,
+    rounding: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None,
 ) -> None:
     """AdamW on tensors of one device and one dtype, in place: the eager step calls it per pass (a chunk of a group);
     the compiled step calls adamw_update_per_tensor, its twin with the same arguments, once per group. `decayed`: per
-    tensor, whether weight decay applies; `rounding`: None (round bf16 to nearest) or (start, then the stream
-    constants of weights, exp_avg, exp_avg_sq) for stochastic rounding, `start` being the first element's place in
-    its group (rounding.py). Moments may be bf16 (optim.state_dtype): then they are updated in fp32 and stored rounded
-    the way the weights are."""
+    tensor, whether weight decay applies; `rounding`: None (round bf16 to nearest) or (start, then this step's keys
+    of the weights', exp_avg's and exp_avg_sq's noise streams) for stochastic rounding, `start` being the first
+    element's place in its group (rounding.py). Moments may be bf16 (optim.state_dtype): then they are updated in fp32
+    and stored rounded the way the weights are."""
     beta1, beta2 = betas
     grads = _as_fp32(grads)
     low_ms, low_vs = (ms, vs) if ms[0].dtype != torch.float32 else (None, None)
@@ -120,7 +119,7 @@ def adamw_update(
     if low_ms is not None:
         for flat, stream, low in ((flat_m, EXP_AVG, low_ms), (flat_v, EXP_AVG_SQ, low_vs)):
             if rounding is not None:
-                round_flat_(flat, rounding[0], stream_key(step_count, rounding[1 + stream]))
+                round_flat_(flat, rounding[0], rounding[1 + stream])
             torch._foreach_copy_(low, _views(flat, low))
     if params[0].dtype == torch.float32:
         weights, flat = params, None
@@ -134,7 +133,7 @@ def adamw_update(
     if flat is None:
         return
     if rounding is not None:  # the result's low 16 bits are zero: the copy below is exact
-        round_flat_(flat, rounding[0], stream_key(step_count, rounding[1 + WEIGHTS]))
+        round_flat_(flat, rounding[0], rounding[1 + WEIGHTS])
     torch._foreach_copy_(params, weights)  # to nearest (exact after stochastic rounding)
 
 
@@ -147,10 +146,9 @@ def adamw_update_per_tensor(
     bias2: torch.Tensor,
     step_size: torch.Tensor,
     shrink: torch.Tensor | None,
-    step_count: torch.Tensor,
     betas: tuple[float, float],
     eps: float,
-    rounding: tuple[int, int, int, int] | None,
+    rounding: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None,
 ) -> None:
     """adamw_update written tensor by tensor, for torch.compile: the same ops on every element in the same order (so
     the same numbers, rounding noise included: each tensor's noise starts at its place in the group), but with no
@@ -158,7 +156,7 @@ def adamw_update_per_tensor(
     parameter, more with bf16 moments). Each parameter's chain of elementwise ops fuses into one kernel that reads
     weight, gradient and moments once and writes them once."""
     beta1, beta2 = betas
-    keys = None if rounding is None else [stream_key(step_count, c) for c in rounding[1:]]
+    keys = None if rounding is None else rounding[1:]
     offset = 0 if rounding is None else rounding[0]
     for p, g, m_low, v_low, decay in zip(params, grads, ms, vs, decayed, strict=True):
         g = g.float()
@@ -275,18 +273,30 @@ class AdamW:
         for (device, _, replicated), indices in groups.items():
             scalars = [None if t is None else t.to(device) for t in (bias2, step_size, shrink)]
             seed = self.tp_replicated_seed if replicated else self.seed
-            constants = tuple(stream_constant(seed, indices[0], s) for s in (WEIGHTS, EXP_AVG, EXP_AVG_SQ))
+            # This step's keys of the group's noise streams, computed once here, not in the update: a key is two hash
+            # rounds of the step count, and inside a compiled update inductor inlined them into every element's hash
+            # (each round reads its input twice), so generating its code took minutes (155k expression nodes for five
+            # small tensors); as an input, a key is one value.
+            keys = (
+                tuple(
+                    stream_key(self.step_count, stream_constant(seed, indices[0], s))
+                    for s in (WEIGHTS, EXP_AVG, EXP_AVG_SQ)
+                )
+                if self.stochastic_rounding
+                else ()
+            )
             if self.compiled_update is not None:
-                self._update(self.compiled_update, indices, 0, constants, scalars)
+                self._update(self.compiled_update, indices, 0, keys, scalars)
                 continue
             limit = _CPU_CHUNK_NUMEL if device.type == "cpu" else _CHUNK_NUMEL
             start = 0  # the chunk's first element's place in the group: where its rounding noise starts
             for chunk in _chunks(indices, [self._mine(self.params[i], i).numel() for i in indices], limit):
-                self._update(adamw_update, chunk, start, constants, scalars)
+                self._update(adamw_update, chunk, start, keys, scalars)
                 start += sum(self._mine(self.params[i], i).numel() for i in chunk)
 
-    def _update(self, update, indices: list[int], start: int, constants: tuple[int, int, int], scalars) -> None:
-        """`update` (adamw_update, eager or compiled) on parameters `indices` of one group."""
+    def _update(self, update, indices: list[int], start: int, keys: tuple[torch.Tensor, ...], scalars) -> None:
+        """`update` (adamw_update, eager or compiled) on parameters `indices` of one group; `keys`: the group's
+        rounding keys (empty without stochastic rounding)."""
         update(
             [self._mine(self.params[i], i) for i in indices],
             [self._mine(self.params[i].grad, i) for i in indices],
@@ -294,10 +304,9 @@ class AdamW:
             [self.exp_avg_sq[i] for i in indices],
             tuple(id(self.params[i]) not in self.no_decay for i in indices),
             *scalars,
-            self.step_count,
             self.betas,
             self.eps,
-            (start, *constants) if self.stochastic_rounding else None,
+            (start, *keys) if self.stochastic_rounding else None,
         )
 
     def zero_grad(self) -> None:
