@@ -1,5 +1,5 @@
-"""Run under torchrun by tests/test_sharded_build.py: build this rank's shard of a recipe's model (initialised, or read
-from a checkpoint) while recording the largest tensor any op allocates, then gather the full weights.
+"""Run under tests/ranks.py by tests/test_sharded_build.py: build this rank's shard of a recipe's model (initialised, or
+read from a checkpoint) while recording the largest tensor any op allocates, then gather the full weights.
 
     python tests/build_worker.py OUT CHECKPOINT|- RECIPE [k=v ...]
 Each rank writes OUT.rankN.json (largest allocation, its largest local parameter, which parameters are sharded);

@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_compiled_tp.py: three runs of a tiny recipe through the real Trainer in each
+"""Run under tests/ranks.py by tests/test_compiled_tp.py: three runs of a tiny recipe through the real Trainer in each
 process, saving to OUT (rank 0) what the test compares.
 
     python tests/compiled_tp_worker.py OUT RUN_DIR RECIPE [k=v ...]

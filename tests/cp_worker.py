@@ -1,4 +1,4 @@
-"""Run under torchrun (4 ranks) by tests/test_context_parallel.py: tiny causal models at several layout.cp in one
+"""Run under tests/ranks.py (4 ranks) by tests/test_context_parallel.py: tiny causal models at several layout.cp in one
 process group, saving to OUT (rank 0) what the test compares.
 
     python tests/cp_worker.py OUT RUN_DIR

@@ -1,6 +1,6 @@
-"""Run under torchrun by tests/test_dropout_seed.py: one optimizer step of a bert recipe through Trainer.train_step on
-the same fixed micro-batches on every rank, saving each rank's dropout masks (where a dropout's output is zero and its
-input was not) of the embedding and of layer 0's MLP output to OUT.rankN.
+"""Run under tests/ranks.py by tests/test_dropout_seed.py: one optimizer step of a bert recipe through
+Trainer.train_step on the same fixed micro-batches on every rank, saving each rank's dropout masks (where a dropout's
+output is zero and its input was not) of the embedding and of layer 0's MLP output to OUT.rankN.
 
     python tests/dropout_worker.py OUT RECIPE [k=v ...]
 """

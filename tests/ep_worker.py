@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_expert_parallel.py: qwen3-moe-tiny at several layout.ep in one process group,
+"""Run under tests/ranks.py by tests/test_expert_parallel.py: qwen3-moe-tiny at several layout.ep in one process group,
 saving to OUT (rank 0) what the test compares.
 
     python tests/ep_worker.py OUT RUN_DIR EP [EP ...]

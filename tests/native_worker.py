@@ -1,8 +1,8 @@
-"""Run under torchrun by tests/test_neuron_native.py: tests/train_worker.py's training, but through the TorchNeuron
-backend's code (trnrecipes/backends/neuron_native.py) with its device type, process-group backend string and
-DeviceMesh device type set to the CPU's, and a stand-in `torch_neuronx` module. Records, in OUT.nativeN.json, every
-tensor operation that ran before the process group was created (TorchNeuron requires none on its device; on the CPU
-stand-in none at all may run), the backend string init_process_group got, the device type of the mesh, and the
+"""Run under tests/ranks.py by tests/test_neuron_native.py: tests/train_worker.py's training, but through the
+TorchNeuron backend's code (trnrecipes/backends/neuron_native.py) with its device type, process-group backend string
+and DeviceMesh device type set to the CPU's, and a stand-in `torch_neuronx` module. Records, in OUT.nativeN.json,
+every tensor operation that ran before the process group was created (TorchNeuron requires none on its device; on the
+CPU stand-in none at all may run), the backend string init_process_group got, the device type of the mesh, and the
 order of process group, device selection and mesh.
 
     python tests/native_worker.py OUT.pt RECIPE [k=v ...]

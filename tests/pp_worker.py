@@ -1,8 +1,8 @@
-"""Run under torchrun (or alone) by tests/test_pipeline.py: optimizer steps of a tiny recipe on FIXED micro-batches
-through the real Trainer (pipeline stages or not), then one validation pass. Every rank saves what it holds to
-OUT.rankN: per step the loss (the mean over the ranks that hold it), the grad norm and every gradient after
-averaging and clipping (TP shards gathered), then the validation loss and the final weights. The test takes the
-union over ranks (pipeline stages hold different parameters; DP replicas must agree).
+"""Run under tests/ranks.py (or alone) by tests/test_pipeline.py: optimizer steps of a tiny recipe on FIXED
+micro-batches through the real Trainer (pipeline stages or not), then one validation pass. Every rank saves what it
+holds to OUT.rankN: per step the loss (the mean over the ranks that hold it), the grad norm and every gradient after
+averaging and clipping (TP shards gathered), then the validation loss and the final weights. The test takes the union
+over ranks (pipeline stages hold different parameters; DP replicas must agree).
 
     python tests/pp_worker.py OUT RECIPE [k=v ...]      (TRAIN_WORKER_STEPS optimizer steps, default 5)
 The step batches are train_worker.fixed_steps': the same for every layout.

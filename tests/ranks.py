@@ -8,8 +8,10 @@ of one core) before any rank starts, and the suite starts well over a hundred wo
 the Slurm and local-run tests) still goes through torchrun; tests of torchrun's own behaviour (tests/test_health.py)
 keep it too.
 
-When a rank fails, the others are stopped (SIGTERM, then SIGKILL after 30 s) and the launcher exits with the first
-failure's code, as torchrun stops a world.
+When a rank fails, the others are stopped (SIGTERM, then SIGKILL after 30 s) and the launcher exits non-zero (a
+failed rank's code, 1 for a signal), as torchrun stops a world. Ranks run unbuffered (`python -u`, as torchrun starts
+them), so a rank that is killed has still printed what it wrote. The port is free when chosen and taken by rank 0
+seconds later: a race torchrun's own store does not have, harmless while the suite runs one test at a time.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def main() -> int:
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
     procs = [
-        subprocess.Popen([sys.executable, *argv], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+        subprocess.Popen([sys.executable, "-u", *argv], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
         for r in range(nproc)
     ]
 

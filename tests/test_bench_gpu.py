@@ -50,7 +50,7 @@ def test_bench_gpu_runs_each_row_after_its_loss_check_and_the_optimizer_step_alo
     out = tmp_path / "result.json"
     done = bench(
         "--tiny", "--rows", "ours,ours-compile,ours-compile-bf16-state,hf,optimizer", "--steps", "2",
-        "--peak-tflops", "0.19", "--compile-backend", "aot_eager", "--json", str(out),
+        "--peak-tflops", "0.19", "--compile-backend", "aot_eager", "--json", str(out), timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     ran = ["ours", "ours-compile", "ours-compile-bf16-state", "hf"]

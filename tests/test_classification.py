@@ -166,7 +166,7 @@ def test_training_logs_train_and_validation_accuracy_and_learns(corpus, tmp_path
 
 
 def test_incremental_training_from_a_dp2_checkpoint_continues_at_dp1_on_new_data(corpus, tmp_path):
-    """Phase 1: 20 steps at DP 2 (torchrun, gloo) on file a. Phase 2: from its step_20, 20 steps at DP 1 on file b,
+    """Phase 1: 20 steps at DP 2 (2 gloo processes) on file a. Phase 2: from its step_20, 20 steps at DP 1 on file b,
     optimizer kept. Phase 2 starts from the saved weights and moments bitwise; its metrics hold both phases."""
     first = tmp_path / "phase1"
     phase1 = overrides(corpus, "a", **{"cluster.workers_per_node": 2, "train.max_steps": 20})

@@ -27,7 +27,7 @@ FIXED = ["batch.seq_len=32", "batch.global_batch=8", "batch.micro_batch=2", "opt
 
 
 def worker(tmp_path: Path, nproc: int, overrides: list[str], steps: int) -> tuple[dict, list[dict]]:
-    """tests/train_worker.py under torchrun on llama2-tiny: rank 0's result (grads of step 1, norms, full weights)
+    """tests/train_worker.py over gloo ranks on llama2-tiny: rank 0's result (grads of step 1, norms, full weights)
     and every rank's moment / parameter element counts."""
     out = tmp_path / f"w{abs(hash(tuple(overrides)))}.pt"
     cmd = [*rank_launcher(nproc), str(REPO / "tests/train_worker.py"), str(out), "llama2-tiny",

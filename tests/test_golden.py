@@ -30,7 +30,7 @@ def test_golden_scripts_pass_shellcheck_and_parse():
     # compile, run, eval; and infer for classification recipes
     assert len(scripts) == sum(len([f for f in render_case(*c) if f.endswith(".sbatch")]) for c in CASES)
     # shellcheck uses one core: a process per core over its share of the scripts (about 1 s a script)
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))
     checks = [
         subprocess.Popen([shellcheck, "--severity=info", *scripts[i::cores]], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)

@@ -37,9 +37,9 @@ def start_dry_run(requirement: str, constraints: Path, report: Path) -> subproce
     pin, for the stack's Python; nothing is installed."""
     python = re.search(r"^# python: (\S+)$", constraints.read_text(), re.M)[1]
     pinned = [line.split("=")[0] for line in constraints.read_text().splitlines() if line and not line.startswith("#")]
-    # fast-deps: each wheel's METADATA by HTTP range requests, not the whole wheel (torch and its CUDA wheels are
-    # about 3 GB a stack: 25 s of pip for torch alone against 4 s); pip falls back to a download where a registry
-    # cannot serve ranges
+    # fast-deps: where the index serves no PEP 658 metadata files (as this machine's mirror), each wheel's METADATA
+    # by HTTP range requests, not the whole wheel (torch and its CUDA wheels are about 3 GB a stack: 25 s of pip
+    # for torch alone against 4 s); where it serves them (PyPI), pip reads those and the flag changes nothing
     argv = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report",
             str(report), "--python-version", python, "--only-binary=:all:", "--use-feature=fast-deps",
             "-c", str(constraints), requirement, *pinned]  # fmt: skip

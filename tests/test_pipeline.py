@@ -145,7 +145,8 @@ def train(tmp_path: Path, run: Path, pp: int, steps: int) -> subprocess.Popen:
 
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and all its descendants at once, as Slurm ends a job step (torchrun starts its workers in
-    sessions of their own, so killing its process group would leave them training)."""
+    sessions of their own, so killing its process group would leave them training; tests/ranks.py does not, and is
+    killed the same way)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

@@ -37,7 +37,7 @@ def run(name: str, tmp_path: Path, *overrides: str, steps: int = 25):
 def test_tiny_recipes_learn_the_demo_corpus(name: str, tmp_path: Path):
     result, _ = run(name, tmp_path, "train.val_every=25", "train.log_every=5", steps=40)
     # nats below the first step's (uniform over the vocabulary): the mean of the last 10 steps, since which documents
-    # the last batches hold moves a 5-step mean by about +-0.3 (llama2-tiny's 4096-id vocabulary starts lowest), and
+    # the last batches hold moves a 5-step mean by about +-0.3 (the 4096-id vocabularies start lowest), and
     # the held-out loss, which no data order moves
     first, last = result.losses[0], sum(result.losses[-10:]) / 10
     assert last < first - 1.25, result.losses

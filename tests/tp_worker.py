@@ -1,5 +1,5 @@
-"""Run under torchrun with 2 processes (tests/test_tensor_parallel.py): compare TP=2 with TP=1 for each decoder family,
-with and without sequence parallelism. Rank 0 writes the max errors as JSON to argv[1]."""
+"""Run under tests/ranks.py with 2 processes (tests/test_tensor_parallel.py): compare TP=2 with TP=1 for each decoder
+family, with and without sequence parallelism. Rank 0 writes the max errors as JSON to argv[1]."""
 
 from __future__ import annotations
 

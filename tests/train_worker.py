@@ -1,7 +1,7 @@
-"""Run under torchrun (or alone) by tests/test_train.py: a few optimizer steps of a tiny recipe on FIXED micro-batches
-through the real Trainer, saving the averaged full gradients of the first step, the losses, the grad norms and the
-final weights
-(and, per rank, that rank's own weights in OUT.rankN, as plain local tensors in OUT.rankN.local).
+"""Run under tests/ranks.py (or alone) by tests/test_train.py: a few optimizer steps of a tiny recipe on FIXED
+micro-batches through the real Trainer, saving the averaged full gradients of the first step, the losses, the grad
+norms and the final weights (and, per rank, that rank's own weights in OUT.rankN, as plain local tensors in
+OUT.rankN.local).
 
     python tests/train_worker.py OUT.pt RECIPE [k=v ...]      (TRAIN_WORKER_STEPS optimizer steps, default 3)
 Micro-batch i of a step is the same for every layout: a DP rank takes its contiguous share of the step's batches.

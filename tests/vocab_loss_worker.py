@@ -1,6 +1,6 @@
-"""Run under torchrun with 2 processes (tests/test_vocab_parallel_loss.py): the vocab-parallel cross-entropy against
-F.cross_entropy on the whole head, and TP 2 with it against TP 1 (loss and every gradient) for both families, with
-and without sequence parallelism. Rank 0 writes the relative errors as JSON to argv[1]."""
+"""Run under tests/ranks.py with 2 processes (tests/test_vocab_parallel_loss.py): the vocab-parallel cross-entropy
+against F.cross_entropy on the whole head, and TP 2 with it against TP 1 (loss and every gradient) for both families,
+with and without sequence parallelism. Rank 0 writes the relative errors as JSON to argv[1]."""
 
 from __future__ import annotations
 
