@@ -68,8 +68,7 @@ def _torchrun(tmp_path: Path, tp: int, dp: int = 1, *extra: str) -> dict:
     out = tmp_path / f"tp{tp}-dp{dp}.pt"
     worker = [str(REPO / "tests/train_worker.py"), str(out), "llama3.1-tiny", *EIGHT_HEADS,
               f"cluster.workers_per_node={tp * dp}", f"layout.tp={tp}", *extra]  # fmt: skip
-    cmd = [sys.executable, *worker] if tp * dp == 1 else [
-        *rank_launcher(tp * dp), *worker]  # fmt: skip
+    cmd = [sys.executable, *worker] if tp * dp == 1 else [*rank_launcher(tp * dp), *worker]
     env = {**os.environ, "TRAIN_WORKER_STEPS": "5"}
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

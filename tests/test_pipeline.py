@@ -31,7 +31,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same intra-op threads for ev
 def launcher(nproc: int, *args: str) -> list[str]:
     if nproc == 1:
         return [sys.executable, *args]
-    return [*rank_launcher(nproc), *args]  # fmt: skip
+    return [*rank_launcher(nproc), *args]
 
 
 def worker(tmp_path: Path, name: str, nproc: int, *overrides: str) -> dict:
