@@ -175,8 +175,11 @@ format: $(FULL)
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
+# Two worker processes (pytest-xdist): a test often waits on its subprocesses (ranks, Slurm, pip, make), and the other
+# worker's test fills the CPU meanwhile. --dist loadgroup keeps each group of SHARED (tests/conftest.py) on one
+# worker: the loopback Slurm tests, which share one cluster, and the tests that write jobs/ and runs/ of the checkout.
 test: lint xla-venv
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 golden: $(FULL)
 	$(PY) tests/golden.py --regenerate

@@ -1,3 +1,7 @@
+"""Shared by the tests. `make test` runs them on two pytest-xdist workers (--dist loadgroup): each worker is a
+process of its own, with its own session fixtures, tmp_path and ports. The tests that share something outside
+tmp_path are in a group of SHARED, whose tests one worker runs in turn."""
+
 from __future__ import annotations
 
 import os
@@ -12,6 +16,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/golden.py
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
+
+
+# By file, in the controller's scheduler (which sees node ids, not marks): under pytest 9, pytest-xdist 3.8's
+# xdist_group marks group nothing (they rename node ids by an attribute pytest no longer reads).
+SHARED = {
+    "tests/test_slurm.py": "slurm",  # the loopback cluster that slurm_env starts, and stops at the session's end
+    "tests/test_node_ready.py": "slurm",
+    "tests/test_readme.py": "repo",  # jobs/ and runs/ of the checkout (make demo, demo-cls), and port 29500
+    "tests/test_sbatch_cli.py": "repo",  # make sbatch's default job dir in jobs/
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup with the groups of SHARED: each test on its own, the tests of a group together."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SHARED.get(nodeid.split("::", 1)[0], nodeid)
+
+    return SharedGroups(config, log)
 
 
 def run_cli(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
