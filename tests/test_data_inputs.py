@@ -20,6 +20,7 @@ import pytest
 from conftest import REPO
 
 from trnrecipes.cli import main
+from trnrecipes.data import listed
 
 GPT2 = REPO / "data/tokenizers/gpt2"
 
@@ -382,3 +383,12 @@ def test_the_documented_recipes_run(tmp_path, capsys, monkeypatch):
             assert texts_of(Path(out)) == expected[Path(out).stem], command
         else:
             assert re.match(rf"wrote {re.escape(out)}\.bin/\.idx: 3 documents", capsys.readouterr().out), command
+
+
+def test_a_long_path_in_a_message_keeps_its_file_name():
+    """Messages list names cut to 80 characters: a path keeps its end, where a.jsonl cut at the end read a.json."""
+    long = "/fsx/" + "d" * 100 + "/a.jsonl"
+    shown = listed([long, "b.jsonl"])
+    first = shown.split(", ")[0]
+    assert len(first) == 80 and first.startswith("/fsx/ddd") and first.endswith("ddd/a.jsonl") and "..." in first
+    assert shown.endswith(", b.jsonl")

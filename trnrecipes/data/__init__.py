@@ -15,5 +15,14 @@ class DataError(RecipeError):  # a user error: the CLI prints it, exit 2
 
 
 def listed(names, limit: int = 10) -> str:
-    names = [str(n)[:80] for n in list(names)[: limit + 1]]
+    names = [_shortened(str(n)) for n in list(names)[: limit + 1]]
     return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+
+
+def _shortened(name: str, width: int = 80) -> str:
+    """`name`, or its start and its end around "...": a path's file name is at its end (cut at the end instead, a
+    long /dir/a.jsonl once read a.json, another file)."""
+    if len(name) <= width:
+        return name
+    keep = (width - 3) // 2
+    return name[:keep] + "..." + name[-(width - 3 - keep) :]
