@@ -11,6 +11,7 @@ The step batches are train_worker.fixed_steps': the same for every layout.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 from train_worker import fixed_steps
@@ -23,7 +24,9 @@ from trnrecipes.train.loop import Trainer
 
 def main() -> None:
     out, name, *overrides = sys.argv[1:]
-    trainer = Trainer(load_recipe(name, overrides=overrides), run_dir=None)
+    # beside `out`, not runs/<job> of the checkout, which another test's world of the same recipe may hold (make test
+    # runs two at once)
+    trainer = Trainer(load_recipe(name, overrides=overrides), run_dir=Path(f"{out}.run"))
     grad_accum = compute_layout(trainer.recipe).grad_accum
     record: dict[str, object] = {"losses": [], "norms": [], "grads": []}
     for step, mine in enumerate(fixed_steps(trainer, 5)):

@@ -22,7 +22,7 @@ from test_data import take
 from test_data_inputs import GPT2, docs, texts_of, write
 
 from trnrecipes.cli import main
-from trnrecipes.data import DataError, parts
+from trnrecipes.data import DataError, listed, parts
 from trnrecipes.data.arrow import ArrowTexts, file_records, file_texts, to_arrow
 from trnrecipes.data.bad_records import BadRecords
 from trnrecipes.data.indexed import preprocess
@@ -173,15 +173,28 @@ def test_a_killed_conversion_resumes_from_the_parts_done(tmp_path, capsys, a_uni
     assert out.read_bytes() == (tmp_path / "straight.arrow").read_bytes()
 
 
-def started(argv: list[str], work: Path, pause_s: float, **popen) -> subprocess.Popen:
-    """tests/slow_parts.py running `argv`, once its first part is done."""
+def started(argv: list[str], work: Path, pause_s: float, hold: Path | None = None, **popen) -> subprocess.Popen:
+    """tests/slow_parts.py running `argv`, once its first part is done; with `hold` (a new directory), once both
+    workers hold their first part (tests/slow_parts.py: SLOW_PARTS_HOLD), each amid its unit until `hold`/go."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "SLOW_PARTS_PAUSE_S": str(pause_s), "SLOW_PARTS_BUSY": "1"}
+    if hold is not None:
+        hold.mkdir()
+        env["SLOW_PARTS_HOLD"] = str(hold)
     proc = subprocess.Popen([sys.executable, str(REPO / "tests/slow_parts.py"), *argv], env=env,
                             stderr=subprocess.PIPE, text=True, **popen)  # fmt: skip
     deadline = time.monotonic() + 60
-    while not list(work.glob("part_*.json")) and time.monotonic() < deadline and proc.poll() is None:
+
+    def waiting() -> bool:
+        return len(holders(hold)) < 2 if hold is not None else not list(work.glob("part_*.json"))
+
+    while waiting() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.02)
     return proc
+
+
+def holders(hold: Path) -> list[int]:
+    """The workers holding their first part."""
+    return sorted(int(p.name) for p in hold.iterdir() if p.name.isdigit())
 
 
 def test_a_worker_killed_on_its_own_is_told_while_the_others_still_work(tmp_path, capsys):
@@ -191,9 +204,10 @@ def test_a_worker_killed_on_its_own_is_told_while_the_others_still_work(tmp_path
     src = corpus(tmp_path / "in", files=10, each=100)
     out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
     argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "2"]
-    proc = started(argv, work, pause_s=1.0)
-    workers = [pid for pid in children(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    os.kill(workers[0], signal.SIGKILL)
+    hold = tmp_path / "hold"
+    proc = started(argv, work, pause_s=1.0, hold=hold)
+    os.kill(holders(hold)[0], signal.SIGKILL)  # amid its unit (not one still starting, whose loss loses no unit)
+    (hold / "go").touch()  # the other worker goes on, a part a second
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 1, err
     assert "died (signal 9: out of memory?)" in err and "rerun the same command to resume" in err, err
@@ -231,10 +245,10 @@ def test_ctrl_c_keeps_the_parts_in_one_line_without_a_traceback(tmp_path, capsys
     src = corpus(tmp_path / "in", files=6, each=100)
     out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
     argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "2"]
-    # 2 s a part: the Ctrl-C must land with parts still to do, also when a loaded machine (CI's) is slow to poll;
-    # at 0.5 s a CI run once saw the whole conversion done first (o.arrow written, exit 0)
-    proc = started(argv, work, pause_s=2.0, start_new_session=True)
-    assert proc.poll() is None, "the conversion ended before the test could interrupt it"
+    # Both workers hold their first part until Ctrl-C (nothing says go): it lands with parts still to do, and after
+    # the pool started, however loaded the machine (CI's once saw the whole conversion done first at a 0.5 s pause).
+    proc = started(argv, work, pause_s=0.0, hold=tmp_path / "hold", start_new_session=True)
+    assert proc.poll() is None and len(holders(tmp_path / "hold")) == 2, "the workers did not both hold a part"
     os.killpg(proc.pid, signal.SIGINT)
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130 and "Traceback" not in err, err
@@ -272,7 +286,7 @@ def test_a_failed_conversion_keeps_its_parts_and_refuses_other_arguments(tmp_pat
     code, stdout, err = cli(capsys, "data", "to-arrow", "--in", a, b, "--out", out, "--on-bad-record", "skip")
     assert code == 0 and ", rejected 1 bad record" in stdout
     assert err == f"[trnrecipes] resuming {work}: 0 of 2 parts already done; converting again the parts of inputs" \
-                  f" changed since: {a}\n"  # fmt: skip
+                  f" changed since: {listed([a])}\n"  # fmt: skip
     assert texts_of(out) == ["a1", "a2", "a3", "b1"] and sorted(p.name for p in out.parent.iterdir()) == [
         "o.arrow",
         "o.arrow.rejects.jsonl",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -36,7 +37,9 @@ def fixed_steps(trainer: Trainer, default_steps: int) -> list[torch.Tensor]:
 
 def main() -> None:
     out, name, *overrides = sys.argv[1:]
-    trainer = Trainer(load_recipe(name, overrides=overrides), run_dir=None)
+    # beside `out`, not runs/<job> of the checkout, which another test's world of the same recipe may hold (make test
+    # runs two at once)
+    trainer = Trainer(load_recipe(name, overrides=overrides), run_dir=Path(f"{out}.run"))
     grad_accum = compute_layout(trainer.recipe).grad_accum
     first_grads, norms, losses = {}, [], []
     for step, mine in enumerate(fixed_steps(trainer, 3)):
