@@ -403,3 +403,23 @@ def test_joining_thousands_of_parts_holds_one_open_at_a_time(tmp_path):
     join(prefixes, tmp_path / "again", np.uint16)  # the same bytes as without the limit
     for ext in (".bin", ".idx"):
         assert Path(f"{tmp_path / 'all'}{ext}").read_bytes() == Path(f"{tmp_path / 'again'}{ext}").read_bytes()
+
+
+def test_a_part_cut_short_by_a_crash_is_converted_again(tmp_path, capsys, a_unit_a_file):
+    """Parts are not fsynced (trnrecipes/data/parts.py says why): after a machine's crash a part holds only what
+    reached the disk, shorter than its record says. The rerun converts it again rather than join a truncated one."""
+    src = corpus(tmp_path / "in", files=3, each=50)
+    bad = write(tmp_path / "in/03.jsonl", b"{bad\n")
+    out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
+    argv = ["data", "to-arrow", "--in", src, "--out", out, "--workers", 1]
+    code, _, err = cli(capsys, *argv)
+    assert code == 2 and "kept" in err and "3 of 4 parts done" in err, err
+    part = work / "part_000001.arrow"
+    os.truncate(part, part.stat().st_size // 2)  # what the disk held of it when the machine went down
+    bad.unlink()
+    write(tmp_path / "in/03.jsonl", docs("last"))
+    code, stdout, err = cli(capsys, *argv)
+    assert code == 0 and err.startswith(f"[trnrecipes] resuming {work}: 2 of 4 parts already done"), err
+    assert stdout == f"wrote {out}: 151 documents\n"
+    to_arrow([src], tmp_path / "straight.arrow", progress=False)
+    assert out.read_bytes() == (tmp_path / "straight.arrow").read_bytes()
