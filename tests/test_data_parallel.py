@@ -192,6 +192,16 @@ def started(argv: list[str], work: Path, pause_s: float, hold: Path | None = Non
     return proc
 
 
+def communicated(proc: subprocess.Popen) -> str:
+    """`proc`'s standard error once it ends; killed (its workers with it) where it has not within 120 s."""
+    try:
+        return proc.communicate(timeout=120)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+
+
 def holders(hold: Path) -> list[int]:
     """The workers holding their first part."""
     return sorted(int(p.name) for p in hold.iterdir() if p.name.isdigit())
@@ -206,9 +216,10 @@ def test_a_worker_killed_on_its_own_is_told_while_the_others_still_work(tmp_path
     argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "2"]
     hold = tmp_path / "hold"
     proc = started(argv, work, pause_s=1.0, hold=hold)
-    os.kill(holders(hold)[0], signal.SIGKILL)  # amid its unit (not one still starting, whose loss loses no unit)
+    assert proc.poll() is None and len(holders(hold)) == 2, "the workers did not both hold a part"
+    os.kill(holders(hold)[0], signal.SIGKILL)  # its outcome unsent (not a worker still starting, which holds no unit)
     (hold / "go").touch()  # the other worker goes on, a part a second
-    err = proc.communicate(timeout=120)[1]
+    err = communicated(proc)
     assert proc.returncode == 1, err
     assert "died (signal 9: out of memory?)" in err and "rerun the same command to resume" in err, err
     done = len(list(work.glob("part_*.json")))
@@ -250,7 +261,7 @@ def test_ctrl_c_keeps_the_parts_in_one_line_without_a_traceback(tmp_path, capsys
     proc = started(argv, work, pause_s=0.0, hold=tmp_path / "hold", start_new_session=True)
     assert proc.poll() is None and len(holders(tmp_path / "hold")) == 2, "the workers did not both hold a part"
     os.killpg(proc.pid, signal.SIGINT)
-    err = proc.communicate(timeout=120)[1]
+    err = communicated(proc)
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert err.endswith("parts done: the same command resumes\nerror: interrupted\n"), err
     code, _, err = cli(capsys, *argv)
@@ -405,9 +416,9 @@ def test_joining_thousands_of_parts_holds_one_open_at_a_time(tmp_path):
         assert Path(f"{tmp_path / 'all'}{ext}").read_bytes() == Path(f"{tmp_path / 'again'}{ext}").read_bytes()
 
 
-def test_a_part_cut_short_by_a_crash_is_converted_again(tmp_path, capsys, a_unit_a_file):
-    """Parts are not fsynced (trnrecipes/data/parts.py says why): after a machine's crash a part holds only what
-    reached the disk, shorter than its record says. The rerun converts it again rather than join a truncated one."""
+def test_a_part_shorter_than_its_record_is_converted_again(tmp_path, capsys, a_unit_a_file):
+    """A part shorter than its record says (a work dir copied or restored in part) is converted again on the rerun,
+    not joined as it is."""
     src = corpus(tmp_path / "in", files=3, each=50)
     bad = write(tmp_path / "in/03.jsonl", b"{bad\n")
     out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
@@ -415,7 +426,7 @@ def test_a_part_cut_short_by_a_crash_is_converted_again(tmp_path, capsys, a_unit
     code, _, err = cli(capsys, *argv)
     assert code == 2 and "kept" in err and "3 of 4 parts done" in err, err
     part = work / "part_000001.arrow"
-    os.truncate(part, part.stat().st_size // 2)  # what the disk held of it when the machine went down
+    os.truncate(part, part.stat().st_size // 2)
     bad.unlink()
     write(tmp_path / "in/03.jsonl", docs("last"))
     code, stdout, err = cli(capsys, *argv)

@@ -2,12 +2,6 @@
 stream of its documents, or Megatron .bin/.idx of their tokens), the bad records met (JSON lines, in order) and,
 written last, its record (part_N.json: the counts, and each input file's size and time as read). A part is reused
 while its input files are unchanged. This runs in the worker processes (parallel.py).
-
-A part is not fsynced, its record is. A killed conversion (SIGKILL, a time limit, out of memory) leaves what it wrote
-in the page cache, where the rerun reads it. After a machine's crash, ext4 and XFS give a file the size of the data
-that reached the disk (not more), so a part cut short is told by its size against its record and converted again.
-Unsynced, a part joined and removed within seconds of being written never reaches the disk at all: syncing each one
-cost a disk write of the whole input, and freeing its blocks again (a discard on a disk mounted so).
 """
 
 from __future__ import annotations
@@ -133,6 +127,14 @@ def _blocks(task: Task, sizes: list[int], bad: BadRecords, tick) -> Iterator[tup
     tick(before, final=True)
 
 
+def _fsynced(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class _ArrowPart:
     """The unit's documents as an Arrow stream, in blocks as they come (the parent re-batches them)."""
 
@@ -150,6 +152,7 @@ class _ArrowPart:
     def finish(self) -> dict[str, int]:
         self.writer.close()
         self.sink.close()
+        _fsynced(self.tmp)
         os.replace(self.tmp, self.path)
         return {self.path.name: self.path.stat().st_size}
 
@@ -200,6 +203,7 @@ class _TokenPart:
         lengths = np.memmap(self.lengths_path, np.int32, "r") if size else np.empty(0, np.int32)
         write_index(self.tmps[1], [lengths], self.dtype)
         for tmp, path in zip(self.tmps, self.paths, strict=True):
+            _fsynced(tmp)
             os.replace(tmp, path)
         self.lengths_path.unlink()
         return {p.name: p.stat().st_size for p in self.paths}
