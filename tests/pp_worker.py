@@ -11,22 +11,17 @@ The step batches are train_worker.fixed_steps': the same for every layout.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
-from train_worker import fixed_steps
+from train_worker import fixed_steps, trainer_for
 
-from trnrecipes.config.recipe import load_recipe
 from trnrecipes.parallel.dims import full_tensor
 from trnrecipes.plan.layout import compute_layout
-from trnrecipes.train.loop import Trainer
 
 
 def main() -> None:
     out, name, *overrides = sys.argv[1:]
-    # beside `out`, not runs/<job> of the checkout, which another test's world of the same recipe may hold (make test
-    # runs two at once)
-    trainer = Trainer(load_recipe(name, overrides=overrides), run_dir=Path(f"{out}.run"))
+    trainer = trainer_for(out, name, overrides)
     grad_accum = compute_layout(trainer.recipe).grad_accum
     record: dict[str, object] = {"losses": [], "norms": [], "grads": []}
     for step, mine in enumerate(fixed_steps(trainer, 5)):

@@ -35,11 +35,15 @@ def fixed_steps(trainer: Trainer, default_steps: int) -> list[torch.Tensor]:
     return [batches[first : first + layout.grad_accum] for batches in all_batches]
 
 
+def trainer_for(out: str, name: str, overrides: list[str]) -> Trainer:
+    """The world's Trainer of recipe `name`, training into a run dir beside `out`: not runs/<job> of the checkout,
+    which another test's world of the same recipe may hold (make test runs two at once)."""
+    return Trainer(load_recipe(name, overrides=overrides), run_dir=Path(f"{out}.run"))
+
+
 def main() -> None:
     out, name, *overrides = sys.argv[1:]
-    # beside `out`, not runs/<job> of the checkout, which another test's world of the same recipe may hold (make test
-    # runs two at once)
-    trainer = Trainer(load_recipe(name, overrides=overrides), run_dir=Path(f"{out}.run"))
+    trainer = trainer_for(out, name, overrides)
     grad_accum = compute_layout(trainer.recipe).grad_accum
     first_grads, norms, losses = {}, [], []
     for step, mine in enumerate(fixed_steps(trainer, 3)):
