@@ -4,12 +4,18 @@ certain (SLOW_PARTS_BUSY=1: the worker sends progress all through it). Only the 
 real workers, parts, records and join all run. The spawned workers run this file's top level too (as __mp_main__),
 so they pause as well.
 
-SLOW_PARTS_HOLD=DIR: a worker's first part is held, not paused: the worker writes DIR/<its pid> and waits for DIR/go
-(at most 120 s). A test then acts on a worker it knows to be amid a unit (its outcome not yet sent), whatever the
-machine's load; a pause of a fixed time could end, on a loaded CI machine, before the test saw the part."""
+The first process converts units too (parallel.py): it pauses as the spawned workers do, and what it checks as
+it converts (the workers' messages, whether one died) is checked all through its pauses, as through a long unit.
+
+SLOW_PARTS_HOLD=DIR: a spawned worker's first part is held, not paused: the worker writes DIR/<its pid> and waits
+for DIR/go (at most 120 s). A test then acts on a worker it knows to be amid a unit (its outcome not yet sent),
+whatever the machine's load; a pause of a fixed time could end, on a loaded CI machine, before the test saw the
+part. The first process never holds (a test kills a holder): after its first part it waits until SLOW_PARTS_HOLDERS
+(default 2) workers hold theirs, or DIR/go, so that it takes no unit they were to take."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -26,6 +32,7 @@ BUSY = os.environ.get("SLOW_PARTS_BUSY") == "1"  # send progress all through the
 
 
 HOLD = os.environ.get("SLOW_PARTS_HOLD")
+HOLDERS = int(os.environ.get("SLOW_PARTS_HOLDERS", "2"))
 _held = False
 
 
@@ -34,10 +41,14 @@ def _slow_convert_unit(task, tick):
     outcome = _convert_unit(task, tick)
     if HOLD and not _held:
         _held = True
-        with open(os.path.join(HOLD, str(os.getpid())), "w"):
-            pass
+        spawned = multiprocessing.parent_process() is not None
+        if spawned:
+            with open(os.path.join(HOLD, str(os.getpid())), "w"):
+                pass
         go, end = os.path.join(HOLD, "go"), time.monotonic() + 120
         while not os.path.exists(go) and time.monotonic() < end:
+            if not spawned and sum(name.isdigit() for name in os.listdir(HOLD)) >= HOLDERS:
+                break
             _tick(tick, 0.02)
         return outcome
     end = time.monotonic() + PAUSE_S
@@ -49,6 +60,8 @@ def _slow_convert_unit(task, tick):
 def _tick(tick, wait_s: float) -> None:
     if BUSY:
         tick.send(1)
+    if tick.stop():
+        raise parallel._Stop
     time.sleep(wait_s)
 
 

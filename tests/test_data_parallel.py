@@ -175,7 +175,8 @@ def test_a_killed_conversion_resumes_from_the_parts_done(tmp_path, capsys, a_uni
 
 def started(argv: list[str], work: Path, pause_s: float, hold: Path | None = None, **popen) -> subprocess.Popen:
     """tests/slow_parts.py running `argv`, once its first part is done; with `hold` (a new directory), once both
-    workers hold their first part (tests/slow_parts.py: SLOW_PARTS_HOLD), each amid its unit until `hold`/go."""
+    spawned workers hold their first part (tests/slow_parts.py: SLOW_PARTS_HOLD), each amid its unit until
+    `hold`/go: --workers 3, the first process converting the other units."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "SLOW_PARTS_PAUSE_S": str(pause_s), "SLOW_PARTS_BUSY": "1"}
     if hold is not None:
         hold.mkdir()
@@ -213,7 +214,7 @@ def test_a_worker_killed_on_its_own_is_told_while_the_others_still_work(tmp_path
     input's), and the rerun resumes."""
     src = corpus(tmp_path / "in", files=10, each=100)
     out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
-    argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "2"]
+    argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "3"]
     hold = tmp_path / "hold"
     proc = started(argv, work, pause_s=1.0, hold=hold)
     assert proc.poll() is None and len(holders(hold)) == 2, "the workers did not both hold a part"
@@ -250,14 +251,40 @@ def test_workers_done_before_the_parent_reads_their_outcomes_are_not_taken_for_d
     assert code == 0 and out == f"wrote {tmp_path / 'o.arrow'}: 80 documents\n", err
 
 
+def test_the_first_process_converts_units_too_and_spawns_one_worker_fewer(tmp_path, capsys, a_unit_a_file, monkeypatch):
+    """--workers 2 is this process and one spawned worker, not two: this one converts a unit whenever the part it is
+    to join next is not done (the spawned worker imports the module afresh, so only this process's units are
+    recorded here)."""
+    from trnrecipes.data import parallel
+
+    here, spawned = [], []
+    convert, start = parallel.convert_unit, parallel._Pool.__init__
+
+    def recorded(task, tick):
+        here.append(task.unit)
+        return convert(task, tick)
+
+    def counted(self, tasks, n, bar, work):
+        spawned.append(n)
+        start(self, tasks, n, bar, work)
+
+    monkeypatch.setattr(parallel, "convert_unit", recorded)
+    monkeypatch.setattr(parallel._Pool, "__init__", counted)
+    src = corpus(tmp_path / "in", files=6, each=50)
+    code, out, err = cli(capsys, "data", "to-arrow", "--in", src, "--out", tmp_path / "o.arrow", "--workers", 2)
+    assert code == 0 and out == f"wrote {tmp_path / 'o.arrow'}: 300 documents\n", err
+    assert spawned == [1] and here and set(here) <= set(range(6)), (spawned, here)
+
+
 def test_ctrl_c_keeps_the_parts_in_one_line_without_a_traceback(tmp_path, capsys):
     """Ctrl-C reaches the whole process group (the parent and its workers): one line says what was kept, none of
     the processes prints a traceback, and the same command resumes."""
     src = corpus(tmp_path / "in", files=6, each=100)
     out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
-    argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "2"]
-    # Both workers hold their first part until Ctrl-C (nothing says go): it lands with parts still to do, and after
-    # the pool started, however loaded the machine (CI's once saw the whole conversion done first at a 0.5 s pause).
+    argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "3"]
+    # Both spawned workers hold their first part until Ctrl-C (nothing says go): it lands with parts still to do, and
+    # after the pool started, however loaded the machine (CI's once saw the whole conversion done first at a 0.5 s
+    # pause).
     proc = started(argv, work, pause_s=0.0, hold=tmp_path / "hold", start_new_session=True)
     assert proc.poll() is None and len(holders(tmp_path / "hold")) == 2, "the workers did not both hold a part"
     os.killpg(proc.pid, signal.SIGINT)

@@ -244,7 +244,7 @@ def test_a_permuted_range_is_a_slice_of_the_permutation():
 def test_to_arrow_writes_record_batches_of_rows_per_batch(tmp_path, monkeypatch):
     from trnrecipes.data import arrow
 
-    monkeypatch.setattr(arrow, "ROWS_PER_BATCH", 3000)  # the default, 1M rows, made small enough to see
+    monkeypatch.setattr(arrow, "ROWS_PER_BATCH", 3000)  # the default, 131,072 rows, made small enough to see
     source = tmp_path / "docs.txt"
     source.write_text("".join(f"line {i}\n" for i in range(7000)))
     arrow.to_arrow([source], tmp_path / "out.arrow", progress=False)

@@ -191,8 +191,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--batch-rows",
         type=int,
-        help="rows per record batch (default 1048576; converting holds one batch in memory, about twice; training"
-        " reads the batches in place, memory-mapped, and keeps a small object per batch)",
+        help="rows per record batch (default 131072; converting holds one batch in memory, about twice, and joins the"
+        " parts of --workers a batch at a time; training reads the batches in place, memory-mapped, and keeps a small"
+        " object per batch)",
     )
     sub.add_argument(
         "--shard-bytes",

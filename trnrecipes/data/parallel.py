@@ -1,7 +1,9 @@
-"""The units of a conversion (parts.py) converted by spawned worker processes, or by this one where one worker is
-asked for, their outcomes handed back in input order whatever order they finish in: conversion.py replays each
-unit's bad records and joins its part in that order. No unit after one that failed is started, and workers stop
-when their parent is gone (killed), leaving the parts done for a rerun to resume from.
+"""The units of a conversion (parts.py) converted by this process and spawned worker processes, or by this one
+alone where one worker is asked for, their outcomes handed back in input order whatever order they finish in:
+conversion.py replays each unit's bad records and joins its part in that order. Each process takes the next unit
+not yet taken; this one takes one whenever the outcome it waits for has not come, and joins the parts done between
+its units. No unit after one that failed is started, and workers stop when their parent is gone (killed), leaving
+the parts done for a rerun to resume from.
 """
 
 from __future__ import annotations
@@ -47,14 +49,14 @@ def default_workers() -> int:
 
 def outcomes_in_order(tasks: list[Task], done: dict[int, dict], workers: int, bar: tqdm, work: Path) -> Iterator[dict]:
     """Each unit's outcome, in input order: recorded for the parts `done`, converted for the others (in this process
-    where one worker is asked for, else in `workers` spawned processes). A unit that fails stops the units after it
-    from being started: their outcome no longer matters. Closing the iterator stops the workers."""
+    where one worker is asked for, else by this one and `workers - 1` spawned processes). A unit that fails stops
+    the units after it from being started: their outcome no longer matters. Closing the iterator stops the workers."""
     todo = [t for t in tasks if t.unit not in done]
     if workers <= 1 or len(todo) <= 1:
         for task in tasks:
             yield done[task.unit] if task.unit in done else convert_unit(task, _Ticker(bar.update))
         return
-    pool = _Pool(todo, min(workers, len(todo)), bar, work)
+    pool = _Pool(todo, min(workers, len(todo)) - 1, bar, work)
     try:
         for task in tasks:
             yield done[task.unit] if task.unit in done else pool.outcome(task)
@@ -85,21 +87,30 @@ class _Stop(Exception):
     """The unit is no longer wanted (a unit before it failed), or this worker's parent is gone."""
 
 
-class _Pool:
-    """`workers` spawned processes converting `tasks` (each pulls the next from a queue). The JSON parsing is
-    CPU-bound, so threads would share one core."""
+def _next_task(tasks: list[Task], taken) -> Task | None:
+    """The first of `tasks` no process has taken yet (`taken` counts them: they are taken in order), now taken."""
+    with taken.get_lock():
+        k = taken.value
+        if k >= len(tasks):
+            return None
+        taken.value = k + 1
+    return tasks[k]
 
-    def __init__(self, tasks: list[Task], workers: int, bar: tqdm, work: Path):
+
+class _Pool:
+    """This process and `spawned` worker processes converting `tasks`, each taking the next one not yet taken. The
+    JSON parsing is CPU-bound, so threads would share one core. This process converts a unit whenever the outcome it
+    waits for has not come: --workers 2 costs one interpreter more than --workers 1, not two, and the parts done are
+    joined between its units rather than all after the last one."""
+
+    def __init__(self, tasks: list[Task], spawned: int, bar: tqdm, work: Path):
         context = multiprocessing.get_context("spawn")  # fork would copy the parent's threads and locks
-        self.bar, self.work = bar, work
-        self.tasks, self.results = context.Queue(), context.Queue()
+        self.tasks, self.bar, self.work = tasks, bar, work
+        self.results = context.Queue()
+        self.taken = context.Value("q", 0)  # how many of `tasks` a process has taken
         self.first_failed = context.Value("q", max(t.unit for t in tasks) + 1, lock=False)
-        for task in tasks:
-            self.tasks.put(task)
-        for _ in range(workers):
-            self.tasks.put(None)
-        args = (self.tasks, self.results, self.first_failed, os.getpid())
-        self.processes = [context.Process(target=_serve, args=args, daemon=True) for _ in range(workers)]
+        args = (tasks, self.taken, self.results, self.first_failed, os.getpid())
+        self.processes = [context.Process(target=_serve, args=args, daemon=True) for _ in range(spawned)]
         # Ignored from their start, imports included: a spawned interpreter keeps an inherited SIG_IGN for SIGINT.
         main = threading.current_thread() is threading.main_thread()  # where signal handlers may be set
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
@@ -121,6 +132,13 @@ class _Pool:
                 self._settle(task, ended=False)
                 self.checked = time.monotonic()
                 continue
+            self._drain()  # outcomes sent already are joined before this process takes a unit
+            if task.unit in self.outcomes:
+                break
+            own = _next_task(self.tasks, self.taken)
+            if own is not None:
+                self._convert(own, task)
+                continue
             try:
                 message = self.results.get(timeout=ALIVE_CHECK_S)
             except queue.Empty:
@@ -128,6 +146,25 @@ class _Pool:
                 continue
             self._take(message, task)
         return self.outcomes.pop(task.unit)
+
+    def _convert(self, own: Task, waiting: Task) -> None:
+        """`own` converted in this process. As it goes (every PROGRESS_EVERY_S), the workers' messages are read and
+        the workers judged, as while waiting for `waiting`: a worker dead amid a unit is told of during a long unit
+        of this process's."""
+
+        def stop() -> bool:
+            self._settle(waiting, ended=False)
+            self.checked = time.monotonic()
+            return own.unit > self.first_failed.value
+
+        if stop():
+            outcome = {"unit": own.unit, "status": "cancelled"}
+        else:
+            try:
+                outcome = convert_unit(own, _Ticker(self.bar.update, stop))
+            except _Stop:
+                outcome = {"unit": own.unit, "status": "cancelled"}
+        self._record(own.unit, outcome)
 
     def _settle(self, task: Task, ended: bool) -> None:
         """Read what the workers already sent (what they sent before they ended is theirs, not lost); then, where
@@ -156,13 +193,16 @@ class _Pool:
             raise RuntimeError(f"converting {_names(failed) if failed else f'unit {unit}'} failed:\n{payload}")
         else:
             self.running.pop(pid, None)
-            self.outcomes[unit] = payload
-            if payload["status"] != "done":
-                self.first_failed.value = min(self.first_failed.value, unit)
+            self._record(unit, payload)
+
+    def _record(self, unit: int, outcome: dict) -> None:
+        self.outcomes[unit] = outcome
+        if outcome["status"] != "done":
+            self.first_failed.value = min(self.first_failed.value, unit)
 
     def _check_alive(self, waiting: Task, quiet: bool) -> None:
         """A worker that died amid a unit fails the conversion. `quiet`: every worker had ended before the queue was
-        found empty, so nothing more will come and `waiting` never will."""
+        found empty, and every unit was taken, so nothing more will come and `waiting` never will."""
         for p in self.processes:
             if p.exitcode not in (None, 0) and p.pid in self.running:
                 lost = self.running[p.pid]
@@ -171,7 +211,7 @@ class _Pool:
                     f"the worker converting {_names(lost)} died ({how}: out of memory?); the parts done are kept in"
                     f" {self.work}: rerun the same command to resume from them"
                 )
-        if quiet:
+        if quiet and self.taken.value >= len(self.tasks):
             raise WorkerDied(f"every worker ended before {_names(waiting)} was converted; rerun to resume")
 
     def close(self) -> None:
@@ -179,20 +219,19 @@ class _Pool:
             if p.is_alive():
                 p.kill()
             p.join()
-        for q in (self.tasks, self.results):
-            q.cancel_join_thread()
-            q.close()
+        self.results.cancel_join_thread()
+        self.results.close()
 
 
-def _serve(tasks, results, first_failed, parent: int) -> None:
-    """A worker: converts the tasks it pulls until told to stop; a task after a unit that failed is skipped, and a
+def _serve(tasks, taken, results, first_failed, parent: int) -> None:
+    """A worker: converts the tasks it takes until none is left; a task after a unit that failed is skipped, and a
     worker whose parent is gone (killed) stops."""
     # Ctrl-C reaches every process of the terminal's group: the parent stops the workers and says what it kept, so
     # a worker ignores it rather than print a traceback of its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with(parent)
     try:
-        _convert_tasks(tasks, results, first_failed, parent)
+        _convert_tasks(tasks, taken, results, first_failed, parent)
     finally:
         if os.getppid() != parent:  # nobody reads what it sent: exit without waiting for the pipe to take it
             results.cancel_join_thread()
@@ -220,26 +259,18 @@ def _die_with(parent: int) -> None:
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _convert_tasks(tasks, results, first_failed, parent: int) -> None:
+def _convert_tasks(tasks, taken, results, first_failed, parent: int) -> None:
     pid = os.getpid()
 
     def stop(task: Task) -> bool:
         return os.getppid() != parent or task.unit > first_failed.value
 
-    while True:
-        try:
-            task = tasks.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent:
-                return
-            continue
-        if task is None or os.getppid() != parent:
-            return
+    while os.getppid() == parent and (task := _next_task(tasks, taken)) is not None:
         if stop(task):
             results.put(("outcome", pid, task.unit, {"unit": task.unit, "status": "cancelled"}))
             continue
         results.put(("start", pid, task.unit, task))
-        ticker = _Ticker(lambda n: results.put(("progress", pid, task.unit, n)), lambda: stop(task))  # noqa: B023
+        ticker = _Ticker(lambda n: results.put(("progress", pid, task.unit, n)), lambda: stop(task))
         try:
             outcome = convert_unit(task, ticker)
         except _Stop:
