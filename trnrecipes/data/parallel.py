@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 PROGRESS_EVERY_S = 0.5
 ALIVE_CHECK_S = 0.5
+# How long a process waits to take the next unit. Taking one holds a lock its sharers hold for microseconds, so a wait
+# this long means a worker was killed holding it (the OOM killer picks no moment), which would block the others.
+TAKE_WAIT_S = 10.0
 
 
 class WorkerDied(DataError):
@@ -87,13 +90,22 @@ class _Stop(Exception):
     """The unit is no longer wanted (a unit before it failed), or this worker's parent is gone."""
 
 
-def _next_task(tasks: list[Task], taken) -> Task | None:
-    """The first of `tasks` no process has taken yet (`taken` counts them: they are taken in order), now taken."""
-    with taken.get_lock():
+def _next_task(tasks: list[Task], taken, work: Path | None = None) -> Task | None:
+    """The first of `tasks` no process has taken yet (`taken` counts them: they are taken in order), now taken;
+    None where all are. WorkerDied where the lock stays held (TAKE_WAIT_S: its holder was killed)."""
+    lock = taken.get_lock()
+    if not lock.acquire(timeout=TAKE_WAIT_S):
+        raise WorkerDied(
+            f"a worker died while taking its next unit (out of memory?), leaving the others unable to take theirs; the"
+            f" parts done are kept in {work}: rerun the same command to resume from them"
+        )
+    try:
         k = taken.value
         if k >= len(tasks):
             return None
         taken.value = k + 1
+    finally:
+        lock.release()
     return tasks[k]
 
 
@@ -135,7 +147,7 @@ class _Pool:
             self._drain()  # outcomes sent already are joined before this process takes a unit
             if task.unit in self.outcomes:
                 break
-            own = _next_task(self.tasks, self.taken)
+            own = _next_task(self.tasks, self.taken, self.work)
             if own is not None:
                 self._convert(own, task)
                 continue
@@ -150,20 +162,27 @@ class _Pool:
     def _convert(self, own: Task, waiting: Task) -> None:
         """`own` converted in this process. As it goes (every PROGRESS_EVERY_S), the workers' messages are read and
         the workers judged, as while waiting for `waiting`: a worker dead amid a unit is told of during a long unit
-        of this process's."""
+        of this process's. What that judgement raises (WorkerDied, a worker's crash) stops the unit and is raised
+        from here, not from within the unit, whose conversion would take a DataError for the input's fault."""
+        fault: list[Exception] = []
 
         def stop() -> bool:
-            self._settle(waiting, ended=False)
+            try:
+                self._settle(waiting, ended=False)
+            except Exception as err:  # raised below, once the unit is stopped
+                fault.append(err)
+                return True
             self.checked = time.monotonic()
             return own.unit > self.first_failed.value
 
-        if stop():
-            outcome = {"unit": own.unit, "status": "cancelled"}
-        else:
+        outcome = {"unit": own.unit, "status": "cancelled"}
+        if not stop():
             try:
                 outcome = convert_unit(own, _Ticker(self.bar.update, stop))
             except _Stop:
-                outcome = {"unit": own.unit, "status": "cancelled"}
+                pass
+        if fault:
+            raise fault[0]
         self._record(own.unit, outcome)
 
     def _settle(self, task: Task, ended: bool) -> None:
@@ -265,12 +284,18 @@ def _convert_tasks(tasks, taken, results, first_failed, parent: int) -> None:
     def stop(task: Task) -> bool:
         return os.getppid() != parent or task.unit > first_failed.value
 
-    while os.getppid() == parent and (task := _next_task(tasks, taken)) is not None:
+    while os.getppid() == parent:
+        try:
+            task = _next_task(tasks, taken)
+        except WorkerDied:  # the lock's holder was killed: the parent, taking units too, finds it and says so
+            return
+        if task is None:
+            return
         if stop(task):
             results.put(("outcome", pid, task.unit, {"unit": task.unit, "status": "cancelled"}))
             continue
         results.put(("start", pid, task.unit, task))
-        ticker = _Ticker(lambda n: results.put(("progress", pid, task.unit, n)), lambda: stop(task))
+        ticker = _Ticker(lambda n: results.put(("progress", pid, task.unit, n)), lambda: stop(task))  # noqa: B023
         try:
             outcome = convert_unit(task, ticker)
         except _Stop:
