@@ -28,6 +28,14 @@ time over theirs bounds what any two-process conversion can gain here.
 
     .venv/bin/python bench/bench_data.py --convert [--shards 8] [--shard-mb 128] [--scale-to 32] [--repeats 3]
 
+`--preprocess` measures `trnrecipes data preprocess --workers 2` (tokenize into Megatron .bin/.idx) on --shards
+JSON-lines shards of --shard-mb MB (each its own unit from 32 MiB) against what a user of the tokenizers library
+writes: a pool of 2 processes, each reading a shard's lines with json and encoding them with Tokenizer.encode_batch,
+1000 at a time, into a .bin of the ids (uint16, EOS after each document); both whole processes, interleaved, medians.
+It checks that both wrote as many tokens, and prints the ratio (the issue names no goal: the library is the yardstick).
+
+    .venv/bin/python bench/bench_data.py --preprocess --shards 4 --shard-mb 40 [--repeats 3]
+
 `--against REV` measures trnrecipes/ of a git revision too (unpacked with git archive into a temporary directory),
 e.g. 6317da4, the last before the never-listed order: one run per (format, size).
 """
@@ -740,6 +748,77 @@ def convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def hf_tokenize(folder: str, out: str, procs: int, tokenizer: str) -> None:
+    """What a user of the tokenizers library writes to tokenize JSON-lines shards: a pool of `procs` processes, a
+    shard each at a time (_hf_tokenize_shard)."""
+    import multiprocessing
+
+    files = sorted(str(p) for p in Path(folder).iterdir())
+    Path(out).mkdir()
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        pool.starmap(_hf_tokenize_shard, [(f, out, tokenizer) for f in files])
+
+
+def _hf_tokenize_shard(path: str, out: str, tokenizer: str) -> None:
+    """One shard's lines read with json, encoded by Tokenizer.encode_batch 1000 at a time (its threads, as the
+    library defaults), the ids with EOS after each document written as uint16 to OUT/<shard>.bin."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{tokenizer}/tokenizer.json")
+    with open(path, "rb") as f, open(Path(out) / f"{Path(path).name}.bin", "wb") as sink:
+        while lines := f.readlines(1 << 22):
+            for start in range(0, len(lines), 1000):
+                texts = [json.loads(line)["text"] for line in lines[start : start + 1000]]
+                for encoding in tok.encode_batch(texts, add_special_tokens=False):
+                    np.array([*encoding.ids, EOS], np.uint16).tofile(sink)
+
+
+def preprocess_bench(args: argparse.Namespace) -> int:
+    """`data preprocess --workers 2` against the tokenizers library in 2 processes (hf_tokenize), whole processes."""
+    from trnrecipes.data.tokenizer import load_tokenizer
+
+    cache = Path(args.cache)
+    folder = convert_corpus(cache, args.shards, args.shard_mb, ".jsonl")
+    json_mb = sum(p.stat().st_size for p in folder.iterdir()) / MB
+    engine = load_tokenizer(args.tokenizer).engine
+    print(
+        f"preprocess: {args.shards} JSON-lines shards of {args.shard_mb} MB ({json_mb:,.0f} MB), {args.tokenizer}"
+        f" (ours by {engine}); whole processes timed, median of {args.repeats}; {len(os.sched_getaffinity(0))} cores"
+    )
+    sides = {
+        "ours data preprocess --workers 2": lambda out: [
+            sys.executable, "-m", "trnrecipes", "data", "preprocess", "--in", str(folder), "--tokenizer",
+            args.tokenizer, "--out", str(out), "--workers", "2"],
+        "tokenizers encode_batch, 2 processes": lambda out: [
+            sys.executable, __file__, "--hf-tokenize", str(folder), str(out), "2", args.tokenizer],
+    }  # fmt: skip
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    tokens: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        for _ in range(args.repeats):  # interleaved
+            for side, cmd in sides.items():
+                out = Path(tmp) / "out"
+                runs[side].append(timed(cmd(out)))
+                bins = [Path(f"{out}.bin")] if side.startswith("ours") else sorted(out.glob("*.bin"))
+                tokens[side] = sum(b.stat().st_size for b in bins) // 2  # uint16 ids
+                shutil.rmtree(out, ignore_errors=True)
+                for suffix in (".bin", ".idx", ".tokenized_with.json"):
+                    Path(f"{out}{suffix}").unlink(missing_ok=True)
+    seconds = {side: median([r["seconds"] for r in rs]) for side, rs in runs.items()}
+    for side, rs in runs.items():
+        print(
+            f"  {side:<38} {seconds[side]:7.2f} s  {json_mb / seconds[side]:6.1f} MB/s of JSON"
+            f"  {tokens[side] / seconds[side]:>12,.0f} tokens/s  peak RSS: main process"
+            f" {median([r['main_rss'] for r in rs]) / MIB:,.0f} MiB, each worker"
+            f" {median([r['worker_rss'] for r in rs]) / MIB:,.0f} MiB"
+        )
+    ours, theirs = sides
+    same = "the same" if tokens[ours] == tokens[theirs] else f"NOT the same ({tokens[ours]:,} vs {tokens[theirs]:,})"
+    print(f"  tokens written: {same} ({tokens[ours]:,}); ours / tokenizers: {seconds[theirs] / seconds[ours]:.2f}x")
+    return 0 if tokens[ours] == tokens[theirs] else 1
+
+
 def importlib_spec(name: str) -> bool:
     import importlib.util
 
@@ -760,10 +839,12 @@ def main() -> int:
     parser.add_argument("--cache", default=str(SCALE_DIR), help="--scale: where the generated corpora are kept")
     parser.add_argument("--against", metavar="REV", help="--scale: also measure trnrecipes/ of git revision REV")
     parser.add_argument("--convert", action="store_true", help="data to-arrow --workers 2 / 1 / datasets")
-    parser.add_argument("--shards", type=int, default=8, help="--convert: JSON-lines shards")
-    parser.add_argument("--shard-mb", type=int, default=128, help="--convert: MB of JSON lines per shard")
+    parser.add_argument("--shards", type=int, default=8, help="--convert, --preprocess: JSON-lines shards")
+    parser.add_argument("--shard-mb", type=int, default=128, help="--convert, --preprocess: MB of JSON lines a shard")
     parser.add_argument("--scale-to", type=int, default=32, help="--convert: shards of the larger input (0: none)")
+    parser.add_argument("--preprocess", action="store_true", help="data preprocess --workers 2 / tokenizers")
     parser.add_argument("--hf-convert", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--hf-tokenize", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--measure", nargs=2, metavar=("FORMAT", "CORPUS"), help=argparse.SUPPRESS)
     parser.add_argument("--tree", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -777,8 +858,14 @@ def main() -> int:
         folder, out, num_proc, cache = args.hf_convert
         hf_convert(folder, out, int(num_proc), cache)
         return 0
+    if args.hf_tokenize:
+        folder, out, procs, tokenizer = args.hf_tokenize
+        hf_tokenize(folder, out, int(procs), tokenizer)
+        return 0
     if args.convert:
         return convert(args)
+    if args.preprocess:
+        return preprocess_bench(args)
     if args.scale:
         return scale(args)
     if not CORPUS.exists():
