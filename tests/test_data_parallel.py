@@ -472,3 +472,41 @@ def test_a_part_shorter_than_its_record_is_converted_again(tmp_path, capsys, a_u
     assert stdout == f"wrote {out}: 151 documents\n"
     to_arrow([src], tmp_path / "straight.arrow", progress=False)
     assert out.read_bytes() == (tmp_path / "straight.arrow").read_bytes()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("refused", ["a part", "the output"])
+def test_a_storage_that_refuses_writes_is_told_in_one_line_and_what_was_done_is_kept(tmp_path, capsys, refused,
+                                                                                     workers):  # fmt: skip
+    """A full disk, a quota, a read-only mount or a file size limit (here the limit, EFBIG: what a test can set
+    without mounting anything) while a part or the output is written: one line naming what could not be written,
+    the errno and what would fix it, exit 2 (the same command fails the same way until it is fixed), no traceback,
+    whichever process met it; the parts done are kept, and once the storage takes them the same command resumes."""
+    import resource
+
+    limit = 60_000
+    src = corpus(tmp_path / "in", files=4, each=40)  # parts of 2.6 KB; the output 10 KB
+    if refused == "a part":
+        write(src / "02.jsonl", docs(*[f"long document {i} " + "word " * 4000 for i in range(4)]))  # ~80 KB
+    else:
+        limit = 8_192  # every part fits, the output does not (nor do less than 4 KB: multiprocessing's shared memory)
+    out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
+    argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", str(workers)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SLOW_PARTS_PAUSE_S": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "tests/slow_parts.py"), *argv], env=env, text=True,
+                          capture_output=True, timeout=120,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    fix = "[Errno 27] File too large; raise the file size limit (ulimit -f)"
+    if refused == "a part":
+        said = f"error: cannot write the part of {src / '02.jsonl'} in {work}: {fix}, or convert to an --out elsewhere"
+    else:
+        said = f"error: cannot write {out} or its work dir {work}: {fix}, or choose another --out; then run"
+    assert said in proc.stderr, proc.stderr
+    done = len(list(work.glob("part_*.json")))
+    assert done >= (2 if refused == "a part" else 4), proc.stderr  # the units before the refused one at least
+    assert f"kept {work} with {done} of 4 parts done" in proc.stderr, proc.stderr
+    code, _, err = cli(capsys, *argv)
+    assert code == 0 and err.startswith(f"[trnrecipes] resuming {work}: {done} of 4 parts already done\n"), err
+    to_arrow([src], tmp_path / "straight.arrow", progress=False)
+    assert out.read_bytes() == (tmp_path / "straight.arrow").read_bytes()

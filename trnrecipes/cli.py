@@ -7,6 +7,7 @@ inside their handler.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import math
@@ -14,6 +15,7 @@ import os
 import re
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from trnrecipes import REPO_ROOT
@@ -21,6 +23,7 @@ from trnrecipes.config.recipe import FIELD_BOUNDS, known_recipes, load_recipe, p
 from trnrecipes.config.sections import RecipeError
 from trnrecipes.files.outputs import check_output, check_outputs, check_prefix
 from trnrecipes.files.run_files import run_dir_of
+from trnrecipes.files.storage_errors import storage_problem
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,17 +443,37 @@ def _to_arrow(args: argparse.Namespace) -> int:
     check_output(rejects, flag="the rejects file", inputs=read)
     options = dict(label_field=args.label_field, batch_rows=args.batch_rows, max_bad_records=args.max_bad_records)
     if STDIN in args.inputs:  # standard input is read once, here: no parts to resume from
-        stats = to_arrow(files, Path(args.out), args.text_field, policy, shard_bytes=shard_bytes, **options)
+        with _storage_told(args.out):
+            stats = to_arrow(files, Path(args.out), args.text_field, policy, shard_bytes=shard_bytes, **options)
     else:
         check_output(parts_path(args.out), flag="the work dir", inputs=read, directory=True)
-        stats = to_arrow_in_parts(
-            files, Path(args.out), text_field=args.text_field, on_bad_record=policy, shard_bytes=shard_bytes,
-            workers=workers, **options, log=_note,
-        )  # fmt: skip
+        with _storage_told(args.out, parts_path(args.out)):
+            stats = to_arrow_in_parts(
+                files, Path(args.out), text_field=args.text_field, on_bad_record=policy, shard_bytes=shard_bytes,
+                workers=workers, **options, log=_note,
+            )  # fmt: skip
     _report_conversion(stats, args.out, policy, rejects)
     if args.label_field:
         print(f"  {args.label_field}: " + ", ".join(f"{c}: {n:,}" for c, n in sorted(stats.labels.items())))
     return 0
+
+
+@contextlib.contextmanager
+def _storage_told(out: str, work: Path | None = None) -> Iterator[None]:
+    """A DataError in one line for an OSError of a storage that refuses writes (full, read-only, ...) while a
+    conversion writes `out` (and its work dir): what was kept is said by the conversion itself."""
+    from trnrecipes.data import DataError
+
+    try:
+        yield
+    except OSError as err:
+        if (problem := storage_problem(err)) is None:
+            raise
+        where = err.filename or (f"{out} or its work dir {work}" if work is not None else out)
+        again = " (it resumes from the parts done)" if work is not None else ""
+        raise DataError(
+            f"cannot write {where}: {problem}, or choose another --out; then run the same command again{again}"
+        ) from err
 
 
 def _note(line: str) -> None:
@@ -474,15 +497,17 @@ def _preprocess(args: argparse.Namespace) -> int:
     check_prefix(args.out, suffixes, inputs=read)
     tok = load_tokenizer(args.tokenizer)
     if STDIN in args.inputs:  # standard input is read once, here: no parts to resume from
-        stats, tokens = preprocess(
-            files, tok, Path(args.out), args.text_field, args.dtype, policy, max_bad_records=args.max_bad_records
-        )
+        with _storage_told(f"{args.out}.bin/.idx"):
+            stats, tokens = preprocess(
+                files, tok, Path(args.out), args.text_field, args.dtype, policy, max_bad_records=args.max_bad_records
+            )
     else:
         check_output(parts_path(args.out), flag="the work dir", inputs=read, directory=True)
-        stats, tokens = preprocess_in_parts(
-            files, tok, Path(args.out), text_field=args.text_field, dtype=args.dtype, on_bad_record=policy,
-            max_bad_records=args.max_bad_records, workers=workers, log=_note,
-        )  # fmt: skip
+        with _storage_told(f"{args.out}.bin/.idx", parts_path(args.out)):
+            stats, tokens = preprocess_in_parts(
+                files, tok, Path(args.out), text_field=args.text_field, dtype=args.dtype, on_bad_record=policy,
+                max_bad_records=args.max_bad_records, workers=workers, log=_note,
+            )  # fmt: skip
     _report_conversion(stats, f"{args.out}.bin/.idx", policy, rejects_of(args.out))
     print(f"  {tokens:,} tokens ({tok.engine} engine, EOS {tok.eos_id} after each document)")
     return 0

@@ -58,8 +58,8 @@ class CheckpointWriteError(CheckpointError):
     RecipeError: resubmitting unchanged would fail the same way."""
 
 
-# The OSErrors that say the storage refuses writes, with what would let the next attempt succeed. Others (EIO,
-# ESTALE, ...) may pass with time and stay plain errors.
+# The OSErrors that say the storage refuses writes (trnrecipes/files/storage_errors.py's), with what would let a
+# training run's next attempt succeed. Others (EIO, ESTALE, ...) may pass with time and stay plain errors.
 STORAGE_ERRNOS = {
     errno.EROFS: "Remount it writable or train into another run_dir, and resubmit",
     errno.EACCES: "Fix its permissions or train into another run_dir, and resubmit",

@@ -46,6 +46,7 @@ from trnrecipes.checkpoint.format import (
 from trnrecipes.config.sections import Recipe
 from trnrecipes.config.stages import pipeline_stages
 from trnrecipes.data.order import DATA_ORDER
+from trnrecipes.files.storage_errors import storage_errno
 from trnrecipes.parallel.dims import local_tensor
 from trnrecipes.parallel.expert import expert_layouts, gather_experts, gather_replica_rows
 from trnrecipes.parallel.fsdp import tp_local
@@ -255,17 +256,6 @@ class Checkpointer:
         if note.get("storage") is False:
             return RuntimeError(f"{marker.parent}: rank {rank} failed writing checkpoint step_{step}: {message}")
         return CheckpointWriteError(message)
-
-
-def storage_errno(err: BaseException) -> int | None:
-    """The errno of an OSError saying the storage refuses writes (STORAGE_ERRNOS), else None. shutil.copytree's
-    Error (an OSError) carries its errors only in its text."""
-    if not isinstance(err, OSError):
-        return None
-    code = err.errno
-    if code is None and (found := re.search(r"\[Errno (\d+)\]", str(err))):
-        code = int(found.group(1))
-    return code if code in STORAGE_ERRNOS else None
 
 
 def write_files(directory: Path, files: dict[str, object]) -> dict[str, str]:

@@ -6,6 +6,7 @@ while its input files are unchanged. This runs in the worker processes (parallel
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from trnrecipes.data.corpus_writer import corpus_schema
 from trnrecipes.data.inputs import InputFile
 from trnrecipes.data.megatron_files import write_index
 from trnrecipes.data.work_dir import atomic_file, temp_path
+from trnrecipes.files.storage_errors import storage_problem
 
 UNIT_BYTES = 32 << 20  # consecutive files smaller than this are one unit, up to about this many bytes
 
@@ -71,20 +73,24 @@ def input_stats(files: tuple[InputFile, ...]) -> list[list]:
 
 def convert_unit(task: Task, tick: Callable[..., None]) -> dict:
     """The unit's part and its record; returns the outcome: status done, error (a DataError's message: a file that
-    cannot be read, a label that is no class id) or stopped (more bad records than task.limit), the counts, and the
-    file listing its bad records in order (`rejects`, in the part's directory)."""
+    cannot be read, a label that is no class id, a part the storage refuses) or stopped (more bad records than
+    task.limit), the counts, and the file listing its bad records in order (`rejects`, in the part's directory)."""
     inputs = input_stats(task.files)  # before reading: a file changed while it is read is read again next time
     stats, bad = ConversionStats(), BadRecords("skip", task.limit)
     rejects = temp_path(Path(f"{task.part}.rejects.jsonl"))
-    part = _TokenPart(task) if task.tokenizer else _ArrowPart(task)
     outcome: dict = {"unit": task.unit, "status": "done", "error": None, "inputs": inputs}
+    part = None
     try:
-        with open(rejects, "w", encoding="utf-8") as sink:
+        with _writing(task):
+            part = _TokenPart(task) if task.tokenizer else _ArrowPart(task)
+            sink = open(rejects, "w", encoding="utf-8")
+        with sink:
             bad.sink = sink
             try:
                 sizes = [size for _, size, _ in inputs]
                 for texts, labels in document_blocks(_blocks(task, sizes, bad, tick), stats):
-                    part.write(texts, labels)
+                    with _writing(task):
+                        part.write(texts, labels)
             except DataError as err:
                 stopped = task.limit is not None and bad.count > task.limit
                 outcome.update(status="stopped" if stopped else "error", error=None if stopped else str(err))
@@ -95,23 +101,47 @@ def convert_unit(task: Task, tick: Callable[..., None]) -> dict:
             part.abort()
             outcome["rejects"] = rejects.name  # the parent replays them, then removes the file
             return outcome
-        outcome["files"] = part.finish()
-        outcome["rejects"] = None
-        if bad.count:
-            listed = Path(f"{task.part}.rejects.jsonl")
-            os.replace(rejects, listed)
-            outcome["rejects"] = listed.name
-            outcome["files"][listed.name] = listed.stat().st_size
-        with atomic_file(Path(f"{task.part}.json")) as f:
-            f.write(json.dumps(outcome) + "\n")
+        with _writing(task):
+            outcome["files"] = part.finish()
+            outcome["rejects"] = None
+            if bad.count:
+                listed = Path(f"{task.part}.rejects.jsonl")
+                os.replace(rejects, listed)
+                outcome["rejects"] = listed.name
+                outcome["files"][listed.name] = listed.stat().st_size
+            with atomic_file(Path(f"{task.part}.json")) as f:
+                f.write(json.dumps(outcome) + "\n")
         return outcome
-    except BaseException:
-        part.abort()
+    except BaseException as err:
+        if part is not None:
+            part.abort()
         rejects.unlink(missing_ok=True)
-        raise
+        if not isinstance(err, _CannotWrite):
+            raise
+        outcome.update(status="error", error=str(err), rejects=None)
+        return outcome
     finally:
         if outcome["status"] == "done":
             rejects.unlink(missing_ok=True)
+
+
+class _CannotWrite(DataError):
+    """The storage refused a file of the unit's part (files/storage_errors.py): the input's fault no more than a
+    bug's, told in one line (a worker's other errors come back as its traceback)."""
+
+
+@contextlib.contextmanager
+def _writing(task: Task) -> Iterator[None]:
+    """_CannotWrite for an OSError of a storage that refuses writes (full, read-only, ...), naming the unit."""
+    try:
+        yield
+    except OSError as err:
+        if (problem := storage_problem(err)) is None:
+            raise
+        raise _CannotWrite(
+            f"cannot write the part of {task.files[0].name} in {Path(task.part).parent}: {problem}, or convert to"
+            " an --out elsewhere"
+        ) from err
 
 
 def _blocks(task: Task, sizes: list[int], bad: BadRecords, tick) -> Iterator[tuple[Texts, list[int] | None]]:
@@ -143,7 +173,11 @@ class _ArrowPart:
         self.tmp = temp_path(self.path)
         self.schema = corpus_schema(task.text_field, task.label_field)
         self.sink = pa.OSFile(str(self.tmp), "wb")
-        self.writer = pa.ipc.new_stream(self.sink, self.schema)
+        try:
+            self.writer = pa.ipc.new_stream(self.sink, self.schema)
+        except BaseException:
+            self.abort()
+            raise
         self.counts: dict = {}
 
     def write(self, texts: Texts, labels: list[int] | None) -> None:
@@ -157,7 +191,7 @@ class _ArrowPart:
         return {self.path.name: self.path.stat().st_size}
 
     def abort(self) -> None:
-        if not self.sink.closed:
+        with contextlib.suppress(OSError):  # what is left to write may fail as the write did (a full disk)
             self.sink.close()
         self.tmp.unlink(missing_ok=True)
 
@@ -210,6 +244,7 @@ class _TokenPart:
 
     def abort(self) -> None:
         for f in (self.bin, self.lengths):
-            f.close()
+            with contextlib.suppress(OSError):  # its buffer's flush may fail as the write did (a full disk)
+                f.close()
         for tmp in (*self.tmps, self.lengths_path):
             tmp.unlink(missing_ok=True)
