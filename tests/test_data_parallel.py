@@ -5,6 +5,7 @@ OUT.parts/ (which is never used nor removed unless a conversion made it), and a 
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -474,39 +475,76 @@ def test_a_part_shorter_than_its_record_is_converted_again(tmp_path, capsys, a_u
     assert out.read_bytes() == (tmp_path / "straight.arrow").read_bytes()
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-@pytest.mark.parametrize("refused", ["a part", "the output"])
-def test_a_storage_that_refuses_writes_is_told_in_one_line_and_what_was_done_is_kept(tmp_path, capsys, refused,
-                                                                                     workers):  # fmt: skip
+# (command, what is refused): the documents a file, whether file 01 is a large one, the file size limit in bytes
+REFUSED = {
+    ("to-arrow", "a part"): (40, True, 60_000),  # parts of 2.6 KB, the large file's ~80 KB
+    ("to-arrow", "the output"): (40, False, 8_192),  # every part fits, the output (10 KB) does not
+    ("preprocess", "a part"): (40, True, 20_000),  # parts' .bin of ~0.7 KB, the large file's ~32 KB
+}  # (a limit under 4 KB would refuse multiprocessing's shared memory too)
+
+
+@pytest.mark.parametrize(
+    ("command", "refused", "workers"),
+    [(*case, workers) for case in REFUSED for workers in (1, 2) if case[0] == "to-arrow" or workers == 2],
+)  # preprocess (its subprocess imports torch for megatron-core: ~10 s) where a worker meets it
+def test_a_storage_that_refuses_writes_is_told_in_one_line_and_what_was_done_is_kept(tmp_path, capsys, command,
+                                                                                     refused, workers):  # fmt: skip
     """A full disk, a quota, a read-only mount or a file size limit (here the limit, EFBIG: what a test can set
     without mounting anything) while a part or the output is written: one line naming what could not be written,
     the errno and what would fix it, exit 2 (the same command fails the same way until it is fixed), no traceback,
-    whichever process met it; the parts done are kept, and once the storage takes them the same command resumes."""
+    whichever process met it (at --workers 2 the first process pauses 2 s in unit 0, so the spawned worker, once
+    started, takes the large unit 1); the parts done are kept, and once the storage takes them it resumes."""
     import resource
 
-    limit = 60_000
-    src = corpus(tmp_path / "in", files=4, each=40)  # parts of 2.6 KB; the output 10 KB
-    if refused == "a part":
-        write(src / "02.jsonl", docs(*[f"long document {i} " + "word " * 4000 for i in range(4)]))  # ~80 KB
-    else:
-        limit = 8_192  # every part fits, the output does not (nor do less than 4 KB: multiprocessing's shared memory)
-    out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
-    argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", str(workers)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "SLOW_PARTS_PAUSE_S": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+    each, large, limit = REFUSED[command, refused]
+    src = corpus(tmp_path / "in", files=4, each=each)
+    if large:
+        write(src / "01.jsonl", docs(*[f"long document {i} " + "word " * 4000 for i in range(4)]))
+    out = tmp_path / ("o.arrow" if command == "to-arrow" else "o")
+    work = Path(f"{out}.parts")
+    argv = ["data", command, "--in", str(src), "--out", str(out), "--workers", str(workers)]
+    argv += ["--tokenizer", str(GPT2)] if command == "preprocess" else []
+    pause = "2" if large and workers == 2 else "0"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SLOW_PARTS_PAUSE_S": pause, "PYTHONDONTWRITEBYTECODE": "1"}
     proc = subprocess.run([sys.executable, str(REPO / "tests/slow_parts.py"), *argv], env=env, text=True,
                           capture_output=True, timeout=120,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     fix = "[Errno 27] File too large; raise the file size limit (ulimit -f)"
+    shown = out if command == "to-arrow" else f"{out}.bin/.idx"
     if refused == "a part":
-        said = f"error: cannot write the part of {src / '02.jsonl'} in {work}: {fix}, or convert to an --out elsewhere"
+        said = f"error: cannot write the part of {src / '01.jsonl'} in {work}: {fix}, or convert to an --out elsewhere"
     else:
-        said = f"error: cannot write {out} or its work dir {work}: {fix}, or choose another --out; then run"
+        said = f"error: cannot write {shown} or its work dir {work}: {fix}, or choose another --out; then run"
     assert said in proc.stderr, proc.stderr
     done = len(list(work.glob("part_*.json")))
-    assert done >= (2 if refused == "a part" else 4), proc.stderr  # the units before the refused one at least
+    assert done >= (1 if refused == "a part" else 4), proc.stderr  # the units before the refused one at least
     assert f"kept {work} with {done} of 4 parts done" in proc.stderr, proc.stderr
     code, _, err = cli(capsys, *argv)
     assert code == 0 and err.startswith(f"[trnrecipes] resuming {work}: {done} of 4 parts already done\n"), err
-    to_arrow([src], tmp_path / "straight.arrow", progress=False)
-    assert out.read_bytes() == (tmp_path / "straight.arrow").read_bytes()
+    if command == "to-arrow":
+        to_arrow([src], tmp_path / "straight.arrow", progress=False)
+        assert out.read_bytes() == (tmp_path / "straight.arrow").read_bytes()
+
+
+def test_an_input_that_cannot_be_read_is_named_as_such_not_as_a_write_refused(tmp_path, capsys, a_unit_a_file,
+                                                                               monkeypatch):  # fmt: skip
+    """An input the user may not read (EACCES, as a refused write has: opened here by a stand-in of open(), since
+    root reads any file) is the input's error, named with what to do, exit 2: not a write refused, not a
+    traceback."""
+    import builtins
+
+    from trnrecipes.data import arrow
+
+    src = corpus(tmp_path / "in", files=3, each=10)
+    unreadable = src / "02.jsonl"
+
+    def guarded_open(path, *args, **kwargs):
+        if Path(path) == unreadable:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(arrow, "open", guarded_open, raising=False)
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", src, "--out", tmp_path / "o.arrow", "--workers", 1)
+    assert code == 2 and f"error: {unreadable}: cannot be read ([Errno 13] Permission denied" in err, err
+    assert "fix its permissions or name another file" in err and "cannot write" not in err, err

@@ -459,17 +459,20 @@ def _to_arrow(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _storage_told(out: str, work: Path | None = None) -> Iterator[None]:
+def _storage_told(out: str, work: Path | None = None, shown: str | None = None) -> Iterator[None]:
     """A DataError in one line for an OSError of a storage that refuses writes (full, read-only, ...) while a
-    conversion writes `out` (and its work dir): what was kept is said by the conversion itself."""
+    conversion writes `out` (a path, or a prefix; `shown` as it is named) and its work dir; what was kept is said
+    by the conversion itself. An error naming a file not under `out` (an input's) is raised as it was."""
     from trnrecipes.data import DataError
 
     try:
         yield
     except OSError as err:
-        if (problem := storage_problem(err)) is None:
+        ours = err.filename is None or os.path.abspath(err.filename).startswith(os.path.abspath(out))
+        if (problem := storage_problem(err)) is None or not ours:
             raise
-        where = err.filename or (f"{out} or its work dir {work}" if work is not None else out)
+        shown = shown or out
+        where = err.filename or (f"{shown} or its work dir {work}" if work is not None else shown)
         again = " (it resumes from the parts done)" if work is not None else ""
         raise DataError(
             f"cannot write {where}: {problem}, or choose another --out; then run the same command again{again}"
@@ -497,13 +500,13 @@ def _preprocess(args: argparse.Namespace) -> int:
     check_prefix(args.out, suffixes, inputs=read)
     tok = load_tokenizer(args.tokenizer)
     if STDIN in args.inputs:  # standard input is read once, here: no parts to resume from
-        with _storage_told(f"{args.out}.bin/.idx"):
+        with _storage_told(args.out, shown=f"{args.out}.bin/.idx"):
             stats, tokens = preprocess(
                 files, tok, Path(args.out), args.text_field, args.dtype, policy, max_bad_records=args.max_bad_records
             )
     else:
         check_output(parts_path(args.out), flag="the work dir", inputs=read, directory=True)
-        with _storage_told(f"{args.out}.bin/.idx", parts_path(args.out)):
+        with _storage_told(args.out, parts_path(args.out), shown=f"{args.out}.bin/.idx"):
             stats, tokens = preprocess_in_parts(
                 files, tok, Path(args.out), text_field=args.text_field, dtype=args.dtype, on_bad_record=policy,
                 max_bad_records=args.max_bad_records, workers=workers, log=_note,

@@ -19,10 +19,12 @@ A text column with a null is refused when it is opened (Arrow's null counts say 
 
 from __future__ import annotations
 
+import errno
 import gzip
 import io
 import itertools
 import os
+import re
 import sys
 import tempfile
 import zlib
@@ -472,7 +474,11 @@ def file_records(
 ) -> Iterator[tuple[str, int | None]]:
     """(text, class id) for every record of one input file, as read_records; `read` counts its bytes as they go."""
     if f.kind == "document":
-        text = _decode(f.path.read_bytes(), f.name, None, bad)
+        try:
+            raw = f.path.read_bytes()
+        except OSError as err:
+            raise _unreadable(f.name, err) from err
+        text = _decode(raw, f.name, None, bad)
         if text is not None:
             yield text, None
     elif f.kind.startswith("jsonl"):
@@ -586,16 +592,19 @@ def open_lines(path: Path | None, read: ReadCount | None = None) -> BinaryIO:
     pyarrow's codec); None: standard input. `read` is given how far into the file reading has got."""
     if path is None:
         return nullcontext(sys.stdin.buffer)
-    if path.name.endswith(".gz"):
-        fh = gzip.open(path, "rb")
-        position = fh.fileobj.tell
-    elif path.name.endswith(".zst"):
-        raw = pa.OSFile(str(path))
-        fh = io.BufferedReader(pa.CompressedInputStream(raw, "zstd"), 1 << 20)
-        position = raw.tell
-    else:
-        fh = open(path, "rb")
-        position = fh.tell
+    try:
+        if path.name.endswith(".gz"):
+            fh = gzip.open(path, "rb")
+            position = fh.fileobj.tell
+        elif path.name.endswith(".zst"):
+            raw = pa.OSFile(str(path))
+            fh = io.BufferedReader(pa.CompressedInputStream(raw, "zstd"), 1 << 20)
+            position = raw.tell
+        else:
+            fh = open(path, "rb")
+            position = fh.tell
+    except OSError as err:  # not the output's: a reader of it must not take it for a write refused
+        raise _unreadable(str(path), err) from err
     if read is not None:
         read.position = position
     return fh
@@ -700,9 +709,20 @@ def _split_lines(block: bytes) -> list[bytes]:
 
 
 def _unreadable(name: str, err: BaseException) -> DataError:
+    if isinstance(err, OSError) and _errno_of(err) in NOT_OPENED:  # the file's access, not its content
+        return DataError(f"{name}: cannot be read ({clipped(err)}); fix its permissions or name another file")
     compressed = "gzip" if name.endswith(".gz") else "zstd" if name.endswith(".zst") else None
     what = f"not a readable {compressed} file" if compressed else "cannot be read"
     return DataError(f"{name}: {what} ({clipped(err)}); corrupt or truncated?")
+
+
+NOT_OPENED = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR}
+
+
+def _errno_of(err: OSError) -> int | None:
+    """An OSError's errno, also where pyarrow gives it only in its text ("[errno 13] Permission denied")."""
+    found = re.search(r"\[errno (\d+)\]", str(err), re.IGNORECASE)
+    return err.errno if err.errno is not None else int(found.group(1)) if found else None
 
 
 def _arrow_rows(f: InputFile, text_field: str, bad: BadRecords, label_field: str | None, read: ReadCount | None):

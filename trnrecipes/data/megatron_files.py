@@ -22,20 +22,21 @@ def write_index(idx: Path, lengths: list[np.ndarray | Path], dtype: np.dtype) ->
     """The .idx of documents of `lengths` (in order, one sequence a document: int32 arrays, or the .idx files
     write_index wrote, each opened only while it is read, so thousands of parts never hold thousands of files open):
     the header, the dtype code and counts, then the sequence lengths (int32), their byte offsets into .bin (int64)
-    and the document indices 0..n (int64)."""
+    and the document indices 0..n (int64). Written with file.write, not ndarray.tofile, whose failed write (a full
+    disk) is an OSError without its errno."""
     n = sum(len(part) if isinstance(part, np.ndarray) else sequence_count(part) for part in lengths)
     with open(idx, "wb") as f:
         f.write(HEADER + COUNTS.pack(DTYPE_CODES[np.dtype(dtype).name], n, n + 1))
         for chunk in _chunks(lengths):
-            chunk.astype(np.int32).tofile(f)
+            f.write(chunk.astype(np.int32).tobytes())
         offset = 0
         for chunk in _chunks(lengths):
             sizes = chunk.astype(np.int64) * np.dtype(dtype).itemsize
             ends = np.cumsum(sizes) + offset
-            (ends - sizes).tofile(f)
+            f.write((ends - sizes).tobytes())
             offset = int(ends[-1])
         for start in range(0, n + 1, CHUNK):
-            np.arange(start, min(start + CHUNK, n + 1), dtype=np.int64).tofile(f)
+            f.write(np.arange(start, min(start + CHUNK, n + 1), dtype=np.int64).tobytes())
 
 
 def sequence_count(idx: Path) -> int:

@@ -81,19 +81,21 @@ def convert_unit(task: Task, tick: Callable[..., None]) -> dict:
     outcome: dict = {"unit": task.unit, "status": "done", "error": None, "inputs": inputs}
     part = None
     try:
+        # Every write of the unit's goes through _writing (the part, its rejects, its record): what reads the inputs
+        # raises DataErrors for them (arrow.py's _unreadable), so an OSError here is a write's.
         with _writing(task):
             part = _TokenPart(task) if task.tokenizer else _ArrowPart(task)
-            sink = open(rejects, "w", encoding="utf-8")
-        with sink:
-            bad.sink = sink
-            try:
-                sizes = [size for _, size, _ in inputs]
-                for texts, labels in document_blocks(_blocks(task, sizes, bad, tick), stats):
-                    with _writing(task):
+            with open(rejects, "w", encoding="utf-8") as sink:
+                bad.sink = sink
+                try:
+                    sizes = [size for _, size, _ in inputs]
+                    for texts, labels in document_blocks(_blocks(task, sizes, bad, tick), stats):
                         part.write(texts, labels)
-            except DataError as err:
-                stopped = task.limit is not None and bad.count > task.limit
-                outcome.update(status="stopped" if stopped else "error", error=None if stopped else str(err))
+                except DataError as err:
+                    if isinstance(err, _CannotWrite):
+                        raise
+                    stopped = task.limit is not None and bad.count > task.limit
+                    outcome.update(status="stopped" if stopped else "error", error=None if stopped else str(err))
         labels = sorted(stats.labels.items())
         outcome.update(documents=stats.documents, skipped_empty=stats.skipped_empty, rejected=bad.count, labels=labels)
         outcome.update(part.counts)
@@ -217,16 +219,22 @@ class _TokenPart:
         self.paths = [Path(f"{task.part}{suffix}") for suffix in (".bin", ".idx")]
         self.tmps = [temp_path(p) for p in self.paths]
         self.lengths_path = temp_path(Path(f"{task.part}.lengths"))
-        self.bin, self.lengths = open(self.tmps[0], "wb"), open(self.lengths_path, "wb")
+        self.bin = open(self.tmps[0], "wb")
+        try:
+            self.lengths = open(self.lengths_path, "wb")
+        except BaseException:
+            self.bin.close()
+            self.tmps[0].unlink(missing_ok=True)
+            raise
         self.counts = {"tokens": 0, "top": -1}
 
     def write(self, texts: Texts, labels: None) -> None:
         texts = texts.to_pylist() if isinstance(texts, pa.Array) else texts
         eos = self.tokenizer.eos_id
         docs = [np.append(ids, eos).astype(self.dtype) for ids in self.tokenizer.encode_batch(texts)]
-        for doc in docs:
-            doc.tofile(self.bin)
-        np.array([len(d) for d in docs], np.int32).tofile(self.lengths)
+        # file.write, not ndarray.tofile: tofile's failed write (a full disk) is an OSError without its errno
+        self.bin.write(b"".join(doc.tobytes() for doc in docs))
+        self.lengths.write(np.array([len(d) for d in docs], np.int32).tobytes())
         self.counts["top"] = max([self.counts["top"], *(int(d.max()) for d in docs)])
         self.counts["tokens"] += sum(len(d) for d in docs)
 
