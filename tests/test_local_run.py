@@ -92,11 +92,14 @@ def test_qwen3_moe_trains_under_run_sbatch_with_its_experts_over_two_ranks(tmp_p
 
 def test_compile_sbatch_runs_locally(tmp_path):
     job = tmp_path / "job"
-    assert run_cli("sbatch", "--recipe", "llama2-tiny", "--nodes", "1", "--out", str(job)).returncode == 0
+    run_dir = tmp_path / "run"  # not the checkout's runs/llama2-tiny-1n, which the job's setup would make
+    sbatch = ["sbatch", "--recipe", "llama2-tiny", "--nodes", "1", "--out", str(job)]
+    assert run_cli(*sbatch, "--overrides", f"run_dir={run_dir}").returncode == 0
     done = _bash(job / "compile.sbatch")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "compile (tracing every graph; nothing is written): llama2-tiny on cpu, 2 rank(s)" in done.stdout
     assert "compile job local-" in done.stdout and "step 2/2" in done.stdout
+    assert run_dir.is_dir()  # the job's setup made the run dir it was given
 
 
 def test_a_multi_node_job_refuses_to_run_outside_slurm(tmp_path):
