@@ -89,9 +89,10 @@ def _tick(tick, wait_s: float) -> None:
 parallel.convert_unit = _slow_convert_unit
 
 if __name__ == "__main__":
-    # Ctrl-C as a terminal's command gets it, whatever this process inherited: in a make test run on two workers, it
-    # once inherited an ignored SIGINT (from what, not found: neither xdist nor execnet ignores it) and ran on through
-    # the test's Ctrl-C. The parent only: its workers ignore SIGINT from their start.
+    # Ctrl-C as a terminal's command gets it, whatever this process inherited: a make test started in the background
+    # of a non-interactive shell (`bash .ci/run &`) runs with SIGINT ignored, as POSIX shells start asynchronous
+    # commands, and every process below it inherits that; this one then ran on through the test's Ctrl-C. The parent
+    # only: its workers ignore SIGINT from their start.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from trnrecipes.cli import main
