@@ -275,6 +275,43 @@ def test_skip_lists_each_rejected_record_with_place_and_reason_and_prints_the_co
     assert not rejects.exists()
 
 
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+def test_columnar_batches_stay_arrow_where_plain_and_go_row_by_row_where_not(tmp_path, capsys, monkeypatch, kind):
+    """A Parquet or Arrow file's batches of plain text are taken as Arrow whole, the others row by row: the same
+    documents as the row-by-row reader gives (trnrecipes.data.arrow.file_records), blank ones left out, and its bad
+    rows (a null, invalid UTF-8) named by their row in the file, batches after them counted on. Batches of 4 rows."""
+    from trnrecipes.data import arrow
+    from trnrecipes.data.bad_records import BadRecords
+    from trnrecipes.data.inputs import find_inputs
+
+    monkeypatch.setattr(arrow, "COLUMNAR_ROWS", 4)
+    plain = [f"document {i}" for i in range(4)]
+    invalid = pa.Array.from_buffers(
+        pa.string(), 1, [None, pa.py_buffer(b"\0\0\0\0\2\0\0\0"), pa.py_buffer(b"\xff\xfe")]
+    )
+    batches = [
+        pa.array(plain, pa.string()),
+        pa.array(["a", None, "  ", "b"], pa.string()),  # a null (row 5) and a blank document (row 6)
+        pa.concat_arrays([pa.array(["c", "d", "e"], pa.string()), invalid]),  # invalid UTF-8 (row 11)
+        pa.array(["last", "\u00e9t\u00e9", "\t", "end"], pa.string()),
+    ]
+    path = tmp_path / f"in.{kind}"
+    table = pa.Table.from_batches([pa.record_batch([b], names=["text"]) for b in batches])
+    if kind == "parquet":
+        pq.write_table(table, path, row_group_size=4)
+    else:
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+    (f,) = find_inputs([path])
+    rows = [text for text, _ in arrow.file_records(f, "text", BadRecords("skip", None), None)]
+    out, rejects = tmp_path / "o.arrow", tmp_path / "o.arrow.rejects.jsonl"
+    code, stdout, _ = to_arrow(capsys, "--in", path, "--out", out, "--on-bad-record", "skip")
+    assert code == 0 and texts_of(out) == [t for t in rows if t.strip()], stdout
+    assert texts_of(out)[:4] == plain and texts_of(out)[-1] == "end"
+    listed = [json.loads(line) for line in rejects.read_text().splitlines()]
+    assert [(r["row"], r["reason"].split(" (")[0]) for r in listed] == [(5, "text is null"), (11, "invalid UTF-8")]
+
+
 def test_max_bad_records_stops_once_more_are_met_and_writes_nothing(tmp_path, capsys):
     src = write(tmp_path / "in/c.jsonl", docs("a") + b"x\n" + docs("b") + b"y\n" + b"z\n" + docs("c"))
     out = tmp_path / "out/o.arrow"

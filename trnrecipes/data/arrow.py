@@ -47,6 +47,7 @@ from trnrecipes.data.manifest import MANIFEST, read_manifest
 from trnrecipes.schema import clipped, shown
 
 BATCH_DOCS = 1024  # documents read and converted at a time: small enough to stream, big enough to be cheap
+COLUMNAR_ROWS = 8192  # a Parquet file's rows read at a time where its texts stay Arrow (_batch_texts)
 JSON_BLOCK_BYTES = 1 << 22  # JSON lines read at a time by the quicker loop (_jsonl_texts)
 # Rows per record batch of a written corpus. Small enough that a conversion by several processes joins the parts into
 # the output as they come (a batch is written once its rows are all done), and that writing holds little (3 KB web
@@ -458,10 +459,15 @@ def file_texts(
     f: InputFile, text_field: str, bad: BadRecords, label_field: str | None, read: ReadCount | None = None
 ) -> Iterator[tuple[Texts, list[int] | None]]:
     """The documents of one input file in blocks: (texts, their class ids with `label_field`, else None), as
-    file_records reads them (JSON lines without labels by a quicker loop, with the same result, in Arrow where
-    pyarrow's JSON reader read them)."""
+    file_records reads them (without labels, JSON lines by a quicker loop, with the same result, in Arrow where
+    msgspec or pyarrow's JSON reader read them; Parquet and Arrow files a batch at a time, in Arrow where a batch
+    holds plain text)."""
     if f.kind.startswith("jsonl") and label_field is None:
         for texts in _jsonl_texts(f, text_field, bad, read):
+            yield texts, None
+        return
+    if f.kind in ("arrow", "parquet") and label_field is None:
+        for texts in (_arrow_rows if f.kind == "arrow" else _parquet)(f, text_field, bad, None, read, texts=True):
             yield texts, None
         return
     records = file_records(f, text_field, bad, label_field, read)
@@ -725,8 +731,11 @@ def _errno_of(err: OSError) -> int | None:
     return err.errno if err.errno is not None else int(found.group(1)) if found else None
 
 
-def _arrow_rows(f: InputFile, text_field: str, bad: BadRecords, label_field: str | None, read: ReadCount | None):
-    """The rows of an Arrow IPC stream (datasets' data-*.arrow, ours) or file, memory-mapped."""
+def _arrow_rows(
+    f: InputFile, text_field: str, bad: BadRecords, label_field: str | None, read: ReadCount | None, texts=False
+):
+    """The rows of an Arrow IPC stream (datasets' data-*.arrow, ours) or file, memory-mapped; `texts`: the texts
+    of its record batches instead (_batch_texts)."""
     try:
         source = pa.memory_map(str(f.path))
         if read is not None:
@@ -737,26 +746,60 @@ def _arrow_rows(f: InputFile, text_field: str, bad: BadRecords, label_field: str
         except pa.ArrowInvalid:
             reader = pa.ipc.open_file(source)
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        yield from _rows(f, reader.schema.names, batches, text_field, bad, label_field)
+        yield from (_batch_texts if texts else _rows)(f, reader.schema.names, batches, text_field, bad, label_field)
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{f.name}: not a readable Arrow IPC stream ({clipped(err)}); corrupt or truncated?") from None
 
 
-def _parquet(f: InputFile, text_field: str, bad: BadRecords, label_field: str | None, read: ReadCount | None):
+def _parquet(
+    f: InputFile, text_field: str, bad: BadRecords, label_field: str | None, read: ReadCount | None, texts=False
+):
+    """The rows of a Parquet file, a batch of rows read at a time; `texts`: the texts of its batches instead."""
     import pyarrow.parquet as pq
 
     try:
         source = pq.ParquetFile(f.path)
         names = source.schema_arrow.names
         columns = [n for n in (text_field, label_field) if n is not None and n in names]
-        batches = source.iter_batches(batch_size=BATCH_DOCS, columns=columns)
+        batches = source.iter_batches(batch_size=COLUMNAR_ROWS if texts else BATCH_DOCS, columns=columns)
         if read is not None:  # the share of its rows read, in its bytes
             rows, size, done = source.metadata.num_rows, f.path.stat().st_size, [0]
             read.position = lambda: size * done[0] // max(rows, 1)
             batches = _counted(batches, done)
-        yield from _rows(f, names, batches, text_field, bad, label_field)
+        yield from (_batch_texts if texts else _rows)(f, names, batches, text_field, bad, label_field)
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{f.name}: not a readable Parquet file ({clipped(err)}); corrupt or truncated?") from None
+
+
+def _batch_texts(f: InputFile, names: list[str], batches, text_field: str, bad: BadRecords, label_field: None):
+    """The texts of a file's record batches, a block a batch: the batch's own text column (as large_string) where it
+    is text without a null and valid UTF-8 throughout, which is what _rows would give for it, without a Python
+    string a row; any other batch through _rows, which names each bad row."""
+    if text_field not in names:
+        raise _no_column(f, text_field, names)
+    row = 0
+    for batch in batches:
+        column = batch.column(text_field)
+        if _plain_text(column):
+            yield column if pa.types.is_large_string(column.type) else column.cast(pa.large_string())
+        else:
+            yield [text for text, _ in _rows(f, names, [batch], text_field, bad, None, first_row=row)]
+        row += len(batch)
+
+
+def _no_column(f: InputFile, name: str, names: list[str]) -> DataError:
+    return DataError(f"{f.name} has no column {name!r}; its columns: {listed(names)}")
+
+
+def _plain_text(column: pa.Array) -> bool:
+    """A string column without nulls whose bytes are valid UTF-8 (Parquet's are not checked when read)."""
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)) or column.null_count:
+        return False
+    try:
+        column.validate(full=True)
+    except pa.ArrowInvalid:
+        return False
+    return True
 
 
 def _counted(batches: Iterator[pa.RecordBatch], done: list[int]) -> Iterator[pa.RecordBatch]:
@@ -772,13 +815,15 @@ class _Undecodable:
     reason: str
 
 
-def _rows(f: InputFile, names: list[str], batches, text_field: str, bad: BadRecords, label_field: str | None):
-    """(text, class id) for the rows of a file's record batches; a null or undecodable text is a bad record, a null
-    label refused."""
+def _rows(
+    f: InputFile, names: list[str], batches, text_field: str, bad: BadRecords, label_field: str | None, first_row=0
+):
+    """(text, class id) for the rows of a file's record batches (the first of them row `first_row` of the file); a
+    null or undecodable text is a bad record, a null label refused."""
     for name in [text_field] + ([label_field] if label_field is not None else []):
         if name not in names:
-            raise DataError(f"{f.name} has no column {name!r}; its columns: {listed(names)}")
-    row = 0
+            raise _no_column(f, name, names)
+    row = first_row
     for batch in batches:
         texts = _texts(batch.column(text_field))
         labels = batch.column(label_field).to_pylist() if label_field is not None else [None] * len(texts)
