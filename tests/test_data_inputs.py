@@ -304,12 +304,34 @@ def test_columnar_batches_stay_arrow_where_plain_and_go_row_by_row_where_not(tmp
             writer.write_table(table)
     (f,) = find_inputs([path])
     rows = [text for text, _ in arrow.file_records(f, "text", BadRecords("skip", None), None)]
+    blocks = [texts for texts, _ in arrow.file_texts(f, "text", BadRecords("skip", None), None)]
+    assert [isinstance(b, pa.Array) for b in blocks] == [True, False, False, True]  # the plain batches stay Arrow
     out, rejects = tmp_path / "o.arrow", tmp_path / "o.arrow.rejects.jsonl"
     code, stdout, _ = to_arrow(capsys, "--in", path, "--out", out, "--on-bad-record", "skip")
     assert code == 0 and texts_of(out) == [t for t in rows if t.strip()], stdout
     assert texts_of(out)[:4] == plain and texts_of(out)[-1] == "end"
     listed = [json.loads(line) for line in rejects.read_text().splitlines()]
     assert [(r["row"], r["reason"].split(" (")[0]) for r in listed] == [(5, "text is null"), (11, "invalid UTF-8")]
+
+
+def test_a_large_stored_batch_comes_in_blocks_of_about_a_json_block_of_text(tmp_path, monkeypatch):
+    """One record batch of 3,000 documents (an Arrow file's batch can hold millions: ours hold 131,072) comes in
+    blocks of about JSON_BLOCK_BYTES of text, as JSON lines do, so preprocess tokenizes no more at a time; a
+    dictionary-encoded column (as Parquet may store text) is text too."""
+    from trnrecipes.data import arrow
+    from trnrecipes.data.bad_records import BadRecords
+    from trnrecipes.data.inputs import find_inputs
+
+    monkeypatch.setattr(arrow, "JSON_BLOCK_BYTES", 1000)
+    texts = [f"document number {i:05d}" for i in range(3000)]  # 21 bytes each: 47 a block
+    path = tmp_path / "big.arrow"
+    table = pa.table({"text": pa.array(texts, pa.string()).dictionary_encode()})
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    (f,) = find_inputs([path])
+    blocks = [b for b, _ in arrow.file_texts(f, "text", BadRecords("error", None), None)]
+    assert all(isinstance(b, pa.Array) and len(b) == 47 for b in blocks[:-1]) and len(blocks) == -(-3000 // 47)
+    assert [t for b in blocks for t in b.to_pylist()] == texts
 
 
 def test_max_bad_records_stops_once_more_are_met_and_writes_nothing(tmp_path, capsys):

@@ -772,19 +772,37 @@ def _parquet(
 
 
 def _batch_texts(f: InputFile, names: list[str], batches, text_field: str, bad: BadRecords, label_field: None):
-    """The texts of a file's record batches, a block a batch: the batch's own text column (as large_string) where it
-    is text without a null and valid UTF-8 throughout, which is what _rows would give for it, without a Python
-    string a row; any other batch through _rows, which names each bad row."""
+    """The texts of a file's record batches in blocks of about JSON_BLOCK_BYTES of text (what a JSON-lines block
+    holds, so preprocess tokenizes no more at a time, whatever a stored batch holds): as Arrow (large_string) where a
+    batch's text column is text without a null and valid UTF-8 throughout, which is what _rows would give for it,
+    without a Python string a row; any other batch through _rows, BATCH_DOCS rows at a time, naming each bad row."""
     if text_field not in names:
         raise _no_column(f, text_field, names)
     row = 0
     for batch in batches:
-        column = batch.column(text_field)
+        column = _text_type(batch.column(text_field))
         if _plain_text(column):
-            yield column if pa.types.is_large_string(column.type) else column.cast(pa.large_string())
+            step = max(1, JSON_BLOCK_BYTES * len(column) // max(1, _value_bytes(column)))
+            for start in range(0, len(column), step):
+                yield column.slice(start, step)
         else:
-            yield [text for text, _ in _rows(f, names, [batch], text_field, bad, None, first_row=row)]
+            for start in range(0, len(batch), BATCH_DOCS):
+                piece = batch.slice(start, BATCH_DOCS)
+                yield [text for text, _ in _rows(f, names, [piece], text_field, bad, None, first_row=row + start)]
         row += len(batch)
+
+
+def _text_type(column: pa.Array) -> pa.Array:
+    """A column of text as large_string where it is text in another layout (string, a dictionary of strings as
+    Parquet may store them, string_view); any other column as it is."""
+    kind = column.type
+    if pa.types.is_dictionary(kind) and (
+        pa.types.is_string(kind.value_type) or pa.types.is_large_string(kind.value_type)
+    ):
+        column = column.dictionary_decode()
+    elif not (pa.types.is_string(kind) or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
+        return column
+    return column.cast(pa.large_string())
 
 
 def _no_column(f: InputFile, name: str, names: list[str]) -> DataError:
@@ -792,8 +810,8 @@ def _no_column(f: InputFile, name: str, names: list[str]) -> DataError:
 
 
 def _plain_text(column: pa.Array) -> bool:
-    """A string column without nulls whose bytes are valid UTF-8 (Parquet's are not checked when read)."""
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)) or column.null_count:
+    """A large_string column without nulls whose bytes are valid UTF-8 (Parquet's are not checked when read)."""
+    if not pa.types.is_large_string(column.type) or column.null_count:
         return False
     try:
         column.validate(full=True)
