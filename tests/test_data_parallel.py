@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import REPO
 from test_data import take
@@ -525,6 +526,38 @@ def test_a_storage_that_refuses_writes_is_told_in_one_line_and_what_was_done_is_
     if command == "to-arrow":
         to_arrow([src], tmp_path / "straight.arrow", progress=False)
         assert out.read_bytes() == (tmp_path / "straight.arrow").read_bytes()
+
+
+def test_a_refused_list_of_bad_records_is_a_write_refused_not_the_inputs_fault(tmp_path):
+    """--on-bad-record skip lists each bad record as it is met: where the storage refuses that list (here a file size
+    limit, EFBIG), the line says so, not that the Parquet file being read is unreadable."""
+    import resource
+
+    src = tmp_path / "in"
+    src.mkdir()
+    pq.write_table(pa.table({"text": pa.array(["good"] + [None] * 2000, pa.string())}), src / "n.parquet")
+    out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
+    argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "1", "--on-bad-record", "skip"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SLOW_PARTS_PAUSE_S": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "tests/slow_parts.py"), *argv], env=env, text=True,
+                          capture_output=True, timeout=120,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000)))  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    said = f"error: cannot write the list of bad records in {work}: [Errno 27] File too large; raise the file size"
+    assert said in proc.stderr and "not a readable" not in proc.stderr, proc.stderr
+
+
+def test_the_cli_tells_refused_writes_of_the_files_a_conversion_writes_for_its_output_only():
+    """What the CLI tells as a write refused: the output, what is under it (shards) or beside it by suffix (the work
+    dir, the rejects list, a prefix's .bin) and its temp files beside it; not an input beside it."""
+    from trnrecipes.cli import _written_for
+
+    ours = ["/d/o.arrow", "/d/o.arrow/shard-00000.arrow", "/d/o.arrow.parts/part_000001.arrow",
+            "/d/o.arrow.rejects.jsonl", "/d/.o.arrow.abc123.tmp", "/d/.o.arrow.parts.77-ab.tmp/job.json"]  # fmt: skip
+    assert all(_written_for(name, "/d/o.arrow") for name in ours)
+    for name in ["/d/o.jsonl", "/d/other.arrow", "/d/o.arrowx", "/e/o.arrow"]:
+        assert not _written_for(name, "/d/o.arrow"), name
+    assert _written_for("/d/c.bin", "/d/c") and not _written_for("/d/c2.jsonl", "/d/c")
 
 
 def test_an_input_that_cannot_be_read_is_named_as_such_not_as_a_write_refused(tmp_path, capsys, a_unit_a_file,

@@ -468,15 +468,25 @@ def _storage_told(out: str, work: Path | None = None, shown: str | None = None) 
     try:
         yield
     except OSError as err:
-        ours = err.filename is None or os.path.abspath(err.filename).startswith(os.path.abspath(out))
-        if (problem := storage_problem(err)) is None or not ours:
+        name = err.filename if isinstance(err.filename, str) else None
+        if (problem := storage_problem(err)) is None or (name is not None and not _written_for(name, out)):
             raise
         shown = shown or out
-        where = err.filename or (f"{shown} or its work dir {work}" if work is not None else shown)
+        where = name or (f"{shown} or its work dir {work}" if work is not None else shown)
         again = " (it resumes from the parts done)" if work is not None else ""
         raise DataError(
             f"cannot write {where}: {problem}, or choose another --out; then run the same command again{again}"
         ) from err
+
+
+def _written_for(name: str, out: str) -> bool:
+    """Whether the file `name` is one a conversion writes for `out`: it, what is under it (shards), beside it by
+    suffix (OUT.parts/, OUT.rejects.jsonl, PREFIX.bin), or a temp file or directory beside it (.OUT.xxx.tmp, the
+    work dir as it is made) or under one."""
+    path, out = Path(os.path.abspath(name)), os.path.abspath(out)
+    folder, base = os.path.split(out)
+    temp = any(str(p.parent) == folder and p.name.startswith(f".{base}") for p in (path, *path.parents))
+    return str(path) == out or str(path).startswith((out + os.sep, out + ".")) or temp
 
 
 def _note(line: str) -> None:

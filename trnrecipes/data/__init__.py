@@ -14,6 +14,11 @@ class DataError(RecipeError):  # a user error: the CLI prints it, exit 2
     pass
 
 
+class CannotWrite(DataError):
+    """The storage refused a write of a conversion's (full, read-only, ...: files/storage_errors.py), told in one
+    line: the input's fault no more than a bug's."""
+
+
 def listed(names, limit: int = 10) -> str:
     names = [_shortened(str(n)) for n in list(names)[: limit + 1]]
     return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")

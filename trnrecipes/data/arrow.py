@@ -748,6 +748,8 @@ def _arrow_rows(
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
         yield from (_batch_texts if texts else _rows)(f, reader.schema.names, batches, text_field, bad, label_field)
     except (pa.ArrowException, OSError) as err:
+        if isinstance(err, OSError) and _errno_of(err) in NOT_OPENED:
+            raise _unreadable(f.name, err) from err
         raise DataError(f"{f.name}: not a readable Arrow IPC stream ({clipped(err)}); corrupt or truncated?") from None
 
 
@@ -768,6 +770,8 @@ def _parquet(
             batches = _counted(batches, done)
         yield from (_batch_texts if texts else _rows)(f, names, batches, text_field, bad, label_field)
     except (pa.ArrowException, OSError) as err:
+        if isinstance(err, OSError) and _errno_of(err) in NOT_OPENED:
+            raise _unreadable(f.name, err) from err
         raise DataError(f"{f.name}: not a readable Parquet file ({clipped(err)}); corrupt or truncated?") from None
 
 

@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 from typing import TextIO
 
-from trnrecipes.data import DataError
+from trnrecipes.data import CannotWrite, DataError
 from trnrecipes.data.inputs import REJECTS_SUFFIX
+from trnrecipes.files.storage_errors import storage_problem
 
 POLICIES = ("error", "skip")
 UTF8_ALIASES = {"fail": "error", "skip": "skip"}  # the deprecated --on-bad-utf8's values
@@ -70,7 +71,13 @@ class BadRecords:
         self.first = self.first or f"{place}: {reason}"
         if self.sink is not None:
             at = {"line": line} if line is not None else {"row": row} if row is not None else {}
-            self.sink.write(json.dumps({"file": file, **at, "reason": reason}, ensure_ascii=False) + "\n")
+            try:
+                self.sink.write(json.dumps({"file": file, **at, "reason": reason}, ensure_ascii=False) + "\n")
+            except OSError as err:  # not the input's: what reads it must not take it for its own error
+                if (problem := storage_problem(err)) is None:
+                    raise
+                where = Path(getattr(self.sink, "name", "?")).parent
+                raise CannotWrite(f"cannot write the list of bad records in {where}: {problem}") from err
         if self.limit is not None and self.count > self.limit:
             raise DataError(
                 f"{place}: {reason}: bad record {self.count}, more than --max-bad-records {self.limit} allows (the"

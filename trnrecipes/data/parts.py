@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from trnrecipes.data import DataError
+from trnrecipes.data import CannotWrite, DataError
 from trnrecipes.data.arrow import ConversionStats, ReadCount, Texts, document_blocks, file_texts, record_batch
 from trnrecipes.data.bad_records import BadRecords
 from trnrecipes.data.corpus_writer import corpus_schema
@@ -92,7 +92,7 @@ def convert_unit(task: Task, tick: Callable[..., None]) -> dict:
                     for texts, labels in document_blocks(_blocks(task, sizes, bad, tick), stats):
                         part.write(texts, labels)
                 except DataError as err:
-                    if isinstance(err, _CannotWrite):
+                    if isinstance(err, CannotWrite):
                         raise
                     stopped = task.limit is not None and bad.count > task.limit
                     outcome.update(status="stopped" if stopped else "error", error=None if stopped else str(err))
@@ -118,7 +118,7 @@ def convert_unit(task: Task, tick: Callable[..., None]) -> dict:
         if part is not None:
             part.abort()
         rejects.unlink(missing_ok=True)
-        if not isinstance(err, _CannotWrite):
+        if not isinstance(err, CannotWrite):
             raise
         outcome.update(status="error", error=str(err), rejects=None)
         return outcome
@@ -127,20 +127,15 @@ def convert_unit(task: Task, tick: Callable[..., None]) -> dict:
             rejects.unlink(missing_ok=True)
 
 
-class _CannotWrite(DataError):
-    """The storage refused a file of the unit's part (files/storage_errors.py): the input's fault no more than a
-    bug's, told in one line (a worker's other errors come back as its traceback)."""
-
-
 @contextlib.contextmanager
 def _writing(task: Task) -> Iterator[None]:
-    """_CannotWrite for an OSError of a storage that refuses writes (full, read-only, ...), naming the unit."""
+    """CannotWrite for an OSError of a storage that refuses writes (full, read-only, ...), naming the unit."""
     try:
         yield
     except OSError as err:
         if (problem := storage_problem(err)) is None:
             raise
-        raise _CannotWrite(
+        raise CannotWrite(
             f"cannot write the part of {task.files[0].name} in {Path(task.part).parent}: {problem}, or convert to"
             " an --out elsewhere"
         ) from err
