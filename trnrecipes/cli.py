@@ -460,10 +460,10 @@ def _to_arrow(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _storage_told(out: str, work: Path | None = None, shown: str | None = None) -> Iterator[None]:
-    """A DataError in one line for an OSError of a storage that refuses writes (full, read-only, ...) while a
+    """CannotWrite in one line for an OSError of a storage that refuses writes (full, read-only, ...) while a
     conversion writes `out` (a path, or a prefix; `shown` as it is named) and its work dir; what was kept is said
     by the conversion itself. An error naming a file not under `out` (an input's) is raised as it was."""
-    from trnrecipes.data import DataError
+    from trnrecipes.data import CannotWrite
 
     try:
         yield
@@ -474,7 +474,7 @@ def _storage_told(out: str, work: Path | None = None, shown: str | None = None) 
         shown = shown or out
         where = name or (f"{shown} or its work dir {work}" if work is not None else shown)
         again = " (it resumes from the parts done)" if work is not None else ""
-        raise DataError(
+        raise CannotWrite(
             f"cannot write {where}: {problem}, or choose another --out; then run the same command again{again}"
         ) from err
 

@@ -24,7 +24,6 @@ import gzip
 import io
 import itertools
 import os
-import re
 import sys
 import tempfile
 import zlib
@@ -44,6 +43,7 @@ from trnrecipes.data.corpus_writer import CorpusWriter, corpus_schema, shard_dir
 from trnrecipes.data.inputs import InputFile, find_inputs, input_names
 from trnrecipes.data.json_lines import arrow_texts, json_loads, non_blank
 from trnrecipes.data.manifest import MANIFEST, read_manifest
+from trnrecipes.files.storage_errors import errno_of
 from trnrecipes.schema import clipped, shown
 
 BATCH_DOCS = 1024  # documents read and converted at a time: small enough to stream, big enough to be cheap
@@ -714,21 +714,18 @@ def _split_lines(block: bytes) -> list[bytes]:
     return [line + b"\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
 
 
-def _unreadable(name: str, err: BaseException) -> DataError:
-    if isinstance(err, OSError) and _errno_of(err) in NOT_OPENED:  # the file's access, not its content
+def _unreadable(name: str, err: BaseException, kind: str | None = None) -> DataError:
+    """`name` cannot be read: for want of access (a file not opened), or not as a `kind` (else as its name's
+    compression says), corrupt or truncated."""
+    if isinstance(err, OSError) and errno_of(err) in NOT_OPENED:  # the file's access, not its content
         return DataError(f"{name}: cannot be read ({clipped(err)}); fix its permissions or name another file")
     compressed = "gzip" if name.endswith(".gz") else "zstd" if name.endswith(".zst") else None
-    what = f"not a readable {compressed} file" if compressed else "cannot be read"
+    kind = kind or (f"{compressed} file" if compressed else None)
+    what = f"not a readable {kind}" if kind else "cannot be read"
     return DataError(f"{name}: {what} ({clipped(err)}); corrupt or truncated?")
 
 
 NOT_OPENED = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR}
-
-
-def _errno_of(err: OSError) -> int | None:
-    """An OSError's errno, also where pyarrow gives it only in its text ("[errno 13] Permission denied")."""
-    found = re.search(r"\[errno (\d+)\]", str(err), re.IGNORECASE)
-    return err.errno if err.errno is not None else int(found.group(1)) if found else None
 
 
 def _arrow_rows(
@@ -748,9 +745,7 @@ def _arrow_rows(
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
         yield from (_batch_texts if texts else _rows)(f, reader.schema.names, batches, text_field, bad, label_field)
     except (pa.ArrowException, OSError) as err:
-        if isinstance(err, OSError) and _errno_of(err) in NOT_OPENED:
-            raise _unreadable(f.name, err) from err
-        raise DataError(f"{f.name}: not a readable Arrow IPC stream ({clipped(err)}); corrupt or truncated?") from None
+        raise _unreadable(f.name, err, "Arrow IPC stream") from err
 
 
 def _parquet(
@@ -770,9 +765,7 @@ def _parquet(
             batches = _counted(batches, done)
         yield from (_batch_texts if texts else _rows)(f, names, batches, text_field, bad, label_field)
     except (pa.ArrowException, OSError) as err:
-        if isinstance(err, OSError) and _errno_of(err) in NOT_OPENED:
-            raise _unreadable(f.name, err) from err
-        raise DataError(f"{f.name}: not a readable Parquet file ({clipped(err)}); corrupt or truncated?") from None
+        raise _unreadable(f.name, err, "Parquet file") from err
 
 
 def _batch_texts(f: InputFile, names: list[str], batches, text_field: str, bad: BadRecords, label_field: None):

@@ -18,14 +18,16 @@ FIXES = {
 }
 
 
+def errno_of(err: OSError) -> int | None:
+    """An OSError's errno, also where it is only in its text: shutil.copytree's Error ("[Errno 28] ..."), pyarrow's
+    errors ("[errno 13] Permission denied")."""
+    found = None if err.errno is not None else re.search(r"\[errno (\d+)\]", str(err), re.IGNORECASE)
+    return int(found.group(1)) if found else err.errno
+
+
 def storage_errno(err: BaseException) -> int | None:
-    """The errno of an OSError saying the storage refuses writes (FIXES), else None. shutil.copytree's Error and
-    pyarrow's write errors (OSErrors) carry theirs only in their text."""
-    if not isinstance(err, OSError):
-        return None
-    code = err.errno
-    if code is None and (found := re.search(r"\[Errno (\d+)\]", str(err))):
-        code = int(found.group(1))
+    """The errno of an OSError saying the storage refuses writes (FIXES), else None."""
+    code = errno_of(err) if isinstance(err, OSError) else None
     return code if code in FIXES else None
 
 
