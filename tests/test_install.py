@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +23,25 @@ CONSTRAINTS = sorted((REPO / "tests/constraints").glob("neuron-*.txt"))
 PINNED = ("torch", "torch-xla", "transformers", "numpy", "protobuf")
 
 
+# What a source build reads; the rest of a checkout (venvs, runs, data, build outputs) is left behind. Top-level
+# names only: trnrecipes/data is a package.
+CHECKOUT_ONLY = {".git", ".venv", ".venv-xla", "build", "runs", "jobs", "data", "wheels", "trnrecipes.egg-info",
+                 ".pytest_cache", ".ruff_cache"}  # fmt: skip
+
+
+def not_sources(directory: str, names: list[str]) -> set[str]:
+    return {n for n in names if n == "__pycache__" or (Path(directory) == REPO and n in CHECKOUT_ONLY)}
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    """The wheel, built from a copy of the sources: setuptools builds in the source tree (build/, *.egg-info, whose
+    bdist dir each build deletes when done), and each xdist worker running a test of this file builds its own, at
+    the same time as the other's or an editable install's (CI once failed copying into a bdist dir just deleted)."""
+    sources = tmp_path_factory.mktemp("sources") / "trnrecipes"
+    shutil.copytree(REPO, sources, ignore=not_sources)
     out = tmp_path_factory.mktemp("wheel")
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(REPO)],
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(sources)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     (found,) = out.glob("trnrecipes-*.whl")
