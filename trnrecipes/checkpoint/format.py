@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from trnrecipes.config.families import FAMILIES
 from trnrecipes.config.recipe import read_recipe_file, recipe_from_dict
 from trnrecipes.config.sections import Recipe, RecipeError
+from trnrecipes.files.durable import fsync_path
 from trnrecipes.files.run_files import DONE, MANIFEST, STEP_DIR
 from trnrecipes.parallel.kv_replication import KVReplication, block_of, from_description
 from trnrecipes.parallel.sharding import Region, chunk_range, shard_region
@@ -113,24 +114,10 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
-    """Make the directory's entries (files created or renamed in it) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    with path.open("rb") as f:
-        os.fsync(f.fileno())
-
-
 def hash_and_sync(path: Path) -> str:
     """sha256 of a file just written (read back while it is still in the page cache), after an fsync: its
     manifest entry. Each rank calls this on its own files, so no one reads the whole checkpoint back."""
-    fsync_file(path)
+    fsync_path(path)
     return _sha256(path)
 
 
@@ -154,15 +141,15 @@ def finalize(tmp: Path, out: Path, step: int, digests: dict[str, str] | None = N
     entries = {name: known[name] if name in known else hash_and_sync(p) for name, p in files.items()}
     manifest = tmp / MANIFEST
     manifest.write_text(json.dumps({"format": FORMAT, "step": step, "files": entries}, indent=2) + "\n")
-    fsync_file(manifest)
+    fsync_path(manifest)
     for d in [tmp, *(p for p in paths if p.is_dir())]:
-        fsync_dir(d)
+        fsync_path(d)
     # Only now, with everything it vouches for on disk, the done marker; then the rename that publishes step_N.
     (tmp / DONE).write_text("")
-    fsync_file(tmp / DONE)
-    fsync_dir(tmp)
+    fsync_path(tmp / DONE)
+    fsync_path(tmp)
     os.replace(tmp, out)
-    fsync_dir(out.parent)
+    fsync_path(out.parent)
     return out
 
 

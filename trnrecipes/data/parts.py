@@ -23,6 +23,7 @@ from trnrecipes.data.corpus_writer import corpus_schema
 from trnrecipes.data.inputs import InputFile
 from trnrecipes.data.megatron_files import write_index
 from trnrecipes.data.work_dir import atomic_file, temp_path
+from trnrecipes.files.durable import fsync_path
 from trnrecipes.files.storage_errors import storage_problem
 
 UNIT_BYTES = 32 << 20  # consecutive files smaller than this are one unit, up to about this many bytes
@@ -154,14 +155,6 @@ def _blocks(task: Task, sizes: list[int], bad: BadRecords, tick) -> Iterator[tup
     tick(before, final=True)
 
 
-def _fsynced(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _ArrowPart:
     """The unit's documents as an Arrow stream, in blocks as they come (the parent re-batches them)."""
 
@@ -183,7 +176,7 @@ class _ArrowPart:
     def finish(self) -> dict[str, int]:
         self.writer.close()
         self.sink.close()
-        _fsynced(self.tmp)
+        fsync_path(self.tmp)
         os.replace(self.tmp, self.path)
         return {self.path.name: self.path.stat().st_size}
 
@@ -240,7 +233,7 @@ class _TokenPart:
         lengths = np.memmap(self.lengths_path, np.int32, "r") if size else np.empty(0, np.int32)
         write_index(self.tmps[1], [lengths], self.dtype)
         for tmp, path in zip(self.tmps, self.paths, strict=True):
-            _fsynced(tmp)
+            fsync_path(tmp)
             os.replace(tmp, path)
         self.lengths_path.unlink()
         return {p.name: p.stat().st_size for p in self.paths}
