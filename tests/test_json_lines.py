@@ -43,7 +43,10 @@ MSGSPEC_REFUSES = {
 LINE_BY_LINE = {
     "a line null (crashes the reader)": b'{"text": "a"}\nnull',
     "two objects on a line": b'{"text": "a"} {"text": "b"}',
+    "a leading space (msgspec decodes the block at once: a line must start with {)": b' {"text": "a"}',
+    "a trailing space": b'{"text": "a"} ',
     "an object over two lines, two on another": b'{"text": "x", "o":\n{"a": 1}}\n{"text": "a"} {"text": "b"}',
+    "one over lines of {...}, two on another": b'{"text": "x", "o": {"a": 1}\n{"b": 2}}\n{"text": "a"} {"text": "b"}',
     "Inf": b'{"text": "a", "n": Inf}',
     "-Inf": b'{"text": "a", "n": [1, -Inf]}',
     "-NaN": b'{"text": "a", "n": -NaN}',
@@ -72,7 +75,6 @@ LINE_BY_LINE = {
 # side (json would read these alike)
 PYARROW_REFUSES = {
     "Inf after a comma in a text": b'{"text": "Information, Informed"}',
-    "a leading space": b' {"text": "a"}',
     "a duplicate key (json takes the last)": b'{"text": "a", "text": "b"}',
 }
 
