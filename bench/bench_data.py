@@ -20,7 +20,8 @@ extrapolation to 1B documents and 32 ranks per node, against what the code befor
 `--convert` measures `trnrecipes data to-arrow` on 8 JSON-lines shards of 128 MB (synthetic documents of ~3 KB,
 generated once under build/bench-data/), plain and as .jsonl.zst, at --workers 2 against --workers 1 and against
 `datasets.load_dataset("json", num_proc=2)` + `save_to_disk` with its cache cleared, each a whole process (interpreter
-start-up included): seconds, MB/s, the ratios (goals: >= 1.8x and >= 2x) and the peak RSS of each process; then the
+start-up included): seconds, MB/s, the ratios (goals: >= 1.8x and >= 2x) and the peak RSS of each process; and
+datasets once more with its output fsynced after save_to_disk, as ours is before it takes its name; then the
 peak RSS per worker at 8 and at 32 shards (1 GB and 4 GB of input; goal: within 10%). A fourth side measures what
 the machine gives two processes: two `--workers 1` conversions of half the shards each, started at once and timed
 until both end. That is the same work split in two with nothing shared (no join between them), so --workers 1's
@@ -656,14 +657,20 @@ def halves(folder: Path, into: Path) -> list[Path]:
     return dirs
 
 
-def hf_convert(folder: str, out: str, num_proc: int, cache: str) -> None:
-    """What a user of datasets writes: load_dataset("json") over the shards with num_proc, then save_to_disk."""
+def hf_convert(folder: str, out: str, num_proc: int, cache: str, synced: bool = False) -> None:
+    """What a user of datasets writes: load_dataset("json") over the shards with num_proc, then save_to_disk;
+    `synced`: then its output fsynced, as ours is before it takes its name (the same durability)."""
     import datasets
 
     datasets.disable_progress_bars()
     files = sorted(str(p) for p in Path(folder).iterdir())
     dataset = datasets.load_dataset("json", data_files=files, split="train", num_proc=num_proc, cache_dir=cache)
     dataset.save_to_disk(out)
+    if synced:
+        from trnrecipes.files.durable import fsync_path
+
+        for path in [*Path(out).iterdir(), Path(out)]:
+            fsync_path(path)
 
 
 def convert(args: argparse.Namespace) -> int:
@@ -683,9 +690,10 @@ def convert(args: argparse.Namespace) -> int:
         size = sum(p.stat().st_size for p in folder.iterdir())
         json_mb = sum(p.stat().st_size for p in convert_corpus(cache, args.shards, args.shard_mb, ".jsonl").iterdir())
         json_mb /= MB
-        sides = {"ours --workers 1": 1, "ours --workers 2": 2, "datasets num_proc=2": None}
-        if suffix.endswith(".zst") and not zst_ok:
-            del sides["datasets num_proc=2"]  # its json loader reads .zst only with the zstandard package
+        sides = {"ours --workers 1": 1, "ours --workers 2": 2, "datasets num_proc=2": "nosync",
+                 "datasets, then synced": "sync"}  # fmt: skip
+        if suffix.endswith(".zst") and not zst_ok:  # its json loader reads .zst only with the zstandard package
+            del sides["datasets num_proc=2"], sides["datasets, then synced"]
         runs: dict[str, list[dict]] = {side: [] for side in sides}
         at_once: list[float] = []
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
@@ -697,11 +705,12 @@ def convert(args: argparse.Namespace) -> int:
                     Path(f"{d}.arrow").unlink()
                 for side, workers in sides.items():
                     out = Path(tmp) / "out"
-                    if workers is not None:
+                    if isinstance(workers, int):
                         cmd = [*trnrecipes, "--in", str(folder), "--out", f"{out}.arrow", "--workers", str(workers)]
                     else:
                         hf_cache = Path(tmp) / "hf-cache"  # cleared: every run parses the JSON again
-                        cmd = [sys.executable, __file__, "--hf-convert", str(folder), str(out), "2", str(hf_cache)]
+                        cmd = [sys.executable, __file__, "--hf-convert", str(folder), str(out), "2", str(hf_cache),
+                               workers]  # fmt: skip
                     runs[side].append(timed(cmd))
                     shutil.rmtree(out, ignore_errors=True)
                     Path(f"{out}.arrow").unlink(missing_ok=True)
@@ -724,6 +733,8 @@ def convert(args: argparse.Namespace) -> int:
         if "datasets num_proc=2" in seconds:
             ratio = seconds["datasets num_proc=2"] / w2
             print(f"  --workers 2 / datasets num_proc=2: {ratio:.2f}x throughput (goal >= 2x): {verdict(ratio >= 2)}")
+            synced = seconds["datasets, then synced"] / w2
+            print(f"  --workers 2 / datasets with its output synced as ours is (the same durability): {synced:.2f}x")
         else:
             print("  datasets: not run on .zst (its json loader needs the zstandard package, not installed here)")
     if args.scale_to:
@@ -843,7 +854,7 @@ def main() -> int:
     parser.add_argument("--shard-mb", type=int, default=128, help="--convert, --preprocess: MB of JSON lines a shard")
     parser.add_argument("--scale-to", type=int, default=32, help="--convert: shards of the larger input (0: none)")
     parser.add_argument("--preprocess", action="store_true", help="data preprocess --workers 2 / tokenizers")
-    parser.add_argument("--hf-convert", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--hf-convert", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument("--hf-tokenize", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--measure", nargs=2, metavar=("FORMAT", "CORPUS"), help=argparse.SUPPRESS)
     parser.add_argument("--tree", help=argparse.SUPPRESS)
@@ -855,8 +866,8 @@ def main() -> int:
         print(json.dumps(measure(fmt, Path(corpus), args.tokenizer, args.seq, args.batches)))
         return 0
     if args.hf_convert:
-        folder, out, num_proc, cache = args.hf_convert
-        hf_convert(folder, out, int(num_proc), cache)
+        folder, out, num_proc, cache, sync = args.hf_convert
+        hf_convert(folder, out, int(num_proc), cache, synced=sync == "sync")
         return 0
     if args.hf_tokenize:
         folder, out, procs, tokenizer = args.hf_tokenize

@@ -43,6 +43,7 @@ from trnrecipes.data.corpus_writer import CorpusWriter, corpus_schema, shard_dir
 from trnrecipes.data.inputs import InputFile, find_inputs, input_names
 from trnrecipes.data.json_lines import arrow_texts, json_loads, non_blank
 from trnrecipes.data.manifest import MANIFEST, read_manifest
+from trnrecipes.files.durable import durable_replace
 from trnrecipes.files.storage_errors import errno_of
 from trnrecipes.schema import clipped, shown
 
@@ -168,8 +169,8 @@ def write_table(table: pa.Table, out: Path) -> None:
 
 @contextmanager
 def atomic_output(out: Path) -> Iterator[str]:
-    """A temp file beside `out`, renamed onto it when the block ends without an error (and removed if it fails):
-    a reader never sees a half-written file."""
+    """A temp file beside `out`, renamed onto it (on disk first) when the block ends without an error (and removed
+    if it fails): a reader never sees a half-written file, even after a crash of the machine."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
@@ -177,7 +178,7 @@ def atomic_output(out: Path) -> Iterator[str]:
     try:
         yield tmp
         _make_readable(tmp)
-        os.replace(tmp, out)
+        durable_replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

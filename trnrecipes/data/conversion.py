@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,16 @@ from trnrecipes.data.inputs import InputFile
 from trnrecipes.data.megatron_files import join
 from trnrecipes.data.parallel import Progress, outcomes_in_order
 from trnrecipes.data.parts import Task, input_stats, part_name, plan_units, remember_tokenizer
-from trnrecipes.data.work_dir import FORMAT, make_readable, opened_work_dir, parts_path, remove_work_dir, temp_path
+from trnrecipes.data.work_dir import (
+    FORMAT,
+    atomic_file,
+    make_readable,
+    opened_work_dir,
+    parts_path,
+    remove_work_dir,
+    temp_path,
+)
+from trnrecipes.files.durable import boot_id, durable_replace, fsync_path
 
 
 def to_arrow_in_parts(
@@ -105,7 +113,7 @@ def preprocess_in_parts(
             write_tokenized_with(tmp, tokenizer.path, max_token_id=top)
             for suffix in (TOKENIZED_WITH, ".bin", ".idx"):  # .bin before .idx: a reader opens the .idx
                 make_readable(Path(f"{tmp}{suffix}"))
-                os.replace(f"{tmp}{suffix}", f"{out_prefix}{suffix}")
+                durable_replace(f"{tmp}{suffix}", f"{out_prefix}{suffix}")
         finally:
             for suffix in (".bin", ".idx", TOKENIZED_WITH):
                 Path(f"{tmp}{suffix}").unlink(missing_ok=True)
@@ -148,9 +156,13 @@ def _parts(
                  settings.get("label_field"), limit, **worker)
             for k, unit in enumerate(units)
         ]  # fmt: skip
-        done, changed = _reusable(tasks, work)
+        done, changed, rebooted = _reusable(tasks, work)
         if resumed:
             again = f"; converting again the parts of inputs changed since: {listed(changed, 3)}" if changed else ""
+            if rebooted:
+                parts = f"{rebooted} part{'s' * (rebooted > 1)}"
+                again += (f"; converting again {parts} written before this machine restarted, or on another machine"
+                          " (parts are not synced: a crash may have lost them)")  # fmt: skip
             log(f"[trnrecipes] resuming {work}: {len(done)} of {len(tasks)} parts already done{again}")
         sizes = [sum(size for _, size, _ in input_stats(t.files)) for t in tasks]
         bar = Progress(sum(sizes), sum(sizes[k] for k in done), progress).bar()
@@ -162,12 +174,12 @@ def _parts(
                 yield work, (_replayed(outcome, work, bad) for outcome in ordered)
             if bad.policy == "skip":
                 make_readable(rejects)
-                os.replace(rejects, bad.rejects)
+                durable_replace(rejects, bad.rejects)
             elif bad.rejects.is_file():  # an earlier skip run's list described the output now replaced
                 bad.rejects.unlink()
         except BaseException as err:
             ordered.close()  # stops the workers
-            kept = len(list(work.glob("part_*.json")))
+            kept = _synced_parts(work)
             if kept and not isinstance(err, NoDocuments):  # a full disk, Ctrl-C, a limit raised: the parts resume
                 log(f"[trnrecipes] kept {work} with {kept} of {len(tasks)} parts done: the same command resumes")
             else:  # nothing done, or the whole holds no documents, which a rerun meets again
@@ -176,6 +188,27 @@ def _parts(
         finally:
             rejects.unlink(missing_ok=True)
         remove_work_dir(work, log)  # under the lock: a conversion started now finds the output whole and no parts
+
+
+def _synced_parts(work: Path) -> int:
+    """The parts done, each put on disk and its record marked so (no boot): a conversion stopped on an error or by
+    Ctrl-C resumes from them on any machine (a killed one, from those of this boot). A part that cannot be synced
+    (its storage failed) is removed: it is converted again. Returns how many are kept."""
+    kept = 0
+    for path in sorted(work.glob("part_*.json")):
+        try:
+            outcome = json.loads(path.read_text())
+            if outcome.get("boot") is not None:
+                for name in outcome["files"]:
+                    fsync_path(work / name)
+                with atomic_file(path) as f:
+                    f.write(json.dumps(outcome | {"boot": None}) + "\n")
+            kept += 1
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):
+            for leftover in work.glob(f"{path.stem}.*"):
+                with contextlib.suppress(OSError):  # a storage failing: the error told is the conversion's own
+                    leftover.unlink()
+    return kept
 
 
 def _units(saved: dict, n: int, work: Path) -> list[list[int]]:
@@ -187,10 +220,11 @@ def _units(saved: dict, n: int, work: Path) -> list[list[int]]:
     return units
 
 
-def _reusable(tasks: list[Task], work: Path) -> tuple[dict[int, dict], list[str]]:
-    """({unit: outcome} of the parts done whose inputs are unchanged, the input files changed since). Any other
-    part's files are removed: it is converted again."""
-    done, changed = {}, []
+def _reusable(tasks: list[Task], work: Path) -> tuple[dict[int, dict], list[str], int]:
+    """({unit: outcome} of the parts done whose inputs are unchanged, the input files changed since, how many parts
+    were written in another boot than this machine's now, unsynced). Any other part's files are removed: it is
+    converted again."""
+    done, changed, rebooted, boot = {}, [], 0, boot_id()
     for task in tasks:
         try:
             outcome = json.loads(Path(f"{task.part}.json").read_text())
@@ -199,6 +233,9 @@ def _reusable(tasks: list[Task], work: Path) -> tuple[dict[int, dict], list[str]
         except (OSError, ValueError, KeyError, AttributeError, TypeError):
             whole, outcome = False, None
         now = input_stats(task.files)
+        if whole and outcome.get("boot") not in (None, boot):  # None: synced (no boot id where it was written)
+            whole = False
+            rebooted += 1
         if whole and outcome.get("inputs") == now:
             done[task.unit] = outcome
             continue
@@ -207,7 +244,7 @@ def _reusable(tasks: list[Task], work: Path) -> tuple[dict[int, dict], list[str]
             changed += [path for path, *stat in now if was.get(path) != stat]
         for leftover in work.glob(f"{part_name(task.unit)}.*"):
             leftover.unlink()
-    return done, changed
+    return done, changed, rebooted
 
 
 def _replayed(outcome: dict, work: Path, bad: BadRecords) -> dict:
@@ -238,11 +275,11 @@ def _count(stats: ConversionStats, outcome: dict) -> None:
 
 @contextlib.contextmanager
 def _file_output(out: Path, work: Path) -> Iterator[Path]:
-    """A temp file in the work dir, renamed onto `out` when the block ends without an error."""
+    """A temp file in the work dir, renamed onto `out` (on disk first) when the block ends without an error."""
     tmp = temp_path(work / out.name)
     try:
         yield tmp
         make_readable(tmp)
-        os.replace(tmp, out)
+        durable_replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ from trnrecipes.data import DataError, listed
 from trnrecipes.data.batch_bytes import END_OF_STREAM, Mapped, joinable, schema_bytes, write_all, write_joined
 from trnrecipes.data.manifest import MANIFEST, SHARD_FILE, Manifest, Shard, shard_name, write_manifest
 from trnrecipes.data.work_dir import make_readable, temp_path
+from trnrecipes.files.durable import rename_synced, sync_tree
 
 OFFSET_BYTES = 8  # a large_string row's offset, and an int64 label: counted in a shard's bytes with its text
 
@@ -178,10 +179,16 @@ def shard_dir_output(out: Path, work: Path | None = None) -> Iterator[Path]:
     try:
         yield tmp
         make_readable(tmp)
+        sync_tree(tmp)  # its shards and manifest on disk before the name says it is whole, and before the old goes
         old = temp_path(out) if out.exists() else None
         if old is not None:
             os.rename(out, old)
-        os.rename(tmp, out)
+        try:
+            rename_synced(tmp, out)
+        except BaseException:
+            if old is not None and not out.exists():
+                os.rename(old, out)
+            raise
         if old is not None:
             shutil.rmtree(old)
     finally:
