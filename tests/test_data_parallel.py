@@ -289,9 +289,11 @@ def test_the_first_process_converts_units_too_and_spawns_one_worker_fewer(tmp_pa
     assert spawned == [1] and here and set(here) <= set(range(6)), (spawned, here)
 
 
-def test_ctrl_c_keeps_the_parts_in_one_line_without_a_traceback(tmp_path, capsys):
-    """Ctrl-C reaches the whole process group (the parent and its workers): one line says what was kept, none of
-    the processes prints a traceback, and the same command resumes."""
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_keeps_the_parts_synced_in_one_line_without_a_traceback(tmp_path, capsys, sig):
+    """Ctrl-C reaches the whole process group (the parent and its workers), as Slurm's SIGTERM (a time limit,
+    scancel) reaches a job step's: one line says what was kept, none of the processes prints a traceback, the parts
+    kept are synced (a requeued job resumes from them on another node), and the same command resumes."""
     src = corpus(tmp_path / "in", files=6, each=100)
     out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
     argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "3"]
@@ -300,10 +302,13 @@ def test_ctrl_c_keeps_the_parts_in_one_line_without_a_traceback(tmp_path, capsys
     # pause).
     proc = started(argv, work, pause_s=0.0, hold=tmp_path / "hold", start_new_session=True)
     assert proc.poll() is None and len(holders(tmp_path / "hold")) == 2, "the workers did not both hold a part"
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, getattr(signal, sig))
     err = communicated(proc)
-    assert proc.returncode == 130 and "Traceback" not in err, err
-    assert err.endswith("parts done: the same command resumes\nerror: interrupted\n"), err
+    code, said = {"SIGINT": (130, "interrupted"), "SIGTERM": (143, "terminated (SIGTERM)")}[sig]
+    assert proc.returncode == code and "Traceback" not in err, err
+    assert err.endswith(f"parts done: the same command resumes\nerror: {said}\n"), err
+    records = list(work.glob("part_*.json"))
+    assert records and all(json.loads(r.read_text())["boot"] is None for r in records), err
     code, _, err = cli(capsys, *argv)
     assert code == 0 and "[trnrecipes] resuming" in err and not work.exists()
 
@@ -528,7 +533,7 @@ def test_the_output_is_on_disk_before_it_takes_its_name_and_the_parts_are_not_sy
                                                                                       a_unit_a_file):  # fmt: skip
     """A crash of the machine after `wrote` must not leave the output's name on lost data (the parts are deleted by
     then): its data is fsynced before the rename, the directory after it. The parts are not (their records hold the
-    boot instead): that was 15-20% of a conversion's time."""
+    boot instead): every byte would wait to reach the disk twice."""
     synced, fsync = [], os.fsync
 
     def watched(fd: int) -> None:

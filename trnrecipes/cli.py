@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import sys
 from collections.abc import Iterator
@@ -26,10 +27,19 @@ from trnrecipes.files.run_files import run_dir_of
 from trnrecipes.files.storage_errors import storage_problem
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a Slurm job's time limit, scancel, a pod stopped) in a command that stops on it as on Ctrl-C, saying
+    what it kept: a conversion syncs the parts it has done, so that a requeued job resumes from them on any node."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return args.handler(args)
+        with _sigterm_raises() if getattr(args, "stops_on_sigterm", False) else contextlib.nullcontext():
+            return args.handler(args)
+    except Terminated:
+        print("error: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except RecipeError as err:  # and its kin (DataError, TokenizerError, CheckpointError): bad user input
         print(f"error: {err}", file=sys.stderr)
         if requeue_may_pass(err):  # a node's fault or a transient one: exit 1, which a rerun or requeue may pass
@@ -43,6 +53,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         _record_fatal(f"error: {err}")
         return 3
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises Terminated in the main thread, once: what it stops then says what it kept undisturbed by a
+    second (Slurm sends SIGKILL KillWait seconds later anyway)."""
+
+    def raise_terminated(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # OSErrors that say nothing about the input: a flaky or unreachable file system, a network hiccup.
@@ -176,7 +202,7 @@ def _parser() -> argparse.ArgumentParser:
         help="JSON lines (.jsonl/.json, .gz, .zst, standard input) / txt / parquet / arrow / directories of them /"
         " datasets.save_to_disk dir -> one Arrow file",
     )
-    sub.set_defaults(handler=_to_arrow)
+    sub.set_defaults(handler=_to_arrow, stops_on_sigterm=True)
     sub.add_argument(
         "--in",
         dest="inputs",
@@ -207,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     _text_args(sub, rejects="OUT.rejects.jsonl")
     _workers_arg(sub)
     sub = actions.add_parser("preprocess", help="tokenize into Megatron/NeMo PREFIX.bin + PREFIX.idx (EOS appended)")
-    sub.set_defaults(handler=_preprocess)
+    sub.set_defaults(handler=_preprocess, stops_on_sigterm=True)
     sub.add_argument("--in", dest="inputs", required=True, nargs="+", help="input file(s) or dirs (as to-arrow)")
     sub.add_argument("--tokenizer", required=True, help="tokenizer directory (tokenizer.json)")
     sub.add_argument("--out", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")

@@ -36,6 +36,12 @@ ALIVE_CHECK_S = 0.5
 TAKE_WAIT_S = 10.0
 
 
+# Ctrl-C reaches every process of the terminal's group, Slurm's SIGTERM every process of the job step: the parent
+# stops the workers (SIGKILL) and says what it kept, so a worker ignores both rather than print a traceback of its own
+# or die before the parent has synced the parts done.
+STOPPING = (signal.SIGINT, signal.SIGTERM)
+
+
 class WorkerDied(DataError):
     """A worker process ended without an outcome (killed: out of memory?); a rerun resumes."""
 
@@ -123,15 +129,15 @@ class _Pool:
         self.first_failed = context.Value("q", max(t.unit for t in tasks) + 1, lock=False)
         args = (tasks, self.taken, self.results, self.first_failed, os.getpid())
         self.processes = [context.Process(target=_serve, args=args, daemon=True) for _ in range(spawned)]
-        # Ignored from their start, imports included: a spawned interpreter keeps an inherited SIG_IGN for SIGINT.
+        # Ignored from their start, imports included: a spawned interpreter keeps an inherited SIG_IGN.
         main = threading.current_thread() is threading.main_thread()  # where signal handlers may be set
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOPPING} if main else {}
         try:
             for p in self.processes:
                 p.start()
         finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
         self.outcomes: dict[int, dict] = {}
         self.running: dict[int, Task] = {}  # pid -> its task
         self.checked = time.monotonic()
@@ -245,9 +251,8 @@ class _Pool:
 def _serve(tasks, taken, results, first_failed, parent: int) -> None:
     """A worker: converts the tasks it takes until none is left; a task after a unit that failed is skipped, and a
     worker whose parent is gone (killed) stops."""
-    # Ctrl-C reaches every process of the terminal's group: the parent stops the workers and says what it kept, so
-    # a worker ignores it rather than print a traceback of its own.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for s in STOPPING:
+        signal.signal(s, signal.SIG_IGN)
     _die_with(parent)
     try:
         _convert_tasks(tasks, taken, results, first_failed, parent)

@@ -2,8 +2,9 @@
 stream of its documents, or Megatron .bin/.idx of their tokens), the bad records met (JSON lines, in order) and,
 written last, its record (part_N.json: the counts, each input file's size and time as read, and the machine's boot).
 A part is reused while its input files are unchanged and the machine has not restarted since: the part is not
-synced (a killed process loses nothing the kernel holds; syncing every part made a conversion 15-20% slower), so
-after a crash or on another machine it is converted again. This runs in the worker processes (parallel.py).
+synced (a killed process loses nothing the kernel holds; the output is synced once whole, and syncing the parts too
+would wait for every byte to reach the disk twice), so after a crash or on another machine it is converted again.
+This runs in the worker processes (parallel.py).
 """
 
 from __future__ import annotations
