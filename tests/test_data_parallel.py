@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -311,6 +312,42 @@ def test_ctrl_c_or_sigterm_keeps_the_parts_synced_in_one_line_without_a_tracebac
     assert records and all(json.loads(r.read_text())["boot"] is None for r in records), err
     code, _, err = cli(capsys, *argv)
     assert code == 0 and "[trnrecipes] resuming" in err and not work.exists()
+
+
+def test_a_sigterm_while_the_workers_start_stops_the_conversion_and_those_started(tmp_path, capsys, monkeypatch,
+                                                                                   a_unit_a_file):  # fmt: skip
+    """Starting a worker waits for its interpreter (seconds with a long task list): a SIGTERM meanwhile (Slurm sends
+    one) is not lost, stops the conversion, and the worker already started is stopped, though it ignores SIGTERM."""
+    import multiprocessing.context
+
+    started, start = [], multiprocessing.context.SpawnProcess.start
+
+    def sigterm_at_the_second(self) -> None:
+        if started:
+            os.kill(os.getpid(), signal.SIGTERM)
+        start(self)
+        started.append(self)
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", sigterm_at_the_second)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as in a fresh interpreter, whatever pytest's is
+    try:
+        src = corpus(tmp_path / "in", files=6, each=50)
+        code, _, err = cli(capsys, "data", "to-arrow", "--in", src, "--out", tmp_path / "o.arrow", "--workers", 3)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143 and err.endswith("error: terminated (SIGTERM)\n"), err
+    assert len(started) == 1 and not started[0].is_alive()
+    assert not (tmp_path / "o.arrow").exists()
+
+
+def test_a_conversion_runs_from_a_thread_other_than_the_main_one(tmp_path, a_unit_a_file):
+    """Signal handlers can be set only in the main thread: elsewhere (a caller's thread) none is set, and it runs."""
+    src, codes = corpus(tmp_path / "in", files=3, each=20), []
+    argv = ["data", "to-arrow", "--in", str(src), "--out", str(tmp_path / "o.arrow"), "--workers", "2"]
+    thread = threading.Thread(target=lambda: codes.append(main(argv)))
+    thread.start()
+    thread.join(timeout=120)
+    assert codes == [0] and texts_of(tmp_path / "o.arrow")
 
 
 def children(pid: int) -> list[int]:

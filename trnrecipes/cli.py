@@ -16,6 +16,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,12 +59,17 @@ def main(argv: list[str] | None = None) -> int:
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
     """SIGTERM raises Terminated in the main thread, once: what it stops then says what it kept undisturbed by a
-    second (Slurm sends SIGKILL KillWait seconds later anyway)."""
+    second (Slurm sends SIGKILL KillWait seconds later anyway). Nothing changes off the main thread, where no handler
+    can be set, or where SIGTERM is ignored or handled from C (by whoever runs this)."""
 
     def raise_terminated(signum, frame) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated()
 
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         yield

@@ -37,8 +37,8 @@ TAKE_WAIT_S = 10.0
 
 
 # Ctrl-C reaches every process of the terminal's group, Slurm's SIGTERM every process of the job step: the parent
-# stops the workers (SIGKILL) and says what it kept, so a worker ignores both rather than print a traceback of its own
-# or die before the parent has synced the parts done.
+# stops the workers (SIGKILL) and says what it kept, so a worker ignores both (SIGINT from its start, _Pool._start)
+# rather than print a traceback of its own or be told of as a worker that died.
 STOPPING = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -129,18 +129,30 @@ class _Pool:
         self.first_failed = context.Value("q", max(t.unit for t in tasks) + 1, lock=False)
         args = (tasks, self.taken, self.results, self.first_failed, os.getpid())
         self.processes = [context.Process(target=_serve, args=args, daemon=True) for _ in range(spawned)]
-        # Ignored from their start, imports included: a spawned interpreter keeps an inherited SIG_IGN.
+        self.outcomes: dict[int, dict] = {}
+        self.running: dict[int, Task] = {}  # pid -> its task
+        self.checked = time.monotonic()
+        try:
+            self._start()
+        except BaseException:  # a start failing (EAGAIN), or SIGTERM meanwhile: the workers started are stopped (they
+            self.processes = [p for p in self.processes if p.pid is not None]  # ignore it, and nothing would read
+            self.close()  # their queue: exiting would wait for them)
+            raise
+
+    def _start(self) -> None:
+        """The workers started with SIGINT ignored from their start, imports included (a spawned interpreter keeps an
+        inherited SIG_IGN): Ctrl-C reaches the whole group, and a worker amid its imports would print a traceback.
+        Not SIGTERM: ignored here meanwhile, a SIGTERM sent then (Slurm sends one, to every process of the step)
+        would be lost, since any thread of this process may take it; a worker it reaches before _serve ignores it
+        dies quietly, and this process stops on its own."""
         main = threading.current_thread() is threading.main_thread()  # where signal handlers may be set
-        previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOPPING} if main else {}
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
             for p in self.processes:
                 p.start()
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-        self.outcomes: dict[int, dict] = {}
-        self.running: dict[int, Task] = {}  # pid -> its task
-        self.checked = time.monotonic()
+            if main:
+                signal.signal(signal.SIGINT, previous)
 
     def outcome(self, task: Task) -> dict:
         while task.unit not in self.outcomes:
