@@ -340,6 +340,21 @@ def test_a_sigterm_while_the_workers_start_stops_the_conversion_and_those_starte
     assert not (tmp_path / "o.arrow").exists()
 
 
+def test_a_work_dir_that_cannot_be_made_leaves_nothing_beside_the_output(tmp_path, monkeypatch, capsys):
+    """The work dir is staged under a temp name with its record, then renamed: a storage refusing the record leaves
+    no staging dir behind (one line says what could not be written)."""
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    out = tmp_path / "o" / "o.arrow"
+    out.parent.mkdir()
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", corpus(tmp_path / "in", files=2, each=10), "--out", out)
+    assert code == 2 and "No space left on device" in err, err
+    assert list(out.parent.iterdir()) == []
+
+
 def test_a_conversion_runs_from_a_thread_other_than_the_main_one(tmp_path, a_unit_a_file):
     """Signal handlers can be set only in the main thread: elsewhere (a caller's thread) none is set, and it runs."""
     src, codes = corpus(tmp_path / "in", files=3, each=20), []

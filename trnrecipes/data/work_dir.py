@@ -159,8 +159,12 @@ def _make(work: Path, job: dict, command: str) -> None:
     work.parent.mkdir(parents=True, exist_ok=True)
     staging = temp_path(work)
     staging.mkdir()  # not mkdtemp: its mode 0700 would stay
-    with atomic_file(staging / JOB) as f:
-        f.write(json.dumps(job, indent=1) + "\n")
+    try:
+        with atomic_file(staging / JOB) as f:
+            f.write(json.dumps(job, indent=1) + "\n")
+    except BaseException:  # a full disk: no staging dir left beside the output
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     try:
         os.rename(staging, work)  # fails if another conversion made it first (its record in it: not empty)
     except OSError:
