@@ -667,10 +667,9 @@ def hf_convert(folder: str, out: str, num_proc: int, cache: str, synced: bool = 
     dataset = datasets.load_dataset("json", data_files=files, split="train", num_proc=num_proc, cache_dir=cache)
     dataset.save_to_disk(out)
     if synced:
-        from trnrecipes.files.durable import fsync_path
+        from trnrecipes.files.durable import sync_tree
 
-        for path in [*Path(out).iterdir(), Path(out)]:
-            fsync_path(path)
+        sync_tree(out)
 
 
 def convert(args: argparse.Namespace) -> int:

@@ -185,10 +185,8 @@ def _drop_beyond(path: Path, step: int, phase: int | None) -> None:
             side.write(json.dumps(entry) + "\n")
         side.flush()
         os.fsync(side.fileno())  # on disk before the rename below takes the lines out of metrics.jsonl
-    with atomic_output(path) as tmp, open(tmp, "wb") as out:
+    with atomic_output(path) as tmp, open(tmp, "wb") as out:  # on disk before the rename (atomic_output syncs it)
         out.writelines(kept)
-        out.flush()
-        os.fsync(out.fileno())
 
 
 def _phase_before(value: object, phase: int | None) -> bool:
