@@ -355,6 +355,26 @@ def test_a_work_dir_that_cannot_be_made_leaves_nothing_beside_the_output(tmp_pat
     assert list(out.parent.iterdir()) == []
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_worker_sent_a_stop_amid_its_imports_ignores_it(tmp_path, sig):
+    """Ctrl-C and Slurm's SIGTERM reach the workers too; the parent stops them. One that lands while a worker's
+    interpreter starts, before _serve ignores it, neither kills the worker nor reads as a worker that died: here each
+    spawned worker sends it to itself from sitecustomize, the first code its interpreter runs, and then converts the
+    unit it takes (tests/slow_parts.py holds each worker's first unit, so both must convert one)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        f"import os, signal, sys\nif '--multiprocessing-fork' in sys.argv:\n    os.kill(os.getpid(), signal.{sig})\n"
+    )
+    src, out, hold = corpus(tmp_path / "in", files=4, each=50), tmp_path / "o.arrow", tmp_path / "hold"
+    argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "3"]
+    proc = started(argv, out.with_name("o.arrow.parts"), 0.0, hold, env={"PYTHONPATH": f"{site}{os.pathsep}{REPO}"})
+    (hold / "go").touch()
+    err = communicated(proc)
+    assert proc.returncode == 0 and len(holders(hold)) == 2, err
+    assert len(texts_of(out)) == 200 and texts_of(out)[-1].startswith("shard 3 document 49 ")
+
+
 def test_a_conversion_runs_from_a_thread_other_than_the_main_one(tmp_path, a_unit_a_file):
     """Signal handlers can be set only in the main thread: elsewhere (a caller's thread) none is set, and it runs."""
     src, codes = corpus(tmp_path / "in", files=3, each=20), []

@@ -14,11 +14,11 @@ import os
 import queue
 import signal
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,8 +37,8 @@ TAKE_WAIT_S = 10.0
 
 
 # Ctrl-C reaches every process of the terminal's group, Slurm's SIGTERM every process of the job step: the parent
-# stops the workers (SIGKILL) and says what it kept, so a worker ignores both (SIGINT from its start, _Pool._start)
-# rather than print a traceback of its own or be told of as a worker that died.
+# stops the workers (SIGKILL) and says what it kept, so a worker ignores both, from its start (_Pool._start), rather
+# than print a traceback of its own or be told of as a worker that died.
 STOPPING = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -140,19 +140,24 @@ class _Pool:
             raise
 
     def _start(self) -> None:
-        """The workers started with SIGINT ignored from their start, imports included (a spawned interpreter keeps an
-        inherited SIG_IGN): Ctrl-C reaches the whole group, and a worker amid its imports would print a traceback.
-        Not SIGTERM: ignored here meanwhile, a SIGTERM sent then (Slurm sends one, to every process of the step)
-        would be lost, since any thread of this process may take it; a worker it reaches before _serve ignores it
-        dies quietly, and this process stops on its own."""
-        main = threading.current_thread() is threading.main_thread()  # where signal handlers may be set
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-        try:
+        """The workers started with SIGINT and SIGTERM blocked, so that they reach a worker's _serve, which ignores
+        them, even if sent amid its interpreter's start and imports (half a second, or seconds on a loaded node): a
+        spawned process keeps the mask it is started with. Blocked, not ignored, here: a signal sent to this process
+        meanwhile waits (or another thread takes it) rather than being lost. Python's multiprocessing.resource_tracker
+        starts its process the same way, and clears these bits of the mask when it starts one: it is made to run
+        first, before each start."""
+        if not hasattr(signal, "pthread_sigmask"):  # not POSIX
             for p in self.processes:
                 p.start()
+            return
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        try:
+            for p in self.processes:
+                resource_tracker.ensure_running()
+                signal.pthread_sigmask(signal.SIG_BLOCK, STOPPING)
+                p.start()
         finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
     def outcome(self, task: Task) -> dict:
         while task.unit not in self.outcomes:
@@ -265,6 +270,8 @@ def _serve(tasks, taken, results, first_failed, parent: int) -> None:
     worker whose parent is gone (killed) stops."""
     for s in STOPPING:
         signal.signal(s, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPPING)  # blocked since its start; one sent meanwhile is dropped
     _die_with(parent)
     try:
         _convert_tasks(tasks, taken, results, first_failed, parent)
