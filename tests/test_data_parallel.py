@@ -5,6 +5,7 @@ OUT.parts/ (which is never used nor removed unless a conversion made it), and a 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -675,6 +676,43 @@ def test_a_storage_that_refuses_writes_is_told_in_one_line_and_what_was_done_is_
     if command == "to-arrow":
         to_arrow([src], tmp_path / "straight.arrow", progress=False)
         assert out.read_bytes() == (tmp_path / "straight.arrow").read_bytes()
+
+
+def test_a_disk_filled_by_the_output_keeps_the_parts_and_frees_the_output(tmp_path, capsys, monkeypatch,
+                                                                           a_unit_a_file):  # fmt: skip
+    """The disk fills as the output's last bytes are written (on a large join, the likeliest moment): the output's
+    temp file is closed as it is removed (open, it would hold its blocks), and the parts are kept for the rerun, with
+    their records as they were where the disk is still too full to rewrite them."""
+    from trnrecipes.data import conversion, corpus_writer
+    from trnrecipes.data.batch_bytes import END_OF_STREAM
+
+    full, open_at_sync = [], []
+    write_all = corpus_writer.write_all
+
+    def filling(sink, data) -> None:
+        if bytes(data) == END_OF_STREAM and not full:
+            full.append(os.readlink(f"/proc/self/fd/{sink.fileno()}"))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write_all(sink, data)
+
+    def refused_while_full(path, *args):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # listdir's own, closed since
+                if os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)") == full[0]:
+                    open_at_sync.append(fd)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(corpus_writer, "write_all", filling)
+    monkeypatch.setattr(conversion, "atomic_file", refused_while_full)
+    src, out = corpus(tmp_path / "in", files=2, each=30), tmp_path / "o.arrow"
+    work = tmp_path / "o.arrow.parts"
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", src, "--out", out, "--workers", 1)
+    assert code == 2 and f"kept {work} with 2 of 2 parts done" in err and "(it resumes from the parts done)" in err
+    assert full and not open_at_sync, (full, open_at_sync)
+    monkeypatch.undo()
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", src, "--out", out, "--workers", 1)
+    assert code == 0 and err == f"[trnrecipes] resuming {work}: 2 of 2 parts already done\n", err
+    assert len(texts_of(out)) == 60
 
 
 def test_a_refused_list_of_bad_records_is_a_write_refused_not_the_inputs_fault(tmp_path):

@@ -505,7 +505,7 @@ def _storage_told(out: str, work: Path | None = None, shown: str | None = None) 
             raise
         shown = shown or out
         where = name or (f"{shown} or its work dir {work}" if work is not None else shown)
-        again = " (it resumes from the parts done)" if work is not None else ""
+        again = " (it resumes from the parts done)" if work is not None and work.is_dir() else ""
         raise CannotWrite(
             f"cannot write {where}: {problem}, or choose another --out; then run the same command again{again}"
         ) from err

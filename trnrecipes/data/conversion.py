@@ -193,7 +193,9 @@ def _parts(
 def _synced_parts(work: Path) -> int:
     """The parts done, each put on disk and its record marked so (no boot): a conversion stopped on an error or by
     Ctrl-C resumes from them on any machine (a killed one, from those of this boot). A part that cannot be synced
-    (its storage failed) is removed: it is converted again. Returns how many are kept."""
+    (its storage failed) is removed: it is converted again. One whose record cannot be rewritten (the disk is full:
+    what stopped the conversion) keeps its record as it was, which a rerun on this machine trusts. Returns how many
+    are kept."""
     kept = 0
     for path in sorted(work.glob("part_*.json")):
         try:
@@ -201,13 +203,15 @@ def _synced_parts(work: Path) -> int:
             if outcome.get("boot") is not None:
                 for name in outcome["files"]:
                     fsync_path(work / name)
-                with atomic_file(path) as f:
-                    f.write(json.dumps(outcome | {"boot": None}) + "\n")
-            kept += 1
         except (OSError, ValueError, KeyError, AttributeError, TypeError):
             for leftover in work.glob(f"{path.stem}.*"):
                 with contextlib.suppress(OSError):  # a storage failing: the error told is the conversion's own
                     leftover.unlink()
+            continue
+        kept += 1
+        if outcome.get("boot") is not None:
+            with contextlib.suppress(OSError), atomic_file(path) as f:
+                f.write(json.dumps(outcome | {"boot": None}) + "\n")
     return kept
 
 

@@ -48,10 +48,13 @@ class CorpusWriter:
         return self
 
     def __exit__(self, kind, *_) -> None:
-        if kind is None:
-            self.close()
-        elif self._sink is not None:
-            self._sink.close()
+        try:
+            if kind is None:
+                self.close()
+        finally:  # also where close() failed (a full disk at the last batch): a file deleted but still open holds
+            if self._sink is not None:  # its blocks, and the parts kept for a rerun need them
+                self._sink.close()
+                self._sink = None
 
     def write(self, batch: pa.RecordBatch, mapped: Mapped | None = None) -> None:
         """`batch` added to the output; `mapped`: where it is memory-mapped from, to copy its texts file to file."""
