@@ -176,6 +176,47 @@ def test_split_folders_and_a_datasets_dict(tmp_path, capsys):
     assert texts_of(out) == ["c"]
 
 
+def test_split_folders_given_one_by_one_and_files_naming_no_split_are_splits_too(tmp_path, capsys):
+    """A split is said by the folder given as by a folder below it: `--in pile/train pile/test` (or the files in
+    them, as a shell glob names them) is refused as `--in pile` is, and `--in pile/test --split train` converts
+    nothing; a DatasetDict's split folders given alone are their splits. Files whose names say no split are train
+    also beside files that name one: shards beside an eval.jsonl are two splits, and --split train takes the shards."""
+    pile, out = tmp_path / "pile", tmp_path / "o.arrow"
+    write(pile / "train/00.jsonl.zst", docs("train doc"))
+    write(pile / "test-0/00.jsonl.zst", docs("TEST DOC"))
+    refused = "files of 2 splits (test: 1 file, train: 1 file); --split NAME takes one of them, e.g. --split train\n"
+    for given in ([pile], [pile / "train", pile / "test-0"], sorted(pile.glob("*/*.jsonl.zst"))):
+        code, _, err = to_arrow(capsys, "--in", *given, "--out", out)
+        assert code == 2 and err.endswith(refused), err
+    code, _, err = to_arrow(capsys, "--in", pile / "test-0", "--split", "train", "--out", out)
+    assert (
+        code == 2
+        and err.startswith("error: --split train: no file of split 'train' in ")
+        and err.endswith("test-0 (splits found: test: 1 file)\n")
+    )
+    assert to_arrow(capsys, "--in", pile / "train", pile / "test-0", "--split", "test", "--out", out)[0] == 0
+    assert texts_of(out) == ["TEST DOC"]
+    mine = tmp_path / "test_runs"  # the folder a corpus lies in says no split unless named for one alone
+    write(mine / "shard_00.jsonl", docs("train 0"))
+    write(mine / "shard_01.jsonl", docs("train 1"))
+    write(mine / "eval.jsonl", docs("HELD OUT"))
+    code, _, err = to_arrow(capsys, "--in", mine, "--out", out)
+    assert code == 2 and err.endswith(
+        "test_runs holds files of 2 splits (test: 1 file, train: 2 files; a file whose name says no split is train);"
+        " --split NAME takes one of them, e.g. --split train\n"
+    )
+    assert to_arrow(capsys, "--in", mine, "--split", "train", "--out", out)[0] == 0
+    assert texts_of(out) == ["train 0", "train 1"]
+    datasets = pytest.importorskip("datasets")
+    splits = {"train": ["t"], "unsupervised": ["u"], "validation": ["VALIDATION DOC"]}
+    dd = tmp_path / "dd"
+    datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in splits.items()}).save_to_disk(dd)
+    code, _, err = to_arrow(capsys, "--in", dd / "train", dd / "validation", "--out", out)
+    assert code == 2 and "(train: 1 file, validation: 1 file); --split NAME" in err, err
+    assert to_arrow(capsys, "--in", dd / "unsupervised", "--split", "unsupervised", "--out", out)[0] == 0
+    assert texts_of(out) == ["u"]
+
+
 @pytest.mark.parametrize("how", ["symlink", "hardlink", "inside a directory given"])
 def test_the_same_file_twice_is_refused(tmp_path, capsys, how):
     shard = write(tmp_path / "in/a.jsonl", docs("once"))

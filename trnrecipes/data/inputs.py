@@ -58,18 +58,25 @@ def find_inputs(given: Sequence[str | Path | InputFile], split: str | None = Non
     every file is train, as on the Hub). Refuses an input that does not exist or holds nothing readable, files of
     several splits without `split`, and a file found twice."""
     files = [f for item in given for f in ([item] if isinstance(item, InputFile) else _found(item, split))]
-    found = Counter(f.split for f in files if f.split)
-    if split is not None and (found or canonical_split(split) != "train"):
-        files = [f for f in files if f.split == canonical_split(split)]
+    # A file whose name says no split is train, also beside files that name one (the Hub leaves it out there: its
+    # documents would be lost without a word), so that shards beside an eval.jsonl are two splits, not one.
+    found = Counter(f.split or "train" for f in files)
+    unnamed = sum(not f.split for f in files)
+    if unnamed == len(files):
+        said = "none: no file name says one, so every file is train"
+    else:
+        said = _counted(found) + ("; a file whose name says no split is train" if unnamed else "")
+    if split is not None:
+        files = [f for f in files if (f.split or "train") == canonical_split(split)]
         if not files:
             raise DataError(
                 f"--split {split}: no file of split {canonical_split(split)!r} in {input_names(given)} (splits found:"
-                f" {_counted(found) or 'none: no file name says one, so every file is train'})"
+                f" {said})"
             )
     elif len(found) > 1:  # train with test or validation would leak the held-out sets into training
         example = "train" if "train" in found else max(found, key=lambda s: (found[s], s))
         raise DataError(
-            f"{_holders(given)} files of {len(found)} splits ({_counted(found)}); --split NAME takes one of them,"
+            f"{_holders(given)} files of {len(found)} splits ({said}); --split NAME takes one of them,"
             f" e.g. --split {example}"
         )
     _refuse_twice(files)
@@ -107,15 +114,17 @@ def _found(given: str | Path, split: str | None) -> list[InputFile]:
                 f"{path}: unknown input type; expected {ACCEPTED_FILES}, a directory, or - (JSON lines on standard"
                 " input)"
             )
-        return [InputFile(path, kind, _split_of(path, path.parent))]
+        return [InputFile(path, kind, _split_of(path, path.parent, _folder_split(path.parent)))]
     if not path.is_dir():
         raise DataError(f"input {path} is neither a file nor a directory; to read a pipe, give - and pipe it in")
     saved = sorted(path.glob("data-*.arrow"))
-    if saved:  # datasets.save_to_disk
-        return [InputFile(f, "arrow") for f in saved]
+    if saved:  # datasets.save_to_disk; one split of a DatasetDict's is named by its folder, whatever the name
+        named = Path(os.path.abspath(path))  # `.` named, links not followed: the name the user sees
+        own = canonical_split(named.name) if (named.parent / "dataset_dict.json").is_file() else _folder_split(path)
+        return [InputFile(f, "arrow", own) for f in saved]
     if (path / "dataset_dict.json").is_file():  # a DatasetDict.save_to_disk: one directory per split
         return _dataset_dict_split(path, split)
-    return _walked(path)
+    return _walked(path, _folder_split(path))
 
 
 def _dataset_dict_split(path: Path, split: str | None) -> list[InputFile]:
@@ -129,7 +138,7 @@ def _dataset_dict_split(path: Path, split: str | None) -> list[InputFile]:
     return [InputFile(f, "arrow", canonical_split(split)) for f in sorted((path / split).glob("data-*.arrow"))]
 
 
-def _walked(root: Path) -> list[InputFile]:
+def _walked(root: Path, own_split: str | None = None) -> list[InputFile]:
     """The record files under `root` (recursively, links followed once, hidden names skipped) in sorted path order,
     folder by folder (a/b/c.jsonl before a/c.jsonl); where there are none, its text files, a document each. A
     directory of neither names what it holds."""
@@ -160,7 +169,7 @@ def _walked(root: Path) -> list[InputFile]:
         return sorted(paths, key=lambda p: p.relative_to(root).parts)
 
     if records:
-        return [InputFile(f, str(_kind(f.name, named=False)), _split_of(f, root)) for f in in_order(records)]
+        return [InputFile(f, str(_kind(f.name, named=False)), _split_of(f, root, own_split)) for f in in_order(records)]
     if texts:
         return [InputFile(f, "document") for f in in_order(texts)]
     held = ", ".join(f"{n} {suffix}" for suffix, n in other.most_common(5)) if other else "no files"
@@ -190,16 +199,26 @@ def _kind(name: str, named: bool) -> str | None:
     return None
 
 
-def _split_of(f: Path, root: Path) -> str | None:
+def _split_of(f: Path, root: Path, own: str | None = None) -> str | None:
     """The split a file belongs to by the Hub's rules: data/<split>-00000-of-00003.*, a keyword in a folder name
-    below `root`, or one in the file name."""
+    below `root`, or one in the file name; else `own`, the split the name of the folder given (or holding the file
+    given) says (_folder_split)."""
     if (sharded := SHARDED_SPLIT.match(f.name)) and f.parent.name == "data":
         return canonical_split(sharded.group(1))
     for name in [*f.relative_to(root).parts[:-1], f.name]:
         for word in NAME_DELIMITERS.split(name.lower()):
             if word in SPLIT_KEYWORDS:
                 return SPLIT_KEYWORDS[word]
-    return None
+    return own
+
+
+def _folder_split(folder: Path) -> str | None:
+    """The split a folder given (or holding a file given) is named for: `train/`, `val/`, `test-0/`, so that
+    `--in pile/train pile/test` (or `pile/*/*.jsonl.zst`) is refused as `--in pile` is. The whole name, not a word
+    of it as below the folder given: the folder a corpus lies in (`test_runs/`, `eval-sets/`) is no split."""
+    name = os.path.basename(os.path.abspath(folder)).lower()
+    word = NAME_DELIMITERS.sub("", name)
+    return SPLIT_KEYWORDS[word] if word in SPLIT_KEYWORDS and name.startswith(word) else None
 
 
 def _refuse_twice(files: list[InputFile]) -> None:
