@@ -217,6 +217,41 @@ def test_split_folders_given_one_by_one_and_files_naming_no_split_are_splits_too
     assert texts_of(out) == ["u"]
 
 
+def test_an_output_that_would_be_read_back_or_replace_a_special_file_is_refused(tmp_path, capsys):
+    """--out inside a directory given (rerun, the same command would read its own output; a later conversion of the
+    directory its documents twice), named as another input kind (a walk would read Arrow bytes as JSON lines), or
+    naming a FIFO or device (the rename would replace it: as root, /dev/null): one line, exit 2, nothing written."""
+    src = write(tmp_path / "d/x.jsonl", docs("a", "b"))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    refused = {
+        tmp_path / "d/o.arrow": f"--out {tmp_path / 'd/o.arrow'} lies in the input directory {tmp_path / 'd'}: a later"
+        f" conversion of {tmp_path / 'd'} would read it back as an input (its documents twice); write it outside,"
+        f" e.g. {tmp_path / 'o.arrow'}",
+        tmp_path / "raw.jsonl": f"--out {tmp_path / 'raw.jsonl'}: to-arrow writes an Arrow IPC stream, but the name"
+        f" says jsonl; name it .arrow (e.g. {tmp_path / 'raw.arrow'})",
+        fifo: f"--out {fifo} is a FIFO (named pipe), not a regular file: the output is written under a temp name and"
+        " renamed onto its name, which would replace it; give a new path",
+    }
+    for out, said in refused.items():
+        code, _, err = to_arrow(capsys, "--in", tmp_path / "d", "--out", out)
+        assert (code, err) == (2, f"error: {said}\n")
+    assert fifo.is_fifo() and sorted(p.name for p in tmp_path.iterdir()) == ["d", "fifo"]
+    assert sorted(p.name for p in src.parent.iterdir()) == ["x.jsonl"]
+
+
+def test_a_shard_directory_is_an_input_read_in_its_manifests_order(tmp_path, capsys):
+    """What --shard-bytes wrote (training reads it as one corpus) converts again, named or inside a directory walked:
+    its shards in order, its manifest no JSON lines."""
+    write(tmp_path / "in/x.jsonl", docs(*[f"document {i} " + "word " * 40 for i in range(12)]))
+    shards = tmp_path / "corpora/shards"
+    assert to_arrow(capsys, "--in", tmp_path / "in", "--out", shards, "--shard-bytes", "1K")[0] == 0
+    assert len(list(shards.glob("shard_*.arrow"))) > 2
+    for given in (shards, shards.parent):
+        assert to_arrow(capsys, "--in", given, "--out", tmp_path / "again.arrow")[0] == 0
+        assert texts_of(tmp_path / "again.arrow") == [f"document {i} " + "word " * 40 for i in range(12)]
+
+
 @pytest.mark.parametrize("how", ["symlink", "hardlink", "inside a directory given"])
 def test_the_same_file_twice_is_refused(tmp_path, capsys, how):
     shard = write(tmp_path / "in/a.jsonl", docs("once"))

@@ -460,7 +460,7 @@ def _to_arrow(args: argparse.Namespace) -> int:
     from trnrecipes.data.bad_records import rejects_of
     from trnrecipes.data.conversion import to_arrow_in_parts
     from trnrecipes.data.corpus_writer import check_shard_output, parse_bytes
-    from trnrecipes.data.inputs import STDIN, find_inputs
+    from trnrecipes.data.inputs import STDIN, check_arrow_output, find_inputs
     from trnrecipes.data.work_dir import parts_path
 
     policy = _bad_record_policy(args)
@@ -470,6 +470,7 @@ def _to_arrow(args: argparse.Namespace) -> int:
     rejects = rejects_of(args.out)
     read = _read_paths(args.inputs, files)
     check_output(args.out, inputs=read, directory=shard_bytes is not None)
+    check_arrow_output(args.out, args.inputs)
     if shard_bytes is not None:
         check_shard_output(Path(args.out))
     check_output(rejects, flag="the rejects file", inputs=read)

@@ -1,6 +1,7 @@
 """The files a conversion reads, from what the command line names: files, directories (walked in sorted path order),
-datasets save_to_disk directories and `-` (standard input, JSON lines). Splits are recognised by the Hugging Face
-Hub's file-name rules; one file named twice (also through a link) is refused.
+datasets save_to_disk directories, shard directories to-arrow wrote (manifest.py) and `-` (standard input, JSON
+lines). Splits are recognised by the Hugging Face Hub's file-name rules; one file named twice (also through a link)
+is refused.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trnrecipes.data import DataError, listed
+from trnrecipes.data.manifest import MANIFEST, SHARD_FILE, read_manifest
 
 STDIN = "-"
 TEXT_FILE_SUFFIXES = (".txt", ".md", ".rst")
@@ -83,6 +85,28 @@ def find_inputs(given: Sequence[str | Path | InputFile], split: str | None = Non
     return files
 
 
+def check_arrow_output(out: str | Path, given: Sequence[str | Path]) -> None:
+    """DataError where to-arrow's output would be read back as an input: named as another kind of input (a later
+    walk would read its Arrow bytes as JSON lines or Parquet), or inside a directory given (a later conversion of
+    it would read its documents again, and this same command, rerun, would find its output among its inputs)."""
+    out = Path(out)
+    kind = _kind(out.name, named=True)
+    if kind not in (None, "arrow"):
+        raise DataError(
+            f"--out {out}: to-arrow writes an Arrow IPC stream, but the name says {kind}; name it .arrow"
+            f" (e.g. {out.with_name(out.name.split('.')[0] + '.arrow')})"
+        )
+    where = out.resolve()
+    for item in given:
+        folder = Path(item)
+        if str(item) != STDIN and folder.is_dir() and folder.resolve() in where.parents:
+            beside = Path(os.path.abspath(folder)).parent / out.name
+            raise DataError(
+                f"--out {out} lies in the input directory {folder}: a later conversion of {folder} would read it back"
+                f" as an input (its documents twice); write it outside, e.g. {beside}"
+            )
+
+
 def canonical_split(name: str) -> str:
     """A split name as the Hub counts it: valid, val and dev are validation; training is train; ..."""
     return SPLIT_KEYWORDS.get(name.lower(), name)
@@ -124,6 +148,9 @@ def _found(given: str | Path, split: str | None) -> list[InputFile]:
         return [InputFile(f, "arrow", own) for f in saved]
     if (path / "dataset_dict.json").is_file():  # a DatasetDict.save_to_disk: one directory per split
         return _dataset_dict_split(path, split)
+    if (path / MANIFEST).is_file():  # to-arrow --shard-bytes: its shards in the manifest's order, as training reads
+        shards = read_manifest(path).shards
+        return [InputFile(path / s.file, "arrow", _folder_split(path)) for s in shards]
     return _walked(path, _folder_split(path))
 
 
@@ -156,8 +183,11 @@ def _walked(root: Path, own_split: str | None = None) -> list[InputFile]:
         dirs[:] = [
             d for d in dirs if not d.startswith(".") and not (d.endswith(".parts") and Path(folder, d, JOB).is_file())
         ]
+        manifest = MANIFEST in names and all(n == MANIFEST or SHARD_FILE.fullmatch(n) for n in names)
         for name in names:
             if name.startswith(".") or name in DATASETS_METADATA or name.endswith(REJECTS_SUFFIX):
+                continue
+            if manifest and name == MANIFEST:  # a shard directory's: its shards are walked in its order
                 continue
             kind = _kind(name, named=False)
             if kind is None:

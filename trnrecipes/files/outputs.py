@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -62,6 +63,11 @@ def check_output(
         )
     if blocker := _not_a_directory_above(out):
         raise OutputError(f"{named}: {blocker}, so nothing can be written below it; choose a path in a directory")
+    if special := _special_file(out):
+        raise OutputError(
+            f"{named} is {special}, not a regular file: the output is written under a temp name and renamed onto its"
+            " name, which would replace it; give a new path"
+        )
     if directory and out.exists() and not out.is_dir():
         raise OutputError(f"{named} exists and is not a directory; give a new directory (or an empty one)")
     if not directory and out.is_dir():
@@ -98,6 +104,27 @@ def check_output(
             " path outside it"
         )
     return out
+
+
+def _special_file(path: Path) -> str | None:
+    """What `path` is where it is neither a regular file nor a directory (a device such as /dev/null, a FIFO, a
+    socket), else None."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    for test, what in SPECIAL_FILES:
+        if test(mode):
+            return what
+    return None
+
+
+SPECIAL_FILES = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def check_outputs(outs: Iterable[str | Path], **kwargs) -> None:
