@@ -466,7 +466,7 @@ def _to_arrow(args: argparse.Namespace) -> int:
     policy = _bad_record_policy(args)
     workers = _workers(args)
     shard_bytes = parse_bytes(args.shard_bytes, "--shard-bytes") if args.shard_bytes is not None else None
-    files = find_inputs(args.inputs, args.split)
+    files = find_inputs(args.inputs, args.split, log=_note)
     rejects = rejects_of(args.out)
     read = _read_paths(args.inputs, files)
     check_output(args.out, inputs=read, directory=shard_bytes is not None)
@@ -537,7 +537,7 @@ def _preprocess(args: argparse.Namespace) -> int:
 
     policy = _bad_record_policy(args)
     workers = _workers(args)
-    files = find_inputs(args.inputs, args.split)
+    files = find_inputs(args.inputs, args.split, log=_note)
     suffixes = (".bin", ".idx", TOKENIZED_WITH, REJECTS_SUFFIX)
     read = [*_read_paths(args.inputs, files), args.tokenizer]
     check_prefix(args.out, suffixes, inputs=read)
@@ -586,7 +586,7 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
     from trnrecipes.data.tokenizer import check_replaceable, load_tokenizer, train_sentencepiece
 
     policy = _bad_record_policy(args)
-    files = find_inputs(args.inputs, args.split)
+    files = find_inputs(args.inputs, args.split, log=_note)
     check_replaceable(check_output(args.out, inputs=_read_paths(args.inputs, files), directory=True))
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.arrow"

@@ -600,10 +600,10 @@ def open_lines(path: Path | None, read: ReadCount | None = None) -> BinaryIO:
     if path is None:
         return nullcontext(sys.stdin.buffer)
     try:
-        if path.name.endswith(".gz"):
+        if path.name.lower().endswith(".gz"):
             fh = gzip.open(path, "rb")
             position = fh.fileobj.tell
-        elif path.name.endswith(".zst"):
+        elif path.name.lower().endswith(".zst"):
             raw = pa.OSFile(str(path))
             fh = io.BufferedReader(pa.CompressedInputStream(raw, "zstd"), 1 << 20)
             position = raw.tell
@@ -720,7 +720,8 @@ def _unreadable(name: str, err: BaseException, kind: str | None = None) -> DataE
     compression says), corrupt or truncated."""
     if isinstance(err, OSError) and errno_of(err) in NOT_OPENED:  # the file's access, not its content
         return DataError(f"{name}: cannot be read ({clipped(err)}); fix its permissions or name another file")
-    compressed = "gzip" if name.endswith(".gz") else "zstd" if name.endswith(".zst") else None
+    suffix = name.lower()
+    compressed = "gzip" if suffix.endswith(".gz") else "zstd" if suffix.endswith(".zst") else None
     kind = kind or (f"{compressed} file" if compressed else None)
     what = f"not a readable {kind}" if kind else "cannot be read"
     return DataError(f"{name}: {what} ({clipped(err)}); corrupt or truncated?")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,9 @@ JSON_LINES = (*JSON_LINES_PLAIN, *JSON_LINES_GZIP, *JSON_LINES_ZSTD)
 ACCEPTED_FILES = ".jsonl, .json (JSON lines; also .gz, .zst), .parquet, .arrow, .txt, .md, .rst (a document a line)"
 # Names a datasets directory keeps beside its data: never records.
 DATASETS_METADATA = ("dataset_info.json", "dataset_infos.json", "state.json", "dataset_dict.json")
+# Files beside a dataset's data that say what it is (a Hub download's README.md and LICENSE): left out of a walk
+# without a note, as text files beside records are.
+ABOUT_A_DATASET = ("README", "LICENSE", "LICENCE", "COPYING", "NOTICE", "CITATION")
 JOB = "job.json"  # a conversion's work dir's record (work_dir.py)
 REJECTS_SUFFIX = ".rejects.jsonl"  # what `--on-bad-record skip` writes beside an output: never read back by a walk
 
@@ -54,12 +57,18 @@ class InputFile:
         return "<stdin>" if self.path is None else str(self.path)
 
 
-def find_inputs(given: Sequence[str | Path | InputFile], split: str | None = None) -> list[InputFile]:
+def find_inputs(
+    given: Sequence[str | Path | InputFile], split: str | None = None, log: Callable[[str], None] | None = None
+) -> list[InputFile]:
     """The files to read for the inputs `given` (InputFiles are kept as they are), in command-line order, each
     directory's files in sorted path order; with `split`, only that split's files (where no file name says a split,
     every file is train, as on the Hub). Refuses an input that does not exist or holds nothing readable, files of
-    several splits without `split`, and a file found twice."""
-    files = [f for item in given for f in ([item] if isinstance(item, InputFile) else _found(item, split))]
+    several splits without `split`, and a file found twice. `log` is told of the files a directory holds that are
+    not read."""
+    notes: list[str] = []  # told once the inputs are accepted
+    files = [
+        f for item in given for f in ([item] if isinstance(item, InputFile) else _found(item, split, notes.append))
+    ]
     # A file whose name says no split is train, also beside files that name one (the Hub leaves it out there: its
     # documents would be lost without a word), so that shards beside an eval.jsonl are two splits, not one.
     found = Counter(f.split or "train" for f in files)
@@ -82,6 +91,8 @@ def find_inputs(given: Sequence[str | Path | InputFile], split: str | None = Non
             f" e.g. --split {example}"
         )
     _refuse_twice(files)
+    for note in notes if log is not None else ():
+        log(note)
     return files
 
 
@@ -125,7 +136,7 @@ def _counted(splits: Counter) -> str:
     return ", ".join(f"{s}: {n} file{'s' if n > 1 else ''}" for s, n in sorted(splits.items()))
 
 
-def _found(given: str | Path, split: str | None) -> list[InputFile]:
+def _found(given: str | Path, split: str | None, log: Callable[[str], None] | None = None) -> list[InputFile]:
     if str(given) == STDIN:
         return [InputFile(None, "jsonl")]
     path = Path(given)
@@ -151,7 +162,7 @@ def _found(given: str | Path, split: str | None) -> list[InputFile]:
     if (path / MANIFEST).is_file():  # to-arrow --shard-bytes: its shards in the manifest's order, as training reads
         shards = read_manifest(path).shards
         return [InputFile(path / s.file, "arrow", _folder_split(path)) for s in shards]
-    return _walked(path, _folder_split(path))
+    return _walked(path, _folder_split(path), log)
 
 
 def _dataset_dict_split(path: Path, split: str | None) -> list[InputFile]:
@@ -165,10 +176,11 @@ def _dataset_dict_split(path: Path, split: str | None) -> list[InputFile]:
     return [InputFile(f, "arrow", canonical_split(split)) for f in sorted((path / split).glob("data-*.arrow"))]
 
 
-def _walked(root: Path, own_split: str | None = None) -> list[InputFile]:
+def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None] | None = None) -> list[InputFile]:
     """The record files under `root` (recursively, links followed once, hidden names skipped) in sorted path order,
     folder by folder (a/b/c.jsonl before a/c.jsonl); where there are none, its text files, a document each. A
-    directory of neither names what it holds."""
+    directory of neither names what it holds; `log` is told how many files of what kinds are left out (a corpus of
+    .jsonl.bz2 shards beside one .jsonl would otherwise be one file's documents, without a word)."""
     records: list[Path] = []
     texts: list[Path] = []
     other: Counter = Counter()
@@ -190,23 +202,33 @@ def _walked(root: Path, own_split: str | None = None) -> list[InputFile]:
             if manifest and name == MANIFEST:  # a shard directory's: its shards are walked in its order
                 continue
             kind = _kind(name, named=False)
-            if kind is None:
+            if kind is None and Path(name).stem.upper() not in ABOUT_A_DATASET:
                 other["".join(Path(name).suffixes[-1:]) or "no suffix"] += 1
-            else:
-                (texts if kind == "document" else records).append(Path(folder, name))
+            if kind is None:
+                continue
+            (texts if kind == "document" else records).append(Path(folder, name))
 
     def in_order(paths: list[Path]) -> list[Path]:
         return sorted(paths, key=lambda p: p.relative_to(root).parts)
 
+    if log is not None and other and (records or texts):
+        left = sum(other.values())
+        log(f"[trnrecipes] {root}: left out {left} file{'s' * (left > 1)} ({_kinds_held(other)}), not of an input kind"
+            f" ({ACCEPTED_FILES}); reading the other {len(records or texts)}")  # fmt: skip
     if records:
         return [InputFile(f, str(_kind(f.name, named=False)), _split_of(f, root, own_split)) for f in in_order(records)]
     if texts:
         return [InputFile(f, "document") for f in in_order(texts)]
-    held = ", ".join(f"{n} {suffix}" for suffix, n in other.most_common(5)) if other else "no files"
+    held = _kinds_held(other) if other else "no files"
     raise DataError(
         f"directory {root} holds no input to read ({held}); accepted: {ACCEPTED_FILES} files, a datasets save_to_disk"
         " directory, or .txt, .md, .rst files (a document each)"
     )
+
+
+def _kinds_held(other: Counter) -> str:
+    most = sorted(other.items(), key=lambda kind: (-kind[1], kind[0]))[:5]
+    return ", ".join(f"{n} {suffix}" for suffix, n in most) + (", ..." if len(other) > 5 else "")
 
 
 def _unreadable(err: OSError) -> None:
@@ -214,8 +236,9 @@ def _unreadable(err: OSError) -> None:
 
 
 def _kind(name: str, named: bool) -> str | None:
-    """How a file of this name is read: a text file named on the command line is a document a line, one found in a
-    directory a document."""
+    """How a file of this name is read (its suffix in any case: .JSONL, .Parquet): a text file named on the command
+    line is a document a line, one found in a directory a document."""
+    name = name.lower()
     if name.endswith(JSON_LINES_PLAIN):
         return "jsonl"
     if name.endswith(JSON_LINES_GZIP):
