@@ -110,9 +110,12 @@ def test_a_corrupt_zst_file_is_one_line_naming_it(tmp_path, capsys):
 def test_standard_input_is_json_lines(tmp_path):
     write(tmp_path / "more.jsonl", docs("from a file"))
 
-    def run(*argv: str, stdin: bytes) -> subprocess.CompletedProcess:
+    def run(*argv: str, stdin: bytes | Path) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "trnrecipes", "data", "to-arrow", *argv]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
+        if isinstance(stdin, Path):  # redirected from a file: `< FILE`
+            with open(stdin, "rb") as f:
+                return subprocess.run(command, stdin=f, capture_output=True, cwd=tmp_path, env=env, timeout=60)
         return subprocess.run(command, input=stdin, capture_output=True, cwd=tmp_path, env=env, timeout=60)
 
     done = run("--in", "-", "more.jsonl", "--out", "o.arrow", stdin=docs("piped 1", "piped 2"))
@@ -121,6 +124,32 @@ def test_standard_input_is_json_lines(tmp_path):
     done = run("--in", "-", "--out", "bad.arrow", stdin=docs("fine") + b"{broken\n")
     assert done.returncode == 2 and done.stderr.decode().startswith("error: <stdin>:2: not valid JSON ("), done.stderr
     assert not (tmp_path / "bad.arrow").exists()
+    done = run("--in", "-", "--out", "bad.arrow", stdin=gzip.compress(docs("piped")))  # a .gz piped as it is
+    assert done.returncode == 2 and done.stderr.decode() == (
+        "error: <stdin>: gzip-compressed data, not JSON lines; decompress it in the pipe (zcat FILE | trnrecipes data"
+        " ... --in -), or name the file with --in (.gz and .zst files are read as they are)\n"
+    )
+    done = run("--in", "-", "more.jsonl", "--out", "bad.arrow", stdin=tmp_path / "more.jsonl")
+    assert done.returncode == 2 and done.stderr == b"error: - (standard input) is more.jsonl, also given: each input" \
+                                                   b" is read once\n"  # fmt: skip
+    assert not (tmp_path / "bad.arrow").exists()
+
+
+def test_a_zst_file_of_a_window_over_the_readers_says_how_to_read_it(tmp_path, capsys):
+    """zstd --long=31 on a stream (a window of 2 GiB) is valid zstd pyarrow's codec refuses: the line says so and
+    how to read it, not "corrupt or truncated?". The frame is made by hand: one raw block, a window of 2^31."""
+    line = docs("a")
+    frame = b"\x28\xb5\x2f\xfd" + bytes([0, 21 << 3]) + ((len(line) << 3) | 1).to_bytes(3, "little") + line
+    long, small = tmp_path / "long.jsonl.zst", tmp_path / "small.jsonl.zst"  # written as they are (not by write())
+    long.write_bytes(frame)
+    code, _, err = to_arrow(capsys, "--in", long, "--out", tmp_path / "o.arrow")
+    assert code == 2 and err.endswith(
+        "its window is larger than this reader takes (made with zstd --long); decompress it in a pipe: zstd -dc"
+        f" --long=31 {long} | trnrecipes data ... --in -\n"
+    ), err
+    small.write_bytes(frame[:5] + bytes([10 << 3]) + frame[6:])  # a window of 1 KiB
+    assert to_arrow(capsys, "--in", small, "--out", tmp_path / "o.arrow")[0] == 0
+    assert texts_of(tmp_path / "o.arrow") == ["a"]
 
 
 @pytest.fixture

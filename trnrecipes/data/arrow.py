@@ -598,6 +598,7 @@ def open_lines(path: Path | None, read: ReadCount | None = None) -> BinaryIO:
     """A JSON-lines or text file opened for reading lines, decompressed by its name (.gz: gzip, .zst: zstd with
     pyarrow's codec); None: standard input. `read` is given how far into the file reading has got."""
     if path is None:
+        _refuse_compressed_stdin(sys.stdin.buffer)
         return nullcontext(sys.stdin.buffer)
     try:
         if path.name.lower().endswith(".gz"):
@@ -615,6 +616,22 @@ def open_lines(path: Path | None, read: ReadCount | None = None) -> BinaryIO:
     if read is not None:
         read.position = position
     return fh
+
+
+# The first bytes of a compressed stream: piped in undecompressed, each would read as invalid UTF-8 on line 1.
+COMPRESSED_MAGIC = {b"\x1f\x8b": ("gzip", "zcat"), b"\x28\xb5\x2f\xfd": ("zstd", "zstdcat")}
+
+
+def _refuse_compressed_stdin(stdin: BinaryIO) -> None:
+    """DataError where standard input starts as gzip or zstd data does (a file piped in undecompressed)."""
+    peek = getattr(stdin, "peek", None)
+    head = peek(4)[:4] if peek is not None else b""
+    for magic, (kind, tool) in COMPRESSED_MAGIC.items():
+        if head.startswith(magic):
+            raise DataError(
+                f"<stdin>: {kind}-compressed data, not JSON lines; decompress it in the pipe ({tool} FILE | trnrecipes"
+                " data ... --in -), or name the file with --in (.gz and .zst files are read as they are)"
+            )
 
 
 def parse_record(line: str, where: str, text_field: str | None = None) -> dict:
@@ -724,6 +741,11 @@ def _unreadable(name: str, err: BaseException, kind: str | None = None) -> DataE
     compressed = "gzip" if suffix.endswith(".gz") else "zstd" if suffix.endswith(".zst") else None
     kind = kind or (f"{compressed} file" if compressed else None)
     what = f"not a readable {kind}" if kind else "cannot be read"
+    if compressed == "zstd" and "requires too much memory" in str(err):  # a window over the 128 MiB the codec takes
+        return DataError(
+            f"{name}: {what} ({clipped(err)}): its window is larger than this reader takes (made with zstd --long);"
+            f" decompress it in a pipe: zstd -dc --long=31 {name} | trnrecipes data ... --in -"
+        )
     return DataError(f"{name}: {what} ({clipped(err)}); corrupt or truncated?")
 
 

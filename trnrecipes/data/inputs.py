@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 
 from trnrecipes.data import DataError, listed
 from trnrecipes.data.manifest import MANIFEST, SHARD_FILE, read_manifest
@@ -265,6 +266,15 @@ def _split_of(f: Path, root: Path, own: str | None = None) -> str | None:
     return own
 
 
+def _stdin_file() -> os.stat_result | None:
+    """Standard input's file where it is one redirected (`< a.jsonl`), else None (a pipe, a terminal, closed)."""
+    try:
+        stat = os.fstat(0)
+    except OSError:
+        return None
+    return stat if S_ISREG(stat.st_mode) else None
+
+
 def _folder_split(folder: Path) -> str | None:
     """The split a folder given (or holding a file given) is named for: `train/`, `val/`, `test-0/`, so that
     `--in pile/train pile/test` (or `pile/*/*.jsonl.zst`) is refused as `--in pile` is. The whole name, not a word
@@ -279,16 +289,18 @@ def _refuse_twice(files: list[InputFile]) -> None:
     hard link), by device and inode."""
     seen: dict[tuple[int, int], InputFile] = {}
     for f in files:
-        if f.path is None:
-            key = (-1, -1)
-        else:
-            stat = f.path.stat()
-            key = (stat.st_dev, stat.st_ino)
+        stat = f.path.stat() if f.path is not None else _stdin_file()
+        key = (stat.st_dev, stat.st_ino) if stat is not None else (-1, -1)
         if key not in seen:
             seen[key] = f
             continue
         first = seen[key]
-        if f.path is None or os.path.abspath(f.path) == os.path.abspath(first.path):
+        if f.path is None or first.path is None:
+            named = first if f.path is None else f
+            if named.path is not None:  # standard input is that file, redirected (`--in - a.jsonl < a.jsonl`)
+                raise DataError(f"- (standard input) is {named.name}, also given: each input is read once")
+            raise DataError("- is given twice: standard input is read once")
+        if os.path.abspath(f.path) == os.path.abspath(first.path):
             raise DataError(f"{f.name} is given twice (or also inside a directory given): each input is read once")
         raise DataError(
             f"{first.name} and {f.name} are the same file (a symbolic or hard link): each input is read once; give"
