@@ -56,6 +56,10 @@ def texts_of(path: Path) -> list[str]:
     return pa.ipc.open_stream(pa.memory_map(str(path))).read_all().column("text").to_pylist()
 
 
+def texts_of_field(path: Path, field: str) -> list[str]:
+    return pa.ipc.open_stream(pa.memory_map(str(path))).read_all().column(field).to_pylist()
+
+
 def to_arrow(capsys, *argv: str | Path) -> tuple[int, str, str]:
     """`trnrecipes data to-arrow ARGV` through the CLI's own entry: (exit code, stdout, stderr)."""
     capsys.readouterr()
@@ -296,6 +300,21 @@ def test_suffixes_in_any_case_are_read_and_files_left_out_are_told(tmp_path, cap
     assert texts_of(tmp_path / "o.arrow") == ["a", "b", "c"]
     assert err.startswith(f"[trnrecipes] {d}: left out 2 files (1 .bz2, 1 .ndjson), not of an input kind (.jsonl,")
     assert err.endswith("; reading the other 3\n") and err.count("\n") == 1, err
+
+
+def test_a_misnamed_text_field_under_skip_stops_before_reading_the_corpus(tmp_path, capsys):
+    """Under skip, a --text-field no record has would reject every record: the whole corpus read (hours at TB scale)
+    and listed as rejects before "no documents". The first records of the first JSON-lines file show it at once;
+    a corpus where only some records lack the field is converted, those skipped."""
+    src = write(tmp_path / "in/a.jsonl.gz", b'{"body": "x"}\n' + b"{broken\n" + docs("a", "b"))
+    code, _, err = to_arrow(capsys, "--in", src, "--out", tmp_path / "o.arrow", "--text-field", "body",
+                            "--on-bad-record", "skip")  # fmt: skip
+    assert code == 0 and texts_of_field(tmp_path / "o.arrow", "body") == ["x"], err
+    code, _, err = to_arrow(capsys, "--in", src.parent, "--out", tmp_path / "o2.arrow", "--text-field", "content",
+                            "--on-bad-record", "skip")  # fmt: skip
+    assert (code, err) == (2, f"error: --text-field content: none of the first records of {src} has it (they have:"
+                              " body, text); name the field that holds the text\n")  # fmt: skip
+    assert left_in(tmp_path) == ["in", "o.arrow", "o.arrow.rejects.jsonl"]
 
 
 @pytest.mark.parametrize("how", ["symlink", "hardlink", "inside a directory given"])

@@ -456,7 +456,7 @@ def _report_conversion(stats, out: str, policy: str, rejects: Path) -> None:
 
 
 def _to_arrow(args: argparse.Namespace) -> int:
-    from trnrecipes.data.arrow import to_arrow
+    from trnrecipes.data.arrow import check_text_field, to_arrow
     from trnrecipes.data.bad_records import rejects_of
     from trnrecipes.data.conversion import to_arrow_in_parts
     from trnrecipes.data.corpus_writer import check_shard_output, parse_bytes
@@ -467,6 +467,8 @@ def _to_arrow(args: argparse.Namespace) -> int:
     workers = _workers(args)
     shard_bytes = parse_bytes(args.shard_bytes, "--shard-bytes") if args.shard_bytes is not None else None
     files = find_inputs(args.inputs, args.split, log=_note)
+    if policy == "skip":  # under error, the first record without it stops the conversion
+        check_text_field(files, args.text_field)
     rejects = rejects_of(args.out)
     read = _read_paths(args.inputs, files)
     check_output(args.out, inputs=read, directory=shard_bytes is not None)
@@ -527,6 +529,7 @@ def _note(line: str) -> None:
 
 
 def _preprocess(args: argparse.Namespace) -> int:
+    from trnrecipes.data.arrow import check_text_field
     from trnrecipes.data.bad_records import rejects_of
     from trnrecipes.data.conversion import preprocess_in_parts
     from trnrecipes.data.indexed import preprocess
@@ -538,6 +541,8 @@ def _preprocess(args: argparse.Namespace) -> int:
     policy = _bad_record_policy(args)
     workers = _workers(args)
     files = find_inputs(args.inputs, args.split, log=_note)
+    if policy == "skip":  # under error, the first record without it stops the conversion
+        check_text_field(files, args.text_field)
     suffixes = (".bin", ".idx", TOKENIZED_WITH, REJECTS_SUFFIX)
     read = [*_read_paths(args.inputs, files), args.tokenizer]
     check_prefix(args.out, suffixes, inputs=read)

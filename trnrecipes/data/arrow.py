@@ -634,6 +634,37 @@ def _refuse_compressed_stdin(stdin: BinaryIO) -> None:
             )
 
 
+FIELD_SAMPLE_LINES = 100
+
+
+def check_text_field(files: list[InputFile], text_field: str) -> None:
+    """DataError where none of the first FIELD_SAMPLE_LINES records of the first JSON-lines file has `text_field`
+    while some are objects: a --text-field misnamed. Under --on-bad-record error the first record says so; under
+    skip every record would be rejected, the whole corpus read (hours at TB scale) and listed as rejects first."""
+    first = next((f for f in files if f.kind.startswith("jsonl") and f.path is not None), None)
+    if first is None:
+        return
+    fields: dict[str, None] = {}
+    try:
+        with open_lines(first.path) as fh:
+            for _, line in zip(range(FIELD_SAMPLE_LINES), fh, strict=False):
+                try:
+                    record = json_loads(line)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(record, dict):
+                    if text_field in record:
+                        return
+                    fields.update(dict.fromkeys(record))
+    except (OSError, EOFError, DataError):
+        return  # the conversion reads it again, and says what is wrong where it is
+    if fields:
+        raise DataError(
+            f"--text-field {text_field}: none of the first records of {first.name} has it (they have:"
+            f" {listed(fields, 5)}); name the field that holds the text"
+        )
+
+
 def parse_record(line: str, where: str, text_field: str | None = None) -> dict:
     """One JSON line as a record (an object); with `text_field`, one holding text there. `where` names the line."""
     record, problem = _parsed(line, text_field)
