@@ -240,6 +240,9 @@ def test_split_folders_given_one_by_one_and_files_naming_no_split_are_splits_too
     )
     assert to_arrow(capsys, "--in", mine, "--split", "train", "--out", out)[0] == 0
     assert texts_of(out) == ["train 0", "train 1"]
+    scratch = write(tmp_path / "dev/a.jsonl", docs("scratch"))  # a lone dev/ or test/ folder of a file named: no split
+    assert to_arrow(capsys, "--in", scratch, mine / "shard_00.jsonl", "--out", out)[0] == 0
+    assert texts_of(out) == ["scratch", "train 0"]
     datasets = pytest.importorskip("datasets")
     splits = {"train": ["t"], "unsupervised": ["u"], "validation": ["VALIDATION DOC"]}
     dd = tmp_path / "dd"
@@ -280,9 +283,19 @@ def test_a_shard_directory_is_an_input_read_in_its_manifests_order(tmp_path, cap
     shards = tmp_path / "corpora/shards"
     assert to_arrow(capsys, "--in", tmp_path / "in", "--out", shards, "--shard-bytes", "1K")[0] == 0
     assert len(list(shards.glob("shard_*.arrow"))) > 2
+    (shards / ".nfs0001").write_bytes(b"")  # a hidden file beside them (NFS leaves some) changes nothing
     for given in (shards, shards.parent):
         assert to_arrow(capsys, "--in", given, "--out", tmp_path / "again.arrow")[0] == 0
         assert texts_of(tmp_path / "again.arrow") == [f"document {i} " + "word " * 40 for i in range(12)]
+    (shards / "shard_000001.arrow").unlink()
+    code, _, err = to_arrow(capsys, "--in", shards, "--out", tmp_path / "again.arrow")
+    assert (code, err) == (2, f"error: {shards / 'corpus.json'}: the shard directory lacks shard_000001.arrow, which"
+                              " it lists; write it again with to-arrow --shard-bytes\n")  # fmt: skip
+    mine = tmp_path / "mine"  # a corpus.json of JSON lines beside other files is JSON lines
+    write(mine / "corpus.json", docs("c"))
+    write(mine / "more.jsonl", docs("m"))
+    assert to_arrow(capsys, "--in", mine, "--out", tmp_path / "again.arrow")[0] == 0
+    assert texts_of(tmp_path / "again.arrow") == ["c", "m"]
 
 
 def test_suffixes_in_any_case_are_read_and_files_left_out_are_told(tmp_path, capsys):

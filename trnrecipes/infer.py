@@ -139,12 +139,12 @@ def read_rows(path: Path, text_field: str) -> pa.Array:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"input {path} does not exist" if not path.exists() else f"input {path} is not a file")
-    if path.name.endswith(".arrow"):
+    if path.name.lower().endswith(".arrow"):
         texts = read_arrow(path, text_field)
-    elif path.name.endswith(JSON_LINES):
+    elif path.name.lower().endswith(JSON_LINES):
         rows = read_row_lines(path)
         texts = pa.array((parse_record(line, where, text_field)[text_field] for where, line in rows), pa.large_string())
-    elif path.name.endswith(TEXT_FILE_SUFFIXES):
+    elif path.name.lower().endswith(TEXT_FILE_SUFFIXES):
         texts = pa.array((line for _, line in read_row_lines(path)), pa.large_string())
     else:
         raise DataError(
@@ -160,12 +160,12 @@ def read_row_labels(path: Path, label_field: str, num_labels: int, required: boo
     """The class id of every row (Arrow column or jsonl field), or None where the file has none and none was
     asked for by name."""
     path = Path(path)
-    if path.name.endswith(".arrow"):
+    if path.name.lower().endswith(".arrow"):
         names = read_table(path).schema.names
         if label_field in names:
             return read_labels(path, label_field, num_labels)
         found = f"its columns: {listed(names)}"
-    elif path.name.endswith(JSON_LINES):
+    elif path.name.lower().endswith(JSON_LINES):
         labels = _jsonl_labels(path, label_field, num_labels)
         if labels is not None:
             return labels

@@ -1,7 +1,7 @@
 """The files a conversion reads, from what the command line names: files, directories (walked in sorted path order),
 datasets save_to_disk directories, shard directories to-arrow wrote (manifest.py) and `-` (standard input, JSON
-lines). Splits are recognised by the Hugging Face Hub's file-name rules; one file named twice (also through a link)
-is refused.
+lines). Splits are recognised by the Hugging Face Hub's file-name rules, and by the name of a folder given; a file
+naming no split is train. One file named twice (also through a link) is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ JSON_LINES_PLAIN = (".jsonl", ".json")
 JSON_LINES_GZIP = (".jsonl.gz", ".json.gz")
 JSON_LINES_ZSTD = (".jsonl.zst", ".json.zst")
 JSON_LINES = (*JSON_LINES_PLAIN, *JSON_LINES_GZIP, *JSON_LINES_ZSTD)
+# Every suffix that makes a file an input, the longest first (.jsonl.gz before .gz-less .jsonl).
+INPUT_SUFFIXES = (*JSON_LINES_GZIP, *JSON_LINES_ZSTD, *JSON_LINES_PLAIN, ".parquet", ".arrow", *TEXT_FILE_SUFFIXES)
 ACCEPTED_FILES = ".jsonl, .json (JSON lines; also .gz, .zst), .parquet, .arrow, .txt, .md, .rst (a document a line)"
 # Names a datasets directory keeps beside its data: never records.
 DATASETS_METADATA = ("dataset_info.json", "dataset_infos.json", "state.json", "dataset_dict.json")
@@ -47,7 +49,8 @@ SHARDED_SPLIT = re.compile(r"(.+?)-\d{5}-of-\d{5}\.")
 @dataclass(frozen=True)
 class InputFile:
     """One file to read: `kind` says how (jsonl, jsonl.gz, jsonl.zst, parquet, arrow, lines: a document a line,
-    document: the whole file); `path` is None for standard input; `split` the Hub split its name says, if any."""
+    document: the whole file); `path` is None for standard input; `split` the split its path says (_split_of), if
+    any."""
 
     path: Path | None
     kind: str
@@ -70,6 +73,7 @@ def find_inputs(
     files = [
         f for item in given for f in ([item] if isinstance(item, InputFile) else _found(item, split, notes.append))
     ]
+    files = _named_in_split_folders(files, given)
     # A file whose name says no split is train, also beside files that name one (the Hub leaves it out there: its
     # documents would be lost without a word), so that shards beside an eval.jsonl are two splits, not one.
     found = Counter(f.split or "train" for f in files)
@@ -104,18 +108,21 @@ def check_arrow_output(out: str | Path, given: Sequence[str | Path]) -> None:
     out = Path(out)
     kind = _kind(out.name, named=True)
     if kind not in (None, "arrow"):
+        suffix = next(x for x in INPUT_SUFFIXES if out.name.lower().endswith(x))
         raise DataError(
             f"--out {out}: to-arrow writes an Arrow IPC stream, but the name says {kind}; name it .arrow"
-            f" (e.g. {out.with_name(out.name.split('.')[0] + '.arrow')})"
+            f" (e.g. {out.with_name(out.name[: -len(suffix)] + '.arrow')})"
         )
     where = out.resolve()
+    folders = [Path(item).resolve() for item in given if str(item) != STDIN and Path(item).is_dir()]
     for item in given:
         folder = Path(item)
         if str(item) != STDIN and folder.is_dir() and folder.resolve() in where.parents:
             beside = Path(os.path.abspath(folder)).parent / out.name
+            outside = all(f not in beside.resolve().parents for f in folders) and beside.parent != folder.resolve()
             raise DataError(
                 f"--out {out} lies in the input directory {folder}: a later conversion of {folder} would read it back"
-                f" as an input (its documents twice); write it outside, e.g. {beside}"
+                f" as an input (its documents twice); write it outside{f', e.g. {beside}' if outside else ''}"
             )
 
 
@@ -150,7 +157,7 @@ def _found(given: str | Path, split: str | None, log: Callable[[str], None] | No
                 f"{path}: unknown input type; expected {ACCEPTED_FILES}, a directory, or - (JSON lines on standard"
                 " input)"
             )
-        return [InputFile(path, kind, _split_of(path, path.parent, _folder_split(path.parent)))]
+        return [InputFile(path, kind, _split_of(path, path.parent))]
     if not path.is_dir():
         raise DataError(f"input {path} is neither a file nor a directory; to read a pipe, give - and pipe it in")
     saved = sorted(path.glob("data-*.arrow"))
@@ -160,10 +167,41 @@ def _found(given: str | Path, split: str | None, log: Callable[[str], None] | No
         return [InputFile(f, "arrow", own) for f in saved]
     if (path / "dataset_dict.json").is_file():  # a DatasetDict.save_to_disk: one directory per split
         return _dataset_dict_split(path, split)
-    if (path / MANIFEST).is_file():  # to-arrow --shard-bytes: its shards in the manifest's order, as training reads
-        shards = read_manifest(path).shards
-        return [InputFile(path / s.file, "arrow", _folder_split(path)) for s in shards]
+    if _is_shard_folder(os.listdir(path)):  # to-arrow --shard-bytes: its shards in its manifest's order
+        return _shards(path)
     return _walked(path, _folder_split(path), log)
+
+
+def _is_shard_folder(names: list[str]) -> bool:
+    """Whether a folder of these names is a shard directory to-arrow wrote: its manifest and shards, nothing else
+    but hidden names (.nfs*, .DS_Store). A corpus.json beside other files is JSON lines."""
+    seen = [n for n in names if not n.startswith(".")]
+    return MANIFEST in seen and all(n == MANIFEST or SHARD_FILE.fullmatch(n) for n in seen)
+
+
+def _shards(path: Path) -> list[InputFile]:
+    shards = read_manifest(path).shards
+    missing = [s.file for s in shards if not (path / s.file).is_file()]
+    if not shards or missing:
+        what = f"lacks {listed(missing, 3)}, which it lists" if missing else "lists no shard"
+        raise DataError(f"{path / MANIFEST}: the shard directory {what}; write it again with to-arrow --shard-bytes")
+    return [InputFile(path / s.file, "arrow", _folder_split(path)) for s in shards]
+
+
+def _named_in_split_folders(files: list[InputFile], given: Sequence) -> list[InputFile]:
+    """The files named on the command line in folders named for different splits (`--in pile/train/00.jsonl.zst
+    pile/test/00.jsonl.zst`, as a shell glob names them) take those folders' splits, where their own names say
+    none; elsewhere the folder a file lies in says nothing (a scratch test/ or dev/ beside other folders, or the
+    working directory)."""
+    named = {Path(item) for item in given if not isinstance(item, InputFile) and str(item) != STDIN}
+    folders = {
+        k: _folder_split(f.path.parent)
+        for k, f in enumerate(files)
+        if f.path is not None and f.split is None and f.path in named and f.path.is_file()
+    }
+    if len({s for s in folders.values() if s is not None}) < 2:
+        return files
+    return [InputFile(f.path, f.kind, folders[k]) if folders.get(k) else f for k, f in enumerate(files)]
 
 
 def _dataset_dict_split(path: Path, split: str | None) -> list[InputFile]:
@@ -196,7 +234,7 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
         dirs[:] = [
             d for d in dirs if not d.startswith(".") and not (d.endswith(".parts") and Path(folder, d, JOB).is_file())
         ]
-        manifest = MANIFEST in names and all(n == MANIFEST or SHARD_FILE.fullmatch(n) for n in names)
+        manifest = _is_shard_folder(names)
         for name in names:
             if name.startswith(".") or name in DATASETS_METADATA or name.endswith(REJECTS_SUFFIX):
                 continue
@@ -255,8 +293,8 @@ def _kind(name: str, named: bool) -> str | None:
 
 def _split_of(f: Path, root: Path, own: str | None = None) -> str | None:
     """The split a file belongs to by the Hub's rules: data/<split>-00000-of-00003.*, a keyword in a folder name
-    below `root`, or one in the file name; else `own`, the split the name of the folder given (or holding the file
-    given) says (_folder_split)."""
+    below `root`, or one in the file name; else `own`, the split the name of the folder given says (_folder_split).
+    """
     if (sharded := SHARDED_SPLIT.match(f.name)) and f.parent.name == "data":
         return canonical_split(sharded.group(1))
     for name in [*f.relative_to(root).parts[:-1], f.name]:
@@ -276,9 +314,9 @@ def _stdin_file() -> os.stat_result | None:
 
 
 def _folder_split(folder: Path) -> str | None:
-    """The split a folder given (or holding a file given) is named for: `train/`, `val/`, `test-0/`, so that
-    `--in pile/train pile/test` (or `pile/*/*.jsonl.zst`) is refused as `--in pile` is. The whole name, not a word
-    of it as below the folder given: the folder a corpus lies in (`test_runs/`, `eval-sets/`) is no split."""
+    """The split a folder given (or holding files named: _named_in_split_folders) is named for: `train/`, `val/`,
+    `test-0/`, so that `--in pile/train pile/test` is refused as `--in pile` is. The whole name, not a word of it
+    as below the folder given: the folder a corpus lies in (`test_runs/`, `eval-sets/`) is no split."""
     name = os.path.basename(os.path.abspath(folder)).lower()
     word = NAME_DELIMITERS.sub("", name)
     return SPLIT_KEYWORDS[word] if word in SPLIT_KEYWORDS and name.startswith(word) else None
