@@ -49,6 +49,21 @@ def test_a_null_text_is_refused_when_the_corpus_is_opened(tmp_path: Path):
         ArrowDocuments(path, tokenizer=None, text_field="text")
 
 
+def test_the_command_a_null_text_names_writes_a_corpus_without_it(tmp_path: Path):
+    """The fix the message names is run as given (NEW.arrow its placeholder): it writes the corpus less that row."""
+    import re
+    import shlex
+
+    from trnrecipes.cli import main
+
+    path = corpus_with_null(tmp_path / "c.arrow")
+    with pytest.raises(DataError) as refused:
+        read_arrow(path, "text")
+    command = re.search(r"`(trnrecipes data to-arrow [^`]*)`", str(refused.value)).group(1)
+    assert main(shlex.split(command.replace("NEW.arrow", str(tmp_path / "new.arrow")))[1:]) == 0
+    assert read_arrow(tmp_path / "new.arrow", "text").to_pylist() == TEXTS[:21] + TEXTS[22:]
+
+
 def test_train_on_a_corpus_with_a_null_row_exits_2_and_records_it_as_fatal(tmp_path: Path):
     """Exit 2 with one line naming the file and the row, and the fatal file run.sbatch reads so as not to requeue."""
     corpus, fatal = corpus_with_null(tmp_path / "nulls.arrow", row=3), tmp_path / "logs" / "fatal"

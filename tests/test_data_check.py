@@ -63,6 +63,76 @@ def test_megatron_data_needs_both_files_and_the_index_header(tmp_path):
     assert data_problems(recipe, REPO) == []
 
 
+def test_raw_folders_and_misnamed_megatron_pairs_are_told_the_fix(tmp_path):
+    """A folder of raw shards as data.path is told to convert it; a JSON-lines file that starts with a blank line is
+    JSON lines; a Megatron pair named by its .bin, or by its prefix without data.format megatron, or by its .idx, is
+    told the name and format to give (not to tokenize it again: hours at TB scale)."""
+
+    def problems(overrides: str) -> list[str]:
+        return data_problems(load_recipe("pythia-tiny", overrides=overrides), REPO)
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.jsonl").write_text('{"text": "a"}\n')
+    (raw / "b.JSONL").write_text('{"text": "b"}\n')
+    assert problems(f"data.path={raw}") == [
+        f"data.path {raw}: {raw} is a folder of raw files (2 .jsonl), not an Arrow corpus: convert it with `trnrecipes"
+        f" data to-arrow --in {raw} --out {raw}.arrow` and name that in data.path (docs/data.md, 'Bring your data')"
+    ]
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('\n  {"text": "a"}\n')
+    (problem,) = problems(f"data.path={blank}")
+    assert f"is JSON (lines), not Arrow: convert it with `trnrecipes data to-arrow --in {blank} --out" in problem
+    prefix = tmp_path / "wiki_text_document"
+    Path(f"{prefix}.bin").write_bytes(b"")
+    Path(f"{prefix}.idx").write_bytes(data_check.MEGATRON_IDX_MAGIC + b"\x01")
+    assert problems(f"data.format=megatron data.path={prefix}.bin") == [
+        f"data.path {prefix}.bin: names the pair's .bin file; data.path is its prefix: {prefix}"
+    ]
+    assert problems(f"data.path={prefix}") == [
+        f"data.path {prefix}: names a Megatron pair ({prefix}.bin/.idx): set data.format megatron"
+    ]
+    (problem,) = problems(f"data.path={prefix}.idx")
+    assert problem.startswith(f"data.path {prefix}.idx: {prefix}.idx is a Megatron index: name its prefix (without")
+
+
+def test_classification_counts_epochs_in_documents_and_refuses_too_few_to_validate(tmp_path):
+    """Classification reads one document a sample, however short: its epochs are samples over training documents
+    (not tokens over tokens: 10,000 short texts read 5.3 times were said to be read 68 times, and the advice cut the
+    run 7x). A held-out split too small for train.val_batches x batch.micro_batch per rank fails the job as it
+    starts (train/loop.py): sbatch refuses it first, naming a val_fraction that holds out enough."""
+    from trnrecipes.data.holdout import held_out
+    from trnrecipes.jobs.corpus_check import corpus_problems
+    from trnrecipes.jobs.data_plan import data_plan, epoch_warnings
+
+    def corpus(n: int) -> Path:
+        path = tmp_path / f"c{n}.arrow"
+        table = pa.table({"text": [f"query {i} product" for i in range(n)], "label": [i % 2 for i in range(n)]})
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        return path
+
+    recipe = load_recipe("bert-tiny", overrides=f"data.path={corpus(10_000)} train.max_steps=5000")
+    (plan,) = data_plan(recipe, REPO)
+    train_documents = 10_000 - held_out(10_000, recipe.data.val_fraction)
+    assert plan.documents == train_documents
+    assert plan.epochs == pytest.approx(5000 * recipe.batch.global_batch / train_documents)
+    (warning,) = epoch_warnings([plan], recipe)
+    assert f"reads it {plan.epochs:,.1f} times (its training split is {train_documents:,} documents)" in warning
+    assert f"train.max_steps <= {int(5000 * 10 / plan.epochs):,} for 10 epochs" in warning
+    recipe = load_recipe("bert-tiny", overrides=f"data.path={corpus(1_000)}")
+    problems, _ = corpus_problems(recipe, REPO)
+    wanted = recipe.train.val_batches * recipe.batch.micro_batch
+    assert problems and problems[0].startswith(
+        f"data.path {tmp_path / 'c1000.arrow'}: train.val_batches {recipe.train.val_batches} x batch.micro_batch"
+        f" {recipe.batch.micro_batch} = {wanted} validation examples per data-parallel rank, but data.val_fraction"
+        f" {recipe.data.val_fraction} holds out 100 of its 1,000 documents"
+    ), problems
+    fraction = float(re.search(r"raise data.val_fraction \(to ([0-9.]+)\)", problems[0]).group(1))
+    recipe = load_recipe("bert-tiny", overrides=f"data.path={corpus(1_000)} data.val_fraction={fraction}")
+    assert corpus_problems(recipe, REPO)[0] == []
+
+
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(cli, tmp_path):
     tok = tmp_path / "tok"
     tok.mkdir()

@@ -330,6 +330,19 @@ def test_a_misnamed_text_field_under_skip_stops_before_reading_the_corpus(tmp_pa
     assert left_in(tmp_path) == ["in", "o.arrow", "o.arrow.rejects.jsonl"]
 
 
+def test_an_arrow_file_beside_the_raw_file_it_was_made_from_is_refused_in_a_walk(tmp_path, capsys):
+    """sbatch's advice converts raw/web.jsonl into raw/web.arrow; a later walk of raw/ would read both, its
+    documents twice, without a word: refused, naming the pair. Named one by one, each is read as given."""
+    raw = tmp_path / "raw"
+    write(raw / "web.jsonl.gz", docs("a", "b"))
+    assert to_arrow(capsys, "--in", raw / "web.jsonl.gz", "--out", raw / "web.arrow")[0] == 0
+    code, _, err = to_arrow(capsys, "--in", raw, "--out", tmp_path / "o.arrow")
+    assert (code, err) == (2, f"error: {raw / 'web.arrow'} lies beside web.jsonl.gz, the file it was likely converted"
+                              f" from: walking {raw} would read their documents twice; move web.arrow out of {raw}, or"
+                              " name the files to read\n")  # fmt: skip
+    assert to_arrow(capsys, "--in", raw / "web.arrow", "--out", tmp_path / "o.arrow")[0] == 0
+
+
 @pytest.mark.parametrize("how", ["symlink", "hardlink", "inside a directory given"])
 def test_the_same_file_twice_is_refused(tmp_path, capsys, how):
     shard = write(tmp_path / "in/a.jsonl", docs("once"))

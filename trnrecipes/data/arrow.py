@@ -329,8 +329,8 @@ def _text_column(table: pa.Table, path: Path, text_field: str | None) -> pa.Chun
     if column.null_count:  # from the IPC metadata: no text is read
         raise DataError(
             f"{path}: column {field_name!r} has {column.null_count} null row(s), the first row {_first_null(column)};"
-            f" every row needs text: `trnrecipes data to-arrow --in {path} --out NEW.arrow --text-field {field_name}`"
-            " writes a copy without them"
+            f" every row needs text: `trnrecipes data to-arrow --in {path} --out NEW.arrow --text-field {field_name}"
+            " --on-bad-record skip` writes a copy without them"
         )
     return column
 

@@ -106,7 +106,7 @@ def check_arrow_output(out: str | Path, given: Sequence[str | Path]) -> None:
     walk would read its Arrow bytes as JSON lines or Parquet), or inside a directory given (a later conversion of
     it would read its documents again, and this same command, rerun, would find its output among its inputs)."""
     out = Path(out)
-    kind = _kind(out.name, named=True)
+    kind = kind_of(out.name, named=True)
     if kind not in (None, "arrow"):
         suffix = next(x for x in INPUT_SUFFIXES if out.name.lower().endswith(x))
         raise DataError(
@@ -151,7 +151,7 @@ def _found(given: str | Path, split: str | None, log: Callable[[str], None] | No
     if not path.exists():
         raise DataError(f"input {path} does not exist")
     if path.is_file():
-        kind = _kind(path.name, named=True)
+        kind = kind_of(path.name, named=True)
         if kind is None:
             raise DataError(
                 f"{path}: unknown input type; expected {ACCEPTED_FILES}, a directory, or - (JSON lines on standard"
@@ -240,7 +240,7 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
                 continue
             if manifest and name == MANIFEST:  # a shard directory's: its shards are walked in its order
                 continue
-            kind = _kind(name, named=False)
+            kind = kind_of(name, named=False)
             if kind is None and Path(name).stem.upper() not in ABOUT_A_DATASET:
                 other["".join(Path(name).suffixes[-1:]) or "no suffix"] += 1
             if kind is None:
@@ -254,8 +254,11 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
         left = sum(other.values())
         log(f"[trnrecipes] {root}: left out {left} file{'s' * (left > 1)} ({_kinds_held(other)}), not of an input kind"
             f" ({ACCEPTED_FILES}); reading the other {len(records or texts)}")  # fmt: skip
+    _refuse_converted_beside(records, root)
     if records:
-        return [InputFile(f, str(_kind(f.name, named=False)), _split_of(f, root, own_split)) for f in in_order(records)]
+        return [
+            InputFile(f, str(kind_of(f.name, named=False)), _split_of(f, root, own_split)) for f in in_order(records)
+        ]
     if texts:
         return [InputFile(f, "document") for f in in_order(texts)]
     held = _kinds_held(other) if other else "no files"
@@ -263,6 +266,25 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
         f"directory {root} holds no input to read ({held}); accepted: {ACCEPTED_FILES} files, a datasets save_to_disk"
         " directory, or .txt, .md, .rst files (a document each)"
     )
+
+
+def _refuse_converted_beside(records: list[Path], root: Path) -> None:
+    """DataError where an .arrow file lies beside a raw file of its name (web.arrow beside web.jsonl: converted from
+    it, as sbatch's advice names it): walked together, its documents would be read twice."""
+    raw = {(f.parent, _stem(f.name)): f for f in records if not f.name.lower().endswith(".arrow")}
+    for f in records:
+        source = raw.get((f.parent, _stem(f.name))) if f.name.lower().endswith(".arrow") else None
+        if source is not None:
+            raise DataError(
+                f"{f} lies beside {source.name}, the file it was likely converted from: walking {root} would read"
+                f" their documents twice; move {f.name} out of {root}, or name the files to read"
+            )
+
+
+def _stem(name: str) -> str:
+    """A file's name without its input suffix (web.jsonl.gz: web)."""
+    suffix = next((x for x in INPUT_SUFFIXES if name.lower().endswith(x)), "")
+    return name[: len(name) - len(suffix)]
 
 
 def _kinds_held(other: Counter) -> str:
@@ -274,7 +296,7 @@ def _unreadable(err: OSError) -> None:
     raise DataError(f"cannot read directory {err.filename} ({err.strerror})") from err
 
 
-def _kind(name: str, named: bool) -> str | None:
+def kind_of(name: str, named: bool) -> str | None:
     """How a file of this name is read (its suffix in any case: .JSONL, .Parquet): a text file named on the command
     line is a document a line, one found in a directory a document."""
     name = name.lower()

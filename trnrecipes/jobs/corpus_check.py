@@ -10,11 +10,13 @@ no tokenizer record says it (with numpy). Torch-free.
 from __future__ import annotations
 
 import importlib.util
+import math
 import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from trnrecipes.config.families import family_spec
 from trnrecipes.config.sections import Recipe
 from trnrecipes.data.holdout import fewest_documents, held_out
 from trnrecipes.data.sources import data_path, same_corpus, same_corpus_message
@@ -141,7 +143,23 @@ def _count_problems(label: str, count: int, recipe: Recipe, dp: int) -> list[str
             f"{label}: data.val_fraction {f} holds out {val} validation document(s) for {dp} data-parallel ranks;"
             " under layout.fsdp each rank needs one: raise data.val_fraction"
         ]
+    if val and family_spec(recipe.model.family).objective == "classification":  # the trainer's rule (train/loop.py)
+        val_dp = min(dp, val)  # one sample a document: batches past the documents would count some twice
+        per_rank, wanted = val // val_dp, recipe.train.val_batches * recipe.batch.micro_batch
+        if wanted > per_rank:
+            return [
+                f"{label}: train.val_batches {recipe.train.val_batches} x batch.micro_batch {recipe.batch.micro_batch}"
+                f" = {wanted} validation examples per data-parallel rank, but data.val_fraction {f} holds out {val}"
+                f" of its {count:,} documents, {per_rank} for each of {val_dp} rank(s): raise data.val_fraction (to"
+                f" {_fraction_for(wanted * val_dp, count)}) or lower train.val_batches"
+            ]
     return []
+
+
+def _fraction_for(documents: int, count: int) -> str:
+    """The smallest data.val_fraction (to 4 places) that holds out `documents` of `count`, or "more documents"."""
+    fraction = math.ceil(documents / count * 10_000) / 10_000 if count else 1.0
+    return f"{fraction:g}" if fraction < 1 else "more documents"
 
 
 def _token_id_problems(

@@ -11,10 +11,13 @@ line naming the path, what is wrong, and the command that makes the file.
 from __future__ import annotations
 
 import json
+import os
+from collections import Counter
 from pathlib import Path
 
 from trnrecipes.config.sections import Recipe
 from trnrecipes.data import DataError
+from trnrecipes.data.inputs import INPUT_SUFFIXES, kind_of
 from trnrecipes.data.manifest import MANIFEST, read_manifest
 from trnrecipes.data.sources import data_path
 from trnrecipes.data.tokenized_with import tokenized_with, tokenizer_fingerprint
@@ -69,21 +72,61 @@ def _sniff_arrow(path: Path) -> str | None:
     """Why `path` is not an Arrow IPC file or stream, or None."""
     try:
         with open(path, "rb") as f:
-            head = f.read(8)
+            head = f.read(64)
     except OSError as err:
         return f"cannot be read ({err.strerror or err})"
     if head.startswith(ARROW_FILE_MAGIC) or head.startswith(ARROW_STREAM_MARKER):
         return None
+    if head.startswith(MEGATRON_IDX_MAGIC) or (path.suffix == ".bin" and _megatron_pair(path.with_suffix(""))):
+        return f"is a Megatron {'index' if path.suffix == '.idx' else 'token file'}: {MEGATRON_NAMING}"
     kind = next((name for magic, name in RAW_KINDS if head.startswith(magic)), None)
-    if kind is None and head[:1] in (b"{", b"["):
+    if kind is None and head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] in (b"{", b"["):  # a BOM or blank lines first
         kind = "JSON (lines)"
+    named = kind_of(path.name, named=True)
+    if kind is None and named is not None:  # by its name: text, JSON lines
+        kind = {"lines": "text (a document a line)", "parquet": "Parquet"}.get(named, "JSON (lines)")
     if kind:  # a corpus as users hold it, named by a recipe before it was converted
-        return (
-            f"is {kind}, not Arrow: convert it with `trnrecipes data to-arrow --in {path} --out"
-            f" {path.with_suffix('.arrow') if path.suffix != '.arrow' else path.with_name(path.stem + '-text.arrow')}`"
-            f" and name that in data.path ({BRING_YOUR_DATA})"
-        )
-    return f"is not an Arrow file (it starts with {head!r}, not {ARROW_FILE_MAGIC!r} or a stream's first message)"
+        return f"is {kind}, not Arrow: {_convert(path)}"
+    return f"is not an Arrow file (it starts with {head[:8]!r}, not {ARROW_FILE_MAGIC!r} or a stream's first message)"
+
+
+# A Megatron pair is named by its prefix, and read with data.format megatron.
+MEGATRON_NAMING = "name its prefix (without .bin/.idx) in data.path, with data.format megatron"
+
+
+def _megatron_pair(prefix: Path) -> bool:
+    """Whether PREFIX.bin and a PREFIX.idx of megatron-core's header are there."""
+    try:
+        with open(f"{prefix}.idx", "rb") as f:
+            return f.read(len(MEGATRON_IDX_MAGIC)) == MEGATRON_IDX_MAGIC and Path(f"{prefix}.bin").is_file()
+    except OSError:
+        return False
+
+
+def _convert(path: Path) -> str:
+    """The command that converts raw files (a file or a folder) into the Arrow corpus data.path names."""
+    suffix = next((x for x in INPUT_SUFFIXES if path.is_file() and path.name.lower().endswith(x)), "")
+    stem = path.name[: len(path.name) - len(suffix)]
+    out = path.with_name(f"{stem}.arrow" if suffix != ".arrow" else f"{stem}-text.arrow")
+    return (
+        f"convert it with `trnrecipes data to-arrow --in {path} --out {out}` and name that in data.path"
+        f" ({BRING_YOUR_DATA})"
+    )
+
+
+def _raw_files(folder: Path, cap: int = 10_000) -> Counter:
+    """The input files to-arrow would read in `folder` (walked, at most `cap` names looked at), by suffix."""
+    found: Counter = Counter()
+    seen = 0
+    for _, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            seen += 1
+            if not name.startswith(".") and kind_of(name, named=False) is not None:
+                found[Path(name).suffix.lower()] += 1
+        if seen >= cap:
+            break
+    return found
 
 
 def check_corpus_file(label: str, path: str, fmt: str, tokenizer: str, repo_root: Path) -> list[str]:
@@ -94,6 +137,8 @@ def check_corpus_file(label: str, path: str, fmt: str, tokenizer: str, repo_root
             return [f"{label} {path}: cannot be reached: {why}"]
     if fmt == "megatron":
         missing = [f"{full}{ext}" for ext in (".bin", ".idx") if not Path(f"{full}{ext}").is_file()]
+        if missing and full.suffix in (".bin", ".idx") and _megatron_pair(full.with_suffix("")):
+            return [f"{label} {path}: names the pair's {full.suffix} file; data.path is its prefix: {path[:-4]}"]
         if missing:
             return [f"{label} {path}: {' and '.join(missing)} missing; {_made_by(path, fmt, tokenizer)}"]
         try:
@@ -104,6 +149,8 @@ def check_corpus_file(label: str, path: str, fmt: str, tokenizer: str, repo_root
         if head != MEGATRON_IDX_MAGIC:
             return [f"{label} {path}: {full}.idx is not a Megatron index (no MMIDIDX header); data.format megatron"]
         return _check_tokenized_with(label, path, full, tokenizer, repo_root)
+    if not full.exists() and _megatron_pair(full):
+        return [f"{label} {path}: names a Megatron pair ({full}.bin/.idx): set data.format megatron"]
     if not full.exists():
         return [f"{label} {path}: {full} does not exist; {_made_by(path, 'arrow')}"]
     if full.is_dir():
@@ -116,7 +163,11 @@ def check_corpus_file(label: str, path: str, fmt: str, tokenizer: str, repo_root
 
 def _check_shards(label: str, path: str, full: Path, fmt: str) -> list[str]:
     """A directory of Arrow shards (`data to-arrow --shard-bytes`): its manifest readable, every shard it lists there
-    and an Arrow stream by its first bytes (their rows are counted by corpus_check)."""
+    and an Arrow stream by its first bytes (their rows are counted by corpus_check). A folder of raw files (the
+    corpus as a user holds it) is told how to convert."""
+    if not (full / MANIFEST).is_file() and (raw := _raw_files(full)):
+        held = ", ".join(f"{n:,} {suffix}" for suffix, n in raw.most_common(4))
+        return [f"{label} {path}: {full} is a folder of raw files ({held}), not an Arrow corpus: {_convert(full)}"]
     try:
         manifest = read_manifest(full)
     except DataError as err:

@@ -14,7 +14,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from trnrecipes.config.families import family_spec
 from trnrecipes.config.sections import Recipe
+from trnrecipes.data import DataError
+from trnrecipes.data.holdout import held_out
 from trnrecipes.data.sources import data_path
 from trnrecipes.plan.report import si
 
@@ -32,9 +35,15 @@ class SourcePlan:
     corpus_tokens: float | None  # in its training split; None when the file cannot be read from here
     exact: bool  # counted (Megatron without a validation split), not estimated
     looked: bool = True  # False: --no-data-check, no file read
+    # Classification reads one document a sample, whatever its tokens: its epochs count documents (those in its
+    # training split; None when they cannot be counted from here).
+    documents: int | None = None
+    classify: bool = False
 
     @property
     def epochs(self) -> float | None:
+        if self.classify:
+            return self.samples / self.documents if self.documents else None
         return self.tokens / self.corpus_tokens if self.corpus_tokens else None
 
     def to_dict(self) -> dict:
@@ -47,6 +56,7 @@ def data_plan(recipe: Recipe, repo_root: Path, look: bool = True) -> list[Source
     sources = d.corpora()
     total_weight = sum(s.weight for s in sources)
     all_samples = recipe.train.max_steps * b.global_batch
+    classify = family_spec(recipe.model.family).objective == "classification"
     plans = []
     for s in sources:
         share = s.weight / total_weight
@@ -54,8 +64,29 @@ def data_plan(recipe: Recipe, repo_root: Path, look: bool = True) -> list[Source
         size = _corpus_tokens(s, d.tokenizer, repo_root) if look else None
         corpus = size[0] * (1 - d.val_fraction) if size else None
         exact = bool(size and size[1]) and d.val_fraction == 0  # the split holds out documents, not tokens
-        plans.append(SourcePlan(s.path, share, samples, samples * (b.seq_len + 1), corpus, exact, look))
+        documents = _training_documents(s, d.val_fraction, repo_root) if look and classify else None
+        tokens = samples * (b.seq_len + 1)
+        plans.append(SourcePlan(s.path, share, samples, tokens, corpus, exact, look, documents, classify))
     return plans
+
+
+def _training_documents(source, val_fraction: float, repo_root: Path) -> int | None:
+    """The documents of an Arrow corpus's training split (a shard directory's from its manifest), or None."""
+    full = data_path(source.path, repo_root)
+    try:
+        if full.is_dir():
+            from trnrecipes.data.manifest import read_manifest
+
+            count = read_manifest(full).rows
+        elif importlib.util.find_spec("pyarrow") is not None and full.is_file():
+            from trnrecipes.data.arrow import ArrowTexts
+
+            count = len(ArrowTexts(full, source.text_field))
+        else:
+            return None
+    except (OSError, ValueError, DataError):
+        return None
+    return count - held_out(count, val_fraction)
 
 
 MANY_EPOCHS = 10  # more passes over a corpus than this in one run: a warning (memorised, not learned)
@@ -68,10 +99,13 @@ def epoch_warnings(plans: list[SourcePlan], recipe: Recipe) -> list[str]:
         epochs = p.epochs
         if epochs is not None and epochs > MANY_EPOCHS:
             fewer = max(1, int(recipe.train.max_steps * MANY_EPOCHS / epochs))
+            size = (
+                f"{p.documents:,} documents" if p.classify else f"{'' if p.exact else '~'}{si(p.corpus_tokens)} tokens"
+            )
             out.append(
-                f"{p.path}: train.max_steps {recipe.train.max_steps:,} reads it {epochs:,.0f} times (its training split"
-                f" is {'' if p.exact else '~'}{si(p.corpus_tokens)} tokens): the model would memorise it. Use a bigger"
-                f" corpus{', a smaller weight' if len(plans) > 1 else ''}, or train.max_steps <= {fewer:,} for"
+                f"{p.path}: train.max_steps {recipe.train.max_steps:,} reads it {epochs:,.1f} times (its training split"
+                f" is {size}): the model would memorise it. Use a bigger corpus"
+                f"{', a smaller weight' if len(plans) > 1 else ''}, or train.max_steps <= {fewer:,} for"
                 f" {MANY_EPOCHS} epochs"
             )
     return out
@@ -90,10 +124,13 @@ def format_data_plan(plans: list[SourcePlan], max_steps: int, width: int = 11) -
             epochs = "epochs not looked up (--no-data-check)"
         elif p.epochs is None:
             epochs = "epochs unknown (the corpus or tokenizer cannot be read from here; sbatch's data check says why)"
+        elif p.classify:
+            epochs = f"{p.epochs:,.2f} epochs of {p.documents:,} documents (a sample each)"
         else:
             about = "" if p.exact else "~"
             epochs = f"{about}{p.epochs:,.2f} epochs of {about}{si(p.corpus_tokens)} tokens"
-        lines.append(f"{'':<{width}}  {p.share:6.1%}  {p.tokens:>14,} tokens  {epochs}  {p.path}")
+        read = f"{p.samples:>14,} samples" if p.classify else f"{p.tokens:>14,} tokens"
+        lines.append(f"{'':<{width}}  {p.share:6.1%}  {read}  {epochs}  {p.path}")
     return lines
 
 
@@ -117,7 +154,6 @@ def _corpus_tokens(source, tokenizer: str, repo_root: Path) -> tuple[float, bool
 def _arrow_tokens(path: Path, text_field: str, tokenizer_dir: Path) -> tuple[float, bool] | None:
     if importlib.util.find_spec("pyarrow") is None:
         return _arrow_bytes(path) / BYTES_PER_TOKEN, False
-    from trnrecipes.data import DataError
     from trnrecipes.data.arrow import ArrowTexts
 
     try:
