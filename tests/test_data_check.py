@@ -154,6 +154,11 @@ def test_a_missing_or_broken_tokenizer_is_named(tmp_path):
     (tmp_path / "tok/tokenizer.json").write_text('{"model": ')
     (problem,) = data_problems(recipe, REPO)
     assert "tokenizer.json is not a readable tokenizer.json (" in problem and "corrupt or truncated?" in problem
+    by_file = load_recipe("llama2-tiny", overrides=f"data.tokenizer={tmp_path / 'tok/tokenizer.json'}")
+    assert data_problems(by_file, REPO) == [
+        f"data.tokenizer {tmp_path / 'tok/tokenizer.json'}: names a file; data.tokenizer is a directory holding"
+        f" tokenizer.json (here {tmp_path / 'tok'})"
+    ]
     llama = load_recipe("llama2-7b", nodes=1)  # the gated tokenizer: where to get it
     assert any("Llama 2's tokenizer is gated on the Hugging Face Hub" in p for p in data_problems(llama, tmp_path))
 

@@ -229,6 +229,9 @@ def _check_tokenizer(recipe: Recipe, repo_root: Path) -> list[str]:
     path = recipe.data.tokenizer
     full = data_path(path, repo_root)
     tok_file = full / "tokenizer.json"
+    if full.is_file():  # named by its file (tokenizer.json), not its directory
+        return [f"data.tokenizer {path}: names a file; data.tokenizer is a directory holding tokenizer.json (here"
+                f" {Path(path).parent})"]  # fmt: skip
     if why := blocked(tok_file):
         return [f"data.tokenizer {path}: cannot be reached: {why}"]
     if not tok_file.is_file():
