@@ -133,6 +133,15 @@ def test_classification_counts_epochs_in_documents_and_refuses_too_few_to_valida
     assert corpus_problems(recipe, REPO)[0] == []
 
 
+def test_an_empty_data_path_is_refused_before_it_names_the_checkout():
+    """data.path= (empty) or . resolved to the checkout, which sbatch then listed as a directory without corpus.json."""
+    from trnrecipes.config.sections import RecipeError
+
+    for overrides in (["data.path="], ["data.path=./"], ["data.path=null", 'data.sources=[{path: " ", weight: 1}]']):
+        with pytest.raises(RecipeError, match=r"data\.(path|sources\[0\]\.path) '.*' names no file \(the checkout"):
+            load_recipe("pythia-tiny", overrides=overrides)
+
+
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(cli, tmp_path):
     tok = tmp_path / "tok"
     tok.mkdir()

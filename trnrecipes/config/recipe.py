@@ -322,7 +322,17 @@ def _data_problems(r: Recipe) -> list[str]:
         return [
             f"data.path {shown(d.path)} and data.sources are both set: give one (data.path is a blend of one source)"
         ]
+    named = (
+        [("data.path", d.path)]
+        if d.path is not None
+        else [(f"data.sources[{i}].path", s.path) for i, s in enumerate(d.sources)]
+    )
     problems = [
+        f"{key} {shown(path)} names no file (the checkout itself, where it is relative); give the corpus's path"
+        for key, path in named
+        if not str(path).strip() or os.path.normpath(str(path)) == "."
+    ]
+    problems += [
         f"data.sources[{i}].weight: must be a positive number (its share is weight / sum of weights), got"
         f" {shown(s.weight)}"
         for i, s in enumerate(d.sources)
