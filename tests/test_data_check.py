@@ -255,7 +255,7 @@ def test_many_epochs_and_a_small_tokenizer_are_warned_of_by_sbatch_and_plan(cli,
     for run in (done, planned):
         assert run.returncode == 0, run.stderr
         assert re.search(
-            rf"warning: {corpus}: train.max_steps 100 reads it [\d,]+ times .* the model would memorise"
+            rf"warning: {corpus}: train.max_steps 100 reads it [\d,.]+ times .* the model would memorise"
             r" it\. Use a bigger corpus, or train.max_steps <= \d+ for 10 epochs",
             run.stderr,
         ), run.stderr
