@@ -94,6 +94,10 @@ def test_raw_folders_and_misnamed_megatron_pairs_are_told_the_fix(tmp_path):
     ]
     (problem,) = problems(f"data.path={prefix}.idx")
     assert problem.startswith(f"data.path {prefix}.idx: {prefix}.idx is a Megatron index: name its prefix (without")
+    pointer = tmp_path / "lfs.arrow"  # a broken .arrow (a Git LFS pointer) is not called JSON lines by its name
+    pointer.write_text("version https://git-lfs.github.com/spec/v1\n")
+    (problem,) = problems(f"data.path={pointer}")
+    assert "is not an Arrow file (it starts with b'version " in problem, problem
 
 
 def test_classification_counts_epochs_in_documents_and_refuses_too_few_to_validate(tmp_path):
@@ -128,9 +132,12 @@ def test_classification_counts_epochs_in_documents_and_refuses_too_few_to_valida
         f" {recipe.batch.micro_batch} = {wanted} validation examples per data-parallel rank, but data.val_fraction"
         f" {recipe.data.val_fraction} holds out 100 of its 1,000 documents"
     ), problems
-    fraction = float(re.search(r"raise data.val_fraction \(to ([0-9.]+)\)", problems[0]).group(1))
-    recipe = load_recipe("bert-tiny", overrides=f"data.path={corpus(1_000)} data.val_fraction={fraction}")
-    assert corpus_problems(recipe, REPO)[0] == []
+    for start in ("0.1", "0.0001"):  # fewer held out than ranks too: the fraction named is every rank's share
+        recipe = load_recipe("bert-tiny", overrides=f"data.path={corpus(1_000)} data.val_fraction={start}")
+        (problem,) = corpus_problems(recipe, REPO)[0]
+        fraction = float(re.search(r"raise data.val_fraction to ([0-9.]+), or lower", problem).group(1))
+        recipe = load_recipe("bert-tiny", overrides=f"data.path={corpus(1_000)} data.val_fraction={fraction}")
+        assert corpus_problems(recipe, REPO)[0] == [], (start, fraction)
 
 
 def test_an_empty_data_path_is_refused_before_it_names_the_checkout():

@@ -150,16 +150,19 @@ def _count_problems(label: str, count: int, recipe: Recipe, dp: int) -> list[str
             return [
                 f"{label}: train.val_batches {recipe.train.val_batches} x batch.micro_batch {recipe.batch.micro_batch}"
                 f" = {wanted} validation examples per data-parallel rank, but data.val_fraction {f} holds out {val}"
-                f" of its {count:,} documents, {per_rank} for each of {val_dp} rank(s): raise data.val_fraction (to"
-                f" {_fraction_for(wanted * val_dp, count)}) or lower train.val_batches"
+                f" of its {count:,} documents, {per_rank} for each of {val_dp} rank(s): {_enough(wanted * dp, count)}"
             ]
     return []
 
 
-def _fraction_for(documents: int, count: int) -> str:
-    """The smallest data.val_fraction (to 4 places) that holds out `documents` of `count`, or "more documents"."""
+def _enough(documents: int, count: int) -> str:
+    """What holds out `documents` of `count` (every rank's share, once there are as many as ranks): the smallest
+    data.val_fraction that does (to 4 places), else a larger corpus; or fewer validation batches."""
     fraction = math.ceil(documents / count * 10_000) / 10_000 if count else 1.0
-    return f"{fraction:g}" if fraction < 1 else "more documents"
+    while fraction < 1 and held_out(count, fraction) < documents:
+        fraction = round(fraction + 0.0001, 4)
+    more = f"raise data.val_fraction to {fraction:g}" if fraction < 1 else "use a larger corpus"
+    return f"{more}, or lower train.val_batches"
 
 
 def _token_id_problems(

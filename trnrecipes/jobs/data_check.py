@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trnrecipes.config.sections import Recipe
 from trnrecipes.data import DataError
-from trnrecipes.data.inputs import INPUT_SUFFIXES, kind_of
+from trnrecipes.data.inputs import ABOUT_A_DATASET, DATASETS_METADATA, INPUT_SUFFIXES, kind_of
 from trnrecipes.data.manifest import MANIFEST, read_manifest
 from trnrecipes.data.sources import data_path
 from trnrecipes.data.tokenized_with import tokenized_with, tokenizer_fingerprint
@@ -83,7 +83,7 @@ def _sniff_arrow(path: Path) -> str | None:
     if kind is None and head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] in (b"{", b"["):  # a BOM or blank lines first
         kind = "JSON (lines)"
     named = kind_of(path.name, named=True)
-    if kind is None and named is not None:  # by its name: text, JSON lines
+    if kind is None and named not in (None, "arrow"):  # by its name: text, JSON lines (an .arrow is just broken)
         kind = {"lines": "text (a document a line)", "parquet": "Parquet"}.get(named, "JSON (lines)")
     if kind:  # a corpus as users hold it, named by a recipe before it was converted
         return f"is {kind}, not Arrow: {_convert(path)}"
@@ -122,7 +122,8 @@ def _raw_files(folder: Path, cap: int = 10_000) -> Counter:
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         for name in names:
             seen += 1
-            if not name.startswith(".") and kind_of(name, named=False) is not None:
+            about = name in DATASETS_METADATA or Path(name).stem.upper() in ABOUT_A_DATASET
+            if not name.startswith(".") and not about and kind_of(name, named=False) is not None:
                 found[Path(name).suffix.lower()] += 1
         if seen >= cap:
             break
@@ -167,7 +168,8 @@ def _check_shards(label: str, path: str, full: Path, fmt: str) -> list[str]:
     corpus as a user holds it) is told how to convert."""
     if not (full / MANIFEST).is_file() and (raw := _raw_files(full)):
         held = ", ".join(f"{n:,} {suffix}" for suffix, n in raw.most_common(4))
-        return [f"{label} {path}: {full} is a folder of raw files ({held}), not an Arrow corpus: {_convert(full)}"]
+        what = "Arrow files without the corpus.json of a shard directory" if set(raw) == {".arrow"} else "raw files"
+        return [f"{label} {path}: {full} is a folder of {what} ({held}), not an Arrow corpus: {_convert(full)}"]
     try:
         manifest = read_manifest(full)
     except DataError as err:
@@ -230,8 +232,8 @@ def _check_tokenizer(recipe: Recipe, repo_root: Path) -> list[str]:
     full = data_path(path, repo_root)
     tok_file = full / "tokenizer.json"
     if full.is_file():  # named by its file (tokenizer.json), not its directory
-        return [f"data.tokenizer {path}: names a file; data.tokenizer is a directory holding tokenizer.json (here"
-                f" {Path(path).parent})"]  # fmt: skip
+        here = f" (here {Path(path).parent})" if (full.parent / "tokenizer.json").is_file() else ""
+        return [f"data.tokenizer {path}: names a file; data.tokenizer is a directory holding tokenizer.json{here}"]
     if why := blocked(tok_file):
         return [f"data.tokenizer {path}: cannot be reached: {why}"]
     if not tok_file.is_file():

@@ -61,7 +61,7 @@ def data_plan(recipe: Recipe, repo_root: Path, look: bool = True) -> list[Source
     for s in sources:
         share = s.weight / total_weight
         samples = round(all_samples * share)
-        size = _corpus_tokens(s, d.tokenizer, repo_root) if look else None
+        size = _corpus_tokens(s, d.tokenizer, repo_root) if look and not classify else None
         corpus = size[0] * (1 - d.val_fraction) if size else None
         exact = bool(size and size[1]) and d.val_fraction == 0  # the split holds out documents, not tokens
         documents = _training_documents(s, d.val_fraction, repo_root) if look and classify else None
@@ -122,6 +122,8 @@ def format_data_plan(plans: list[SourcePlan], max_steps: int, width: int = 11) -
     for p in plans:
         if not p.looked:
             epochs = "epochs not looked up (--no-data-check)"
+        elif p.epochs is None and p.classify:
+            epochs = "epochs unknown (its documents cannot be counted from here: pyarrow, or the file, is missing)"
         elif p.epochs is None:
             epochs = "epochs unknown (the corpus or tokenizer cannot be read from here; sbatch's data check says why)"
         elif p.classify:
