@@ -299,20 +299,21 @@ def test_a_shard_directory_is_an_input_read_in_its_manifests_order(tmp_path, cap
 
 
 def test_suffixes_in_any_case_are_read_and_files_left_out_are_told(tmp_path, capsys):
-    """.JSONL and .jsonl.GZ are JSON lines; files of no input kind in a directory walked (bz2 shards, .ndjson) are
-    left out with a line saying how many and of what kinds, not without a word (text files beside records, a README
-    or a LICENSE are left out without one)."""
+    """.JSONL and .jsonl.GZ are JSON lines; files of no input kind in a directory walked (bz2 shards, .ndjson), and
+    text files beside records, are left out with a line saying how many and of what kinds, not without a word (a
+    README or a LICENSE, and preprocess's tokenizer record, without one)."""
     d = tmp_path / "d"
     write(d / "a.jsonl", docs("a"))
     write(d / "b.JSONL", docs("b"))
     write(d / "c.jsonl.GZ", gzip.compress(docs("c")))
-    for name in ("e.jsonl.bz2", "f.ndjson", "README.md", "LICENSE", "notes.txt"):
+    for name in ("e.jsonl.bz2", "f.ndjson", "README.md", "LICENSE", "notes.txt", "o.tokenizer.json"):
         write(d / name, b"x\n")
     code, stdout, err = to_arrow(capsys, "--in", d, "--out", tmp_path / "o.arrow")
     assert (code, stdout) == (0, f"wrote {tmp_path / 'o.arrow'}: 3 documents\n"), err
     assert texts_of(tmp_path / "o.arrow") == ["a", "b", "c"]
-    assert err.startswith(f"[trnrecipes] {d}: left out 2 files (1 .bz2, 1 .ndjson), not of an input kind (.jsonl,")
-    assert err.endswith("; reading the other 3\n") and err.count("\n") == 1, err
+    assert err.startswith(f"[trnrecipes] {d}: left out 3 files (1 .bz2, 1 .ndjson, 1 .txt), not of an input kind (")
+    assert err.endswith("; text files are read only from a folder of text alone, a document each; reading the other"
+                        " 3\n") and err.count("\n") == 1, err  # fmt: skip
 
 
 def test_a_misnamed_text_field_under_skip_stops_before_reading_the_corpus(tmp_path, capsys):

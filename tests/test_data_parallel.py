@@ -102,6 +102,101 @@ def test_preprocess_writes_the_same_bin_and_idx_for_any_number_of_workers(tmp_pa
     assert not list(tmp_path.glob("*.parts"))
 
 
+def test_preprocess_resumes_only_with_the_same_eos_and_a_damaged_part_is_one_line(tmp_path, capsys, a_unit_a_file):
+    """Two tokenizers with one tokenizer.json may end documents with other tokens (their tokenizer_config.json):
+    parts of one are not resumed with the other, which would mix two EOS ids in one .bin. A kept part whose record
+    no longer matches its files (damaged by hand) is one line saying to start over, not a traceback."""
+    import json as json_
+    import shutil
+
+    src = corpus(tmp_path / "in", files=2, each=20)
+    good = (src / "01.jsonl").read_bytes()
+    write(src / "01.jsonl", good + b"{broken\n")
+    argv = ["data", "preprocess", "--in", src, "--out", tmp_path / "o", "--workers", 1]
+    assert cli(capsys, *argv, "--tokenizer", GPT2)[0] == 2  # the first part kept
+    other = shutil.copytree(GPT2, tmp_path / "gpt2-other-eos")
+    config = json_.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json_.dumps({**config, "eos_token": "!"}))
+    code, _, err = cli(capsys, *argv, "--tokenizer", other)
+    assert code == 2 and "other inputs or settings: eos_id 50256 -> 0" in err, err
+    record = tmp_path / "o.parts/part_000000.json"
+    record.write_text(json_.dumps({**json_.loads(record.read_text()), "documents": 21}))
+    write(src / "01.jsonl", good)
+    code, _, err = cli(capsys, *argv, "--tokenizer", GPT2)
+    assert code == 2 and err.endswith(
+        f"megatron-core does not read 41 documents back from: a part is damaged; remove {tmp_path / 'o.parts'} and"
+        " run the same command again\n"
+    ), err
+    assert not Path(f"{tmp_path / 'o'}.bin").exists()
+
+
+@pytest.mark.parametrize("killed_at", [0, 1, 2, 3])
+def test_a_megatron_pair_replaced_midway_is_never_a_new_bin_beside_an_old_idx(tmp_path, monkeypatch, killed_at):
+    """A time limit during the renames that put a new .bin/.idx and tokenizer record in place of old ones: whatever
+    rename it stops at, no old .idx lies beside a new .bin, and no record names the tokenizer of other ids."""
+    from trnrecipes.data import megatron_files
+
+    old, new = tmp_path / "corpus", tmp_path / ".corpus.tmp"
+    for prefix, which in ((old, "old"), (new, "new")):
+        for suffix in (".bin", ".idx", ".tokenizer.json"):
+            Path(f"{prefix}{suffix}").write_text(which)
+    renames, rename_synced = [], megatron_files.rename_synced
+
+    def killed(tmp, out) -> None:
+        if len(renames) == killed_at:
+            raise KeyboardInterrupt
+        renames.append(out)
+        rename_synced(tmp, out)
+
+    monkeypatch.setattr(megatron_files, "rename_synced", killed)
+    if killed_at < 3:
+        with pytest.raises(KeyboardInterrupt):
+            megatron_files.replace_pair(new, old, (".tokenizer.json",))
+    else:
+        megatron_files.replace_pair(new, old, (".tokenizer.json",))
+    left = {s: Path(f"{old}{s}").read_text() for s in (".bin", ".idx", ".tokenizer.json") if Path(f"{old}{s}").exists()}
+    assert left.get(".idx", left.get(".bin")) == left.get(".bin", left.get(".idx")), left  # never a mixed pair
+    assert ".tokenizer.json" not in left or left == {".bin": "new", ".idx": "new", ".tokenizer.json": "new"}, left
+
+
+def test_a_tokenizer_of_sparse_ids_gets_the_dtype_of_its_largest_id(tmp_path, capsys):
+    """A vocabulary of 4 tokens whose EOS is id 70,000: uint16 would wrap it to 4,464 without a word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2, "</s>": 70_000}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    assert load_tokenizer(tok_dir).vocab_size == 70_001
+    src = write(tmp_path / "a.jsonl", docs("hello world"))
+    code, _, err = cli(capsys, "data", "preprocess", "--in", src, "--tokenizer", tok_dir, "--out", tmp_path / "o",
+                       "--dtype", "uint16")  # fmt: skip
+    assert code == 2 and "does not fit in uint16" in err, err
+    assert cli(capsys, "data", "preprocess", "--in", src, "--tokenizer", tok_dir, "--out", tmp_path / "o")[0] == 0
+    assert np.fromfile(f"{tmp_path / 'o'}.bin", np.int32).tolist() == [1, 2, 70_000]
+    code, _, err = cli(capsys, "data", "preprocess", "--in", src, "--tokenizer", tok_dir, "--out", tmp_path / "o.bin")
+    assert (code, err) == (2, f"error: --out {tmp_path / 'o.bin'}: give the prefix, without .bin/.idx (writes"
+                              " PREFIX.bin and PREFIX.idx)\n")  # fmt: skip
+
+
+def test_an_old_shard_directory_left_by_a_killed_replace_is_removed_by_the_next(tmp_path, capsys):
+    """--shard-bytes moves the old directory aside (.OUT.PID-xxxx.tmp) and removes it once the new one is in place:
+    a time limit during that removal left a hidden copy of the whole old corpus that nothing removed. The next
+    conversion of the same --out removes it; one of a process still running is left to it."""
+    import shutil
+
+    src, out = corpus(tmp_path / "in", files=2, each=30), tmp_path / "s"
+    argv = ["data", "to-arrow", "--in", src, "--out", out, "--shard-bytes", "2K"]
+    assert cli(capsys, *argv)[0] == 0
+    dead, alive = tmp_path / f".s.{2**22 + 1}-0a0b0c0d.tmp", tmp_path / f".s.{os.getpid()}-0a0b0c0d.tmp"
+    for copy in (dead, alive):
+        shutil.copytree(out, copy)
+    assert cli(capsys, *argv)[0] == 0
+    assert not dead.exists() and alive.exists()
+
+
 def test_bad_records_get_the_same_verdict_and_rejects_for_any_number_of_workers(tmp_path, capsys, a_unit_a_file):
     """The first file's bad record is its last line; the second's is its first, which the other worker meets first:
     the error names the first file's, as one process reading them in a row would."""

@@ -545,6 +545,8 @@ def _preprocess(args: argparse.Namespace) -> int:
         check_text_field(files, args.text_field)
     suffixes = (".bin", ".idx", TOKENIZED_WITH, REJECTS_SUFFIX)
     read = [*_read_paths(args.inputs, files), args.tokenizer]
+    if args.out.endswith((".bin", ".idx")):  # PREFIX.bin.bin otherwise
+        raise RecipeError(f"--out {args.out}: give the prefix, without .bin/.idx (writes PREFIX.bin and PREFIX.idx)")
     check_prefix(args.out, suffixes, inputs=read)
     tok = load_tokenizer(args.tokenizer)
     if STDIN in args.inputs:  # standard input is read once, here: no parts to resume from

@@ -19,7 +19,7 @@ from trnrecipes.data.bad_records import BadRecords, rejects_of
 from trnrecipes.data.batch_bytes import Mapped
 from trnrecipes.data.corpus_writer import CorpusWriter, corpus_schema, shard_dir_output
 from trnrecipes.data.inputs import InputFile
-from trnrecipes.data.megatron_files import join
+from trnrecipes.data.megatron_files import join, replace_pair
 from trnrecipes.data.parallel import Progress, outcomes_in_order
 from trnrecipes.data.parts import Task, input_stats, part_name, plan_units, remember_tokenizer
 from trnrecipes.data.work_dir import (
@@ -92,7 +92,14 @@ def preprocess_in_parts(
     np_dtype = np.dtype(token_dtype(tokenizer.vocab_size, dtype))
     stats, tokens, top = ConversionStats(), 0, -1
     bad = BadRecords(on_bad_record, max_bad_records, rejects_of(out_prefix))
-    settings = {"text_field": text_field, "tokenizer": tokenizer_fingerprint(tokenizer.path), "dtype": np_dtype.name}
+    # eos_id: from tokenizer_config.json, which the fingerprint does not cover (Llama 3's base and instruct tokenizers
+    # share a tokenizer.json and end documents with other tokens): parts made with two would mix two EOS ids
+    settings = {
+        "text_field": text_field,
+        "tokenizer": tokenizer_fingerprint(tokenizer.path),
+        "dtype": np_dtype.name,
+        "eos_id": tokenizer.eos_id,
+    }
     worker = {"tokenizer": str(tokenizer.path), "dtype": np_dtype.name}
     remember_tokenizer(tokenizer)
     with _parts(files, out_prefix, "preprocess", settings, worker, bad, workers, progress, log) as (work, outcomes):
@@ -108,12 +115,15 @@ def preprocess_in_parts(
             if stats.documents == 0:
                 raise no_documents(files, stats, bad)
             join(prefixes, tmp, np_dtype)
-            if len(indexed_dataset.IndexedDataset(str(tmp))) != stats.documents:
-                raise AssertionError(f"{tmp}.bin/.idx: megatron-core does not read {stats.documents} documents back")
+            if len(indexed_dataset.IndexedDataset(str(tmp))) != stats.documents:  # a kept part damaged by hand?
+                raise DataError(
+                    f"the parts in {work} join into a .bin/.idx megatron-core does not read {stats.documents:,}"
+                    f" documents back from: a part is damaged; remove {work} and run the same command again"
+                )
             write_tokenized_with(tmp, tokenizer.path, max_token_id=top)
-            for suffix in (TOKENIZED_WITH, ".bin", ".idx"):  # .bin before .idx: a reader opens the .idx
+            for suffix in (TOKENIZED_WITH, ".bin", ".idx"):
                 make_readable(Path(f"{tmp}{suffix}"))
-                durable_replace(f"{tmp}{suffix}", f"{out_prefix}{suffix}")
+            replace_pair(tmp, out_prefix, (TOKENIZED_WITH,))
         finally:
             for suffix in (".bin", ".idx", TOKENIZED_WITH):
                 Path(f"{tmp}{suffix}").unlink(missing_ok=True)

@@ -6,6 +6,7 @@ alone, not on how they were read (one process or several).
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 from collections.abc import Iterator
@@ -177,6 +178,7 @@ def shard_dir_output(out: Path, work: Path | None = None) -> Iterator[Path]:
     a reader never sees a directory half-written. An `out` there before (check_shard_output) is removed after."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_old_copies(out)
     tmp = temp_path((work or out.parent) / out.name)
     tmp.mkdir()
     try:
@@ -197,3 +199,24 @@ def shard_dir_output(out: Path, work: Path | None = None) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def _remove_old_copies(out: Path) -> None:
+    """An earlier output of `out` moved aside to be removed (.OUT.PID-xxxx.tmp), left by a process killed while it
+    removed it (a time limit): a whole corpus's size, hidden, that nothing else would ever remove. Only a complete
+    shard directory of a process no longer running here is removed; one being written has no manifest yet."""
+    for old in out.parent.glob(f".{glob.escape(out.name)}.*.tmp"):
+        pid = old.name[len(out.name) + 2 :].split("-", 1)[0]
+        if not pid.isdigit() or _running(int(pid)) or not is_shard_dir(old):
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: running
+        return True
+    return True

@@ -19,8 +19,8 @@ import numpy as np
 from trnrecipes.data.arrow import ConversionStats, DataError, no_documents, read_documents, rejects_listed
 from trnrecipes.data.bad_records import BadRecords, rejects_of
 from trnrecipes.data.inputs import InputFile
+from trnrecipes.data.megatron_files import replace_pair
 from trnrecipes.data.tokenized_with import TOKENIZED_WITH, write_tokenized_with
-from trnrecipes.files.durable import durable_replace
 from trnrecipes.schema import clipped
 
 DTYPES = {"uint16": np.uint16, "int32": np.int32}
@@ -96,9 +96,7 @@ def preprocess(
                 raise no_documents(inputs, stats, bad)
             # sbatch refuses a blend of other tokenizers' ids, and ids past model.vocab_size
             write_tokenized_with(tmp_prefix, tokenizer.path, max_token_id=top)
-            durable_replace(f"{tmp_prefix}{TOKENIZED_WITH}", f"{out_prefix}{TOKENIZED_WITH}")
-            durable_replace(f"{tmp_prefix}.bin", f"{out_prefix}.bin")  # .bin first: a reader opens the .idx
-            durable_replace(f"{tmp_prefix}.idx", f"{out_prefix}.idx")
+            replace_pair(tmp_prefix, out_prefix, (TOKENIZED_WITH,))
     finally:
         for suffix in (".bin", ".idx", TOKENIZED_WITH):
             if os.path.exists(f"{tmp_prefix}{suffix}"):

@@ -16,6 +16,7 @@ from stat import S_ISREG
 
 from trnrecipes.data import DataError, listed
 from trnrecipes.data.manifest import MANIFEST, SHARD_FILE, read_manifest
+from trnrecipes.data.tokenized_with import TOKENIZED_WITH  # preprocess's record beside PREFIX.bin/.idx: no input
 
 STDIN = "-"
 TEXT_FILE_SUFFIXES = (".txt", ".md", ".rst")
@@ -236,7 +237,7 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
         ]
         manifest = _is_shard_folder(names)
         for name in names:
-            if name.startswith(".") or name in DATASETS_METADATA or name.endswith(REJECTS_SUFFIX):
+            if name.startswith(".") or name in DATASETS_METADATA or name.endswith((REJECTS_SUFFIX, TOKENIZED_WITH)):
                 continue
             if manifest and name == MANIFEST:  # a shard directory's: its shards are walked in its order
                 continue
@@ -250,10 +251,14 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
     def in_order(paths: list[Path]) -> list[Path]:
         return sorted(paths, key=lambda p: p.relative_to(root).parts)
 
-    if log is not None and other and (records or texts):
-        left = sum(other.values())
-        log(f"[trnrecipes] {root}: left out {left} file{'s' * (left > 1)} ({_kinds_held(other)}), not of an input kind"
-            f" ({ACCEPTED_FILES}); reading the other {len(records or texts)}")  # fmt: skip
+    texts_left = Counter(f.suffix.lower() for f in texts if f.stem.upper() not in ABOUT_A_DATASET) if records else {}
+    if log is not None and (other or texts_left) and (records or texts):
+        left = sum(other.values()) + sum(texts_left.values())
+        why = f"not of an input kind ({ACCEPTED_FILES})" if other else ""
+        if texts_left:  # a book among JSON lines is not read: a folder of text is one, a document a file
+            why += ("; " if why else "") + "text files are read only from a folder of text alone, a document each"
+        log(f"[trnrecipes] {root}: left out {left} file{'s' * (left > 1)} ({_kinds_held(other + Counter(texts_left))}),"
+            f" {why}; reading the other {len(records or texts)}")  # fmt: skip
     _refuse_converted_beside(records, root)
     if records:
         return [

@@ -5,12 +5,15 @@ Workers need no torch for them, no list of every document's length is held, and 
 
 from __future__ import annotations
 
+import os
 import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+
+from trnrecipes.files.durable import rename_synced, sync_tree
 
 HEADER = b"MMIDIDX\x00\x00" + struct.pack("<Q", 1)  # megatron-core's _INDEX_HEADER, then its version, 1
 DTYPE_CODES = {"uint16": 8, "int32": 4}  # megatron-core's DType codes of the token dtypes preprocess writes
@@ -70,3 +73,17 @@ def _chunks(arrays: list[np.ndarray | Path]) -> Iterator[np.ndarray]:
         for start in range(0, len(array), CHUNK):
             yield array[start : start + CHUNK]
         del array  # a part's memory map (and its file) closed before the next is opened
+
+
+def replace_pair(tmp: str | Path, out: str | Path, suffixes: tuple[str, ...]) -> None:
+    """TMP.bin, TMP.idx and their other files (`suffixes` after .bin and .idx: the tokenizer record) put in place of
+    OUT's, each on disk first. The old record and .idx go before anything is renamed, and the new record comes last:
+    a process killed midway (a time limit during a rename) leaves a .bin without its .idx (refused as missing), or a
+    whole pair without a record, never an old .idx beside a new .bin, nor a record naming another tokenizer."""
+    for suffix in (".bin", ".idx", *suffixes):
+        sync_tree(f"{tmp}{suffix}")  # the slow part (a TB .bin), before the old files go
+    for suffix in (*suffixes, ".idx"):
+        if os.path.lexists(f"{out}{suffix}"):
+            os.unlink(f"{out}{suffix}")
+    for suffix in (".bin", ".idx", *suffixes):
+        rename_synced(f"{tmp}{suffix}", f"{out}{suffix}")

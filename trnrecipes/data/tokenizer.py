@@ -96,7 +96,8 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
         path,
         backend,
         eos_id,
-        backend.get_vocab_size(with_added_tokens=True),
+        # every id it can emit is below this: the largest + 1, which is more than the count where ids are sparse
+        max(backend.get_vocab_size(with_added_tokens=True), max(backend.get_vocab(True).values(), default=-1) + 1),
         _tiktoken_equivalent(tok_file),
         cls_id=specials["cls_token"],
         sep_id=specials["sep_token"],
