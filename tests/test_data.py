@@ -133,6 +133,11 @@ def test_demo_sp_tokenizer_fits_llama2_tiny_and_pythia_tiny():
 def test_missing_tokenizer_is_a_clear_error(tmp_path: Path):
     with pytest.raises(TokenizerError, match=r"no tokenizer at .*tokenizer.json"):
         load_tokenizer(tmp_path)
+    import shutil
+
+    shutil.copy(REPO_ROOT / "data/tokenizers/gpt2/tokenizer.json", tmp_path)  # without its tokenizer_config.json
+    with pytest.raises(TokenizerError, match=r"has no tokenizer_config.json, which names the eos_token that ends"):
+        load_tokenizer(tmp_path)
 
 
 # ---------------------------------------------------------------- to-arrow
@@ -185,7 +190,7 @@ def test_to_arrow_errors_name_the_problem_and_write_nothing(tmp_path: Path, json
     ):
         to_arrow([tmp_path / "table.csv"], out, progress=False)
     (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(DataError, match="no documents"):
+    with pytest.raises(DataError, match=r"empty.jsonl: it holds no records \(empty, or blank lines only\)"):
         to_arrow([tmp_path / "empty.jsonl"], out, progress=False)
     (tmp_path / "bad.txt").write_bytes(b"good line\nbad \xff\xfe line\nanother good\n")
     with pytest.raises(DataError, match=r"bad.txt:2: invalid UTF-8 \(.*\); --on-bad-record skip skips such records"):

@@ -121,6 +121,8 @@ class NoDocuments(DataError):
 
 def no_documents(inputs: Sequence, stats: ConversionStats, bad: BadRecords) -> DataError:
     first = f", the first {bad.first}" if bad.first else ""
+    if stats.skipped_empty == 0 and bad.count == 0:  # blank lines, or files of nothing, are no records at all
+        return NoDocuments(f"no documents in {input_names(inputs)}: it holds no records (empty, or blank lines only)")
     return NoDocuments(
         f"no documents in {input_names(inputs)}: every record was empty or bad ({stats.skipped_empty} empty,"
         f" {bad.count} bad records{first})"

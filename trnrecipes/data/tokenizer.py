@@ -87,6 +87,11 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
     }
     # BERT's tokenizers name no eos_token: [SEP], which ends every sequence, stands in for it.
     eos_id = specials["eos_token"] if specials["eos_token"] is not None else specials["sep_token"]
+    if eos_id is None and not (path / "tokenizer_config.json").is_file():
+        raise TokenizerError(
+            f"{path} has no tokenizer_config.json, which names the eos_token that ends each document; copy it from"
+            " where the tokenizer.json came from (a Hugging Face model or tokenizer repository holds both)"
+        )
     if eos_id is None:
         raise TokenizerError(
             f"{path}/tokenizer_config.json names no eos_token (or sep_token) in the vocabulary"
