@@ -413,7 +413,9 @@ def test_ctrl_c_or_sigterm_keeps_the_parts_synced_in_one_line_without_a_tracebac
 def test_a_sigterm_while_the_workers_start_stops_the_conversion_and_those_started(tmp_path, capsys, monkeypatch,
                                                                                    a_unit_a_file):  # fmt: skip
     """Starting a worker waits for its interpreter (seconds with a long task list): a SIGTERM meanwhile (Slurm sends
-    one) is not lost, stops the conversion, and the worker already started is stopped, though it ignores SIGTERM."""
+    one) is not lost, stops the conversion before the next worker starts, and the workers started are stopped,
+    though they ignore SIGTERM. (It reaches the main thread once the start it came during is done, or at once
+    through another thread of the process: one worker started, or two, never the third.)"""
     import multiprocessing.context
 
     started, start = [], multiprocessing.context.SpawnProcess.start
@@ -428,11 +430,11 @@ def test_a_sigterm_while_the_workers_start_stops_the_conversion_and_those_starte
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as in a fresh interpreter, whatever pytest's is
     try:
         src = corpus(tmp_path / "in", files=6, each=50)
-        code, _, err = cli(capsys, "data", "to-arrow", "--in", src, "--out", tmp_path / "o.arrow", "--workers", 3)
+        code, _, err = cli(capsys, "data", "to-arrow", "--in", src, "--out", tmp_path / "o.arrow", "--workers", 4)
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert code == 143 and err.endswith("error: terminated (SIGTERM)\n"), err
-    assert len(started) == 1 and not started[0].is_alive()
+    assert len(started) in (1, 2) and not any(p.is_alive() for p in started), started
     assert not (tmp_path / "o.arrow").exists()
 
 

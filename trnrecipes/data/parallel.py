@@ -151,13 +151,13 @@ class _Pool:
                 p.start()
             return
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-        try:
-            for p in self.processes:
-                resource_tracker.ensure_running()
-                signal.pthread_sigmask(signal.SIG_BLOCK, STOPPING)
+        for p in self.processes:
+            resource_tracker.ensure_running()
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOPPING)
+            try:
                 p.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+            finally:  # between starts: a signal that came during one is taken before the next
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
     def outcome(self, task: Task) -> dict:
         while task.unit not in self.outcomes:
