@@ -109,10 +109,9 @@ def check_arrow_output(out: str | Path, given: Sequence[str | Path]) -> None:
     out = Path(out)
     kind = kind_of(out.name, named=True)
     if kind not in (None, "arrow"):
-        suffix = next(x for x in INPUT_SUFFIXES if out.name.lower().endswith(x))
         raise DataError(
             f"--out {out}: to-arrow writes an Arrow IPC stream, but the name says {kind}; name it .arrow"
-            f" (e.g. {out.with_name(out.name[: -len(suffix)] + '.arrow')})"
+            f" (e.g. {out.with_name(input_stem(out.name) + '.arrow')})"
         )
     where = out.resolve()
     folders = [Path(item).resolve() for item in given if str(item) != STDIN and Path(item).is_dir()]
@@ -276,9 +275,9 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
 def _refuse_converted_beside(records: list[Path], root: Path) -> None:
     """DataError where an .arrow file lies beside a raw file of its name (web.arrow beside web.jsonl: converted from
     it, as sbatch's advice names it): walked together, its documents would be read twice."""
-    raw = {(f.parent, _stem(f.name)): f for f in records if not f.name.lower().endswith(".arrow")}
+    raw = {(f.parent, input_stem(f.name)): f for f in records if not f.name.lower().endswith(".arrow")}
     for f in records:
-        source = raw.get((f.parent, _stem(f.name))) if f.name.lower().endswith(".arrow") else None
+        source = raw.get((f.parent, input_stem(f.name))) if f.name.lower().endswith(".arrow") else None
         if source is not None:
             raise DataError(
                 f"{f} lies beside {source.name}, the file it was likely converted from: walking {root} would read"
@@ -286,7 +285,7 @@ def _refuse_converted_beside(records: list[Path], root: Path) -> None:
             )
 
 
-def _stem(name: str) -> str:
+def input_stem(name: str) -> str:
     """A file's name without its input suffix (web.jsonl.gz: web)."""
     suffix = next((x for x in INPUT_SUFFIXES if name.lower().endswith(x)), "")
     return name[: len(name) - len(suffix)]

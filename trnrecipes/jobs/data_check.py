@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trnrecipes.config.sections import Recipe
 from trnrecipes.data import DataError
-from trnrecipes.data.inputs import ABOUT_A_DATASET, DATASETS_METADATA, INPUT_SUFFIXES, kind_of
+from trnrecipes.data.inputs import ABOUT_A_DATASET, DATASETS_METADATA, input_stem, kind_of
 from trnrecipes.data.manifest import MANIFEST, read_manifest
 from trnrecipes.data.sources import data_path
 from trnrecipes.data.tokenized_with import tokenized_with, tokenizer_fingerprint
@@ -105,9 +105,9 @@ def _megatron_pair(prefix: Path) -> bool:
 
 def _convert(path: Path) -> str:
     """The command that converts raw files (a file or a folder) into the Arrow corpus data.path names."""
-    suffix = next((x for x in INPUT_SUFFIXES if path.is_file() and path.name.lower().endswith(x)), "")
-    stem = path.name[: len(path.name) - len(suffix)]
-    out = path.with_name(f"{stem}.arrow" if suffix != ".arrow" else f"{stem}-text.arrow")
+    stem = input_stem(path.name) if path.is_file() else path.name
+    arrow = path.is_file() and path.name.lower().endswith(".arrow")
+    out = path.with_name(f"{stem}-text.arrow" if arrow else f"{stem}.arrow")
     return (
         f"convert it with `trnrecipes data to-arrow --in {path} --out {out}` and name that in data.path"
         f" ({BRING_YOUR_DATA})"
