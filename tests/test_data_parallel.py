@@ -10,6 +10,7 @@ import errno
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -185,8 +186,6 @@ def test_an_old_shard_directory_left_by_a_killed_replace_is_removed_by_the_next(
     """--shard-bytes moves the old directory aside (.OUT.PID-xxxx.tmp) and removes it once the new one is in place:
     a time limit during that removal left a hidden copy of the whole old corpus that nothing removed. The next
     conversion of the same --out removes it; one of a process still running is left to it."""
-    import shutil
-
     src, out = corpus(tmp_path / "in", files=2, each=30), tmp_path / "s"
     argv = ["data", "to-arrow", "--in", src, "--out", out, "--shard-bytes", "2K"]
     assert cli(capsys, *argv)[0] == 0
@@ -195,6 +194,20 @@ def test_an_old_shard_directory_left_by_a_killed_replace_is_removed_by_the_next(
         shutil.copytree(out, copy)
     assert cli(capsys, *argv)[0] == 0
     assert not dead.exists() and alive.exists()
+
+
+def test_a_staging_work_dir_left_by_a_kill_as_it_was_made_is_removed_by_the_next(tmp_path, capsys):
+    """The work dir is made whole under a hidden name, then renamed: a kill in between left that hidden dir beside
+    the output for good. The next conversion removes one of a process no longer running that holds nothing but a
+    job record; one of a running process, or holding anything else, stays."""
+    src, out = corpus(tmp_path / "in", files=2, each=30), tmp_path / "o.arrow"
+    dead, alive, held = (tmp_path / f".o.arrow.parts.{pid}-0a0b0c0d.tmp" for pid in (2**22 + 1, os.getpid(), 2**22 + 2))
+    for staging in (dead, alive, held):
+        staging.mkdir()
+        (staging / f".job.json.{2**22 + 1}-01020304.tmp").write_text("{")
+    (held / "notes.txt").write_text("mine")
+    assert cli(capsys, "data", "to-arrow", "--in", src, "--out", out)[0] == 0
+    assert not dead.exists() and alive.exists() and (held / "notes.txt").read_text() == "mine"
 
 
 def test_bad_records_get_the_same_verdict_and_rejects_for_any_number_of_workers(tmp_path, capsys, a_unit_a_file):
@@ -410,6 +423,24 @@ def test_ctrl_c_or_sigterm_keeps_the_parts_synced_in_one_line_without_a_tracebac
     assert code == 0 and "[trnrecipes] resuming" in err and not work.exists()
 
 
+def test_a_work_dir_removed_amid_the_conversion_is_one_line(tmp_path):
+    """OUT.parts/ removed while the workers write their parts there (by hand, a clean-up job): one line saying so
+    and that the output is untouched, not two chained tracebacks (the part's write, then the work dir's removal)."""
+    src = corpus(tmp_path / "in", files=6, each=100)
+    out, work, hold = tmp_path / "o.arrow", tmp_path / "o.arrow.parts", tmp_path / "hold"
+    argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "3"]
+    proc = started(argv, work, pause_s=0.0, hold=hold)
+    assert proc.poll() is None and len(holders(hold)) == 2, "the workers did not both hold a part"
+    shutil.rmtree(work)
+    (hold / "go").touch()
+    err = communicated(proc)
+    assert proc.returncode == 2 and err == (
+        f"error: {work} was removed while the conversion wrote its parts there (by hand, or a clean-up?): {out} is as"
+        " it was; run the command again\n"
+    ), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hold", "in"]
+
+
 def test_a_sigterm_while_the_workers_start_stops_the_conversion_and_those_started(tmp_path, capsys, monkeypatch,
                                                                                    a_unit_a_file):  # fmt: skip
     """Starting a worker waits for its interpreter (seconds with a long task list): a SIGTERM meanwhile (Slurm sends
@@ -517,6 +548,28 @@ def test_a_failed_conversion_keeps_its_parts_and_refuses_other_arguments(tmp_pat
         "o.arrow",
         "o.arrow.rejects.jsonl",
     ]
+
+
+@pytest.mark.parametrize("how", ["rewritten in place", "replaced by a new file"])
+def test_a_changed_input_whose_modification_time_was_put_back_is_converted_again(tmp_path, capsys, how, a_unit_a_file):
+    """`cp -p`, `rsync -a` and `touch -r` put a changed file's modification time back: the same size and time, yet
+    another text, whose old part a resume must not take."""
+    a = write(tmp_path / "in/a.jsonl", docs("a1", "a2"))
+    b = write(tmp_path / "in/b.jsonl", docs("b1") + b"{bad\n")
+    out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", a, b, "--out", out, "--workers", 1)
+    assert code == 2 and f"kept {work} with 1 of 2 parts done" in err
+    was = a.stat()
+    while a.stat().st_ctime_ns == was.st_ctime_ns:  # file times move by the kernel's tick: write until it has moved
+        if how == "rewritten in place":
+            a.write_bytes(docs("A1", "a2"))
+        else:
+            write(tmp_path / "new.jsonl", docs("A1", "a2")).replace(a)
+        os.utime(a, ns=(was.st_atime_ns, was.st_mtime_ns))
+    assert (a.stat().st_size, a.stat().st_mtime_ns) == (was.st_size, was.st_mtime_ns)
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", a, b, "--out", out, "--on-bad-record", "skip")
+    assert code == 0 and f"converting again the parts of inputs changed since: {listed([a])}" in err
+    assert texts_of(out) == ["A1", "a2", "b1"]
 
 
 @pytest.mark.parametrize("what", ["no record", "someone else's file", "a link"])

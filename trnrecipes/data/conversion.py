@@ -152,7 +152,7 @@ def _parts(
         "command": command,
         "inputs": [
             {"path": str(f.path.resolve()), "kind": f.kind, "split": f.split, "size": size, "mtime_ns": mtime}
-            for f, (_, size, mtime) in zip(files, input_stats(tuple(files)), strict=True)
+            for f, (_, size, mtime, *_) in zip(files, input_stats(tuple(files)), strict=True)
         ],
         "settings": settings,
         "flags": {"on_bad_record": bad.policy, "max_bad_records": bad.limit},  # shape the output only: may change
@@ -174,7 +174,7 @@ def _parts(
                 again += (f"; converting again {parts} written before this machine restarted, or on another machine"
                           " (parts are not synced: a crash may have lost them)")  # fmt: skip
             log(f"[trnrecipes] resuming {work}: {len(done)} of {len(tasks)} parts already done{again}")
-        sizes = [sum(size for _, size, _ in input_stats(t.files)) for t in tasks]
+        sizes = [sum(stat[1] for stat in input_stats(t.files)) for t in tasks]
         bar = Progress(sum(sizes), sum(sizes[k] for k in done), progress).bar()
         rejects = temp_path(work / "rejects.jsonl")
         ordered = outcomes_in_order(tasks, done, workers, bar, work)
@@ -189,6 +189,11 @@ def _parts(
                 bad.rejects.unlink()
         except BaseException as err:
             ordered.close()  # stops the workers
+            if not work.is_dir() and isinstance(err, Exception):  # what failed: a part's write, or the join's read
+                raise DataError(
+                    f"{work} was removed while the conversion wrote its parts there (by hand, or a clean-up?): {out}"
+                    " is as it was; run the command again"
+                ) from err
             kept = _synced_parts(work)
             if kept and not isinstance(err, NoDocuments):  # a full disk, Ctrl-C, a limit raised: the parts resume
                 log(f"[trnrecipes] kept {work} with {kept} of {len(tasks)} parts done: the same command resumes")

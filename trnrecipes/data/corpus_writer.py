@@ -6,7 +6,6 @@ alone, not on how they were read (one process or several).
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ import pyarrow as pa
 from trnrecipes.data import DataError, listed
 from trnrecipes.data.batch_bytes import END_OF_STREAM, Mapped, joinable, schema_bytes, write_all, write_joined
 from trnrecipes.data.manifest import MANIFEST, SHARD_FILE, Manifest, Shard, shard_name, write_manifest
-from trnrecipes.data.work_dir import make_readable, temp_path
+from trnrecipes.data.work_dir import make_readable, stale_temps, temp_path
 from trnrecipes.files.durable import rename_synced, sync_tree
 
 OFFSET_BYTES = 8  # a large_string row's offset, and an int64 label: counted in a shard's bytes with its text
@@ -205,18 +204,7 @@ def _remove_old_copies(out: Path) -> None:
     """An earlier output of `out` moved aside to be removed (.OUT.PID-xxxx.tmp), left by a process killed while it
     removed it (a time limit): a whole corpus's size, hidden, that nothing else would ever remove. Only a complete
     shard directory of a process no longer running here is removed; one being written has no manifest yet."""
-    for old in out.parent.glob(f".{glob.escape(out.name)}.*.tmp"):
-        pid = old.name[len(out.name) + 2 :].split("-", 1)[0]
-        if not pid.isdigit() or _running(int(pid)) or not is_shard_dir(old):
-            continue
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's: running
-        return True
+    for old in stale_temps(out):
+        if is_shard_dir(old):
+            shutil.rmtree(old, ignore_errors=True)
     return True

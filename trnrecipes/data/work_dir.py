@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import json
 import os
 import re
@@ -34,6 +35,27 @@ def parts_path(out: str | Path) -> Path:
 def temp_path(path: Path) -> Path:
     """A temp name beside `path`, unique to this process, that TEMP knows."""
     return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+def stale_temps(path: Path) -> list[Path]:
+    """temp_path's names for `path` whose process no longer runs on this machine: what a killed one left."""
+    stale = []
+    for temp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = temp.name[len(path.name) + 2 :].split("-", 1)[0]
+        if TEMP.fullmatch(temp.name) and pid.isdigit() and not pid_running(int(pid)):
+            stale.append(temp)
+    return stale
+
+
+def pid_running(pid: int) -> bool:
+    """Whether process `pid` runs on this machine (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: another user's
+        return True
+    return True
 
 
 def make_readable(path: Path) -> None:
@@ -125,7 +147,9 @@ def check_ours(work: Path, command: str) -> None:
 
 def remove_work_dir(work: Path, log) -> None:
     """A conversion's files out of `work`, then `work` itself if nothing else is in it (a file put there meanwhile
-    stays, and so does the dir)."""
+    stays, and so does the dir). One removed already (by hand, meanwhile) is left so."""
+    if not work.is_dir():
+        return
     foreign = _foreign(work)
     # The record last: a removal cut short leaves parts a rerun can still tell for this conversion's (and a walk
     # of the inputs still skips), not anonymous part files.
@@ -157,6 +181,9 @@ def _make(work: Path, job: dict, command: str) -> None:
     if work.exists():
         return
     work.parent.mkdir(parents=True, exist_ok=True)
+    for old in stale_temps(work):  # a process killed while it made its work dir: a hidden dir nothing else removes
+        if old.is_dir() and not old.is_symlink() and all(n == JOB or TEMP.fullmatch(n) for n in os.listdir(old)):
+            shutil.rmtree(old, ignore_errors=True)
     staging = temp_path(work)
     staging.mkdir()  # not mkdtemp: its mode 0700 would stay
     try:
