@@ -12,7 +12,9 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from conftest import REPO
+from test_data_inputs import docs, texts_of, write
 
+from trnrecipes.cli import main
 from trnrecipes.config.recipe import load_recipe
 from trnrecipes.jobs import data_check
 from trnrecipes.jobs.data_check import data_problems, tokenizer_vocab_size
@@ -48,12 +50,38 @@ def test_a_file_that_is_not_arrow_is_refused(cli, tmp_path):
     assert "corpus.arrow is JSON (lines), not Arrow: convert it with `trnrecipes data to-arrow --in " in problem
 
 
+def test_a_folder_of_several_splits_is_told_the_command_that_converts_its_train_split(tmp_path, capsys):
+    """to-arrow refuses a folder of several splits without --split (the held-out ones would leak into training), so
+    the advice names the train split: the command given, run as it is, converts it. A DatasetDict is called one, and
+    a relative data.path is named where the job reads it (the checkout), not where the user stands."""
+    pile = tmp_path / "pile"
+    write(pile / "train/00.jsonl", docs("t0"))
+    write(pile / "val.jsonl", docs("v"))
+    commands = []
+    for folder, what in [(pile, "a folder of raw files (2 .jsonl)"), (tmp_path / "dd", "a datasets DatasetDict")]:
+        if folder.name == "dd":
+            datasets = pytest.importorskip("datasets")
+            splits = {"test": ["c"], "train": ["a", "b"]}
+            datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in splits.items()}).save_to_disk(
+                str(folder)
+            )
+        (problem,) = data_problems(load_recipe("pythia-tiny", overrides=f"data.path={folder}"), REPO)
+        assert problem.startswith(f"data.path {folder}: {folder} is {what}"), problem
+        assert "holds 2 splits (train, " in problem and f"--split train --out {folder}-train.arrow`" in problem
+        commands.append(re.search(r"`trnrecipes (data to-arrow [^`]+)`", problem)[1].split())
+    for command in commands:
+        assert main(command) == 0, capsys.readouterr().err
+    assert texts_of(tmp_path / "pile-train.arrow") == ["t0"] and texts_of(tmp_path / "dd-train.arrow") == ["a", "b"]
+    (problem,) = data_problems(load_recipe("pythia-tiny", overrides="data.path=no/such.arrow"), REPO)
+    assert problem.endswith(f"--out {REPO / 'no/such.arrow'}` (docs/data.md, 'Bring your data')"), problem
+
+
 def test_megatron_data_needs_both_files_and_the_index_header(tmp_path):
     prefix = tmp_path / "pile_text_document"
     recipe = load_recipe("pythia-tiny", overrides=f"data.format=megatron data.path={prefix}")
     (problem,) = data_problems(recipe, REPO)
     assert f"{prefix}.bin and {prefix}.idx missing; make it with `trnrecipes data preprocess" in problem
-    assert f"--tokenizer {recipe.data.tokenizer} --out {prefix}`" in problem
+    assert f"--tokenizer {REPO / recipe.data.tokenizer} --out {prefix}`" in problem
     Path(f"{prefix}.bin").write_bytes(b"")
     Path(f"{prefix}.idx").write_bytes(b"not an index")
     assert data_problems(recipe, REPO) == [
@@ -94,6 +122,11 @@ def test_raw_folders_and_misnamed_megatron_pairs_are_told_the_fix(tmp_path):
     ]
     (problem,) = problems(f"data.path={prefix}.idx")
     assert problem.startswith(f"data.path {prefix}.idx: {prefix}.idx is a Megatron index: name its prefix (without")
+    blend = [{"path": f"{raw}.arrow", "weight": 1}, {"path": str(prefix), "weight": 1}]
+    recipe = load_recipe("pythia-tiny", overrides=["data.path=null", f"data.sources={json.dumps(blend)}"])
+    assert data_problems(recipe, REPO)[-1] == (
+        f"data.sources[1].path {prefix}: names a Megatron pair ({prefix}.bin/.idx): set data.sources[1].format megatron"
+    )  # not data.format, which every source without a format of its own takes
     pointer = tmp_path / "lfs.arrow"  # a broken .arrow (a Git LFS pointer) is not called JSON lines by its name
     pointer.write_text("version https://git-lfs.github.com/spec/v1\n")
     (problem,) = problems(f"data.path={pointer}")

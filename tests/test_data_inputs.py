@@ -201,12 +201,19 @@ def test_split_folders_and_a_datasets_dict(tmp_path, capsys):
     splits = {
         "train": datasets.Dataset.from_dict({"text": ["a", "b"]}),
         "test": datasets.Dataset.from_dict({"text": ["c"]}),
+        "validation": datasets.Dataset.from_dict({"text": ["v"]}),
     }
     datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dd"))
     code, _, err = to_arrow(capsys, "--in", tmp_path / "dd", "--out", out)
-    assert code == 2 and err.startswith(f"error: {tmp_path / 'dd'} is a datasets DatasetDict (splits: test, train);")
+    assert (code, err) == (
+        2,
+        f"error: {tmp_path / 'dd'} is a datasets DatasetDict (splits: test, train, validation); --split NAME takes"
+        " one, e.g. --split train\n",  # the split to train on, not the first by name: test
+    )
     assert to_arrow(capsys, "--in", tmp_path / "dd", "--split", "test", "--out", out)[0] == 0
     assert texts_of(out) == ["c"]
+    assert to_arrow(capsys, "--in", tmp_path / "dd", "--split", "val", "--out", out)[0] == 0  # as the Hub's names
+    assert texts_of(out) == ["v"]
 
 
 def test_split_folders_given_one_by_one_and_files_naming_no_split_are_splits_too(tmp_path, capsys):
@@ -384,7 +391,11 @@ def bad_inputs(root: Path) -> dict[str, tuple[Path, str, str]]:
             ":2",
             "field 'text' is null",
         ),
-        "no text field": (write(root / "field.jsonl", lines({"body": "b"})), ":1", "no field 'text' (has: body)"),
+        "no text field": (
+            write(root / "field.jsonl", docs("good") + lines({"body": "b"})),
+            ":2",
+            "no field 'text' (has: body)",
+        ),
         "null Parquet row": (parquet(root / "null.parquet", ["good", "good", None]), ": row 2", "text is null"),
         "null Arrow row": (root / "nulls.arrow", ": row 1", "text is null"),
         "invalid UTF-8": (write(root / "utf8.txt", b"good\n\xff\xfe bad\n"), ":2", "invalid UTF-8 ("),
@@ -427,8 +438,8 @@ def test_skip_lists_each_rejected_record_with_place_and_reason_and_prints_the_co
     files = [path for path, _, _ in bad.values()]
     out, rejects = tmp_path / "o.arrow", tmp_path / "o.arrow.rejects.jsonl"
     code, stdout, _ = to_arrow(capsys, "--in", *files, "--out", out, "--on-bad-record", "skip")
-    assert code == 0 and stdout == f"wrote {out}: 9 documents, rejected 9 bad records (listed in {rejects})\n"
-    assert texts_of(out) == ["good"] * 9
+    assert code == 0 and stdout == f"wrote {out}: 10 documents, rejected 9 bad records (listed in {rejects})\n"
+    assert texts_of(out) == ["good"] * 10
     listed = [json.loads(line) for line in rejects.read_text().splitlines()]
     by_place = {f"{r['file']}{':' + str(r['line']) if 'line' in r else ': row ' + str(r['row'])}": r for r in listed}
     assert sorted(by_place) == sorted(place for _, place, _ in bad.values())
@@ -439,7 +450,7 @@ def test_skip_lists_each_rejected_record_with_place_and_reason_and_prints_the_co
         )
     # A later run that meets no bad record (error, the default) removes the list: it described the output replaced.
     clean = write(root / "clean.jsonl", docs("clean"))
-    assert to_arrow(capsys, "--in", clean, "--out", out)[:2] == (0, f"wrote {out}: 1 documents\n")
+    assert to_arrow(capsys, "--in", clean, "--out", out)[:2] == (0, f"wrote {out}: 1 document\n")
     assert not rejects.exists()
 
 

@@ -429,9 +429,10 @@ def test_a_work_dir_removed_amid_the_conversion_is_one_line(tmp_path):
     src = corpus(tmp_path / "in", files=6, each=100)
     out, work, hold = tmp_path / "o.arrow", tmp_path / "o.arrow.parts", tmp_path / "hold"
     argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "3"]
-    proc = started(argv, work, pause_s=0.0, hold=hold)
+    proc = started(argv, work, pause_s=0.0, hold=hold, env={"SLOW_PARTS_HOLD_FIRST": "1"})  # all three amid a unit
     assert proc.poll() is None and len(holders(hold)) == 2, "the workers did not both hold a part"
-    shutil.rmtree(work)
+    while work.exists():  # the first process may be making its part's file as it is removed
+        shutil.rmtree(work, ignore_errors=True)
     (hold / "go").touch()
     err = communicated(proc)
     assert proc.returncode == 2 and err == (
@@ -524,12 +525,14 @@ def test_a_failed_conversion_keeps_its_parts_and_refuses_other_arguments(tmp_pat
     b = write(tmp_path / "in/b.jsonl", docs("b1") + b"{bad\n")
     out, work = tmp_path / "out/o.arrow", tmp_path / "out/o.arrow.parts"
     code, _, err = cli(capsys, "data", "to-arrow", "--in", a, b, "--out", out, "--workers", 1)
-    assert code == 2 and err.startswith(f"[trnrecipes] kept {work} with 1 of 2 parts done: the same command resumes\n")
+    assert code == 2 and err.startswith(
+        f"[trnrecipes] kept {work} with 1 of 2 parts done: a rerun resumes from them once the error below is mended\n"
+    )
     assert err.splitlines()[1].startswith(f"error: {b}:2: not valid JSON (")
     held = files_of(work)
-    code, _, err = cli(capsys, "data", "to-arrow", "--in", a, b, "--out", out, "--text-field", "body")
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", a, b, "--out", out, "--label-field", "label")
     assert code == 2 and err == (
-        f"error: {work} holds a partial conversion made from other inputs or settings: text_field 'text' -> 'body'."
+        f"error: {work} holds a partial conversion made from other inputs or settings: label_field None -> 'label'."
         f" Rerun with the same ones to resume, or remove {work} (or choose another --out) to start over\n"
     )
     code, _, err = cli(capsys, "data", "to-arrow", "--in", b, a, "--out", out)
@@ -651,7 +654,7 @@ def test_an_error_after_every_part_is_done_keeps_the_parts_for_the_rerun(tmp_pat
     code, _, err = cli(capsys, "data", "to-arrow", "--in", src, "--out", out, "--workers", 2,
                        "--on-bad-record", "skip", "--max-bad-records", 1)  # fmt: skip
     assert code == 2 and not out.exists(), err
-    assert f"[trnrecipes] kept {work} with 4 of 4 parts done: the same command resumes" in err
+    assert f"[trnrecipes] kept {work} with 4 of 4 parts done: a rerun resumes from them once the error below" in err
     code, _, err = cli(capsys, "data", "to-arrow", "--in", src, "--out", out, "--workers", 2,
                        "--on-bad-record", "skip", "--max-bad-records", 2)  # fmt: skip
     assert code == 0 and f"[trnrecipes] resuming {work}: 4 of 4 parts already done" in err

@@ -452,7 +452,7 @@ def _report_conversion(stats, out: str, policy: str, rejects: Path) -> None:
     skipped = f", skipped {stats.skipped_empty} empty" if stats.skipped_empty else ""
     if policy == "skip":
         skipped += f", rejected {stats.rejected} bad record{'' if stats.rejected == 1 else 's'} (listed in {rejects})"
-    print(f"wrote {out}: {stats.documents} documents{skipped}")
+    print(f"wrote {out}: {stats.documents} document{'s' * (stats.documents != 1)}{skipped}")
 
 
 def _to_arrow(args: argparse.Namespace) -> int:
@@ -467,8 +467,7 @@ def _to_arrow(args: argparse.Namespace) -> int:
     workers = _workers(args)
     shard_bytes = parse_bytes(args.shard_bytes, "--shard-bytes") if args.shard_bytes is not None else None
     files = find_inputs(args.inputs, args.split, log=_note)
-    if policy == "skip":  # under error, the first record without it stops the conversion
-        check_text_field(files, args.text_field)
+    check_text_field(files, args.text_field)  # a misnamed field told as such, not as a bad record (nor skipped)
     rejects = rejects_of(args.out)
     read = _read_paths(args.inputs, files)
     check_output(args.out, inputs=read, directory=shard_bytes is not None)
@@ -541,8 +540,7 @@ def _preprocess(args: argparse.Namespace) -> int:
     policy = _bad_record_policy(args)
     workers = _workers(args)
     files = find_inputs(args.inputs, args.split, log=_note)
-    if policy == "skip":  # under error, the first record without it stops the conversion
-        check_text_field(files, args.text_field)
+    check_text_field(files, args.text_field)  # a misnamed field told as such, not as a bad record (nor skipped)
     suffixes = (".bin", ".idx", TOKENIZED_WITH, REJECTS_SUFFIX)
     read = [*_read_paths(args.inputs, files), args.tokenizer]
     if args.out.endswith((".bin", ".idx")):  # PREFIX.bin.bin otherwise

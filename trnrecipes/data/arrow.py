@@ -641,8 +641,9 @@ FIELD_SAMPLE_LINES = 100
 
 def check_text_field(files: list[InputFile], text_field: str) -> None:
     """DataError where none of the first FIELD_SAMPLE_LINES records of the first JSON-lines file has `text_field`
-    while some are objects: a --text-field misnamed. Under --on-bad-record error the first record says so; under
-    skip every record would be rejected, the whole corpus read (hours at TB scale) and listed as rejects first."""
+    while some are objects: a --text-field misnamed. Under --on-bad-record error the first record would be told as a
+    bad record, with skip as the way on, which would reject every record: the whole corpus read (hours at TB scale)
+    and listed as rejects first."""
     first = next((f for f in files if f.kind.startswith("jsonl") and f.path is not None), None)
     if first is None:
         return

@@ -18,7 +18,7 @@ from trnrecipes.data.arrow import ConversionStats, NoDocuments, check_labelled, 
 from trnrecipes.data.bad_records import BadRecords, rejects_of
 from trnrecipes.data.batch_bytes import Mapped
 from trnrecipes.data.corpus_writer import CorpusWriter, corpus_schema, shard_dir_output
-from trnrecipes.data.inputs import InputFile
+from trnrecipes.data.inputs import JOB, InputFile
 from trnrecipes.data.megatron_files import join, replace_pair
 from trnrecipes.data.parallel import Progress, outcomes_in_order
 from trnrecipes.data.parts import Task, input_stats, part_name, plan_units, remember_tokenizer
@@ -189,14 +189,19 @@ def _parts(
                 bad.rejects.unlink()
         except BaseException as err:
             ordered.close()  # stops the workers
-            if not work.is_dir() and isinstance(err, Exception):  # what failed: a part's write, or the join's read
+            # Removed (by hand, meanwhile): what failed was a part's write, or the join's read. Its record is what
+            # goes first or last in a removal; a dir half removed is no work dir to sync or remove files from either.
+            if not (work / JOB).is_file() and isinstance(err, Exception):
                 raise DataError(
                     f"{work} was removed while the conversion wrote its parts there (by hand, or a clean-up?): {out}"
                     " is as it was; run the command again"
                 ) from err
             kept = _synced_parts(work)
             if kept and not isinstance(err, NoDocuments):  # a full disk, Ctrl-C, a limit raised: the parts resume
-                log(f"[trnrecipes] kept {work} with {kept} of {len(tasks)} parts done: the same command resumes")
+                how = "a rerun resumes from them once the error below is mended"  # the same command meets it again
+                if isinstance(err, KeyboardInterrupt):  # Ctrl-C, SIGTERM
+                    how = "the same command resumes"
+                log(f"[trnrecipes] kept {work} with {kept} of {len(tasks)} parts done: {how}")
             else:  # nothing done, or the whole holds no documents, which a rerun meets again
                 remove_work_dir(work, log)
             raise

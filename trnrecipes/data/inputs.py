@@ -205,14 +205,38 @@ def _named_in_split_folders(files: list[InputFile], given: Sequence) -> list[Inp
 
 
 def _dataset_dict_split(path: Path, split: str | None) -> list[InputFile]:
-    splits = sorted(p.name for p in path.iterdir() if (p / "dataset_info.json").is_file())
-    if split is None or split not in splits:
+    splits = dataset_dict_splits(path)
+    named = None if split is None else canonical_split(split)  # --split val takes a DatasetDict's validation too
+    chosen = split if split in splits else next((s for s in splits if canonical_split(s) == named), None)
+    if chosen is None:
         raise DataError(
             f"{path} is a datasets DatasetDict (splits: {listed(splits) or 'none'})"
             + (f" without a split {split!r}" if split is not None else "")
-            + f"; --split NAME takes one, e.g. --split {splits[0] if splits else 'train'}"
+            + f"; --split NAME takes one, e.g. --split {next(iter(_train_first(splits)), 'train')}"
         )
-    return [InputFile(f, "arrow", canonical_split(split)) for f in sorted((path / split).glob("data-*.arrow"))]
+    return [InputFile(f, "arrow", canonical_split(chosen)) for f in sorted((path / chosen).glob("data-*.arrow"))]
+
+
+def dataset_dict_splits(path: Path) -> list[str]:
+    """A DatasetDict.save_to_disk directory's splits, by name."""
+    return sorted(p.name for p in path.iterdir() if (p / "dataset_info.json").is_file())
+
+
+def _train_first(splits) -> list[str]:
+    """The splits by name, a train split first: the one to suggest converting for training."""
+    return sorted(splits, key=lambda s: (canonical_split(s) != "train", s))
+
+
+def splits_held(folder: Path) -> list[str]:
+    """The splits a folder to convert holds, train first: a DatasetDict's, or its files' by the Hub's naming rules
+    (where there are several, to-arrow needs --split). [] where it holds nothing to convert."""
+    if (folder / "dataset_dict.json").is_file():
+        return _train_first(dataset_dict_splits(folder))
+    try:
+        files = _found(folder, None)
+    except DataError:
+        return []
+    return _train_first({f.split or "train" for f in files})
 
 
 def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None] | None = None) -> list[InputFile]:

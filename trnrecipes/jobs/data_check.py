@@ -16,8 +16,8 @@ from collections import Counter
 from pathlib import Path
 
 from trnrecipes.config.sections import Recipe
-from trnrecipes.data import DataError
-from trnrecipes.data.inputs import ABOUT_A_DATASET, DATASETS_METADATA, input_stem, kind_of
+from trnrecipes.data import DataError, listed
+from trnrecipes.data.inputs import ABOUT_A_DATASET, DATASETS_METADATA, input_stem, kind_of, splits_held
 from trnrecipes.data.manifest import MANIFEST, read_manifest
 from trnrecipes.data.sources import data_path
 from trnrecipes.data.tokenized_with import tokenized_with, tokenizer_fingerprint
@@ -41,8 +41,10 @@ CLASSIFICATION_FILES = (
 )
 
 
-def _made_by(path: str, kind: str, tokenizer: str = "<tokenizer dir>") -> str:
-    """The command that makes a missing corpus or tokenizer."""
+def _made_by(path: str, kind: str, tokenizer: str = "<tokenizer dir>", full: Path | None = None) -> str:
+    """The command that makes a missing corpus or tokenizer (`path` as the recipe names it; the command names
+    `full`, where the job looks: a relative path is the repository's, not the user's working directory's)."""
+    where = full or path
     if path.rstrip("/") in DEMO_FILES:
         return "`make setup` (or `trnrecipes data prepare-demo`) makes it"
     if path.rstrip("/") in CLASSIFICATION_FILES:
@@ -50,17 +52,17 @@ def _made_by(path: str, kind: str, tokenizer: str = "<tokenizer dir>") -> str:
     if kind == "arrow":
         return (
             f"make it with `trnrecipes data to-arrow --in <your .jsonl(.gz/.zst)/.parquet files or folders, or a"
-            f" datasets save_to_disk dir> --out {path}` ({BRING_YOUR_DATA})"
+            f" datasets save_to_disk dir> --out {where}` ({BRING_YOUR_DATA})"
         )
     if kind == "megatron":
         return (
-            f"make it with `trnrecipes data preprocess --in <your text> --tokenizer {tokenizer} --out {path}`"
+            f"make it with `trnrecipes data preprocess --in <your text> --tokenizer {tokenizer} --out {where}`"
             f" ({BRING_YOUR_DATA})"
         )
     if path.rstrip("/").endswith("llama2"):
         return (
             "Llama 2's tokenizer is gated on the Hugging Face Hub: download meta-llama/Llama-2-7b-hf's tokenizer.json"
-            f" and tokenizer_config.json where you have access and copy them into {path} ({BRING_YOUR_DATA})"
+            f" and tokenizer_config.json where you have access and copy them into {where} ({BRING_YOUR_DATA})"
         )
     return (
         f"put a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json) there, or make one with"
@@ -104,14 +106,33 @@ def _megatron_pair(prefix: Path) -> bool:
 
 
 def _convert(path: Path) -> str:
-    """The command that converts raw files (a file or a folder) into the Arrow corpus data.path names."""
+    """The command that converts raw files (a file or a folder) into the Arrow corpus data.path names: of a folder
+    holding several splits (the Hub's layout, a DatasetDict), its train split, which to-arrow takes only named."""
     stem = input_stem(path.name) if path.is_file() else path.name
     arrow = path.is_file() and path.name.lower().endswith(".arrow")
+    splits = splits_held(path) if path.is_dir() else []
+    if len(splits) > 1:
+        return (
+            f"it holds {len(splits)} splits ({listed(splits)}): convert the one to train on with `trnrecipes data"
+            f" to-arrow --in {path} --split {splits[0]} --out {path.with_name(f'{stem}-{splits[0]}.arrow')}` and"
+            f" name that in data.path ({BRING_YOUR_DATA})"
+        )
     out = path.with_name(f"{stem}-text.arrow" if arrow else f"{stem}.arrow")
     return (
         f"convert it with `trnrecipes data to-arrow --in {path} --out {out}` and name that in data.path"
         f" ({BRING_YOUR_DATA})"
     )
+
+
+def _raw_folder(folder: Path, raw: Counter) -> str:
+    """What a folder of files to convert is, in words."""
+    if (folder / "dataset_dict.json").is_file():
+        return "a datasets DatasetDict (DatasetDict.save_to_disk)"
+    if (folder / "state.json").is_file() and any(folder.glob("data-*.arrow")):
+        return "a datasets Dataset (Dataset.save_to_disk)"
+    held = ", ".join(f"{n:,} {suffix}" for suffix, n in raw.most_common(4))
+    what = "Arrow files without the corpus.json of a shard directory" if set(raw) == {".arrow"} else "raw files"
+    return f"a folder of {what} ({held})"
 
 
 def _raw_files(folder: Path, cap: int = 10_000) -> Counter:
@@ -130,6 +151,14 @@ def _raw_files(folder: Path, cap: int = 10_000) -> Counter:
     return found
 
 
+def _format(label: str, fmt: str) -> str:
+    """The setting that says how the corpus `label` names is read: data.format, or a blend source's own format (a
+    Megatron source among Arrow ones sets its own, not data.format, which every source without one takes)."""
+    if label == "data.eval_path":
+        return "data.eval_path is read as Arrow"
+    return f"{label.removesuffix('.path')}.format {fmt}"
+
+
 def check_corpus_file(label: str, path: str, fmt: str, tokenizer: str, repo_root: Path) -> list[str]:
     full = data_path(path, repo_root)
     files = [Path(f"{full}{ext}") for ext in (".bin", ".idx")] if fmt == "megatron" else [full]
@@ -141,25 +170,26 @@ def check_corpus_file(label: str, path: str, fmt: str, tokenizer: str, repo_root
         if missing and full.suffix in (".bin", ".idx") and _megatron_pair(full.with_suffix("")):
             return [f"{label} {path}: names the pair's {full.suffix} file; data.path is its prefix: {path[:-4]}"]
         if missing:
-            return [f"{label} {path}: {' and '.join(missing)} missing; {_made_by(path, fmt, tokenizer)}"]
+            made_by = _made_by(path, fmt, str(data_path(tokenizer, repo_root)), full)
+            return [f"{label} {path}: {' and '.join(missing)} missing; {made_by}"]
         try:
             with open(f"{full}.idx", "rb") as f:
                 head = f.read(len(MEGATRON_IDX_MAGIC))
         except OSError as err:
             return [f"{label} {path}: {full}.idx cannot be read ({err.strerror or err})"]
         if head != MEGATRON_IDX_MAGIC:
-            return [f"{label} {path}: {full}.idx is not a Megatron index (no MMIDIDX header); data.format megatron"]
+            return [f"{label} {path}: {full}.idx is not a Megatron index (no MMIDIDX header); {_format(label, fmt)}"]
         return _check_tokenized_with(label, path, full, tokenizer, repo_root)
     if not full.exists() and _megatron_pair(full):
-        return [f"{label} {path}: names a Megatron pair ({full}.bin/.idx): set data.format megatron"]
+        return [f"{label} {path}: names a Megatron pair ({full}.bin/.idx): set {_format(label, 'megatron')}"]
     if not full.exists():
-        return [f"{label} {path}: {full} does not exist; {_made_by(path, 'arrow')}"]
+        return [f"{label} {path}: {full} does not exist; {_made_by(path, 'arrow', full=full)}"]
     if full.is_dir():
         return _check_shards(label, path, full, fmt)
     if not full.is_file():
         return [f"{label} {path}: {full} is not a file (an Arrow file made by `trnrecipes data to-arrow`)"]
     problem = _sniff_arrow(full)
-    return [f"{label} {path}: {full} {problem}; data.format {fmt}"] if problem else []
+    return [f"{label} {path}: {full} {problem}; {_format(label, fmt)}"] if problem else []
 
 
 def _check_shards(label: str, path: str, full: Path, fmt: str) -> list[str]:
@@ -167,9 +197,7 @@ def _check_shards(label: str, path: str, full: Path, fmt: str) -> list[str]:
     and an Arrow stream by its first bytes (their rows are counted by corpus_check). A folder of raw files (the
     corpus as a user holds it) is told how to convert."""
     if not (full / MANIFEST).is_file() and (raw := _raw_files(full)):
-        held = ", ".join(f"{n:,} {suffix}" for suffix, n in raw.most_common(4))
-        what = "Arrow files without the corpus.json of a shard directory" if set(raw) == {".arrow"} else "raw files"
-        return [f"{label} {path}: {full} is a folder of {what} ({held}), not an Arrow corpus: {_convert(full)}"]
+        return [f"{label} {path}: {full} is {_raw_folder(full, raw)}, not an Arrow corpus: {_convert(full)}"]
     try:
         manifest = read_manifest(full)
     except DataError as err:
@@ -182,7 +210,7 @@ def _check_shards(label: str, path: str, full: Path, fmt: str) -> list[str]:
                 " data to-arrow`"
             ]
         if problem := _sniff_arrow(f):
-            return [f"{label} {path}: {f} {problem}; data.format {fmt}"]
+            return [f"{label} {path}: {f} {problem}; {_format(label, fmt)}"]
     return []
 
 
@@ -238,7 +266,7 @@ def _check_tokenizer(recipe: Recipe, repo_root: Path) -> list[str]:
         return [f"data.tokenizer {path}: cannot be reached: {why}"]
     if not tok_file.is_file():
         where = f"{full} does not exist" if not full.exists() else f"{full} has no tokenizer.json"
-        return [f"data.tokenizer {path}: {where}; {_made_by(path, 'tokenizer')}"]
+        return [f"data.tokenizer {path}: {where}; {_made_by(path, 'tokenizer', full=full)}"]
     try:
         size = tokenizer_vocab_size(tok_file)
     except (OSError, UnicodeDecodeError, ValueError) as err:  # json.JSONDecodeError is a ValueError
