@@ -8,6 +8,10 @@ The first process converts units too (parallel.py): it pauses as the spawned wor
 converts (the workers' messages, whether one died) is checked all through its pauses, from within the unit, as
 through a long unit.
 
+SLOW_PARTS_HOLD_END=DIR: the first process, once the output is in place, waits (at most 120 s) as it removes its work
+dir (it writes DIR/clearing, then waits for DIR/cleared) and again as the interpreter exits (DIR/exiting, then
+DIR/exit): a test signals it at each of those moments.
+
 SLOW_PARTS_HOLD=DIR: a spawned worker's first unit is held, not paused: the worker writes DIR/<its pid> and waits for
 DIR/go (at most 120 s). A test then acts on a worker it knows to be amid a unit (its outcome not yet sent), whatever
 the machine's load; a pause of a fixed time could end, on a loaded CI machine, before the test saw the part. The
@@ -88,6 +92,30 @@ def _tick(tick, wait_s: float) -> None:
 
 parallel.convert_unit = _slow_convert_unit
 
+
+def _wait_at(mark: str, go: str) -> None:
+    with open(os.path.join(HOLD_END, mark), "w"):
+        pass
+    end = time.monotonic() + 120
+    while not os.path.exists(os.path.join(HOLD_END, go)) and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+HOLD_END = os.environ.get("SLOW_PARTS_HOLD_END")
+if HOLD_END and multiprocessing.parent_process() is None:
+    import atexit
+
+    from trnrecipes.data import conversion
+
+    _remove_work_dir = conversion.remove_work_dir
+
+    def _held_remove_work_dir(work, log) -> None:
+        _wait_at("clearing", "cleared")
+        _remove_work_dir(work, log)
+
+    conversion.remove_work_dir = _held_remove_work_dir
+    atexit.register(_wait_at, "exiting", "exit")
+
 if __name__ == "__main__":
     # Ctrl-C as a terminal's command gets it, whatever this process inherited: a make test started in the background
     # of a non-interactive shell (`bash .ci/run &`) runs with SIGINT ignored, as POSIX shells start asynchronous
@@ -97,4 +125,4 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from trnrecipes.cli import main
 
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())  # argv None: the process's own command line, as the console script runs it

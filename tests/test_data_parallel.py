@@ -442,6 +442,42 @@ def test_a_work_dir_removed_amid_the_conversion_is_one_line(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hold", "in"]
 
 
+def test_a_stop_once_the_output_is_in_place_lets_the_command_end_as_done(tmp_path):
+    """A time limit's SIGTERM, or Ctrl-C, landing once the output had its name (as the work dir was removed, or as the
+    interpreter exited) ended a conversion whose work was done as failed: exit 143 or 130, a death by the signal, or
+    a traceback, and a requeue converted it all again. The command now ends as done, whichever comes when."""
+    src, end = corpus(tmp_path / "in", files=3, each=50), tmp_path / "end"
+    out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
+    end.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SLOW_PARTS_PAUSE_S": "0", "SLOW_PARTS_HOLD_END": str(end)}
+    argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "2"]
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests/slow_parts.py"), *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    for mark, go in (("clearing", "cleared"), ("exiting", "exit")):
+        deadline = time.monotonic() + 60
+        while not (end / mark).exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (end / mark).exists() and out.is_file(), mark
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            proc.send_signal(sig)
+        (end / go).touch()
+    try:
+        stdout, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert (proc.returncode, stdout, err) == (0, f"wrote {out}: 150 documents\n", "")
+    assert len(texts_of(out)) == 150 and not work.exists()
+
+
+def test_main_called_in_process_puts_the_stop_handlers_back(tmp_path, capsys):
+    """What the command line's own process leaves ignored at its end, a caller of main() gets back as it was."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    src = corpus(tmp_path / "in", files=2, each=10)
+    assert cli(capsys, "data", "to-arrow", "--in", src, "--out", tmp_path / "o.arrow", "--workers", 1)[0] == 0
+    assert cli(capsys, "data", "to-arrow", "--in", tmp_path / "none", "--out", tmp_path / "p.arrow")[0] == 2
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
 def test_a_sigterm_while_the_workers_start_stops_the_conversion_and_those_started(tmp_path, capsys, monkeypatch,
                                                                                    a_unit_a_file):  # fmt: skip
     """Starting a worker waits for its interpreter (seconds with a long task list): a SIGTERM meanwhile (Slurm sends

@@ -23,6 +23,7 @@ from pathlib import Path
 from trnrecipes import REPO_ROOT
 from trnrecipes.config.recipe import FIELD_BOUNDS, known_recipes, load_recipe, parse_nodes
 from trnrecipes.config.sections import RecipeError
+from trnrecipes.data import OUTPUT_IN_PLACE
 from trnrecipes.files.outputs import check_output, check_outputs, check_prefix
 from trnrecipes.files.run_files import run_dir_of
 from trnrecipes.files.storage_errors import storage_problem
@@ -36,7 +37,8 @@ class Terminated(KeyboardInterrupt):
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        with _sigterm_raises() if getattr(args, "stops_on_sigterm", False) else contextlib.nullcontext():
+        stops = _stops_raise(own_process=argv is None) if getattr(args, "stops_on_sigterm", False) else None
+        with stops or contextlib.nullcontext():
             return args.handler(args)
     except Terminated:
         print("error: terminated (SIGTERM)", file=sys.stderr)
@@ -57,24 +59,45 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
+def _stops_raise(own_process: bool) -> Iterator[None]:
     """SIGTERM raises Terminated in the main thread, once: what it stops then says what it kept undisturbed by a
-    second (Slurm sends SIGKILL KillWait seconds later anyway). Nothing changes off the main thread, where no handler
-    can be set, or where SIGTERM is ignored or handled from C (by whoever runs this)."""
+    second (Slurm sends SIGKILL KillWait seconds later anyway); Ctrl-C raises KeyboardInterrupt, as by default. Once
+    the output is in place (OUTPUT_IN_PLACE) neither stops the command: it has done its work, and ends as done. At the
+    end, `own_process` (main() of the process's own command line, which exits next) leaves both ignored: a signal
+    landing as the interpreter exits would turn the exit code decided into a death by signal or a traceback.
+    Otherwise (main called in-process) the handlers before are put back. Nothing changes off the main thread, where
+    no handler can be set, nor for a signal ignored or handled from C by whoever runs this."""
 
     def raise_terminated(signum, frame) -> None:
+        if OUTPUT_IN_PLACE.is_set():
+            return
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated()
 
-    main = threading.current_thread() is threading.main_thread()
-    if not main or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+    def raise_interrupt(signum, frame) -> None:
+        if not OUTPUT_IN_PLACE.is_set():
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    OUTPUT_IN_PLACE.clear()
+    ours = {  # signal: (the default it replaces, its handler)
+        signal.SIGTERM: (signal.SIG_DFL, raise_terminated),
+        signal.SIGINT: (signal.default_int_handler, raise_interrupt),
+    }
+    previous = {s: signal.getsignal(s) for s in ours}
+    for s, (default, handler) in ours.items():
+        if previous[s] == default:
+            signal.signal(s, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s in ours:
+            if own_process:
+                signal.signal(s, signal.SIG_IGN)
+            elif signal.getsignal(s) in (ours[s][1], signal.SIG_IGN) and previous[s] == ours[s][0]:
+                signal.signal(s, previous[s])
 
 
 # OSErrors that say nothing about the input: a flaky or unreachable file system, a network hiccup.

@@ -7,7 +7,13 @@ imports torch. Imports config/ and trnrecipes.schema only; opening a recipe's da
 
 from __future__ import annotations
 
+import threading
+
 from trnrecipes.config.sections import RecipeError
+
+# Set once a conversion's output has its name (conversion.py): the CLI's Ctrl-C and SIGTERM then let the command end
+# as done, removing its work dir, not as failed (a requeue would convert it all again; cli._stops_raise).
+OUTPUT_IN_PLACE = threading.Event()
 
 
 class DataError(RecipeError):  # a user error: the CLI prints it, exit 2

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from trnrecipes.data import DataError, listed
+from trnrecipes.data import OUTPUT_IN_PLACE, DataError, listed
 from trnrecipes.data.arrow import ConversionStats, NoDocuments, check_labelled, checked_batch_rows, no_documents
 from trnrecipes.data.bad_records import BadRecords, rejects_of
 from trnrecipes.data.batch_bytes import Mapped
@@ -182,6 +182,7 @@ def _parts(
             with open(rejects, "w", encoding="utf-8") as sink, bar:
                 bad.sink = sink if bad.policy == "skip" else None
                 yield work, (_replayed(outcome, work, bad) for outcome in ordered)
+            OUTPUT_IN_PLACE.set()  # the caller's block ended: its output has its name; what is left is clearing up
             if bad.policy == "skip":
                 make_readable(rejects)
                 durable_replace(rejects, bad.rejects)
