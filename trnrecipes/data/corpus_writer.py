@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from trnrecipes.data import DataError, listed
 from trnrecipes.data.batch_bytes import END_OF_STREAM, Mapped, joinable, schema_bytes, write_all, write_joined
-from trnrecipes.data.manifest import MANIFEST, SHARD_FILE, Manifest, Shard, shard_name, write_manifest
+from trnrecipes.data.manifest import MANIFEST, Manifest, Shard, holds_only_shards, shard_name, write_manifest
 from trnrecipes.data.work_dir import make_readable, stale_temps, temp_path
 from trnrecipes.files.durable import rename_synced, sync_tree
 
@@ -157,7 +157,7 @@ def is_shard_dir(path: Path) -> bool:
     path = Path(path)
     if path.is_symlink() or not path.is_dir() or not (path / MANIFEST).is_file():
         return False
-    return all(e.name == MANIFEST or SHARD_FILE.fullmatch(e.name) for e in os.scandir(path))
+    return holds_only_shards(os.listdir(path), hidden_ok=False)
 
 
 def check_shard_output(out: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from stat import S_ISREG
 
 from trnrecipes.data import DataError, listed
-from trnrecipes.data.manifest import MANIFEST, SHARD_FILE, read_manifest
+from trnrecipes.data.manifest import MANIFEST, holds_only_shards, read_manifest
 from trnrecipes.data.tokenized_with import TOKENIZED_WITH  # preprocess's record beside PREFIX.bin/.idx: no input
 
 STDIN = "-"
@@ -167,16 +167,9 @@ def _found(given: str | Path, split: str | None, log: Callable[[str], None] | No
         return [InputFile(f, "arrow", own) for f in saved]
     if (path / "dataset_dict.json").is_file():  # a DatasetDict.save_to_disk: one directory per split
         return _dataset_dict_split(path, split)
-    if _is_shard_folder(os.listdir(path)):  # to-arrow --shard-bytes: its shards in its manifest's order
+    if holds_only_shards(os.listdir(path), hidden_ok=True):  # to-arrow --shard-bytes: read in its manifest's order
         return _shards(path)
     return _walked(path, _folder_split(path), log)
-
-
-def _is_shard_folder(names: list[str]) -> bool:
-    """Whether a folder of these names is a shard directory to-arrow wrote: its manifest and shards, nothing else
-    but hidden names (.nfs*, .DS_Store). A corpus.json beside other files is JSON lines."""
-    seen = [n for n in names if not n.startswith(".")]
-    return MANIFEST in seen and all(n == MANIFEST or SHARD_FILE.fullmatch(n) for n in seen)
 
 
 def _shards(path: Path) -> list[InputFile]:
@@ -258,7 +251,7 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
         dirs[:] = [
             d for d in dirs if not d.startswith(".") and not (d.endswith(".parts") and Path(folder, d, JOB).is_file())
         ]
-        manifest = _is_shard_folder(names)
+        manifest = holds_only_shards(names, hidden_ok=True)
         for name in names:
             if name.startswith(".") or name in DATASETS_METADATA or name.endswith((REJECTS_SUFFIX, TOKENIZED_WITH)):
                 continue

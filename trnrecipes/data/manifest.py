@@ -46,6 +46,13 @@ class Manifest:
         }
 
 
+def holds_only_shards(names: list[str], hidden_ok: bool) -> bool:
+    """Whether a directory of these names is a shard directory to-arrow wrote: its manifest and shards, nothing else
+    (but, `hidden_ok`, hidden names: .nfs*, .DS_Store, which a reader may pass over and a replace may not remove)."""
+    seen = [n for n in names if not (hidden_ok and n.startswith("."))]
+    return MANIFEST in seen and all(n == MANIFEST or SHARD_FILE.fullmatch(n) for n in seen)
+
+
 def shard_name(k: int) -> str:
     return f"shard_{k:06d}.arrow"
 
