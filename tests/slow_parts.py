@@ -8,9 +8,9 @@ The first process converts units too (parallel.py): it pauses as the spawned wor
 converts (the workers' messages, whether one died) is checked all through its pauses, from within the unit, as
 through a long unit.
 
-SLOW_PARTS_HOLD_END=DIR: the first process, once the output is in place, waits (at most 120 s) as it removes its work
-dir (it writes DIR/clearing, then waits for DIR/cleared) and again as the interpreter exits (DIR/exiting, then
-DIR/exit): a test signals it at each of those moments.
+SLOW_PARTS_HOLD_END=DIR: the first process, once the output is in place, waits (at most 120 s) as it begins clearing up
+(it writes DIR/clearing, then waits for DIR/cleared): removing the old shard directory --shard-bytes replaced, or else
+its work dir; and again as the interpreter exits (DIR/exiting, then DIR/exit): a test signals it at those moments.
 
 SLOW_PARTS_HOLD=DIR: a spawned worker's first unit is held, not paused: the worker writes DIR/<its pid> and waits for
 DIR/go (at most 120 s). A test then acts on a worker it knows to be amid a unit (its outcome not yet sent), whatever
@@ -104,16 +104,28 @@ def _wait_at(mark: str, go: str) -> None:
 HOLD_END = os.environ.get("SLOW_PARTS_HOLD_END")
 if HOLD_END and multiprocessing.parent_process() is None:
     import atexit
+    import shutil
+    import types
 
-    from trnrecipes.data import conversion
+    from trnrecipes.data import conversion, corpus_writer
 
-    _remove_work_dir = conversion.remove_work_dir
+    _remove_work_dir, _rmtree = conversion.remove_work_dir, shutil.rmtree
+
+    def _clearing() -> None:
+        if not os.path.exists(os.path.join(HOLD_END, "clearing")):  # the first step only
+            _wait_at("clearing", "cleared")
 
     def _held_remove_work_dir(work, log) -> None:
-        _wait_at("clearing", "cleared")
+        _clearing()
         _remove_work_dir(work, log)
 
+    def _held_rmtree(path, *args, **kwargs) -> None:
+        if corpus_writer.is_shard_dir(path) and os.path.basename(path).startswith("."):  # the old output moved aside
+            _clearing()
+        _rmtree(path, *args, **kwargs)
+
     conversion.remove_work_dir = _held_remove_work_dir
+    corpus_writer.shutil = types.SimpleNamespace(rmtree=_held_rmtree)
     atexit.register(_wait_at, "exiting", "exit")
 
 if __name__ == "__main__":

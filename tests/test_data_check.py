@@ -74,6 +74,20 @@ def test_a_folder_of_several_splits_is_told_the_command_that_converts_its_train_
     assert texts_of(tmp_path / "pile-train.arrow") == ["t0"] and texts_of(tmp_path / "dd-train.arrow") == ["a", "b"]
     (problem,) = data_problems(load_recipe("pythia-tiny", overrides="data.path=no/such.arrow"), REPO)
     assert problem.endswith(f"--out {REPO / 'no/such.arrow'}` (docs/data.md, 'Bring your data')"), problem
+    (pile / "train/00.jsonl").unlink()
+    write(pile / "test.jsonl", docs("x"))
+    (problem,) = data_problems(load_recipe("pythia-tiny", overrides=f"data.path={pile}"), REPO)
+    assert "holds 2 splits (test, validation): convert the split to train on, e.g. with `trnrecipes data to-arrow" \
+           f" --in {pile} --split test --out" in problem  # fmt: skip
+
+
+def test_a_megatron_pair_as_a_classification_holdout_is_told_it_is_read_as_arrow(tmp_path):
+    prefix = tmp_path / "held_out"
+    Path(f"{prefix}.bin").write_bytes(b"")
+    Path(f"{prefix}.idx").write_bytes(data_check.MEGATRON_IDX_MAGIC + b"\x01")
+    problems = data_problems(load_recipe("m5-tiny", overrides=f"data.eval_path={prefix}"), REPO)
+    assert f"data.eval_path {prefix}: names a Megatron pair ({prefix}.bin/.idx), but it is read as Arrow: make it" \
+           f" with `trnrecipes data to-arrow" in problems[-1], problems  # fmt: skip
 
 
 def test_megatron_data_needs_both_files_and_the_index_header(tmp_path):

@@ -216,6 +216,22 @@ def test_split_folders_and_a_datasets_dict(tmp_path, capsys):
     assert texts_of(out) == ["v"]
 
 
+def test_the_splits_of_a_folder_for_advice_look_at_a_bounded_number_of_names(tmp_path):
+    """sbatch's advice for a raw folder names its splits (inputs.splits_held): of the names met first, the folder's
+    own before its subfolders', not a walk of millions of files on a shared file system."""
+    from trnrecipes.data.inputs import splits_held
+
+    for k in range(4):
+        write(tmp_path / f"pile/{k:02d}.jsonl", docs("t"))
+    write(tmp_path / "pile/eval.jsonl", docs("e"))
+    write(tmp_path / "pile/test/00.jsonl", docs("x"))
+    (tmp_path / "pile/dataset_info.json").write_text("{}")  # datasets' metadata: no input, no split
+    assert splits_held(tmp_path / "pile") == ["train", "test"]
+    assert splits_held(tmp_path / "pile", cap=3) == ["train", "test"]  # eval.jsonl is the folder's own: met first
+    (tmp_path / "pile/eval.jsonl").unlink()
+    assert splits_held(tmp_path / "pile", cap=3) == [] and splits_held(tmp_path / "pile") == ["train", "test"]
+
+
 def test_split_folders_given_one_by_one_and_files_naming_no_split_are_splits_too(tmp_path, capsys):
     """A split is said by the folder given as by a folder below it: `--in pile/train pile/test` (or the files in
     them, as a shell glob names them) is refused as `--in pile` is, and `--in pile/test --split train` converts

@@ -198,16 +198,21 @@ def test_an_old_shard_directory_left_by_a_killed_replace_is_removed_by_the_next(
 
 def test_a_staging_work_dir_left_by_a_kill_as_it_was_made_is_removed_by_the_next(tmp_path, capsys):
     """The work dir is made whole under a hidden name, then renamed: a kill in between left that hidden dir beside
-    the output for good. The next conversion removes one of a process no longer running that holds nothing but a
-    job record; one of a running process, or holding anything else, stays."""
+    the output for good. The next conversion removes one of a process no longer running here, made a minute ago or
+    more, that holds nothing but a job record; one of a running process, one just made (by a process on another
+    node, whose pid says nothing here), or one holding anything else stays."""
     src, out = corpus(tmp_path / "in", files=2, each=30), tmp_path / "o.arrow"
-    dead, alive, held = (tmp_path / f".o.arrow.parts.{pid}-0a0b0c0d.tmp" for pid in (2**22 + 1, os.getpid(), 2**22 + 2))
-    for staging in (dead, alive, held):
+    pids = (2**22 + 1, os.getpid(), 2**22 + 2, 2**22 + 3)
+    dead, alive, held, fresh = (tmp_path / f".o.arrow.parts.{pid}-0a0b0c0d.tmp" for pid in pids)
+    for staging in (dead, alive, held, fresh):
         staging.mkdir()
         (staging / f".job.json.{2**22 + 1}-01020304.tmp").write_text("{")
-    (held / "notes.txt").write_text("mine")
+        if staging is held:
+            (held / "notes.txt").write_text("mine")
+        if staging is not fresh:
+            os.utime(staging, (time.time() - 120, time.time() - 120))
     assert cli(capsys, "data", "to-arrow", "--in", src, "--out", out)[0] == 0
-    assert not dead.exists() and alive.exists() and (held / "notes.txt").read_text() == "mine"
+    assert not dead.exists() and alive.exists() and fresh.exists() and (held / "notes.txt").read_text() == "mine"
 
 
 def test_bad_records_get_the_same_verdict_and_rejects_for_any_number_of_workers(tmp_path, capsys, a_unit_a_file):
@@ -436,28 +441,31 @@ def test_a_work_dir_removed_amid_the_conversion_is_one_line(tmp_path):
     (hold / "go").touch()
     err = communicated(proc)
     assert proc.returncode == 2 and err == (
-        f"error: {work} was removed while the conversion wrote its parts there (by hand, or a clean-up?): {out} is as"
-        " it was; run the command again\n"
+        f"error: {work} was removed while the conversion wrote there (by hand, or a clean-up?): {out} is as it was;"
+        " run the command again\n"
     ), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hold", "in"]
 
 
-def test_a_stop_once_the_output_is_in_place_lets_the_command_end_as_done(tmp_path):
-    """A time limit's SIGTERM, or Ctrl-C, landing once the output had its name (as the work dir was removed, or as the
-    interpreter exited) ended a conversion whose work was done as failed: exit 143 or 130, a death by the signal, or
-    a traceback, and a requeue converted it all again. The command now ends as done, whichever comes when."""
-    src, end = corpus(tmp_path / "in", files=3, each=50), tmp_path / "end"
-    out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
+@pytest.mark.parametrize("output", ["a file", "shards replacing older ones"])
+def test_a_stop_once_the_output_is_in_place_lets_the_command_end_as_done(tmp_path, capsys, output):
+    """A time limit's SIGTERM, or Ctrl-C, landing once the output had its name (as the old shard directory or the work
+    dir was removed, or as the interpreter exited) ended a conversion whose work was done as failed: exit 143 or 130,
+    a death by the signal, or a traceback, and a requeue converted it all again. The command now ends as done."""
+    src, end, out = corpus(tmp_path / "in", files=3, each=50), tmp_path / "end", tmp_path / "o.arrow"
     end.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "SLOW_PARTS_PAUSE_S": "0", "SLOW_PARTS_HOLD_END": str(end)}
     argv = ["data", "to-arrow", "--in", str(src), "--out", str(out), "--workers", "2"]
+    if output != "a file":
+        argv += ["--shard-bytes", "4K"]
+        assert cli(capsys, *argv, "--in", src / "00.jsonl")[0] == 0  # the older shards, to be replaced
     proc = subprocess.Popen([sys.executable, str(REPO / "tests/slow_parts.py"), *argv], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     for mark, go in (("clearing", "cleared"), ("exiting", "exit")):
         deadline = time.monotonic() + 60
         while not (end / mark).exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert (end / mark).exists() and out.is_file(), mark
+        assert (end / mark).exists() and (out / "corpus.json" if output != "a file" else out).is_file(), mark
         for sig in (signal.SIGTERM, signal.SIGINT):
             proc.send_signal(sig)
         (end / go).touch()
@@ -466,7 +474,9 @@ def test_a_stop_once_the_output_is_in_place_lets_the_command_end_as_done(tmp_pat
     finally:
         proc.kill()
     assert (proc.returncode, stdout, err) == (0, f"wrote {out}: 150 documents\n", "")
-    assert len(texts_of(out)) == 150 and not work.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["end", "in", "o.arrow"]  # no old copy, no work dir left
+    shards = sorted(out.glob("shard_*.arrow")) if output != "a file" else [out]
+    assert sum(len(texts_of(shard)) for shard in shards) == 150
 
 
 def test_main_called_in_process_puts_the_stop_handlers_back(tmp_path, capsys):
@@ -609,6 +619,34 @@ def test_a_changed_input_whose_modification_time_was_put_back_is_converted_again
     code, _, err = cli(capsys, "data", "to-arrow", "--in", a, b, "--out", out, "--on-bad-record", "skip")
     assert code == 0 and f"converting again the parts of inputs changed since: {listed([a])}" in err
     assert texts_of(out) == ["A1", "a2", "b1"]
+
+
+def test_a_change_time_moved_as_the_file_is_read_does_not_cost_its_part(tmp_path, capsys, monkeypatch, a_unit_a_file):
+    """A lazy restore (Lustre HSM, as FSx's from S3) moves a file's change time as it is first read: the part's
+    record holds the times as they are once it is read, unless its size or modification time moved meanwhile."""
+    from trnrecipes.data import parallel
+
+    a = write(tmp_path / "in/a.jsonl", docs("a1", "a2"))
+    b = write(tmp_path / "in/b.jsonl", docs("b1") + b"{bad\n")
+    out, work = tmp_path / "o.arrow", tmp_path / "o.arrow.parts"
+    convert_unit = parallel.convert_unit
+
+    def restored_as_read(task, tick):
+        def ticked(*args, **kwargs):
+            for f in task.files:
+                was = f.path.stat().st_ctime_ns
+                while f.path.stat().st_ctime_ns == was:  # as a restore does: metadata only
+                    f.path.chmod(f.path.stat().st_mode ^ 0o004)
+            tick(*args, **kwargs)
+
+        return convert_unit(task, ticked)
+
+    monkeypatch.setattr(parallel, "convert_unit", restored_as_read)
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", a, b, "--out", out, "--workers", 1)
+    assert code == 2 and f"kept {work} with 1 of 2 parts done" in err
+    monkeypatch.setattr(parallel, "convert_unit", convert_unit)
+    code, _, err = cli(capsys, "data", "to-arrow", "--in", a, b, "--out", out, "--on-bad-record", "skip")
+    assert code == 0 and err == f"[trnrecipes] resuming {work}: 1 of 2 parts already done\n"
 
 
 @pytest.mark.parametrize("what", ["no record", "someone else's file", "a link"])

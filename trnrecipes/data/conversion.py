@@ -124,6 +124,7 @@ def preprocess_in_parts(
             for suffix in (TOKENIZED_WITH, ".bin", ".idx"):
                 make_readable(Path(f"{tmp}{suffix}"))
             replace_pair(tmp, out_prefix, (TOKENIZED_WITH,))
+            OUTPUT_IN_PLACE.set()  # what is left is clearing up (cli._stops_raise)
         finally:
             for suffix in (".bin", ".idx", TOKENIZED_WITH):
                 Path(f"{tmp}{suffix}").unlink(missing_ok=True)
@@ -182,7 +183,6 @@ def _parts(
             with open(rejects, "w", encoding="utf-8") as sink, bar:
                 bad.sink = sink if bad.policy == "skip" else None
                 yield work, (_replayed(outcome, work, bad) for outcome in ordered)
-            OUTPUT_IN_PLACE.set()  # the caller's block ended: its output has its name; what is left is clearing up
             if bad.policy == "skip":
                 make_readable(rejects)
                 durable_replace(rejects, bad.rejects)
@@ -192,10 +192,11 @@ def _parts(
             ordered.close()  # stops the workers
             # Removed (by hand, meanwhile): what failed was a part's write, or the join's read. Its record is what
             # goes first or last in a removal; a dir half removed is no work dir to sync or remove files from either.
-            if not (work / JOB).is_file() and isinstance(err, Exception):
+            if _removed(work / JOB) and isinstance(err, Exception):
+                done = f"{out} is written, not {bad.rejects}" if OUTPUT_IN_PLACE.is_set() else f"{out} is as it was"
                 raise DataError(
-                    f"{work} was removed while the conversion wrote its parts there (by hand, or a clean-up?): {out}"
-                    " is as it was; run the command again"
+                    f"{work} was removed while the conversion wrote there (by hand, or a clean-up?): {done}; run the"
+                    " command again"
                 ) from err
             kept = _synced_parts(work)
             if kept and not isinstance(err, NoDocuments):  # a full disk, Ctrl-C, a limit raised: the parts resume
@@ -209,6 +210,17 @@ def _parts(
         finally:
             rejects.unlink(missing_ok=True)
         remove_work_dir(work, log)  # under the lock: a conversion started now finds the output whole and no parts
+
+
+def _removed(path: Path) -> bool:
+    """Whether `path` is gone (another OSError, a flaky file system's, says nothing of it)."""
+    try:
+        path.stat()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    return False
 
 
 def _synced_parts(work: Path) -> int:
@@ -306,5 +318,6 @@ def _file_output(out: Path, work: Path) -> Iterator[Path]:
         yield tmp
         make_readable(tmp)
         durable_replace(tmp, out)
+        OUTPUT_IN_PLACE.set()  # what is left is clearing up (cli._stops_raise)
     finally:
         tmp.unlink(missing_ok=True)

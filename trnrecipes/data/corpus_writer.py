@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from trnrecipes.data import DataError, listed
+from trnrecipes.data import OUTPUT_IN_PLACE, DataError, listed
 from trnrecipes.data.batch_bytes import END_OF_STREAM, Mapped, joinable, schema_bytes, write_all, write_joined
 from trnrecipes.data.manifest import MANIFEST, Manifest, Shard, holds_only_shards, shard_name, write_manifest
 from trnrecipes.data.work_dir import make_readable, stale_temps, temp_path
@@ -193,6 +193,7 @@ def shard_dir_output(out: Path, work: Path | None = None) -> Iterator[Path]:
             if old is not None and not out.exists():
                 os.rename(old, out)
             raise
+        OUTPUT_IN_PLACE.set()  # what is left is clearing up (cli._stops_raise), as the old copy's removal
         if old is not None:
             shutil.rmtree(old)
     finally:

@@ -220,16 +220,23 @@ def _train_first(splits) -> list[str]:
     return sorted(splits, key=lambda s: (canonical_split(s) != "train", s))
 
 
-def splits_held(folder: Path) -> list[str]:
-    """The splits a folder to convert holds, train first: a DatasetDict's, or its files' by the Hub's naming rules
-    (where there are several, to-arrow needs --split). [] where it holds nothing to convert."""
+def splits_held(folder: Path, cap: int = 10_000) -> list[str]:
+    """The splits a folder to convert holds, train first: a DatasetDict's, or its record files' by the Hub's naming
+    rules (where there are several, to-arrow needs --split); [] where none says one. Of the first `cap` names met,
+    a folder's own before its subfolders': a folder of millions of files on a shared file system is not walked whole
+    (sbatch's advice calls this)."""
     if (folder / "dataset_dict.json").is_file():
         return _train_first(dataset_dict_splits(folder))
-    try:
-        files = _found(folder, None)
-    except DataError:
-        return []
-    return _train_first({f.split or "train" for f in files})
+    own, found, seen = _folder_split(folder), set(), 0
+    for here, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in names:
+            if not _passed_over(name) and kind_of(name, named=False) not in (None, "document"):
+                found.add(_split_of(Path(here, name), folder, own) or "train")
+        seen += len(names)
+        if seen >= cap:
+            break
+    return _train_first(found) if found != {"train"} else []
 
 
 def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None] | None = None) -> list[InputFile]:
@@ -253,7 +260,7 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
         ]
         manifest = holds_only_shards(names, hidden_ok=True)
         for name in names:
-            if name.startswith(".") or name in DATASETS_METADATA or name.endswith((REJECTS_SUFFIX, TOKENIZED_WITH)):
+            if _passed_over(name):
                 continue
             if manifest and name == MANIFEST:  # a shard directory's: its shards are walked in its order
                 continue
@@ -287,6 +294,11 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
         f"directory {root} holds no input to read ({held}); accepted: {ACCEPTED_FILES} files, a datasets save_to_disk"
         " directory, or .txt, .md, .rst files (a document each)"
     )
+
+
+def _passed_over(name: str) -> bool:
+    """A walk's names that are no input: hidden, datasets' metadata, our own rejects lists and tokenizer records."""
+    return name.startswith(".") or name in DATASETS_METADATA or name.endswith((REJECTS_SUFFIX, TOKENIZED_WITH))
 
 
 def _refuse_converted_beside(records: list[Path], root: Path) -> None:

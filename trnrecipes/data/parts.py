@@ -1,6 +1,6 @@
 """One unit of a conversion (an input file, or a run of small ones) into its part in OUT.parts/: the part (an Arrow
 stream of its documents, or Megatron .bin/.idx of their tokens), the bad records met (JSON lines, in order) and,
-written last, its record (part_N.json: the counts, each input file's size, times and inode as read, and the boot).
+written last, its record (part_N.json: the counts, each input file's size and times as read, and the boot).
 A part is reused while its input files are unchanged and the machine has not restarted since: the part is not
 synced (a killed process loses nothing the kernel holds; the output is synced once whole, and syncing the parts too
 would wait for every byte to reach the disk twice), so after a crash or on another machine it is converted again.
@@ -72,13 +72,12 @@ def plan_units(files: list[InputFile]) -> list[list[int]]:
 
 
 def input_stats(files: tuple[InputFile, ...]) -> list[list]:
-    """[path, size, mtime_ns, ctime_ns, inode] of each file: a part made from them is reused while these are the
-    same. The change time and inode as well as the modification time: `cp -p`, `rsync -a` and `touch -r` put a changed
-    file's modification time back, not its change time (set by any write) nor its inode (new where a copy replaces
-    it), so a part of the old text is never taken for the new one's."""
-    return [
-        [str(f.path.resolve()), (s := f.path.stat()).st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino] for f in files
-    ]
+    """[path, size, mtime_ns, ctime_ns] of each file: a part made from them is reused while these are the same. The
+    change time as well as the modification time: `cp -p`, `rsync -a` and `touch -r` put a changed file's
+    modification time back, not its change time (set by any write, and by a copy renamed over it), so a part of the
+    old text is never taken for the new one's. (Not the inode: a FUSE mount of an object store numbers files anew on
+    each mount, so a requeue on another node would convert everything again.)"""
+    return [[str(f.path.resolve()), (s := f.path.stat()).st_size, s.st_mtime_ns, s.st_ctime_ns] for f in files]
 
 
 def convert_unit(task: Task, tick: Callable[..., None]) -> dict:
@@ -121,6 +120,9 @@ def convert_unit(task: Task, tick: Callable[..., None]) -> dict:
                 os.replace(rejects, listed)
                 outcome["rejects"] = listed.name
                 outcome["files"][listed.name] = listed.stat().st_size
+            after = input_stats(task.files)
+            if [stat[:3] for stat in after] == [stat[:3] for stat in inputs]:  # not written to while read: the change
+                outcome["inputs"] = after  # time as it is now (a lazy restore, as Lustre HSM's from S3, moves it)
             with atomic_file(Path(f"{task.part}.json")) as f:
                 f.write(json.dumps(outcome) + "\n")
         return outcome

@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from trnrecipes.data import DataError, listed
 from trnrecipes.data.inputs import JOB
 
 LOCK = ".lock"
+STALE_STAGING_S = 60
 FORMAT = 1  # job.json's format
 PART = re.compile(r"part_\d{6,}\.(arrow|json|rejects\.jsonl|bin|idx)")
 # temp_path's (a suffix may follow: a temp prefix's .bin): a killed run's half-written file, or shard directory
@@ -182,8 +184,12 @@ def _make(work: Path, job: dict, command: str) -> None:
         return
     work.parent.mkdir(parents=True, exist_ok=True)
     for old in stale_temps(work):  # a process killed while it made its work dir: a hidden dir nothing else removes
-        if old.is_dir() and not old.is_symlink() and all(n == JOB or TEMP.fullmatch(n) for n in os.listdir(old)):
-            shutil.rmtree(old, ignore_errors=True)
+        with contextlib.suppress(OSError):  # removed meanwhile, by another conversion
+            # Made a minute ago or more: one of a process on another node (its pid means nothing here) lives for the
+            # milliseconds it takes to write the job's record.
+            stale = time.time() - old.lstat().st_mtime > STALE_STAGING_S and old.is_dir() and not old.is_symlink()
+            if stale and all(n == JOB or TEMP.fullmatch(n) for n in os.listdir(old)):
+                shutil.rmtree(old, ignore_errors=True)
     staging = temp_path(work)
     staging.mkdir()  # not mkdtemp: its mode 0700 would stay
     try:
@@ -195,7 +201,7 @@ def _make(work: Path, job: dict, command: str) -> None:
     try:
         os.rename(staging, work)  # fails if another conversion made it first (its record in it: not empty)
     except OSError:
-        shutil.rmtree(staging)
+        shutil.rmtree(staging, ignore_errors=True)
         check_ours(work, command)
 
 

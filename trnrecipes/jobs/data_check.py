@@ -112,10 +112,11 @@ def _convert(path: Path) -> str:
     arrow = path.is_file() and path.name.lower().endswith(".arrow")
     splits = splits_held(path) if path.is_dir() else []
     if len(splits) > 1:
+        which = "its train split" if splits[0] == "train" else "the split to train on, e.g."
         return (
-            f"it holds {len(splits)} splits ({listed(splits)}): convert the one to train on with `trnrecipes data"
-            f" to-arrow --in {path} --split {splits[0]} --out {path.with_name(f'{stem}-{splits[0]}.arrow')}` and"
-            f" name that in data.path ({BRING_YOUR_DATA})"
+            f"it holds {len(splits)} splits ({listed(splits)}): convert {which} with `trnrecipes data to-arrow --in"
+            f" {path} --split {splits[0]} --out {path.with_name(f'{stem}-{splits[0]}.arrow')}` and name that in"
+            f" data.path ({BRING_YOUR_DATA})"
         )
     out = path.with_name(f"{stem}-text.arrow" if arrow else f"{stem}.arrow")
     return (
@@ -181,7 +182,10 @@ def check_corpus_file(label: str, path: str, fmt: str, tokenizer: str, repo_root
             return [f"{label} {path}: {full}.idx is not a Megatron index (no MMIDIDX header); {_format(label, fmt)}"]
         return _check_tokenized_with(label, path, full, tokenizer, repo_root)
     if not full.exists() and _megatron_pair(full):
-        return [f"{label} {path}: names a Megatron pair ({full}.bin/.idx): set {_format(label, 'megatron')}"]
+        pair = f"{label} {path}: names a Megatron pair ({full}.bin/.idx)"
+        if label == "data.eval_path":  # a classification holdout: Arrow rows with their labels
+            return [f"{pair}, but it is read as Arrow: {_made_by(path, 'arrow', full=full)}"]
+        return [f"{pair}: set {_format(label, 'megatron')}"]
     if not full.exists():
         return [f"{label} {path}: {full} does not exist; {_made_by(path, 'arrow', full=full)}"]
     if full.is_dir():
