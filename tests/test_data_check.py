@@ -329,3 +329,19 @@ def test_a_missing_init_from_checkpoint_is_a_data_problem_naming_the_conversion(
     assert f"{tmp_path / 'ckpt'} does not exist" in problem and "trnrecipes convert from-hf --hf" in problem
     (tmp_path / "ckpt").mkdir()
     assert not [p for p in data_problems(recipe, tmp_path) if p.startswith("train.init_from")]
+
+
+def test_an_arrow_stream_cut_short_as_data_path_is_refused(tmp_path):
+    """A copy cut at a record batch's end reads as a whole corpus (pyarrow stops at the cut, without a word): the
+    stream's end-of-stream marker, which every writer puts last, is looked for."""
+    table = pa.table({"text": ["a", "b"]})
+    corpus = tmp_path / "corpus.arrow"
+    with pa.OSFile(str(corpus), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    recipe = load_recipe("llama2-tiny", overrides=f"data.path={corpus}")
+    assert data_problems(recipe, REPO) == []
+    corpus.write_bytes(corpus.read_bytes()[:-8])
+    assert data_problems(recipe, REPO) == [
+        f"data.path {corpus}: {corpus} is an Arrow stream cut short (no end-of-stream marker: a copy or a write"
+        " interrupted?); make it again; data.format arrow"
+    ]

@@ -329,14 +329,35 @@ def test_suffixes_in_any_case_are_read_and_files_left_out_are_told(tmp_path, cap
     write(d / "a.jsonl", docs("a"))
     write(d / "b.JSONL", docs("b"))
     write(d / "c.jsonl.GZ", gzip.compress(docs("c")))
-    for name in ("e.jsonl.bz2", "f.ndjson", "README.md", "LICENSE", "notes.txt", "o.tokenizer.json"):
+    for name in ("e.jsonl.bz2", "f.ndjson", "README.md", "LICENSE", "notes.txt", "o.tokenizer.json", "o.bin", "o.idx"):
         write(d / name, b"x\n")
     code, stdout, err = to_arrow(capsys, "--in", d, "--out", tmp_path / "o.arrow")
     assert (code, stdout) == (0, f"wrote {tmp_path / 'o.arrow'}: 3 documents\n"), err
     assert texts_of(tmp_path / "o.arrow") == ["a", "b", "c"]
-    assert err.startswith(f"[trnrecipes] {d}: left out 3 files (1 .bz2, 1 .ndjson, 1 .txt), not of an input kind (")
+    assert err.startswith(f"[trnrecipes] {d}: left out 5 files (1 .bin, 1 .bz2, 1 .idx, 1 .ndjson, 1 .txt), not of an"
+                          " input kind (")  # fmt: skip
     assert err.endswith("; text files are read only from a folder of text alone, a document each; reading the other"
                         " 3\n") and err.count("\n") == 1, err  # fmt: skip
+
+
+def test_a_walk_leaves_out_what_is_no_regular_file_and_reads_files_named_as_metadata_away_from_it(tmp_path, capsys):
+    """A FIFO in a folder walked was read (its first writer's lines used up by the --text-field check, then lost) or
+    hung the conversion; a broken link was a traceback. Both are left out, told. A state.json or x.rejects.jsonl of
+    records was passed over everywhere, its documents lost without a word: only a datasets folder's metadata and a
+    rejects list or tokenizer record beside its output are."""
+    d = tmp_path / "d"
+    write(d / "a.jsonl", docs("a"))
+    os.mkfifo(d / "b.jsonl")
+    (d / "c.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    for name in ("state.json", "x.rejects.jsonl", "y.tokenizer.json"):
+        write(d / name, docs(name))
+    write(d / "z.rejects.jsonl", b'{"file": "z", "line": 1, "reason": "r"}\n')  # beside its output z: passed over
+    write(d / "z", b"")
+    code, stdout, err = to_arrow(capsys, "--in", d, "--out", tmp_path / "o.arrow")
+    assert (code, stdout) == (0, f"wrote {tmp_path / 'o.arrow'}: 4 documents\n"), err
+    assert texts_of(tmp_path / "o.arrow") == ["a", "state.json", "x.rejects.jsonl", "y.tokenizer.json"]
+    assert "left out 3 files (2 not regular files, 1 no suffix)" in err, err
+    assert "a FIFO, a socket, a device or a broken link is no file to read; reading the other 4\n" in err, err
 
 
 def test_a_misnamed_text_field_under_skip_stops_before_reading_the_corpus(tmp_path, capsys):
@@ -646,3 +667,59 @@ def test_a_long_path_in_a_message_keeps_its_file_name():
     first = shown.split(", ")[0]
     assert len(first) == 80 and first.startswith("/fsx/ddd") and first.endswith("ddd/a.jsonl") and "..." in first
     assert shown.endswith(", b.jsonl")
+
+
+def test_inputs_in_shapes_a_user_may_not_see_are_read_or_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """From a hostile pass over odd inputs: a UTF-8 BOM (Windows tools write one) is no part of the first record or
+    document (it made line 1 a bad record, and stayed in a text); a .json holding one JSON array is told so, not
+    rejected a line at a time; an Arrow stream cut short at a batch's end was read as whole, the batches after the
+    cut lost without a word; standard input closed, and --out -, were a traceback and a file named '-'."""
+    bom = b"\xef\xbb\xbf"
+    for name in ("b.jsonl", "b.jsonl.gz"):
+        write(tmp_path / name, bom + docs("a", "b"))
+        assert to_arrow(capsys, "--in", tmp_path / name, "--out", tmp_path / "o.arrow")[0] == 0
+        assert texts_of(tmp_path / "o.arrow") == ["a", "b"]
+    write(tmp_path / "texts/t.txt", bom + b"a text")
+    assert to_arrow(capsys, "--in", tmp_path / "texts", "--out", tmp_path / "o.arrow")[0] == 0
+    assert texts_of(tmp_path / "o.arrow") == ["a text"]
+    for array in (b'[\n{"text": "a"},\n{"text": "b"}\n]\n', b'[{"text": "a"}, {"text": "b"}]\n'):
+        src = write(tmp_path / "array.json", array)
+        code, _, err = to_arrow(capsys, "--in", src, "--out", tmp_path / "o.arrow", "--on-bad-record", "skip")
+        assert (code, err) == (2, f"error: {src}: one JSON array, not JSON lines (a record a line, as .json and"
+                                  f" .jsonl files are read); write it a record a line, e.g. jq -c '.[]' {src} >"
+                                  " records.jsonl\n")  # fmt: skip
+    table = pa.table({"text": [f"r{n}" for n in range(300)]})
+    whole = pa.BufferOutputStream()
+    with pa.ipc.new_stream(whole, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=100):
+            writer.write_batch(batch)
+    data = whole.getvalue().to_pybytes()
+    cut = tmp_path / "cut.arrow"
+    cut.write_bytes(data[: table.schema.serialize().size + table.to_batches(max_chunksize=100)[0].serialize().size])
+    assert pa.ipc.open_stream(pa.memory_map(str(cut))).read_all().num_rows == 100  # pyarrow reads it as whole
+    code, _, err = to_arrow(capsys, "--in", cut, "--out", tmp_path / "o.arrow")
+    assert (code, err) == (2, f"error: {cut}: an Arrow stream cut short (no end-of-stream marker: a copy or a write"
+                              " interrupted?); copy or write it again\n")  # fmt: skip
+    code, _, err = to_arrow(capsys, "--in", tmp_path / "b.jsonl", "--out", "-")
+    assert (code, err) == (2, "error: --out -: name a file to write (- is standard input to --in, and nothing is"
+                              " written to standard output)\n")  # fmt: skip
+    monkeypatch.setattr("sys.stdin", None)
+    code, _, err = to_arrow(capsys, "--in", "-", "--out", tmp_path / "o.arrow")
+    assert (code, err) == (2, "error: --in -: standard input is closed; pipe the JSON lines in (... | trnrecipes data"
+                              " --in -)\n")  # fmt: skip
+
+
+def test_an_input_removed_after_it_was_listed_is_one_line(tmp_path, capsys, monkeypatch):
+    from trnrecipes.data import parallel
+
+    a, b = write(tmp_path / "in/a.jsonl", docs("a")), write(tmp_path / "in/b.jsonl", docs("b"))
+    convert_unit = parallel.convert_unit
+
+    def removed_first(task, tick):
+        b.unlink(missing_ok=True)
+        return convert_unit(task, tick)
+
+    monkeypatch.setattr(parallel, "convert_unit", removed_first)
+    code, _, err = to_arrow(capsys, "--in", a, b, "--out", tmp_path / "o.arrow", "--workers", 1)
+    assert code == 2 and err.endswith(f"error: {b}: gone since the inputs were listed (removed or renamed?); run the"
+                                      " command again\n"), err  # fmt: skip

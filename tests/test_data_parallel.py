@@ -911,7 +911,7 @@ def test_a_disk_filled_by_the_output_keeps_the_parts_and_frees_the_output(tmp_pa
     temp file is closed as it is removed (open, it would hold its blocks), and the parts are kept for the rerun, with
     their records as they were where the disk is still too full to rewrite them."""
     from trnrecipes.data import conversion, corpus_writer
-    from trnrecipes.data.batch_bytes import END_OF_STREAM
+    from trnrecipes.data.arrow_marks import END_OF_STREAM
 
     full, open_at_sync = [], []
     write_all = corpus_writer.write_all

@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 
 from trnrecipes.data import DataError, listed
+from trnrecipes.data.arrow_marks import stream_cut_short
 from trnrecipes.data.bad_records import BadRecords, rejects_of
 from trnrecipes.data.corpus_writer import CorpusWriter, corpus_schema, shard_dir_output
 from trnrecipes.data.inputs import InputFile, find_inputs, input_names
@@ -484,9 +485,9 @@ def file_records(
     """(text, class id) for every record of one input file, as read_records; `read` counts its bytes as they go."""
     if f.kind == "document":
         try:
-            raw = f.path.read_bytes()
+            raw = f.path.read_bytes().removeprefix(BOM)
         except OSError as err:
-            raise _unreadable(f.name, err) from err
+            raise unreadable(f.name, err) from err
         text = _decode(raw, f.name, None, bad)
         if text is not None:
             yield text, None
@@ -552,6 +553,11 @@ def _json_record(
         return None
     record, problem = _parsed(line, text_field)
     if problem is not None:
+        if i == 1 and _json_array(line):  # not a bad record: the whole file in another shape, every line refused
+            raise DataError(
+                f"{name}: one JSON array, not JSON lines (a record a line, as .json and .jsonl files are read); write"
+                f" it a record a line, e.g. jq -c '.[]' {name} > records.jsonl"
+            )
         bad.reject(name, problem, line=i)
         return None
     if label_field is None:
@@ -563,6 +569,20 @@ def _json_record(
             " needs one"
         )
     return record[text_field], class_id(record[label_field], where, label_field)
+
+
+def _json_array(first_line: str) -> bool:
+    """Whether a file's first line opens a JSON array of records: `[` alone (one indented), or an array of objects."""
+    start = first_line.strip()
+    if start == "[":
+        return True
+    if not start.startswith("["):
+        return False
+    try:
+        value = json_loads(start)
+    except (ValueError, RecursionError):
+        return start.startswith(("[{", "[ {"))  # an array cut at the line's end: its objects span lines
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
 
 
 def _jsonl_texts(
@@ -601,6 +621,7 @@ def open_lines(path: Path | None, read: ReadCount | None = None) -> BinaryIO:
     pyarrow's codec); None: standard input. `read` is given how far into the file reading has got."""
     if path is None:
         _refuse_compressed_stdin(sys.stdin.buffer)
+        _skip_bom(sys.stdin.buffer)
         return nullcontext(sys.stdin.buffer)
     try:
         if path.name.lower().endswith(".gz"):
@@ -614,10 +635,25 @@ def open_lines(path: Path | None, read: ReadCount | None = None) -> BinaryIO:
             fh = open(path, "rb")
             position = fh.tell
     except OSError as err:  # not the output's: a reader of it must not take it for a write refused
-        raise _unreadable(str(path), err) from err
+        raise unreadable(str(path), err) from err
     if read is not None:
         read.position = position
+    _skip_bom(fh)
     return fh
+
+
+# UTF-8's byte order mark, which Windows tools put first: JSON forbids it (line 1 would be a bad record), and in text it
+# would be the document's first character, tokenized.
+BOM = b"\xef\xbb\xbf"
+
+
+def _skip_bom(fh: BinaryIO) -> None:
+    peek = getattr(fh, "peek", None)
+    try:
+        if peek is not None and peek(len(BOM))[: len(BOM)] == BOM:
+            fh.read(len(BOM))
+    except OSError:  # a corrupt compressed file: its reader says so, at its first line
+        pass
 
 
 # The first bytes of a compressed stream: piped in undecompressed, each would read as invalid UTF-8 on line 1.
@@ -739,7 +775,7 @@ def _read_lines(fh, name: str) -> Iterator[bytes]:
     try:
         yield from fh
     except (OSError, EOFError, zlib.error) as err:
-        raise _unreadable(name, err) from None
+        raise unreadable(name, err) from None
 
 
 def _byte_blocks(fh, name: str) -> Iterator[bytes]:
@@ -755,7 +791,7 @@ def _byte_blocks(fh, name: str) -> Iterator[bytes]:
             yield b"".join((*rest, memoryview(chunk)[:end]))
             rest = [chunk[end:]]
     except (OSError, EOFError, zlib.error) as err:
-        raise _unreadable(name, err) from None
+        raise unreadable(name, err) from None
     if any(rest):
         yield b"".join(rest)
 
@@ -766,9 +802,11 @@ def _split_lines(block: bytes) -> list[bytes]:
     return [line + b"\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
 
 
-def _unreadable(name: str, err: BaseException, kind: str | None = None) -> DataError:
+def unreadable(name: str, err: BaseException, kind: str | None = None) -> DataError:
     """`name` cannot be read: for want of access (a file not opened), or not as a `kind` (else as its name's
     compression says), corrupt or truncated."""
+    if isinstance(err, FileNotFoundError):  # listed, then removed (or a link's target): the inputs changed meanwhile
+        return DataError(f"{name}: gone since the inputs were listed (removed or renamed?); run the command again")
     if isinstance(err, OSError) and errno_of(err) in NOT_OPENED:  # the file's access, not its content
         return DataError(f"{name}: cannot be read ({clipped(err)}); fix its permissions or name another file")
     suffix = name.lower()
@@ -798,12 +836,17 @@ def _arrow_rows(
         try:
             reader = pa.ipc.open_stream(source)
             batches = iter(reader)
+            if stream_cut_short(f.path):  # its batches would read as the whole, those after the cut lost unsaid
+                raise DataError(
+                    f"{f.name}: an Arrow stream cut short (no end-of-stream marker: a copy or a write interrupted?);"
+                    " copy or write it again"
+                )
         except pa.ArrowInvalid:
             reader = pa.ipc.open_file(source)
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
         yield from (_batch_texts if texts else _rows)(f, reader.schema.names, batches, text_field, bad, label_field)
     except (pa.ArrowException, OSError) as err:
-        raise _unreadable(f.name, err, "Arrow IPC stream") from err
+        raise unreadable(f.name, err, "Arrow IPC stream") from err
 
 
 def _parquet(
@@ -823,7 +866,7 @@ def _parquet(
             batches = _counted(batches, done)
         yield from (_batch_texts if texts else _rows)(f, names, batches, text_field, bad, label_field)
     except (pa.ArrowException, OSError) as err:
-        raise _unreadable(f.name, err, "Parquet file") from err
+        raise unreadable(f.name, err, "Parquet file") from err
 
 
 def _batch_texts(f: InputFile, names: list[str], batches, text_field: str, bad: BadRecords, label_field: None):

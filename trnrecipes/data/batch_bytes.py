@@ -14,7 +14,6 @@ import numpy as np
 import pyarrow as pa
 
 ALIGNMENT = 8  # pyarrow's IPC writer pads each body buffer to this
-END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
 
 @dataclass(frozen=True)

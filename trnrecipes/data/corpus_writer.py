@@ -16,7 +16,8 @@ import numpy as np
 import pyarrow as pa
 
 from trnrecipes.data import OUTPUT_IN_PLACE, DataError, listed
-from trnrecipes.data.batch_bytes import END_OF_STREAM, Mapped, joinable, schema_bytes, write_all, write_joined
+from trnrecipes.data.arrow_marks import END_OF_STREAM
+from trnrecipes.data.batch_bytes import Mapped, joinable, schema_bytes, write_all, write_joined
 from trnrecipes.data.manifest import MANIFEST, Manifest, Shard, holds_only_shards, shard_name, write_manifest
 from trnrecipes.data.work_dir import make_readable, stale_temps, temp_path
 from trnrecipes.files.durable import rename_synced, sync_tree

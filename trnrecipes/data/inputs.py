@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ DATASETS_METADATA = ("dataset_info.json", "dataset_infos.json", "state.json", "d
 # without a note, as text files beside records are.
 ABOUT_A_DATASET = ("README", "LICENSE", "LICENCE", "COPYING", "NOTICE", "CITATION")
 JOB = "job.json"  # a conversion's work dir's record (work_dir.py)
-REJECTS_SUFFIX = ".rejects.jsonl"  # what `--on-bad-record skip` writes beside an output: never read back by a walk
+REJECTS_SUFFIX = ".rejects.jsonl"  # what `--on-bad-record skip` writes beside an output: a walk passes it over there
 
 # The Hub's split keywords ("File names and splits", Hugging Face Hub docs): a word of a file or folder name,
 # delimited by -, _, ., a space or digits; and data/<split>-00000-of-00003.* for a split of any name.
@@ -146,6 +147,8 @@ def _counted(splits: Counter) -> str:
 
 def _found(given: str | Path, split: str | None, log: Callable[[str], None] | None = None) -> list[InputFile]:
     if str(given) == STDIN:
+        if sys.stdin is None:  # closed (`<&-`), as a daemon's or some schedulers' jobs start
+            raise DataError("--in -: standard input is closed; pipe the JSON lines in (... | trnrecipes data --in -)")
         return [InputFile(None, "jsonl")]
     path = Path(given)
     if not path.exists():
@@ -231,7 +234,7 @@ def splits_held(folder: Path, cap: int = 10_000) -> list[str]:
     for here, dirs, names in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in names:
-            if not _passed_over(name) and kind_of(name, named=False) not in (None, "document"):
+            if not _passed_over(name, {*names, *dirs}) and kind_of(name, named=False) not in (None, "document"):
                 found.add(_split_of(Path(here, name), folder, own) or "train")
         seen += len(names)
         if seen >= cap:
@@ -247,6 +250,7 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
     records: list[Path] = []
     texts: list[Path] = []
     other: Counter = Counter()
+    odd = 0  # names of an input kind that are no regular file: a FIFO (read, it would hang), a socket, a broken link
     seen_dirs: set[tuple[int, int]] = set()
     for folder, dirs, names in os.walk(root, onerror=_unreadable, followlinks=True):
         here = os.stat(folder)
@@ -259,8 +263,9 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
             d for d in dirs if not d.startswith(".") and not (d.endswith(".parts") and Path(folder, d, JOB).is_file())
         ]
         manifest = holds_only_shards(names, hidden_ok=True)
+        beside = {*names, *dirs}
         for name in names:
-            if _passed_over(name):
+            if _passed_over(name, beside):
                 continue
             if manifest and name == MANIFEST:  # a shard directory's: its shards are walked in its order
                 continue
@@ -269,19 +274,25 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
                 other["".join(Path(name).suffixes[-1:]) or "no suffix"] += 1
             if kind is None:
                 continue
+            if not os.path.isfile(Path(folder, name)):
+                odd += 1
+                continue
             (texts if kind == "document" else records).append(Path(folder, name))
 
     def in_order(paths: list[Path]) -> list[Path]:
         return sorted(paths, key=lambda p: p.relative_to(root).parts)
 
     texts_left = Counter(f.suffix.lower() for f in texts if f.stem.upper() not in ABOUT_A_DATASET) if records else {}
-    if log is not None and (other or texts_left) and (records or texts):
-        left = sum(other.values()) + sum(texts_left.values())
+    if log is not None and (other or texts_left or odd) and (records or texts):
+        left = sum(other.values()) + sum(texts_left.values()) + odd
+        kinds = other + Counter(texts_left) + Counter({"not regular files": odd})
         why = f"not of an input kind ({ACCEPTED_FILES})" if other else ""
         if texts_left:  # a book among JSON lines is not read: a folder of text is one, a document a file
             why += ("; " if why else "") + "text files are read only from a folder of text alone, a document each"
-        log(f"[trnrecipes] {root}: left out {left} file{'s' * (left > 1)} ({_kinds_held(other + Counter(texts_left))}),"
-            f" {why}; reading the other {len(records or texts)}")  # fmt: skip
+        if odd:
+            why += ("; " if why else "") + "a FIFO, a socket, a device or a broken link is no file to read"
+        log(f"[trnrecipes] {root}: left out {left} file{'s' * (left > 1)} ({_kinds_held(kinds)}), {why}; reading the"
+            f" other {len(records or texts)}")  # fmt: skip
     _refuse_converted_beside(records, root)
     if records:
         return [
@@ -289,16 +300,27 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
         ]
     if texts:
         return [InputFile(f, "document") for f in in_order(texts)]
-    held = _kinds_held(other) if other else "no files"
+    held = _kinds_held(other + Counter({"not regular files": odd})) if other or odd else "no files"
     raise DataError(
         f"directory {root} holds no input to read ({held}); accepted: {ACCEPTED_FILES} files, a datasets save_to_disk"
         " directory, or .txt, .md, .rst files (a document each)"
     )
 
 
-def _passed_over(name: str) -> bool:
-    """A walk's names that are no input: hidden, datasets' metadata, our own rejects lists and tokenizer records."""
-    return name.startswith(".") or name in DATASETS_METADATA or name.endswith((REJECTS_SUFFIX, TOKENIZED_WITH))
+def _passed_over(name: str, beside: set[str]) -> bool:
+    """A walk's names that are no input (`beside`: the names in the same folder): hidden ones, datasets' metadata in
+    a datasets folder, and our own rejects lists and tokenizer records beside their outputs. Elsewhere a file of
+    those names (a user's state.json of records) is read as its kind says."""
+    if name.startswith("."):
+        return True
+    if name in DATASETS_METADATA:
+        return "dataset_dict.json" in beside or any(n.startswith("data-") and n.endswith(".arrow") for n in beside)
+    if name.endswith(REJECTS_SUFFIX):  # OUT.rejects.jsonl beside OUT (a file or shard directory), PREFIX's beside .bin
+        out = name.removesuffix(REJECTS_SUFFIX)
+        return out in beside or f"{out}.bin" in beside
+    if name.endswith(TOKENIZED_WITH):  # PREFIX.tokenizer.json beside PREFIX.bin/.idx
+        return bool({f"{name.removesuffix(TOKENIZED_WITH)}{ext}" for ext in (".bin", ".idx")} & beside)
+    return False
 
 
 def _refuse_converted_beside(records: list[Path], root: Path) -> None:

@@ -20,7 +20,15 @@ import numpy as np
 import pyarrow as pa
 
 from trnrecipes.data import CannotWrite, DataError
-from trnrecipes.data.arrow import ConversionStats, ReadCount, Texts, document_blocks, file_texts, record_batch
+from trnrecipes.data.arrow import (
+    ConversionStats,
+    ReadCount,
+    Texts,
+    document_blocks,
+    file_texts,
+    record_batch,
+    unreadable,
+)
 from trnrecipes.data.bad_records import BadRecords
 from trnrecipes.data.corpus_writer import corpus_schema
 from trnrecipes.data.inputs import InputFile
@@ -77,26 +85,34 @@ def input_stats(files: tuple[InputFile, ...]) -> list[list]:
     modification time back, not its change time (set by any write, and by a copy renamed over it), so a part of the
     old text is never taken for the new one's. (Not the inode: a FUSE mount of an object store numbers files anew on
     each mount, so a requeue on another node would convert everything again.)"""
-    return [[str(f.path.resolve()), (s := f.path.stat()).st_size, s.st_mtime_ns, s.st_ctime_ns] for f in files]
+    try:
+        return [[str(f.path.resolve()), (s := f.path.stat()).st_size, s.st_mtime_ns, s.st_ctime_ns] for f in files]
+    except FileNotFoundError as err:
+        raise unreadable(str(err.filename), err) from None
 
 
 def convert_unit(task: Task, tick: Callable[..., None]) -> dict:
     """The unit's part and its record; returns the outcome: status done, error (a DataError's message: a file that
     cannot be read, a label that is no class id, a part the storage refuses) or stopped (more bad records than
     task.limit), the counts, and the file listing its bad records in order (`rejects`, in the part's directory)."""
-    inputs = input_stats(task.files)  # before reading: a file changed while it is read is read again next time
+    try:
+        inputs, gone = input_stats(task.files), None  # before reading: a file changed as it is read is read again
+    except DataError as err:  # removed since the inputs were listed: the unit's error, told as any other
+        inputs, gone = [], err
     stats, bad = ConversionStats(), BadRecords("skip", task.limit)
     rejects = temp_path(Path(f"{task.part}.rejects.jsonl"))
     outcome: dict = {"unit": task.unit, "status": "done", "error": None, "inputs": inputs, "boot": BOOT}
     part = None
     try:
         # Every write of the unit's goes through _writing (the part, its rejects, its record): what reads the inputs
-        # raises DataErrors for them (arrow.py's _unreadable), so an OSError here is a write's.
+        # raises DataErrors for them (arrow.unreadable), so an OSError here is a write's.
         with _writing(task):
             part = _TokenPart(task) if task.tokenizer else _ArrowPart(task)
             with open(rejects, "w", encoding="utf-8") as sink:
                 bad.sink = sink
                 try:
+                    if gone is not None:
+                        raise gone
                     sizes = [stat[1] for stat in inputs]
                     for texts, labels in document_blocks(_blocks(task, sizes, bad, tick), stats):
                         part.write(texts, labels)

@@ -17,14 +17,13 @@ from pathlib import Path
 
 from trnrecipes.config.sections import Recipe
 from trnrecipes.data import DataError, listed
+from trnrecipes.data.arrow_marks import ARROW_FILE_MAGIC, ARROW_STREAM_MARKER, stream_cut_short
 from trnrecipes.data.inputs import ABOUT_A_DATASET, DATASETS_METADATA, input_stem, kind_of, splits_held
 from trnrecipes.data.manifest import MANIFEST, read_manifest
 from trnrecipes.data.sources import data_path
 from trnrecipes.data.tokenized_with import tokenized_with, tokenizer_fingerprint
 from trnrecipes.files.reach import blocked
 
-ARROW_FILE_MAGIC = b"ARROW1"  # Arrow IPC file format: "ARROW1" + padding, at the start and the end
-ARROW_STREAM_MARKER = b"\xff\xff\xff\xff"  # Arrow IPC stream: each message starts with the continuation marker
 MEGATRON_IDX_MAGIC = b"MMIDIDX\x00\x00"  # megatron-core's IndexedDataset .idx header
 BRING_YOUR_DATA = "docs/data.md, 'Bring your data'"
 # Raw corpora by their first bytes: what `data to-arrow` reads (or will), named when a recipe points at one.
@@ -77,6 +76,8 @@ def _sniff_arrow(path: Path) -> str | None:
             head = f.read(64)
     except OSError as err:
         return f"cannot be read ({err.strerror or err})"
+    if head.startswith(ARROW_STREAM_MARKER) and stream_cut_short(path):
+        return "is an Arrow stream cut short (no end-of-stream marker: a copy or a write interrupted?); make it again"
     if head.startswith(ARROW_FILE_MAGIC) or head.startswith(ARROW_STREAM_MARKER):
         return None
     if head.startswith(MEGATRON_IDX_MAGIC) or (path.suffix == ".bin" and _megatron_pair(path.with_suffix(""))):
