@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+from decimal import Decimal
 
 import numpy as np
 import pyarrow as pa
@@ -245,3 +246,13 @@ def test_a_file_of_good_and_bad_blocks_reads_as_line_by_line_with_the_same_lines
     blocks, rejected = readers_agree(src)
     assert rejected > 8
     assert sum(isinstance(b, pa.Array) for b in blocks) > 10 and sum(isinstance(b, list) for b in blocks) > 3
+
+
+def test_an_integer_longer_than_python_reads_is_valid_json_not_text():
+    """Python's int() refuses over 4,300 digits (sys.set_int_max_str_digits), which json.loads raised as a ValueError:
+    a record with such a number in another field was rejected as 'not valid JSON', and its text lost."""
+    from trnrecipes.data.arrow import _parsed
+
+    digits = "9" * 5000
+    assert _parsed('{"text": "ok", "n": ' + digits + "}", "text") == ({"text": "ok", "n": Decimal(digits)}, None)
+    assert _parsed('{"text": ' + digits + "}", "text")[1] == "field 'text' is int, not text"

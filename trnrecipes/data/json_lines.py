@@ -6,6 +6,7 @@ is two to three times as fast as json, pyarrow's reader 1.5 times; the texts com
 
 from __future__ import annotations
 
+import decimal
 import functools
 import json
 import re
@@ -57,6 +58,10 @@ def json_loads(line: str | bytes) -> object:
     line or refuses it wherever it is met (Python 3.11 and before: 3.12's json counts C recursion, not this limit)."""
     try:
         return json.loads(line)
+    except ValueError as err:  # json.JSONDecodeError, or an integer longer than int() takes (sys.int_info): valid JSON
+        if "int_max_str_digits" not in str(err):
+            raise
+        return json.loads(line, parse_int=decimal.Decimal)  # no text either way; the record's other fields are read
     except RecursionError:
         limit = sys.getrecursionlimit()
         sys.setrecursionlimit(limit - _recursion_left() + RECURSION_ROOM)
