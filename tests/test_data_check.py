@@ -342,6 +342,6 @@ def test_an_arrow_stream_cut_short_as_data_path_is_refused(tmp_path):
     assert data_problems(recipe, REPO) == []
     corpus.write_bytes(corpus.read_bytes()[:-8])
     assert data_problems(recipe, REPO) == [
-        f"data.path {corpus}: {corpus} is an Arrow stream cut short (no end-of-stream marker: a copy or a write"
-        " interrupted?); make it again; data.format arrow"
+        f"data.path {corpus}: {corpus} is an Arrow stream without its end-of-stream marker: cut short (a copy or a"
+        " write interrupted?), or written by a writer never closed; copy or write it again; data.format arrow"
     ]

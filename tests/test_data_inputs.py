@@ -351,6 +351,7 @@ def test_a_walk_leaves_out_what_is_no_regular_file_and_reads_files_named_as_meta
     (d / "c.jsonl").symlink_to(tmp_path / "gone.jsonl")
     for name in ("state.json", "x.rejects.jsonl", "y.tokenizer.json"):
         write(d / name, docs(name))
+    (d / "dataset_infos.json").write_text('{\n  "default": {}\n}\n')  # a Hub download's: no records wherever it is
     write(d / "z.rejects.jsonl", b'{"file": "z", "line": 1, "reason": "r"}\n')  # beside its output z: passed over
     write(d / "z", b"")
     code, stdout, err = to_arrow(capsys, "--in", d, "--out", tmp_path / "o.arrow")
@@ -682,12 +683,18 @@ def test_inputs_in_shapes_a_user_may_not_see_are_read_or_refused_in_one_line(tmp
     write(tmp_path / "texts/t.txt", bom + b"a text")
     assert to_arrow(capsys, "--in", tmp_path / "texts", "--out", tmp_path / "o.arrow")[0] == 0
     assert texts_of(tmp_path / "o.arrow") == ["a text"]
-    for array in (b'[\n{"text": "a"},\n{"text": "b"}\n]\n', b'[{"text": "a"}, {"text": "b"}]\n'):
-        src = write(tmp_path / "array.json", array)
-        code, _, err = to_arrow(capsys, "--in", src, "--out", tmp_path / "o.arrow", "--on-bad-record", "skip")
-        assert (code, err) == (2, f"error: {src}: one JSON array, not JSON lines (a record a line, as .json and"
-                                  f" .jsonl files are read); write it a record a line, e.g. jq -c '.[]' {src} >"
-                                  " records.jsonl\n")  # fmt: skip
+    src = write(tmp_path / "array.json", b'[\n{"text": "a"},\n{"text": "b"}\n]\n')
+    convert = f"JSON lines are a record a line (as .json and .jsonl are read): jq -c '.[]' {src} > records.jsonl"
+    code, _, err = to_arrow(capsys, "--in", src, "--out", tmp_path / "o.arrow", "--on-bad-record", "skip")
+    assert (code, err) == (2, f"error: {src}: one JSON array, not JSON lines; {convert}\n")
+    write(src, b'[{"text": "a"}, {"text": "b"}]\n')  # on one line: a bad record (a file's first may be one), told why
+    code, _, err = to_arrow(capsys, "--in", src, "--out", tmp_path / "o.arrow")
+    assert code == 2 and err.startswith(f"error: {src}:1: a JSON list, not an object (a record); if the file is one"
+                                        f" JSON array, {convert}; --on-bad-record skip"), err  # fmt: skip
+    for cut_gz in (gzip.compress(docs("a"))[:5], b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03garbage"):
+        (src := tmp_path / "cut.jsonl.gz").write_bytes(cut_gz)  # as it is (write() would compress it)
+        code, _, err = to_arrow(capsys, "--in", src, "--out", tmp_path / "o.arrow")  # its first bytes: a traceback
+        assert code == 2 and err.startswith(f"error: {src}: not a readable gzip file (") and err.count("\n") == 1
     table = pa.table({"text": [f"r{n}" for n in range(300)]})
     whole = pa.BufferOutputStream()
     with pa.ipc.new_stream(whole, table.schema) as writer:
@@ -698,11 +705,11 @@ def test_inputs_in_shapes_a_user_may_not_see_are_read_or_refused_in_one_line(tmp
     cut.write_bytes(data[: table.schema.serialize().size + table.to_batches(max_chunksize=100)[0].serialize().size])
     assert pa.ipc.open_stream(pa.memory_map(str(cut))).read_all().num_rows == 100  # pyarrow reads it as whole
     code, _, err = to_arrow(capsys, "--in", cut, "--out", tmp_path / "o.arrow")
-    assert (code, err) == (2, f"error: {cut}: an Arrow stream cut short (no end-of-stream marker: a copy or a write"
-                              " interrupted?); copy or write it again\n")  # fmt: skip
+    assert (code, err) == (2, f"error: {cut}: an Arrow stream without its end-of-stream marker: cut short (a copy or"
+                              " a write interrupted?), or written by a writer never closed; copy or write it"
+                              " again\n")  # fmt: skip
     code, _, err = to_arrow(capsys, "--in", tmp_path / "b.jsonl", "--out", "-")
-    assert (code, err) == (2, "error: --out -: name a file to write (- is standard input to --in, and nothing is"
-                              " written to standard output)\n")  # fmt: skip
+    assert (code, err) == (2, "error: --out -: name a file to write (nothing is written to standard output)\n")
     monkeypatch.setattr("sys.stdin", None)
     code, _, err = to_arrow(capsys, "--in", "-", "--out", tmp_path / "o.arrow")
     assert (code, err) == (2, "error: --in -: standard input is closed; pipe the JSON lines in (... | trnrecipes data"

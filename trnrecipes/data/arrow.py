@@ -38,7 +38,7 @@ import numpy as np
 import pyarrow as pa
 
 from trnrecipes.data import DataError, listed
-from trnrecipes.data.arrow_marks import stream_cut_short
+from trnrecipes.data.arrow_marks import CUT_SHORT, stream_cut_short
 from trnrecipes.data.bad_records import BadRecords, rejects_of
 from trnrecipes.data.corpus_writer import CorpusWriter, corpus_schema, shard_dir_output
 from trnrecipes.data.inputs import InputFile, find_inputs, input_names
@@ -382,6 +382,8 @@ def read_table(path: Path) -> pa.Table:
         source = pa.memory_map(str(path))
         try:
             table = pa.ipc.open_stream(source).read_all()
+            if stream_cut_short(path):
+                raise DataError(f"{path}: {CUT_SHORT}")
         except pa.ArrowInvalid as stream_err:
             try:
                 table = pa.ipc.open_file(source).read_all()
@@ -513,9 +515,15 @@ def class_id(value: object, where: str, label_field: str, num_labels: int | None
     valid = "0, 1, ... up to 2**63 - 1" if num_labels is None else f"in [0, {num_labels}) (model.num_labels)"
     hint = "; map class names to ids first" if isinstance(value, str) else ""
     raise DataError(
-        f"{where}: {label_field} {shown(value)} is not a class id (an integer {valid}, or a bool: false 0, true 1)"
+        f"{where}: {label_field} {_number_shown(value)} is not a class id (an integer {valid}, or a bool: false 0,"
+        " true 1)"
         f"{hint}"
     )
+
+
+def _number_shown(value: object) -> str:
+    """shown(value), but an integer longer than int() takes (json_loads reads one as a Decimal) by its length."""
+    return f"<an integer of {len(str(value))} digits>" if type(value).__name__ == "Decimal" else shown(value)
 
 
 def _decode(raw: bytes, name: str, line: int | None, bad: BadRecords) -> str | None:
@@ -553,11 +561,12 @@ def _json_record(
         return None
     record, problem = _parsed(line, text_field)
     if problem is not None:
-        if i == 1 and _json_array(line):  # not a bad record: the whole file in another shape, every line refused
-            raise DataError(
-                f"{name}: one JSON array, not JSON lines (a record a line, as .json and .jsonl files are read); write"
-                f" it a record a line, e.g. jq -c '.[]' {name} > records.jsonl"
-            )
+        file = "FILE" if name == "<stdin>" else name
+        convert = f"JSON lines are a record a line (as .json and .jsonl are read): jq -c '.[]' {file} > records.jsonl"
+        if i == 1 and line.strip() == "[":  # not a bad record: the whole file one indented array, every line refused
+            raise DataError(f"{name}: one JSON array, not JSON lines; {convert}")
+        if i == 1 and line.lstrip().startswith(("[{", "[ {")):  # an array of records on one line: the file's all?
+            problem += f"; if the file is one JSON array, {convert}"
         bad.reject(name, problem, line=i)
         return None
     if label_field is None:
@@ -569,20 +578,6 @@ def _json_record(
             " needs one"
         )
     return record[text_field], class_id(record[label_field], where, label_field)
-
-
-def _json_array(first_line: str) -> bool:
-    """Whether a file's first line opens a JSON array of records: `[` alone (one indented), or an array of objects."""
-    start = first_line.strip()
-    if start == "[":
-        return True
-    if not start.startswith("["):
-        return False
-    try:
-        value = json_loads(start)
-    except (ValueError, RecursionError):
-        return start.startswith(("[{", "[ {"))  # an array cut at the line's end: its objects span lines
-    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
 
 
 def _jsonl_texts(
@@ -638,7 +633,11 @@ def open_lines(path: Path | None, read: ReadCount | None = None) -> BinaryIO:
         raise unreadable(str(path), err) from err
     if read is not None:
         read.position = position
-    _skip_bom(fh)
+    try:
+        _skip_bom(fh)
+    except (OSError, EOFError, zlib.error) as err:  # a compressed file cut short or corrupt at its start
+        fh.close()
+        raise unreadable(str(path), err) from err
     return fh
 
 
@@ -649,11 +648,8 @@ BOM = b"\xef\xbb\xbf"
 
 def _skip_bom(fh: BinaryIO) -> None:
     peek = getattr(fh, "peek", None)
-    try:
-        if peek is not None and peek(len(BOM))[: len(BOM)] == BOM:
-            fh.read(len(BOM))
-    except OSError:  # a corrupt compressed file: its reader says so, at its first line
-        pass
+    if peek is not None and peek(len(BOM))[: len(BOM)] == BOM:
+        fh.read(len(BOM))
 
 
 # The first bytes of a compressed stream: piped in undecompressed, each would read as invalid UTF-8 on line 1.
@@ -838,10 +834,7 @@ def _arrow_rows(
             reader = pa.ipc.open_stream(source)
             batches = iter(reader)
             if stream_cut_short(f.path):  # its batches would read as the whole, those after the cut lost unsaid
-                raise DataError(
-                    f"{f.name}: an Arrow stream cut short (no end-of-stream marker: a copy or a write interrupted?);"
-                    " copy or write it again"
-                )
+                raise DataError(f"{f.name}: {CUT_SHORT}")
         except pa.ArrowInvalid:
             reader = pa.ipc.open_file(source)
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))

@@ -11,6 +11,14 @@ ARROW_STREAM_MARKER = b"\xff\xff\xff\xff"  # Arrow IPC stream: each message star
 END_OF_STREAM = ARROW_STREAM_MARKER + b"\x00\x00\x00\x00"  # a stream's writer puts it last when it is closed
 
 
+# What a stream without its end marker is told (the IPC spec lets a writer end a stream by closing it unmarked, but
+# pyarrow's, datasets', arrow-rs' and Java's writers all mark it when closed: one unmarked was most likely cut short).
+CUT_SHORT = (
+    "an Arrow stream without its end-of-stream marker: cut short (a copy or a write interrupted?), or written by a"
+    " writer never closed; copy or write it again"
+)
+
+
 def stream_cut_short(path: str | Path) -> bool:
     """Whether `path`, an Arrow IPC stream, lacks the end-of-stream marker: a copy or a write cut short at the end
     of a record batch reads as whole, with the batches after the cut missing. (A stream in the format before

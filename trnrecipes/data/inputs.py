@@ -233,8 +233,9 @@ def splits_held(folder: Path, cap: int = 10_000) -> list[str]:
     own, found, seen = _folder_split(folder), set(), 0
     for here, dirs, names in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in names:
-            if not _passed_over(name, {*names, *dirs}) and kind_of(name, named=False) not in (None, "document"):
+        beside = {*names, *dirs}
+        for name in names:  # all of a folder's: which of them come first is the file system's order
+            if not _passed_over(name, beside) and kind_of(name, named=False) not in (None, "document"):
                 found.add(_split_of(Path(here, name), folder, own) or "train")
         seen += len(names)
         if seen >= cap:
@@ -308,13 +309,17 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
 
 
 def _passed_over(name: str, beside: set[str]) -> bool:
-    """A walk's names that are no input (`beside`: the names in the same folder): hidden ones, datasets' metadata in
-    a datasets folder, and our own rejects lists and tokenizer records beside their outputs. Elsewhere a file of
-    those names (a user's state.json of records) is read as its kind says."""
+    """A walk's names that are no input (`beside`: the names in the same folder): hidden ones, datasets' metadata
+    (its dataset_info(s).json wherever they are: a Hub download or datasets' cache holds them beside the data, and
+    they are pretty-printed JSON, no records; a state.json in a folder save_to_disk wrote), and our own rejects
+    lists and tokenizer records beside their outputs. Elsewhere a state.json or NAME.rejects.jsonl is read as its
+    kind says: it may be a user's records."""
     if name.startswith("."):
         return True
-    if name in DATASETS_METADATA:
+    if name == "state.json":
         return "dataset_dict.json" in beside or any(n.startswith("data-") and n.endswith(".arrow") for n in beside)
+    if name in DATASETS_METADATA:
+        return True
     if name.endswith(REJECTS_SUFFIX):  # OUT.rejects.jsonl beside OUT (a file or shard directory), PREFIX's beside .bin
         out = name.removesuffix(REJECTS_SUFFIX)
         return out in beside or f"{out}.bin" in beside

@@ -53,8 +53,7 @@ def check_output(
     `inputs`: what the command reads (files or directories); `flag` names the output in the message; `run_entry`:
     the run dir entry that is the command's own output (plot's plots/), let through."""
     if str(out) == "-":  # standard input to --in; standard output is no place for an output written whole, renamed
-        raise OutputError(f"{flag} -: name a file to write (- is standard input to --in, and nothing is written to"
-                          " standard output)")  # fmt: skip
+        raise OutputError(f"{flag} -: name a file to write (nothing is written to standard output)")
     out = Path(out)
     named = f"{flag} {out}"
     if Path(os.path.normpath(out)).name in ("", ".", ".."):

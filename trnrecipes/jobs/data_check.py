@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trnrecipes.config.sections import Recipe
 from trnrecipes.data import DataError, listed
-from trnrecipes.data.arrow_marks import ARROW_FILE_MAGIC, ARROW_STREAM_MARKER, stream_cut_short
+from trnrecipes.data.arrow_marks import ARROW_FILE_MAGIC, ARROW_STREAM_MARKER, CUT_SHORT, stream_cut_short
 from trnrecipes.data.inputs import ABOUT_A_DATASET, DATASETS_METADATA, input_stem, kind_of, splits_held
 from trnrecipes.data.manifest import MANIFEST, read_manifest
 from trnrecipes.data.sources import data_path
@@ -77,7 +77,7 @@ def _sniff_arrow(path: Path) -> str | None:
     except OSError as err:
         return f"cannot be read ({err.strerror or err})"
     if head.startswith(ARROW_STREAM_MARKER) and stream_cut_short(path):
-        return "is an Arrow stream cut short (no end-of-stream marker: a copy or a write interrupted?); make it again"
+        return f"is {CUT_SHORT}"
     if head.startswith(ARROW_FILE_MAGIC) or head.startswith(ARROW_STREAM_MARKER):
         return None
     if head.startswith(MEGATRON_IDX_MAGIC) or (path.suffix == ".bin" and _megatron_pair(path.with_suffix(""))):
