@@ -148,12 +148,13 @@ def _parts(
     the work dir too; on an error the work dir is kept where it holds parts done, for a rerun to resume."""
     work = parts_path(out)
     resumed = work.exists()
+    now = input_stats(tuple(files))  # each file's [path, size, times]: the job's record, and each part's check
     job = {
         "format": FORMAT,
         "command": command,
         "inputs": [
             {"path": str(f.path.resolve()), "kind": f.kind, "split": f.split, "size": size, "mtime_ns": mtime}
-            for f, (_, size, mtime, *_) in zip(files, input_stats(tuple(files)), strict=True)
+            for f, (_, size, mtime, *_) in zip(files, now, strict=True)
         ],
         "settings": settings,
         "flags": {"on_bad_record": bad.policy, "max_bad_records": bad.limit},  # shape the output only: may change
@@ -167,7 +168,7 @@ def _parts(
                  settings.get("label_field"), limit, **worker)
             for k, unit in enumerate(units)
         ]  # fmt: skip
-        done, changed, rebooted = _reusable(tasks, work)
+        done, changed, rebooted = _reusable(tasks, [[now[i] for i in unit] for unit in units], work)
         if resumed:
             again = f"; converting again the parts of inputs changed since: {listed(changed, 3)}" if changed else ""
             if rebooted:
@@ -175,7 +176,7 @@ def _parts(
                 again += (f"; converting again {parts} written before this machine restarted, or on another machine"
                           " (parts are not synced: a crash may have lost them)")  # fmt: skip
             log(f"[trnrecipes] resuming {work}: {len(done)} of {len(tasks)} parts already done{again}")
-        sizes = [sum(stat[1] for stat in input_stats(t.files)) for t in tasks]
+        sizes = [sum(now[i][1] for i in unit) for unit in units]
         bar = Progress(sum(sizes), sum(sizes[k] for k in done), progress).bar()
         rejects = temp_path(work / "rejects.jsonl")
         ordered = outcomes_in_order(tasks, done, workers, bar, work)
@@ -257,19 +258,18 @@ def _units(saved: dict, n: int, work: Path) -> list[list[int]]:
     return units
 
 
-def _reusable(tasks: list[Task], work: Path) -> tuple[dict[int, dict], list[str], int]:
-    """({unit: outcome} of the parts done whose inputs are unchanged, the input files changed since, how many parts
-    were written in another boot than this machine's now, unsynced). Any other part's files are removed: it is
-    converted again."""
+def _reusable(tasks: list[Task], inputs_now: list[list], work: Path) -> tuple[dict[int, dict], list[str], int]:
+    """({unit: outcome} of the parts done whose inputs are unchanged (`inputs_now`: each task's input_stats), the
+    input files changed since, how many parts were written in another boot than this machine's now, unsynced). Any
+    other part's files are removed: it is converted again."""
     done, changed, rebooted, boot = {}, [], 0, boot_id()
-    for task in tasks:
+    for task, now in zip(tasks, inputs_now, strict=True):
         try:
             outcome = json.loads(Path(f"{task.part}.json").read_text())
             files = outcome["files"]
             whole = all((work / name).is_file() and (work / name).stat().st_size == n for name, n in files.items())
         except (OSError, ValueError, KeyError, AttributeError, TypeError):
             whole, outcome = False, None
-        now = input_stats(task.files)
         if whole and outcome.get("boot") not in (None, boot):  # None: synced (no boot id where it was written)
             whole = False
             rebooted += 1

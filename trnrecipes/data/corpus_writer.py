@@ -209,4 +209,3 @@ def _remove_old_copies(out: Path) -> None:
     for old in stale_temps(out):
         if is_shard_dir(old):
             shutil.rmtree(old, ignore_errors=True)
-    return True
