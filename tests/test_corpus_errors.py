@@ -172,7 +172,7 @@ def test_to_arrow_refuses_a_label_beyond_int64_in_one_line(cli, tmp_path: Path):
     write_lines(src, ['{"text": "a", "label": ' + "9" * 5000 + "}"])  # beyond what int() parses
     done = cli("data", "to-arrow", "--in", str(src), "--out", str(tmp_path / "o.arrow"), "--label-field", "label")
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "big.jsonl:1: label <an integer of 5000 digits> is not a class id (an integer 0, 1," in done.stderr
+    assert "big.jsonl:1: label <an integer of 16610 bits> is not a class id (an integer 0, 1," in done.stderr
 
 
 def test_bool_labels_are_class_ids_0_and_1_for_to_arrow_training_and_predict(tmp_path: Path):

@@ -515,15 +515,9 @@ def class_id(value: object, where: str, label_field: str, num_labels: int | None
     valid = "0, 1, ... up to 2**63 - 1" if num_labels is None else f"in [0, {num_labels}) (model.num_labels)"
     hint = "; map class names to ids first" if isinstance(value, str) else ""
     raise DataError(
-        f"{where}: {label_field} {_number_shown(value)} is not a class id (an integer {valid}, or a bool: false 0,"
-        " true 1)"
+        f"{where}: {label_field} {shown(value)} is not a class id (an integer {valid}, or a bool: false 0, true 1)"
         f"{hint}"
     )
-
-
-def _number_shown(value: object) -> str:
-    """shown(value), but an integer longer than int() takes (json_loads reads one as a Decimal) by its length."""
-    return f"<an integer of {len(str(value))} digits>" if type(value).__name__ == "Decimal" else shown(value)
 
 
 def _decode(raw: bytes, name: str, line: int | None, bad: BadRecords) -> str | None:
@@ -726,8 +720,7 @@ def _parsed(line: str, text_field: str | None) -> tuple[dict, str | None]:
     if record[text_field] is None:
         return record, f"field {text_field!r} is null"
     if not isinstance(record[text_field], str):
-        kind = type(record[text_field]).__name__.replace("Decimal", "int")  # json_loads' integer of 4,300+ digits
-        return record, f"field {text_field!r} is {kind}, not text"
+        return record, f"field {text_field!r} is {type(record[text_field]).__name__}, not text"
     if surrogate := _unpaired_surrogate(record[text_field]):
         return record, f"field {text_field!r} holds an unpaired surrogate escape ({surrogate}): not encodable as UTF-8"
     return record, None

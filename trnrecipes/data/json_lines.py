@@ -61,7 +61,7 @@ def json_loads(line: str | bytes) -> object:
     except ValueError as err:  # json.JSONDecodeError, or an integer longer than int() takes (sys.int_info): valid JSON
         if "int_max_str_digits" not in str(err):
             raise
-        return json.loads(line, parse_int=decimal.Decimal)  # no text either way; the record's other fields are read
+        return json.loads(line, parse_int=_long_int)  # the record's other fields are read
     except RecursionError:
         limit = sys.getrecursionlimit()
         sys.setrecursionlimit(limit - _recursion_left() + RECURSION_ROOM)
@@ -69,6 +69,11 @@ def json_loads(line: str | bytes) -> object:
             return json.loads(line)
         finally:
             sys.setrecursionlimit(limit)
+
+
+def _long_int(digits: str) -> int:
+    """An integer of any length: Decimal reads the digits and int() takes a Decimal without the str limit."""
+    return int(decimal.Decimal(digits))
 
 
 def _recursion_left(calls: int = 0) -> int:
