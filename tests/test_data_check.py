@@ -121,6 +121,13 @@ def test_raw_folders_and_misnamed_megatron_pairs_are_told_the_fix(tmp_path):
         f"data.path {raw}: {raw} is a folder of raw files (2 .jsonl), not an Arrow corpus: convert it with `trnrecipes"
         f" data to-arrow --in {raw} --out {raw}.arrow` and name that in data.path (docs/data.md, 'Bring your data')"
     ]
+    # counted by the walk's rule: a user's state.json is records; a rejects list beside what it was made from is not
+    held = tmp_path / "held"
+    held.mkdir()
+    for name in ("part.jsonl", "state.json", "part.jsonl.rejects.jsonl"):
+        (held / name).write_text('{"text": "a"}\n')
+    (problem,) = problems(f"data.path={held}")
+    assert f"{held} is a folder of raw files (1 .json, 1 .jsonl), not an Arrow corpus" in problem
     blank = tmp_path / "blank.jsonl"
     blank.write_text('\n  {"text": "a"}\n')
     (problem,) = problems(f"data.path={blank}")

@@ -235,7 +235,7 @@ def splits_held(folder: Path, cap: int = 10_000) -> list[str]:
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         beside = {*names, *dirs}
         for name in names:  # all of a folder's: which of them come first is the file system's order
-            if not _passed_over(name, beside) and kind_of(name, named=False) not in (None, "document"):
+            if not passed_over(name, beside) and kind_of(name, named=False) not in (None, "document"):
                 found.add(_split_of(Path(here, name), folder, own) or "train")
         seen += len(names)
         if seen >= cap:
@@ -266,7 +266,7 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
         manifest = holds_only_shards(names, hidden_ok=True)
         beside = {*names, *dirs}
         for name in names:
-            if _passed_over(name, beside):
+            if passed_over(name, beside):
                 continue
             if manifest and name == MANIFEST:  # a shard directory's: its shards are walked in its order
                 continue
@@ -308,7 +308,7 @@ def _walked(root: Path, own_split: str | None = None, log: Callable[[str], None]
     )
 
 
-def _passed_over(name: str, beside: set[str]) -> bool:
+def passed_over(name: str, beside: set[str]) -> bool:
     """A walk's names that are no input (`beside`: the names in the same folder): hidden ones, datasets' metadata
     (its dataset_info(s).json wherever they are: a Hub download or datasets' cache holds them beside the data, and
     they are pretty-printed JSON, no records; a state.json in a folder save_to_disk wrote), and our own rejects

@@ -18,7 +18,7 @@ from pathlib import Path
 from trnrecipes.config.sections import Recipe
 from trnrecipes.data import DataError, listed
 from trnrecipes.data.arrow_marks import ARROW_FILE_MAGIC, ARROW_STREAM_MARKER, CUT_SHORT, stream_cut_short
-from trnrecipes.data.inputs import ABOUT_A_DATASET, DATASETS_METADATA, input_stem, kind_of, splits_held
+from trnrecipes.data.inputs import ABOUT_A_DATASET, input_stem, kind_of, passed_over, splits_held
 from trnrecipes.data.manifest import MANIFEST, read_manifest
 from trnrecipes.data.sources import data_path
 from trnrecipes.data.tokenized_with import tokenized_with, tokenizer_fingerprint
@@ -132,7 +132,8 @@ def _raw_folder(folder: Path, raw: Counter) -> str:
         return "a datasets DatasetDict (DatasetDict.save_to_disk)"
     if (folder / "state.json").is_file() and any(folder.glob("data-*.arrow")):
         return "a datasets Dataset (Dataset.save_to_disk)"
-    held = ", ".join(f"{n:,} {suffix}" for suffix, n in raw.most_common(4))
+    most = sorted(raw.items(), key=lambda held: (-held[1], held[0]))[:4]  # ties by name: not the listing's order
+    held = ", ".join(f"{n:,} {suffix}" for suffix, n in most)
     what = "Arrow files without the corpus.json of a shard directory" if set(raw) == {".arrow"} else "raw files"
     return f"a folder of {what} ({held})"
 
@@ -143,10 +144,11 @@ def _raw_files(folder: Path, cap: int = 10_000) -> Counter:
     seen = 0
     for _, dirs, names in os.walk(folder):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
-        for name in names:
+        beside = {*names, *dirs}
+        for name in names:  # the walk's own rule (inputs.passed_over), so the counts are what to-arrow would read
             seen += 1
-            about = name in DATASETS_METADATA or Path(name).stem.upper() in ABOUT_A_DATASET
-            if not name.startswith(".") and not about and kind_of(name, named=False) is not None:
+            about = Path(name).stem.upper() in ABOUT_A_DATASET
+            if not about and not passed_over(name, beside) and kind_of(name, named=False) is not None:
                 found[Path(name).suffix.lower()] += 1
         if seen >= cap:
             break
