@@ -35,6 +35,11 @@ override n := $(value n)
 override sdk := $(value sdk)
 override python := $(value python)
 export recipe nodes out overrides force nodatacheck ckpt tasks limit baseline n sdk python
+# force=1 / nodatacheck=1 switch a flag on; 0, no, false or nothing leave it off (force=0 once forced); anything
+# else is refused. $(call switch,NAME,--flag) sets the shell's NAME_flag; the value is read as "$$NAME", never pasted.
+define switch
+case "$$$(1)" in 1|yes|true|on) $(1)_flag=$(2) ;; ""|0|no|false|off) $(1)_flag= ;; *) echo "make: $(1)=$$$(1): give $(1)=1 to switch it on (0 or nothing: off)" >&2; exit 2 ;; esac
+endef
 
 .PHONY: help setup debian-tools data xla-venv sbatch k8s eval plan demo demo-cls test lint format golden bench clean wheels
 
@@ -124,12 +129,14 @@ debian-tools:
 # Rendering needs only the core install (not shellcheck, not torch), so it also works on a login node without root.
 sbatch: $(CORE_STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N sbatch [out=DIR] [overrides='k=v ...']" >&2; exit 2; }
-	@$(PY) -m trnrecipes sbatch --recipe "$$recipe" --nodes "$$nodes" --out "$$out" --overrides "$$overrides" $${force:+--force} $${nodatacheck:+--no-data-check}
+	@$(call switch,force,--force); $(call switch,nodatacheck,--no-data-check); \
+	  $(PY) -m trnrecipes sbatch --recipe "$$recipe" --nodes "$$nodes" --out "$$out" --overrides "$$overrides" $$force_flag $$nodatacheck_flag
 
 # The same job as a Kubeflow PyTorchJob for Amazon EKS: jobs/NAME-Nn/k8s/ (docs/jobs.md, "EKS").
 k8s: $(CORE_STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N k8s [out=DIR] [overrides='k=v ...']" >&2; exit 2; }
-	@$(PY) -m trnrecipes k8s --recipe "$$recipe" --nodes "$$nodes" --out "$$out" --overrides "$$overrides" $${force:+--force} $${nodatacheck:+--no-data-check}
+	@$(call switch,force,--force); $(call switch,nodatacheck,--no-data-check); \
+	  $(PY) -m trnrecipes k8s --recipe "$$recipe" --nodes "$$nodes" --out "$$out" --overrides "$$overrides" $$force_flag $$nodatacheck_flag
 
 # What a Neuron SDK's DLAMI venv lacks for trnrecipes, downloaded once into wheels/neuron-<sdk>/ on the shared file
 # system: every job script's first step installs from it, offline, what its node's Python lacks (docs/jobs.md).
@@ -139,7 +146,8 @@ wheels: $(CORE_STAMP)
 
 plan: $(CORE_STAMP)
 	@[ -n "$$recipe" ] && [ -n "$$nodes" ] || { echo "usage: make recipe=NAME nodes=N plan [overrides='k=v ...']" >&2; exit 2; }
-	@$(PY) -m trnrecipes plan --recipe "$$recipe" --nodes "$$nodes" --overrides "$$overrides" $${nodatacheck:+--no-data-check}
+	@$(call switch,nodatacheck,--no-data-check); \
+	  $(PY) -m trnrecipes plan --recipe "$$recipe" --nodes "$$nodes" --overrides "$$overrides" $$nodatacheck_flag
 
 # The 128-node Llama 2 post's table (every task of eval/registry.py; HumanEval sandboxed) for a checkpoint, run dir or HF directory;
 # tasks=common_reasoning,boolq limit=N to narrow (groups or tasks), baseline=FILE for a baseline column

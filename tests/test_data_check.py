@@ -224,6 +224,9 @@ def test_a_missing_or_broken_tokenizer_is_named(tmp_path):
     (tmp_path / "tok/tokenizer.json").write_text('{"model": ')
     (problem,) = data_problems(recipe, REPO)
     assert "tokenizer.json is not a readable tokenizer.json (" in problem and "corrupt or truncated?" in problem
+    (tmp_path / "tok/tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}, "added_tokens": 5}')
+    (problem,) = data_problems(recipe, REPO)  # was a TypeError: sbatch and plan ended in a traceback
+    assert "is not a readable tokenizer.json (added_tokens is not a list); corrupt or truncated?" in problem
     by_file = load_recipe("llama2-tiny", overrides=f"data.tokenizer={tmp_path / 'tok/tokenizer.json'}")
     assert data_problems(by_file, REPO) == [
         f"data.tokenizer {tmp_path / 'tok/tokenizer.json'}: names a file; data.tokenizer is a directory holding"
@@ -252,8 +255,12 @@ def test_make_passes_nodatacheck(tmp_path):
         f"out={tmp_path / 'job'}",
         f"overrides=run_dir={tmp_path / 'run'}",
     ]
-    refused = subprocess.run([*args, "sbatch"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert refused.returncode != 0 and "llama2-7b-16n would fail on its files" in refused.stderr
+    for off in ([], ["nodatacheck=0"]):  # 0 is off, as nothing is: it passed the flag once
+        refused = subprocess.run([*args, *off, "sbatch"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert refused.returncode != 0 and "llama2-7b-16n would fail on its files" in refused.stderr
+    odd = subprocess.run([*args, "nodatacheck=maybe", "sbatch"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "make: nodatacheck=maybe: give nodatacheck=1 to switch it on (0 or nothing: off)" in odd.stderr
+    assert odd.returncode == 2 and not (tmp_path / "job").exists()
     done = subprocess.run([*args, "nodatacheck=1", "sbatch"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and (tmp_path / "job/run.sbatch").is_file(), done.stderr
 

@@ -183,3 +183,14 @@ def test_a_tracker_whose_packages_are_missing_is_a_problem_naming_the_tracking_e
     assert len(problems) == 1 and problems[0].startswith(f"SQLAlchemy not installed in {sys.executable}"), problems
     assert problems[0].endswith("'[tracking]'")
     assert doctor.check(load_recipe("llama2-tiny", nodes=1), "run", tmp_path / "run", node=False)[0] == []
+
+
+def test_a_batch_the_nodes_cannot_split_is_the_recipes_error_not_the_checks_crash(job, capsys):
+    recipe = job / "recipe.yaml"
+    text = recipe.read_text()
+    assert "  global_batch: 1024\n" in text
+    recipe.write_text(text.replace("  global_batch: 1024\n", "  global_batch: 1023\n"))  # a user's edit
+    assert doctor.main(["--config", str(recipe), "--node"]) == 2
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("error: ") and ": batch.global_batch 1023 is not divisible by micro_batch" in line, line
+    assert "could not finish" not in line

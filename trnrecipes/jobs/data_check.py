@@ -256,7 +256,10 @@ def tokenizer_vocab_size(tokenizer_json: Path) -> int:
         ids = [len(vocab) - 1] if vocab else []
     else:
         raise ValueError("model.vocab is neither a mapping nor a list")
-    ids += [t["id"] for t in spec.get("added_tokens") or [] if isinstance(t, dict) and isinstance(t.get("id"), int)]
+    added = spec.get("added_tokens") or []
+    if not isinstance(added, list):
+        raise ValueError("added_tokens is not a list")
+    ids += [t["id"] for t in added if isinstance(t, dict) and isinstance(t.get("id"), int)]
     if not ids or not all(isinstance(i, int) for i in ids):
         raise ValueError("no integer ids in model.vocab")
     return max(ids) + 1

@@ -398,9 +398,11 @@ def _preflight(argv: list[str] | None, host: str) -> int:
     from trnrecipes.config.sections import RecipeError
     from trnrecipes.config.stacks import default_python
     from trnrecipes.jobs.storage import run_dir_for
+    from trnrecipes.plan.layout import compute_layout
 
     try:
         recipe = recipe_from_dict(read_recipe_file(config), str(config))
+        compute_layout(recipe)  # a batch the nodes cannot split: the recipe's error, not the check's crash
         given = os.environ.get("TRNRECIPES_PYTHON")  # the caller's: from the caller's directory
         python = given or _job_dir_value(config, "PYTHON", args.job)  # the scripts': from the checkout, where they run
         run_dir = args.run_dir or _job_dir_value(config, "RUN_DIR")
