@@ -48,6 +48,7 @@ def test_rerendering_keeps_logs_and_needs_force_to_change_the_recipe(cli, tmp_pa
     assert (out / "logs").is_dir()  # Slurm's --output needs it before the job starts
     (out / "logs" / "old.out").write_text("keep me")
     assert cli("sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out)).returncode == 0  # same recipe
+    assert os.access(out / "run.sbatch", os.X_OK)  # replaced through a temp name: it made them 0644 once
     args = ["sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out), "--overrides", "optim.lr=1e-3"]
     done = cli(*args)
     assert done.returncode == 2 and "already holds a different recipe.yaml" in done.stderr
@@ -57,6 +58,24 @@ def test_rerendering_keeps_logs_and_needs_force_to_change_the_recipe(cli, tmp_pa
     assert (out / "logs" / "old.out").read_text() == "keep me"
     assert load_recipe(str(out / "recipe.yaml")).optim.lr == 1e-3
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_a_forced_rerender_says_what_it_drops_and_leaves_no_other_recipes_script(cli, tmp_path):
+    out = tmp_path / "job"
+    assert cli("sbatch", "--recipe", "bert-tiny", "--nodes", "1", "--out", str(out)).returncode == 0
+    assert (out / "infer.sbatch").is_file()
+    done = cli("sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out), "--force")
+    assert done.returncode == 0, done.stderr
+    assert "  infer.sbatch: removed (of the job it replaces; this recipe has none)" in done.stdout
+    assert not (out / "infer.sbatch").exists()  # it would have run bert's inference on pythia's recipe.yaml
+    with open(out / "recipe.yaml", "a") as f:
+        f.write("# lr tuned on 2024-01-01\n")  # a user's note: the same settings, more text
+    done = cli("sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out))
+    assert done.returncode == 2, done.stdout
+    assert "no setting: comments or layout edited in it, which the new recipe.yaml does not keep" in done.stderr
+    (out / "infer.sbatch").write_text("#!/bin/bash\n# my own\n")
+    assert cli("sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out), "--force").returncode == 0
+    assert (out / "infer.sbatch").read_text() == "#!/bin/bash\n# my own\n"  # not one trnrecipes wrote: kept
 
 
 def test_out_dir_that_is_not_a_job_dir_is_written_only_with_force(cli, tmp_path):

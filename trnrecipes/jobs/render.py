@@ -311,7 +311,7 @@ def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> lis
             tmp.chmod(0o755)  # mkdtemp makes it private
             (tmp / "logs").mkdir()
             for name, text in files.items():
-                _write(tmp / name, text)
+                _write(tmp / name, text, name)
             os.replace(tmp, job.job_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -329,7 +329,7 @@ def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> lis
     old = previous_recipe(job.job_dir)  # None: a new or empty dir, or one written with force
     changes = None
     if old is not None and old != files["recipe.yaml"]:
-        changes = recipe_changes(old, files["recipe.yaml"]) or ["no setting: only its first line (how it was made)"]
+        changes = recipe_changes(old, files["recipe.yaml"]) or [_unset_change(old, files["recipe.yaml"])]
         if not force:
             raise RecipeError(
                 f"{job.job_dir} already holds a different recipe.yaml, which queued or requeued jobs of it read when"
@@ -341,11 +341,34 @@ def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> lis
         fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", dir=job.job_dir)
         os.close(fd)
         try:
-            _write(Path(tmp_name), text)
+            _write(Path(tmp_name), text, name)
             os.replace(tmp_name, job.job_dir / name)
         finally:
             Path(tmp_name).unlink(missing_ok=True)
+    # another recipe's script (infer.sbatch of a classification recipe it replaces) would read this recipe.yaml
+    stale = [name for name in CLASSIFICATION_SCRIPTS if name not in files and _made_here(job.job_dir / name, name)]
+    for name in stale:
+        (job.job_dir / name).unlink()
+    if stale:
+        changes = [*(changes or []), f"{', '.join(stale)}: removed (of the job it replaces; this recipe has none)"]
     return changes
+
+
+def _made_here(script: Path, name: str) -> bool:
+    """Whether `script` is one `trnrecipes sbatch` wrote as `name` (its second line says so), not a user's file."""
+    try:
+        with open(script, encoding="utf-8") as f:
+            return f.readline().startswith("#!") and f.readline().startswith(f"# {name} for ")
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _unset_change(old: str, new: str) -> str:
+    """What differs between two recipe.yaml texts that set the same values: the first line (how it was made), or
+    text a user added (comments, layout), which the new one does not keep."""
+    if old.splitlines()[1:] == new.splitlines()[1:]:
+        return "no setting: only its first line (how it was made)"
+    return "no setting: comments or layout edited in it, which the new recipe.yaml does not keep"
 
 
 def is_job_dir(path: Path) -> bool:
@@ -356,9 +379,11 @@ def is_job_dir(path: Path) -> bool:
         return False
 
 
-def _write(path: Path, text: str) -> None:
+def _write(path: Path, text: str, name: str) -> None:
+    """`text` at `path`, with the mode the job dir's file `name` has (scripts executable): in an existing job dir,
+    `path` is a temp name (.run.sbatch.XXXX) renamed to `name`, whose suffix decides."""
     path.write_text(text)
-    path.chmod(0o755 if path.suffix == ".sbatch" else 0o644)
+    path.chmod(0o755 if Path(name).suffix in (".sbatch", ".sh") else 0o644)
 
 
 def provenance_json(data: dict[str, object]) -> str:
