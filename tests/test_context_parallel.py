@@ -233,9 +233,13 @@ def test_the_long_context_recipes_fit_with_cp_and_not_without_it(name, nodes, sm
          "NxD Training has its own context_parallel_size that this adapter does not wire"),
         ("bert-tiny", "", "layout.cp 2: model.family bert is not a causal language model"),
         ("llama3.1-tiny", "layout.tp=4 layout.sequence_parallel=true batch.seq_len=124",
-         "batch.seq_len 124 must be divisible by layout.tp 4 x layout.cp 2 = 8 with sequence parallelism"),
+         "batch.seq_len 124 must be divisible by layout.tp 4 x layout.cp 2 = 8 with sequence parallelism; e.g. 120"
+         " or 128"),
+        # both rules speak; each suggests lengths the other takes too (it said 120 or 124, and 124 was refused)
+        ("llama3.1-tiny", "layout.tp=4 layout.sequence_parallel=true batch.seq_len=122",
+         "use a batch.seq_len divisible by 4, e.g. 120 or 128"),
     ],
-    ids=["pp", "ep", "moe", "xla", "nxd", "encoder", "sequence-parallel"],
+    ids=["pp", "ep", "moe", "xla", "nxd", "encoder", "sequence-parallel", "both-rules"],
 )  # fmt: skip
 def test_what_context_parallelism_refuses(recipe, overrides, message):
     with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):

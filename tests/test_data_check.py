@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -128,6 +129,12 @@ def test_raw_folders_and_misnamed_megatron_pairs_are_told_the_fix(tmp_path):
         (held / name).write_text('{"text": "a"}\n')
     (problem,) = problems(f"data.path={held}")
     assert f"{held} is a folder of raw files (1 .json, 1 .jsonl), not an Arrow corpus" in problem
+    spaced = tmp_path / "my raw"  # the command pastes as one word per path (it split at the space, and failed)
+    spaced.mkdir()
+    (spaced / "a.jsonl").write_text('{"text": "a"}\n')
+    (problem,) = problems(f"data.path='{spaced}'")
+    argv = shlex.split(problem.split("`")[1])
+    assert argv == ["trnrecipes", "data", "to-arrow", "--in", str(spaced), "--out", f"{spaced}.arrow"]
     blank = tmp_path / "blank.jsonl"
     blank.write_text('\n  {"text": "a"}\n')
     (problem,) = problems(f"data.path={blank}")

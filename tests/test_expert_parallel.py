@@ -193,10 +193,18 @@ def test_ep_must_divide_the_data_parallel_degree():
         compute_layout(r)
     assert compute_layout(load_recipe(MOE, overrides=["cluster.workers_per_node=4", "layout.ep=4"])).dp == 4
     # FSDP splits a rank's experts over the dp / ep ranks holding them: evenly (8 / 2 = 4 experts over 8 / 2 = 4)
-    uneven = load_recipe(MOE, overrides=["cluster.workers_per_node=8", "batch.global_batch=16", "layout.ep=2",
-                                         "layout.fsdp=true", "model.num_experts=4"])  # fmt: skip
+    uneven_keys = ["cluster.workers_per_node=8", "batch.global_batch=16", "layout.ep=2", "layout.fsdp=true",
+                   "model.num_experts=4"]  # fmt: skip
+    uneven = load_recipe(MOE, overrides=uneven_keys)
     with pytest.raises(RecipeError, match=r"a rank's 2 experts do not split evenly over the 4 data-parallel ranks"):
         compute_layout(uneven)
+    # the advice holds: no layout.ep mends it (it is num_experts over DP), the advised ZeRO-1 does
+    for ep in (2, 4):
+        fsdp = ["layout.fsdp=true", f"layout.ep={ep}", "model.num_experts=4"]
+        with pytest.raises(RecipeError, match=r"needs model\.num_experts 4 divisible by DP 8 whatever layout\.ep is"):
+            compute_layout(load_recipe(MOE, overrides=[*uneven_keys[:2], *fsdp]))
+    zero1 = ["layout.ep=2", "layout.fsdp=false", "layout.zero1=true", "model.num_experts=4"]
+    assert compute_layout(load_recipe(MOE, overrides=[*uneven_keys[:2], *zero1])).dp == 8
 
 
 def test_plan_counts_each_ranks_share_of_the_experts():

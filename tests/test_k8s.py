@@ -226,6 +226,11 @@ def test_entrypoint_passes_shellcheck():
         ("k8s.pvc=fsx cluster.instance=p5.48xlarge cluster.backend=cuda", 16, "renders Neuron training on"),
         ("k8s.pvc=fsx", 3, "valid node counts"),
         ("k8s.pvc=fsx k8s.colour=blue", 16, "k8s.colour: unknown key"),
+        # names the API server refuses, and text pasted into the kubectl commands printed
+        ("k8s.pvc=fsx k8s.namespace='a; rm -rf ~'", 16, "k8s.namespace 'a; rm -rf ~' is not a Kubernetes name"),
+        ("k8s.pvc=fsx k8s.namespace=Team_A", 16, "k8s.namespace 'Team_A' is not a Kubernetes name: a DNS label"),
+        ("k8s.pvc=fsx k8s.service_account='a b'", 16, "k8s.service_account 'a b' is not a Kubernetes name"),
+        ("k8s.pvc=Fsx", 16, "k8s.pvc 'Fsx' is not a Kubernetes name: a DNS subdomain name"),
     ],
 )
 def test_bad_input_is_one_error_and_writes_nothing(tmp_path, overrides, nodes, says):

@@ -57,6 +57,10 @@ def test_worlds_not_divisible_by_tp_times_pp_list_valid_node_counts():
     with pytest.raises(RecipeError, match=r"1 node\(s\) x 1 workers = 1 workers is not divisible by tp 1 x pp 2"):
         compute_layout(r)
     assert valid_node_counts(r) == [2, 4]  # 8 nodes: DP 4 leaves 1 micro-batch for 2 stages of 1F1B
+    # not cut at 128 nodes: Llama-2-7B's 1024 sequences of one run on 256 (DP 1024 x micro-batch 1)
+    big = load_recipe("llama2-7b", nodes=1000)
+    with pytest.raises(RecipeError, match=r"valid node counts for this batch: 1, 2, 4, .*, 128, 256; valid global"):
+        compute_layout(big)
 
 
 def test_seed_table_1_tokens_per_dollar():

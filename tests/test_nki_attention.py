@@ -197,8 +197,8 @@ def test_every_core_attention_gets_the_kernel_and_a_masked_core_refuses_it():
          "model.attention nki_flash runs on backend neuron with torch-xla + NxD (cluster.neuron_sdk 2.21 to 2.28),"
          " not on backend cuda; use model.attention sdpa"),
         ("batch.seq_len=3072",
-         "model.attention nki_flash: batch.seq_len 3072 must be a multiple of 2048 (NxD's flash attention); use"
-         " model.attention sdpa for other lengths"),
+         "model.attention nki_flash: batch.seq_len 3072 must be a multiple of 2048 (NxD's flash attention), e.g. 2048"
+         " or 4096; use model.attention sdpa for other lengths"),
         ("model.num_heads=16 model.num_kv_heads=8 layout.tp=16",
          "model.attention nki_flash: head_dim 256 (model.hidden_size / num_heads) is above the kernel's 128; use"
          " model.attention sdpa"),

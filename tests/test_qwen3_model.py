@@ -201,6 +201,15 @@ def test_what_the_family_does_not_run_with_is_refused_by_the_recipe_check(overri
         load_recipe("qwen3-tiny", overrides=overrides)
 
 
+def test_tp_wider_than_the_kv_heads_is_told_the_rule_alone():
+    # qwen3 never replicates KV heads: what replication is not built with (FSDP here) would be a second, false reason
+    with pytest.raises(RecipeError) as err:
+        load_recipe("qwen3-tiny", overrides=["model.num_kv_heads=1", "layout.tp=2", "layout.fsdp=true"])
+    assert str(err.value).splitlines()[1:] == [
+        "  layout.tp 2 must divide model.num_kv_heads 1 (each rank holds whole KV groups)"
+    ]
+
+
 def test_the_nxd_path_refuses_the_family():
     over = ["cluster.instance=trn1.32xlarge", "cluster.backend=neuron", "cluster.neuron_sdk=2.28", "compile.steps=2"]
     with pytest.raises(RecipeError, match=r"model\.family qwen3 runs on TorchNeuron .* not on torch-xla \+ NxD"):

@@ -115,9 +115,9 @@ def test_unknown_recipe_lists_the_known_ones():
         load_recipe("neox21b")
 
 
-@pytest.mark.parametrize("nodes", ["0", "-1", "abc", "4;touch x", "1.5", "", True])
+@pytest.mark.parametrize("nodes", ["0", "-1", "abc", "4;touch x", "1.5", "", True, "100001", "9" * 30])
 def test_node_counts_must_be_positive_whole_numbers(nodes):
-    with pytest.raises(RecipeError, match="nodes must be a positive whole number"):
+    with pytest.raises(RecipeError, match="nodes must be a whole number from 1 to 100,000"):
         load_recipe("neox-tiny", nodes=nodes)
 
 

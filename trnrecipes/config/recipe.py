@@ -64,10 +64,13 @@ def find_recipe(name_or_path: str) -> Path:
     )
 
 
+MAX_NODES = 100_000  # beyond any cluster: a typo's 30 digits would reach the schema as an int64 overflow
+
+
 def parse_nodes(text: str | int) -> int:
     value = str(text).strip()
-    if not re.fullmatch(r"[0-9]+", value) or int(value) < 1:
-        raise RecipeError(f"nodes must be a positive whole number, got {shown(str(text))}")
+    if not re.fullmatch(r"[0-9]+", value) or not 1 <= int(value) <= MAX_NODES:
+        raise RecipeError(f"nodes must be a whole number from 1 to {MAX_NODES:,}, got {shown(str(text))}")
     return int(value)
 
 
@@ -352,6 +355,8 @@ def kv_replication_problems(r: Recipe) -> list[str]:
     kv, tp = getattr(r.model, "num_kv_heads", None), r.layout.tp
     if kv is None or tp <= kv:
         return []
+    if any("model.num_kv_heads" in p for p in r.model.tp_problems(tp)):  # a family that never replicates (qwen3)
+        return []  # its TP rule says the one thing to change
     why = f"layout.tp {tp} over model.num_kv_heads {kv} replicates each KV head on {tp // kv} ranks"
     problems = []
     if r.cluster.backend == "neuron" and not r.cluster.instance.startswith("trn1"):
@@ -398,7 +403,8 @@ def attention_problems(r: Recipe, stack: str | None) -> list[str]:
     if r.batch.seq_len % NKI_FLASH_SEQ_MULTIPLE:
         problems.append(
             f"model.attention nki_flash: batch.seq_len {r.batch.seq_len} must be a multiple of"
-            f" {NKI_FLASH_SEQ_MULTIPLE} (NxD's flash attention); use model.attention sdpa for other lengths"
+            f" {NKI_FLASH_SEQ_MULTIPLE} (NxD's flash attention), e.g."
+            f" {_nearby_lengths(r.batch.seq_len, seq_len_multiple(r))}; use model.attention sdpa for other lengths"
         )
     if m.head_dim > NKI_FLASH_MAX_HEAD_DIM:
         problems.append(
@@ -434,13 +440,13 @@ def check_recipe(r: Recipe) -> list[str]:
         not r.layout.sequence_parallel or b.seq_len % (tp * cp) == 0,
         f"batch.seq_len {b.seq_len} must be divisible by layout.tp {tp}"
         + (f" x layout.cp {cp} = {tp * cp}" if cp > 1 else "")
-        + " with sequence parallelism",
+        + f" with sequence parallelism; e.g. {_nearby_lengths(b.seq_len, seq_len_multiple(r))}",
     )
     experts = getattr(m, "num_experts", 0)
     need(  # under TP each rank routes 1/tp of a sequence's tokens (trnrecipes/parallel/expert.py)
         r.layout.sequence_parallel or not experts or tp == 1 or b.seq_len % tp == 0,
         f"batch.seq_len {b.seq_len} must be divisible by layout.tp {tp} with model.num_experts {experts} (each TP"
-        f" rank routes 1/{tp} of a sequence's tokens); e.g. {_nearby_lengths(b.seq_len, tp)}",
+        f" rank routes 1/{tp} of a sequence's tokens); e.g. {_nearby_lengths(b.seq_len, seq_len_multiple(r))}",
     )
     lay = r.layout
     split = split_problem(m.num_layers, lay.pp, lay.pp_virtual_stages, lay.pp_stage_layers, lay.pp_schedule)
@@ -618,7 +624,7 @@ def context_parallel_problems(r: Recipe, on_torch: bool, nxd: bool, backend_word
         problems.append(
             f"batch.seq_len {seq} with layout.cp {cp}: each sequence is cut into 2 x cp = {2 * cp} equal chunks (two"
             f" a rank: the front and the back, for an even causal load); use a batch.seq_len divisible by {2 * cp},"
-            f" e.g. {_nearby_lengths(seq, 2 * cp)}"
+            f" e.g. {_nearby_lengths(seq, seq_len_multiple(r))}"
         )
     if FAMILIES[r.model.family].objective != "causal_lm":
         problems.append(
@@ -652,6 +658,22 @@ def context_parallel_problems(r: Recipe, on_torch: bool, nxd: bool, backend_word
             " micro-batch's whole sequences, which no rank holds under context parallelism; not built: use layout.cp 1"
         )
     return problems
+
+
+def seq_len_multiple(r: Recipe) -> int:
+    """What every batch.seq_len rule of this recipe's layout asks together: the least common multiple of tp x cp
+    (sequence parallelism), tp (experts without it), 2 x cp (context parallelism's chunks) and the NKI flash
+    kernel's block, so a length one message suggests is not refused by the next."""
+    tp, cp, wants = r.layout.tp, r.layout.cp, [1]
+    if r.layout.sequence_parallel:
+        wants.append(tp * cp)
+    elif getattr(r.model, "num_experts", 0):
+        wants.append(tp)
+    if cp > 1:
+        wants.append(2 * cp)
+    if getattr(r.model, "attention", "sdpa") == "nki_flash":
+        wants.append(NKI_FLASH_SEQ_MULTIPLE)
+    return math.lcm(*wants)
 
 
 def _nearby_lengths(seq_len: int, multiple: int) -> str:

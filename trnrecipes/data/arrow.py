@@ -24,6 +24,7 @@ import gzip
 import io
 import itertools
 import os
+import shlex
 import sys
 import tempfile
 import zlib
@@ -332,8 +333,8 @@ def _text_column(table: pa.Table, path: Path, text_field: str | None) -> pa.Chun
     if column.null_count:  # from the IPC metadata: no text is read
         raise DataError(
             f"{path}: column {field_name!r} has {column.null_count} null row(s), the first row {_first_null(column)};"
-            f" every row needs text: `trnrecipes data to-arrow --in {path} --out NEW.arrow --text-field {field_name}"
-            " --on-bad-record skip` writes a copy without them"
+            f" every row needs text: `trnrecipes data to-arrow --in {shlex.quote(str(path))} --out NEW.arrow"
+            f" --text-field {shlex.quote(field_name)} --on-bad-record skip` writes a copy without them"
         )
     return column
 
@@ -752,7 +753,8 @@ def read_row_lines(f: Path) -> Iterator[tuple[str, str]]:
             except UnicodeDecodeError as err:
                 raise DataError(
                     f"{where}: undecodable UTF-8 ({clipped(err)}); re-encode the file as UTF-8, or read the Arrow"
-                    f" file `trnrecipes data to-arrow --in {f} --out NEW.arrow --on-bad-record skip` writes without"
+                    f" file `trnrecipes data to-arrow --in {shlex.quote(str(f))} --out NEW.arrow --on-bad-record skip`"
+                    " writes without"
                     " such lines"
                 ) from None
             if line.strip():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from collections import Counter
 from pathlib import Path
 
@@ -40,6 +41,11 @@ CLASSIFICATION_FILES = (
 )
 
 
+def _q(word: object) -> str:
+    """A path or name as a shell word in a command to paste: quoted where it holds spaces or shell characters."""
+    return shlex.quote(str(word))
+
+
 def _made_by(path: str, kind: str, tokenizer: str = "<tokenizer dir>", full: Path | None = None) -> str:
     """The command that makes a missing corpus or tokenizer (`path` as the recipe names it; the command names
     `full`, where the job looks: a relative path is the repository's, not the user's working directory's)."""
@@ -51,11 +57,11 @@ def _made_by(path: str, kind: str, tokenizer: str = "<tokenizer dir>", full: Pat
     if kind == "arrow":
         return (
             f"make it with `trnrecipes data to-arrow --in <your .jsonl(.gz/.zst)/.parquet files or folders, or a"
-            f" datasets save_to_disk dir> --out {where}` ({BRING_YOUR_DATA})"
+            f" datasets save_to_disk dir> --out {_q(where)}` ({BRING_YOUR_DATA})"
         )
     if kind == "megatron":
         return (
-            f"make it with `trnrecipes data preprocess --in <your text> --tokenizer {tokenizer} --out {where}`"
+            f"make it with `trnrecipes data preprocess --in <your text> --tokenizer {_q(tokenizer)} --out {_q(where)}`"
             f" ({BRING_YOUR_DATA})"
         )
     if path.rstrip("/").endswith("llama2"):
@@ -116,12 +122,12 @@ def _convert(path: Path) -> str:
         which = "its train split" if splits[0] == "train" else "the split to train on, e.g."
         return (
             f"it holds {len(splits)} splits ({listed(splits)}): convert {which} with `trnrecipes data to-arrow --in"
-            f" {path} --split {splits[0]} --out {path.with_name(f'{stem}-{splits[0]}.arrow')}` and name that in"
-            f" data.path ({BRING_YOUR_DATA})"
+            f" {_q(path)} --split {_q(splits[0])} --out {_q(path.with_name(f'{stem}-{splits[0]}.arrow'))}` and name"
+            f" that in data.path ({BRING_YOUR_DATA})"
         )
     out = path.with_name(f"{stem}-text.arrow" if arrow else f"{stem}.arrow")
     return (
-        f"convert it with `trnrecipes data to-arrow --in {path} --out {out}` and name that in data.path"
+        f"convert it with `trnrecipes data to-arrow --in {_q(path)} --out {_q(out)}` and name that in data.path"
         f" ({BRING_YOUR_DATA})"
     )
 
@@ -237,7 +243,7 @@ def _check_tokenized_with(label: str, path: str, full: Path, tokenizer: str, rep
     return [
         f"{label} {path}: tokenized with {made_by.get('tokenizer', 'another tokenizer')}, not data.tokenizer"
         f" {tokenizer} (their tokenizer.json differ): its ids would mean other tokens; re-make it with `trnrecipes"
-        f" data preprocess --tokenizer {tokenizer} --out {path}` or use that tokenizer"
+        f" data preprocess --tokenizer {_q(tokenizer)} --out {_q(path)}` or use that tokenizer"
     ]
 
 
@@ -334,6 +340,6 @@ def _check_init_from(recipe: Recipe, repo_root: Path) -> list[str]:
         return []
     return [
         f"train.init_from {path}: {full} does not exist; point it at a trnrecipes checkpoint (a run's"
-        f" checkpoints/step_N), or make one with `trnrecipes convert from-hf --hf <Hugging Face model dir> --out {path}"
-        f" --recipe {recipe.name}`"
+        f" checkpoints/step_N), or make one with `trnrecipes convert from-hf --hf <Hugging Face model dir> --out"
+        f" {_q(path)} --recipe {recipe.name}`"
     ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,12 @@ def _image(r: Recipe) -> str:
     return image
 
 
+# Kubernetes' object names (its API conventions, "Object Names and IDs"): a namespace is a DNS-1123 label; a
+# PersistentVolumeClaim or ServiceAccount a DNS-1123 subdomain name.
+DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+DNS_SUBDOMAIN = rf"{DNS_LABEL}(\.{DNS_LABEL})*"
+
+
 def _check(r: Recipe, repo_root: Path, job_dir: Path, run_dir: Path) -> None:
     if r.cluster.backend != "neuron" or r.cluster.instance not in POD_RESOURCES:
         raise RecipeError(
@@ -118,6 +125,16 @@ def _check(r: Recipe, repo_root: Path, job_dir: Path, run_dir: Path) -> None:
             "k8s.pvc is not set: name the PersistentVolumeClaim (FSx for Lustre) that holds this checkout, e.g."
             " --overrides k8s.pvc=fsx-claim"
         )
+    names = (("k8s.namespace", r.k8s.namespace, DNS_LABEL, 63, "a DNS label"),
+             ("k8s.pvc", r.k8s.pvc, DNS_SUBDOMAIN, 253, "a DNS subdomain name"),
+             ("k8s.service_account", r.k8s.service_account, DNS_SUBDOMAIN, 253, "a DNS subdomain name"))  # fmt: skip
+    for key, name, rule, most, words in names:  # the API server refuses others, and they are pasted into commands
+        if name is not None and (len(name) > most or not re.fullmatch(rule, name)):
+            raise RecipeError(
+                f"{key} {shown(name)} is not a Kubernetes name: {words} (lowercase letters, digits and '-'"
+                f"{', dots between' if rule == DNS_SUBDOMAIN else ''}; starting and ending with a letter or digit, at"
+                f" most {most} characters), e.g. ml-team"
+            )
     for path, what in ((repo_root, "the checkout"), (job_dir, "the job dir"), (run_dir, "the run dir")):
         if not Path(path).is_relative_to(r.k8s.mount):
             raise RecipeError(
@@ -294,7 +311,7 @@ def kubectl_steps(r: Recipe, job_dir: Path) -> list[str]:
     for mode, file_name in MANIFESTS.items():
         condition, kind = done[mode].split()
         wait = f"kubectl wait -n {r.k8s.namespace} --for=condition={condition} --timeout=-1s {kind}/{job_name(r, mode)}"
-        lines += [f"kubectl apply -f {job_dir / file_name}", wait]
+        lines += [f"kubectl apply -f {shlex.quote(str(job_dir / file_name))}", wait]
     return lines
 
 

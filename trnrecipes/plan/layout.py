@@ -73,8 +73,9 @@ def compute_layout(r: Recipe) -> Layout:
     if r.layout.fsdp and r.layout.ep > 1 and local % (dp // r.layout.ep):
         raise RecipeError(
             f"layout.fsdp with layout.ep {r.layout.ep}: a rank's {local} experts do not split evenly over the"
-            f" {dp // r.layout.ep} data-parallel ranks holding the same ones (DP {dp} / EP {r.layout.ep}); use a"
-            f" layout.ep that makes them divide, or layout.zero1"
+            f" {dp // r.layout.ep} data-parallel ranks holding the same ones (DP {dp} / EP {r.layout.ep}), which"
+            f" needs model.num_experts {local * r.layout.ep} divisible by DP {dp} whatever layout.ep is; use"
+            " layout.fsdp=false layout.zero1=true, or fewer data-parallel ranks"
         )
     if gbs % (mb * dp):
         raise RecipeError(
@@ -118,13 +119,14 @@ def global_rank(*, pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int, c
     return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def valid_node_counts(r: Recipe, limit: int = 128) -> list[int]:
+def valid_node_counts(r: Recipe) -> list[int]:
     """Node counts compute_layout accepts: the world divides into TP x CP x PP, the batch into DP, and the pipeline
-    schedule gets the micro-batches it needs."""
+    schedule gets the micro-batches it needs. All of them: DP can be at most global_batch / micro_batch, which bounds
+    the nodes (a list cut at 128 never told a user asking for 1,000 that 256 works)."""
     wpn, mb, gbs = r.workers_per_node, r.batch.micro_batch, r.batch.global_batch
     model_ranks = r.layout.tp * r.layout.pp * r.layout.cp
     found = []
-    for n in range(1, limit + 1):
+    for n in range(1, max(gbs // mb, 1) * model_ranks // wpn + 1):
         world = n * wpn
         if world % model_ranks or gbs % (mb * (world // model_ranks)) or (world // model_ranks) % r.layout.ep:
             continue
@@ -144,7 +146,7 @@ def _divisors(n: int) -> str:
 
 
 def _fmt(values: list[int]) -> str:
-    return ", ".join(map(str, values)) if values else "none up to 128"
+    return ", ".join(map(str, values)) if values else "none"
 
 
 def param_count(m: ModelSection) -> int:
