@@ -192,6 +192,12 @@ def test_ep_must_divide_the_data_parallel_degree():
     with pytest.raises(RecipeError, match=r"layout.ep 4 must divide the data-parallel degree 2 .* valid ep: 1, 2$"):
         compute_layout(r)
     assert compute_layout(load_recipe(MOE, overrides=["cluster.workers_per_node=4", "layout.ep=4"])).dp == 4
+    # each refusal offers only what the other takes too: 3 experts over DP 2 leaves ep 1 (they offered 3 and 2)
+    three = ["cluster.workers_per_node=2", "model.num_experts=3"]
+    with pytest.raises(RecipeError, match=r"valid ep: 1 \(dividing the data-parallel degree 2 too\)$"):
+        load_recipe(MOE, overrides=[*three, "layout.ep=2"])
+    with pytest.raises(RecipeError, match=r"layout.ep 3 must divide the data-parallel degree 2 .* valid ep: 1$"):
+        compute_layout(load_recipe(MOE, overrides=[*three, "layout.ep=3"]))
     # FSDP splits a rank's experts over the dp / ep ranks holding them: evenly (8 / 2 = 4 experts over 8 / 2 = 4)
     uneven_keys = ["cluster.workers_per_node=8", "batch.global_batch=16", "layout.ep=2", "layout.fsdp=true",
                    "model.num_experts=4"]  # fmt: skip

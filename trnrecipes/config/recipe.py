@@ -601,10 +601,12 @@ def expert_parallel_problems(r: Recipe, on_torch: bool, backend_words: str) -> l
         return [f"layout.ep {ep}: {why}; use layout.ep 1"]
     problems = []
     if experts % ep:
-        valid = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
+        dp = _data_parallel(r)
+        both = math.gcd(experts, dp) if dp else experts  # ep must divide the DP degree too (plan.layout's check)
+        valid = ", ".join(str(d) for d in range(1, both + 1) if both % d == 0)
         problems.append(
             f"layout.ep {ep} must divide model.num_experts {experts} (each expert-parallel rank holds the same number);"
-            f" valid ep: {valid}"
+            f" valid ep: {valid}{f' (dividing the data-parallel degree {dp} too)' if dp else ''}"
         )
     if not on_torch:
         problems.append(
@@ -613,6 +615,15 @@ def expert_parallel_problems(r: Recipe, on_torch: bool, backend_words: str) -> l
             " neuronx-distributed's own MoE module, which this project does not build on); use layout.ep 1"
         )
     return problems
+
+
+def _data_parallel(r: Recipe) -> int | None:
+    """The recipe's data-parallel degree at its node count, or None where the world does not split (said elsewhere)."""
+    try:
+        world, replica = r.cluster.nodes * r.workers_per_node, r.layout.tp * r.layout.pp * r.layout.cp
+    except (RecipeError, ValueError):  # an unknown instance: its own problem
+        return None
+    return world // replica if world % replica == 0 else None
 
 
 def context_parallel_problems(r: Recipe, on_torch: bool, nxd: bool, backend_words: str) -> list[str]:

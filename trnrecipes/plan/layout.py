@@ -67,7 +67,7 @@ def compute_layout(r: Recipe) -> Layout:
         raise RecipeError(
             f"layout.ep {r.layout.ep} must divide the data-parallel degree {dp} ({nodes} node(s) x {wpn} workers /"
             f" ({_replica(r)})): expert-parallel groups are carved from the data-parallel ranks; valid ep:"
-            f" {_divisors(dp)}"
+            f" {_divisors(math.gcd(dp, getattr(r.model, 'num_experts', 0)))}"
         )
     local = getattr(r.model, "num_experts", 0) // r.layout.ep
     if r.layout.fsdp and r.layout.ep > 1 and local % (dp // r.layout.ep):
