@@ -347,6 +347,14 @@ def test_a_tokenizer_never_replaces_the_directory_of_its_inputs_or_one_it_did_no
     assert main([*gpt2, "--out", str(mine)]) == 2
     assert "is not a tokenizer directory (it holds notes.txt; no tokenizer.json)" in capsys.readouterr().err
     assert snapshot(tmp_path) == before
+    model = tmp_path / "hf"  # a Hugging Face model directory holds a tokenizer.json beside its weights
+    model.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (model / name).write_text("{}")
+    before = snapshot(tmp_path)
+    assert main([*gpt2, "--out", str(model)]) == 2  # it replaced the directory: the weights were gone
+    assert "holds config.json, model.safetensors besides its tokenizer files" in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
 
 
 def test_eval_never_replaces_an_hf_directory_it_did_not_export(checkpoints, tmp_path, capsys):

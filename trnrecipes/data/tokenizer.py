@@ -273,15 +273,29 @@ def _parent(out: Path) -> Path:
     return out.parent
 
 
+# What a tokenizer directory holds (transformers' save_pretrained: the sentencepiece trainer's writes the first four),
+# and all a tokenizer written over it may replace.
+TOKENIZER_DIR_FILES = frozenset(
+    ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "added_tokens.json",
+     "chat_template.jinja", "vocab.json", "merges.txt", "vocab.txt")
+)  # fmt: skip
+
+
 def check_replaceable(out: Path) -> None:
-    """RecipeError unless `out` is new, empty, or a tokenizer directory (its tokenizer.json): a tokenizer replaces
-    its output directory whole, and anything else there would be lost. The CLI checks before any work."""
+    """RecipeError unless `out` is new, empty, or a tokenizer directory (a tokenizer.json and nothing but tokenizer
+    files): a tokenizer replaces its output directory whole, and anything else there would be lost (a Hugging Face
+    model directory holds a tokenizer.json beside its weights). The CLI checks before any work."""
     out = Path(out)
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else ["a file"] if out.exists() else []
     if held and "tokenizer.json" not in held:
         raise RecipeError(
             f"{out} exists and is not a tokenizer directory (it holds {listed(held)}; no tokenizer.json): writing"
             " the tokenizer would replace it; choose a new --out"
+        )
+    if others := [name for name in held if name not in TOKENIZER_DIR_FILES]:
+        raise RecipeError(
+            f"{out} holds {listed(others)} besides its tokenizer files: writing the tokenizer replaces the directory"
+            " whole and would delete them; choose a new --out"
         )
 
 
