@@ -11,6 +11,7 @@ from conftest import run_cli
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from trnrecipes.checkpoint import read_model_checkpoint
+from trnrecipes.config.recipe import load_recipe
 from trnrecipes.models import build_model
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -110,3 +111,43 @@ def test_a_corrupt_checkpoint_is_refused_and_names_the_file(tmp_path):
     assert "no 'done' marker" in done.stderr
     done = run_cli("convert", "from-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"))
     assert done.returncode == 2 and f"--out {tmp_path / 'ckpt'} would write into checkpoint" in done.stderr
+
+
+def test_a_bad_config_or_a_tokenizer_without_tokenizer_json_is_refused_before_anything_is_written(tmp_path, capsys):
+    from trnrecipes.cli import main
+
+    hf = tmp_path / "hf"
+    tiny_hf_dir(hf, "llama2")
+    capsys.readouterr()  # transformers' progress bar
+    config = json.loads((hf / "config.json").read_text())
+
+    def convert(out: str) -> tuple[int, str]:
+        code = main(["convert", "from-hf", "--hf", str(hf), "--out", str(tmp_path / out)])
+        return code, capsys.readouterr().err
+
+    text = config | {"hidden_size": "64"}  # was told 'head_dim 16 != hidden_size / num_attention_heads = 64/4'
+    for bad, says in (([1, 2], "holds a JSON list, not a model config"),  # was an AttributeError traceback
+                      (text, 'hidden_size is "64", text; write it as a JSON number')):  # fmt: skip
+        (hf / "config.json").write_text(json.dumps(bad))
+        code, err = convert("bad")
+        assert code == 2 and says in err and err.count("\n") == 1, err
+    (hf / "config.json").write_text(json.dumps(config))
+    (hf / "tokenizer.json").unlink()  # a BERT's vocab.txt or a GPT-2's vocab.json alone: the checkpoint could not
+    code, err = convert("no-json")  # tokenize (predict, embed and eval failed on it later)
+    assert code == 2 and "but no tokenizer.json, the one trnrecipes reads: write it with transformers first" in err
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "no-json").exists()
+    for f in hf.glob("*.json"):
+        if f.name != "config.json":
+            f.unlink()
+    code, err = convert("none")  # converted, and told whose tokenizer its users will get
+    assert code == 0 and f"note: {hf} holds no tokenizer files, so neither does the checkpoint" in err
+    assert f"its recipe's data.tokenizer {load_recipe('llama2-tiny').data.tokenizer}" in err
+
+
+def test_to_hf_names_the_auto_class_that_loads_the_export_whole(tmp_path):
+    from trnrecipes.cli import _auto_class
+
+    for architecture, auto in (("BertForSequenceClassification", "AutoModelForSequenceClassification"),
+                               ("BertModel", "AutoModel"), ("LlamaForCausalLM", "AutoModelForCausalLM")):  # fmt: skip
+        (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+        assert _auto_class(tmp_path) == auto  # a classifier told AutoModelForCausalLM lost its trained head

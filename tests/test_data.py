@@ -138,6 +138,10 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path: Path):
     shutil.copy(REPO_ROOT / "data/tokenizers/gpt2/tokenizer.json", tmp_path)  # without its tokenizer_config.json
     with pytest.raises(TokenizerError, match=r"has no tokenizer_config.json, which names the eos_token that ends"):
         load_tokenizer(tmp_path)
+    # bert-base-uncased's layout: a tokenizer_config.json naming no specials, special_tokens_map.json naming them
+    (tmp_path / "tokenizer_config.json").write_text('{"do_lower_case": true, "model_max_length": 512}')
+    (tmp_path / "special_tokens_map.json").write_text('{"eos_token": "<|endoftext|>"}')
+    assert load_tokenizer(tmp_path).eos_id == 50256  # was refused: 'names no eos_token (or sep_token)'
 
 
 # ---------------------------------------------------------------- to-arrow

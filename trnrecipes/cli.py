@@ -970,6 +970,16 @@ def _from_hf(args: argparse.Namespace) -> int:
     check_output(args.out, inputs=[args.hf], directory=True)
     out = from_hf(Path(args.hf), Path(args.out), args.recipe)
     print(f"wrote checkpoint {out}")
+    if not (out / "tokenizer").is_dir():
+        from trnrecipes.checkpoint.format import checkpoint_recipe
+
+        used = checkpoint_recipe(out).data.tokenizer
+        print(
+            f"note: {args.hf} holds no tokenizer files, so neither does the checkpoint: predict, embed and eval use"
+            f" its recipe's data.tokenizer {used}. If the model was not trained with that one, put its tokenizer.json"
+            f" and tokenizer_config.json in {args.hf} and convert again",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -978,8 +988,18 @@ def _to_hf(args: argparse.Namespace) -> int:
 
     check_output(args.out, inputs=[args.ckpt], directory=True)
     out = to_hf(Path(args.ckpt), Path(args.out))
-    print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    print(f"wrote {out}: load it with transformers.{_auto_class(out)}.from_pretrained({str(out)!r})")
     return 0
+
+
+def _auto_class(hf_dir: Path) -> str:
+    """transformers' Auto class that loads an export whole (its config.json's architecture): a classifier's head
+    would be dropped by AutoModelForCausalLM, which builds a random language-model head instead."""
+    architecture = (json.loads((hf_dir / "config.json").read_text()).get("architectures") or [""])[0]
+    for suffix in ("ForSequenceClassification", "ForCausalLM"):
+        if architecture.endswith(suffix):
+            return f"AutoModel{suffix}"
+    return "AutoModel"
 
 
 def _predict(args: argparse.Namespace) -> int:

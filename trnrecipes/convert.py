@@ -55,11 +55,18 @@ def from_hf(hf_dir: Path, out: Path, recipe_name: str | None = None) -> Path:
         hf_config = json.loads(config_file.read_text())
     except ValueError as err:
         raise RecipeError(f"{config_file}: not valid JSON ({err})") from None
+    if not isinstance(hf_config, dict):
+        raise RecipeError(f"{config_file}: holds a JSON {type(hf_config).__name__}, not a model config (an object)")
+    if as_text := _numbers_as_text(hf_config):  # read on, it is a TypeError or a false message about sizes
+        raise RecipeError(f"{config_file}: {as_text}")
     try:
         family = family_of_hf_config(hf_config)
         args = family.hf.args_from_hf_config(hf_config)
     except (ValueError, KeyError) as err:
         raise RecipeError(f"{config_file}: {err}") from None
+    except TypeError as err:  # a list where a number goes, ...
+        raise RecipeError(f"{config_file}: a value of the wrong type ({err}); compare it with transformers'") from None
+    _check_tokenizer_files(hf_dir)
     template = load_recipe(recipe_name or f"{family.name}-tiny")
     if template.model.family != family.name:
         raise RecipeError(f"--recipe {recipe_name} is a {template.model.family} recipe; {hf_dir} holds {family.name}")
@@ -81,6 +88,29 @@ def from_hf(hf_dir: Path, out: Path, recipe_name: str | None = None) -> Path:
             for f in tokenizer:
                 shutil.copy2(f, tok_dir / f.name)
         return write_model_checkpoint(out, state, recipe, tok_dir)
+
+
+def _numbers_as_text(hf_config: dict) -> str | None:
+    """A size of a config.json written as text ("vocab_size": "30522"), in words, or None: transformers writes
+    every size (keys ending in _size, _layers, _heads, _embeddings, or starting num_) and eps as a number."""
+    for key, value in hf_config.items():
+        sized = key.endswith(("_size", "_layers", "_heads", "_embeddings", "_eps", "_theta")) or key.startswith("num_")
+        if sized and isinstance(value, str):
+            return f'{key} is {json.dumps(value)[:60]}, text; write it as a JSON number (e.g. 30522, not "30522")'
+    return None
+
+
+def _check_tokenizer_files(hf_dir: Path) -> None:
+    """A model's tokenizer files without the tokenizer.json trnrecipes reads (a BERT's vocab.txt, a GPT-2's
+    vocab.json + merges.txt): the checkpoint could not tokenize, and predict, embed and eval would fail on it later.
+    Refused before anything is converted; transformers writes the tokenizer.json from them."""
+    held = [f.name for f in _tokenizer_files(hf_dir)] + [n for n in ("vocab.txt",) if (hf_dir / n).is_file()]
+    if held and "tokenizer.json" not in held:
+        raise RecipeError(
+            f"{hf_dir} holds the tokenizer files {', '.join(held)} but no tokenizer.json, the one trnrecipes reads:"
+            ' write it with transformers first (python -c "from transformers import AutoTokenizer as T;'
+            f" T.from_pretrained('{hf_dir}').save_pretrained('{hf_dir}')\"), then convert again"
+        )
 
 
 def checkpoint_source(ckpt: Path) -> dict:

@@ -92,6 +92,7 @@ def open_checkpoint(ckpt: Path, log=print) -> tuple[Path, Recipe, TextTokenizer]
     tokenizer_dir = path / "tokenizer"
     if not tokenizer_dir.is_dir():  # checkpoints without one: the recipe's, relative to the checkout (as to_hf)
         tokenizer_dir = REPO_ROOT / recipe.data.tokenizer
+        log(f"[trnrecipes] {path} holds no tokenizer: using its recipe's data.tokenizer {tokenizer_dir}")
     tokenizer = load_tokenizer(tokenizer_dir)
     if tokenizer.vocab_size > recipe.model.vocab_size:
         raise RecipeError(

@@ -80,14 +80,16 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
     # to every encode. Ours pad and cut where the caller says (packing, trnrecipes/data/classify.py).
     backend.no_padding()
     backend.no_truncation()
-    config = _read_json(path / "tokenizer_config.json")
+    # tokenizer_config.json names the special tokens; bert-base-uncased's (and others') leave them to
+    # special_tokens_map.json, which transformers reads under it
+    config = _read_json(path / "special_tokens_map.json") | _read_json(path / "tokenizer_config.json")
     specials = {
         key: _special_id(backend, config.get(key))
         for key in ("eos_token", "sep_token", "cls_token", "pad_token", "bos_token")
     }
     # BERT's tokenizers name no eos_token: [SEP], which ends every sequence, stands in for it.
     eos_id = specials["eos_token"] if specials["eos_token"] is not None else specials["sep_token"]
-    if eos_id is None and not (path / "tokenizer_config.json").is_file():
+    if eos_id is None and not any((path / n).is_file() for n in ("tokenizer_config.json", "special_tokens_map.json")):
         raise TokenizerError(
             f"{path} has no tokenizer_config.json, which names the eos_token that ends each document; copy it from"
             " where the tokenizer.json came from (a Hugging Face model or tokenizer repository holds both)"
