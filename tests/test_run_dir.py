@@ -109,10 +109,10 @@ def test_property_random_saves_corruptions_and_restarts_never_lose_the_newest_va
             found = settle_checkpoints(root, resume, force, quiet)
         except RecipeError as err:
             # refused: resume off without force, or resume on and not one checkpoint verifies
-            assert step_dirs(root) and ((not resume and not force) or (resume and not before)), err
+            assert step_dirs(root) and not force and (not resume or not before), err
             assert listing(run) == untouched  # a refusal changes nothing
             continue
-        if resume:
+        if resume and not force:  # force_fresh starts over whatever resume says
             assert (found[0] if found else None) == (before[0] if before else None)
         elif before:  # force_fresh: the old run's checkpoints were moved aside whole, still valid
             archived = sorted((run / "archived").iterdir())[-1] / "checkpoints"
