@@ -170,6 +170,27 @@ def test_force_fresh_on_a_requeued_job_resumes_instead_of_archiving_again(tmp_pa
     assert found == (20, run / "checkpoints/step_20") and not (run / "archived").exists()
 
 
+def test_force_fresh_alone_starts_over_as_the_docs_command_says(tmp_path: Path):
+    run = tmp_path / "run"
+    save(run / "checkpoints", 20)
+    assert settle_checkpoints(run / "checkpoints", resume=True, force_fresh=True, log=quiet) is None  # was (20, ..)
+    (archive,) = (run / "archived").iterdir()
+    verify(archive / "checkpoints/step_20")
+
+
+def test_a_run_dir_inside_a_checkpoint_or_checkpoints_is_refused_and_nothing_is_made(tmp_path: Path):
+    from trnrecipes.train.run_dir import require_writable
+
+    run = tmp_path / "run"
+    save(run / "checkpoints", 20)
+    before = listing(run)
+    for slip in (run / "checkpoints/step_20", run / "checkpoints", run / "checkpoints/step_20/new"):
+        with pytest.raises(RecipeError, match=r"^run dir .*: it lies in (checkpoint|the run dir checkpoints) "):
+            require_writable(slip)  # it wrote a run there, and the run it belongs to set step_20 aside
+    assert listing(run) == before
+    verify(run / "checkpoints/step_20")
+
+
 def test_symlinked_step_dirs_are_refused_and_the_other_run_is_untouched(tmp_path: Path):
     other = tmp_path / "other/checkpoints"
     save(other, 30)

@@ -160,6 +160,20 @@ def checkpoint_around(path: Path) -> tuple[str, Path] | None:
     return None
 
 
+def run_dir_in_checkpoints(run_dir: Path) -> str | None:
+    """Why a run dir may not be made at `run_dir`, or None: it is or lies in a checkpoint, or in a run's checkpoints/
+    (a slip of a path). The run's files would make that checkpoint fail verification, and the run it belongs to
+    would set it aside and train its steps again."""
+    here = Path(os.path.abspath(run_dir))
+    if found := checkpoint_around(here) or (os.path.exists(here) and checkpoint_around(here.resolve())):
+        kind, where = found
+        return (
+            f"it lies in {kind} {where}: a run's files there would cost a run its checkpoints (set aside as"
+            " unusable, their steps trained again); give a run dir outside it"
+        )
+    return None
+
+
 def run_entry_around(path: Path, allowed: str | None = None) -> tuple[Path, bool] | None:
     """(RUN_DIR/entry, whether `path` lies inside it) if `path` (absolute) is or lies in one of a run dir's own
     entries other than `allowed`, else None. Only a parent of a path named like an entry is asked if it is a run dir."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from trnrecipes.config.cluster import LOCAL_INSTANCES
 from trnrecipes.config.preemption import checkpoint_bytes
 from trnrecipes.config.sections import Recipe
+from trnrecipes.files.outputs import run_dir_in_checkpoints
 from trnrecipes.files.reach import blocked
 from trnrecipes.files.run_files import CHECKPOINTS, STEP_DIR
 from trnrecipes.jobs.mounts import SHARED_TYPES, mount_of, read_mountinfo
@@ -61,7 +62,11 @@ def run_dir_problem(recipe: Recipe, runs_root: str | None) -> str | None:
 def run_dir_blocker(run_dir: Path) -> str | None:
     """Why the job could not make or use `run_dir`, or None: a symbolic link on the way (or the run dir itself)
     that leads nowhere or into a loop, a directory this user cannot search, or a file where a directory goes.
-    run.sbatch's `mkdir -p` would otherwise fail after the nodes were allocated."""
+    run.sbatch's `mkdir -p` would otherwise fail after the nodes were allocated. Or a place inside a checkpoint or a
+    run's checkpoints/ (a slip of a path): the run's files would make that checkpoint fail verification, and the
+    run it belongs to would set it aside and train its steps again."""
+    if why := run_dir_in_checkpoints(run_dir):
+        return why
     for path in (*reversed(Path(os.path.abspath(run_dir)).parents), Path(os.path.abspath(run_dir))):
         if why := blocked(path):
             return why

@@ -24,6 +24,7 @@ from trnrecipes.checkpoint import CheckpointError, CheckpointReadError, verify_t
 from trnrecipes.checkpoint.format import STORAGE_ERRNOS, step_dirs
 from trnrecipes.checkpoint.writer import PRUNING
 from trnrecipes.config.sections import RecipeError
+from trnrecipes.files.outputs import run_dir_in_checkpoints
 from trnrecipes.files.run_files import (
     ARCHIVED,
     CHECKPOINTS,
@@ -48,7 +49,9 @@ class RunDirBusy(RecipeError):
 def require_writable(run_dir: Path) -> None:
     """Before anything else is done to it: the run dir, and its checkpoints/ if there is one, take a new file.
     Tried with a probe file rather than os.access: root passes every mode bit, and a read-only mount fails only
-    when written to."""
+    when written to. Nor is it made inside a checkpoint (files.outputs.run_dir_in_checkpoints)."""
+    if why := run_dir_in_checkpoints(run_dir):
+        raise RecipeError(f"run dir {run_dir}: {why}; nothing was changed")
     for directory in (run_dir, run_dir / "checkpoints"):
         probe = directory / f".trnrecipes-probe-{os.getpid()}-{os.urandom(4).hex()}"
         try:
