@@ -170,6 +170,27 @@ def test_a_store_without_sql_access_gets_a_new_run_linked_to_the_old_where_steps
         MlflowTracker(TrackedRun("tiny", tmp_path / "other", recipe, {}, resumed_from=0), "tiny", None)
 
 
+def test_a_file_store_is_refused_in_one_line_and_an_unreachable_server_left_out_at_once(monkeypatch, tmp_path, capsys):
+    from trnrecipes.train.trackers import mlflow_store_problem, open_trackers
+
+    cases = (("file:///fsx/mlruns", "", True), ("./mlruns", "", True), ("./mlruns", "True", False),
+             ("sqlite:///fsx/mlflow.db", "", False), ("http://mlflow:5000", "", False))  # fmt: skip
+    for uri, allowed, refused in cases:
+        problem = mlflow_store_problem({"MLFLOW_TRACKING_URI": uri, "MLFLOW_ALLOW_FILE_STORE": allowed})
+        assert (problem is not None) == refused, uri
+    assert mlflow_store_problem({}) is None
+    run = TrackedRun("tiny", tmp_path, {"train": {"max_steps": 4}}, {}, resumed_from=0)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())  # MLflow's traceback, exit 1: requeued
+    with pytest.raises(RecipeError, match=r"is MLflow's file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE"):
+        open_trackers(("mlflow",), run, None, None)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9/")  # nothing listens: 4 minutes, then a traceback
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    assert open_trackers(("mlflow",), run, None, None) == []
+    err = capsys.readouterr().err
+    assert "[trnrecipes] warning: MLflow could not be opened (MlflowException: API request to" in err
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # MLflow's own retries for the run's logging
+
+
 def test_mlflow_without_sqlalchemy_is_refused_in_one_line_naming_the_package(monkeypatch):
     from trnrecipes.train.trackers import require_packages
 

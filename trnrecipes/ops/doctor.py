@@ -266,6 +266,11 @@ def check(
         if here:  # monitor.trackers' packages (the tracking extra): missing, the run stops before it trains
             tracking = {m: dist for name in recipe.monitor.trackers for m, dist in TRACKER_PACKAGES.get(name, ())}
             problems += [mine + p for p in module_problems(tracking, python, "tracking")]
+        if "mlflow" in recipe.monitor.trackers:
+            from trnrecipes.train.trackers import mlflow_store_problem
+
+            if store := mlflow_store_problem():
+                problems.append(store)
         problems += data_problems(recipe, REPO_ROOT)
         content, unchecked = corpus_problems(recipe, REPO_ROOT, scan=not node)  # a scan: once, not on every node
         problems += content

@@ -58,7 +58,14 @@ from trnrecipes.train.restore import load
 from trnrecipes.train.resume_compat import check_resume
 from trnrecipes.train.run_dir import RunDirLock, require_writable, settle_checkpoints
 from trnrecipes.train.step_rng import step_seed
-from trnrecipes.train.trackers import Outcome, TrackedRun, Tracker, open_trackers, require_packages
+from trnrecipes.train.trackers import (
+    Outcome,
+    TrackedRun,
+    Tracker,
+    mlflow_store_problem,
+    open_trackers,
+    require_packages,
+)
 
 
 @dataclass
@@ -120,6 +127,8 @@ class Trainer:
         self.recipe, self.compile_only = recipe, compile_only
         self.job_dir: Path | None = job_dir  # the job dir whose recipe.yaml this is: its provenance tags trackers
         require_packages(recipe.monitor.trackers)  # every rank, before anything is built
+        if "mlflow" in recipe.monitor.trackers and (store := mlflow_store_problem()):
+            raise RecipeError(store)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         # before the Neuron runtime starts
         rank_env(recipe, int(os.environ.get("RANK", "0")), local_rank, os.environ.get("TRNRECIPES_RUN_DIR"))

@@ -11,10 +11,12 @@ import importlib.util
 import json
 import os
 import secrets
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
+from urllib.parse import urlparse
 
 from trnrecipes.config.sections import TRACKER_PACKAGES, RecipeError
 from trnrecipes.data.arrow import atomic_output
@@ -67,13 +69,59 @@ def numbers(record: dict) -> dict[str, float]:
     }
 
 
+def mlflow_store_problem(environ: dict[str, str] | None = None) -> str | None:
+    """Why MLFLOW_TRACKING_URI cannot take a run, or None: MLflow 3 refuses its file store (a path or a file: URI)
+    unless MLFLOW_ALLOW_FILE_STORE is true (mlflow/store/tracking/file_store.py, 3.17): the run would stop at its
+    start with MLflow's traceback. doctor says it before the job; training refuses it in one line."""
+    environ = os.environ if environ is None else environ
+    uri = environ.get("MLFLOW_TRACKING_URI")
+    allowed = environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("true", "1")
+    if not uri or allowed or urlparse(uri).scheme not in ("", "file"):
+        return None
+    return (
+        f"MLFLOW_TRACKING_URI {uri} is MLflow's file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE="
+        "true: use a database store (sqlite:///PATH/mlflow.db, or a tracking server), or unset it for the run dir's"
+        " own RUN_DIR/mlflow.db"
+    )
+
+
+@contextlib.contextmanager
+def _quick_requests():
+    """MLflow's HTTP retries while a run is opened: 2 and a 30 s timeout, not its 7 with backoff (4 minutes of
+    silence before an unreachable server is told). The user's own settings stand; later logging keeps MLflow's."""
+    ours = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+    added = [name for name in ours if name not in os.environ]
+    os.environ.update({name: ours[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
 def open_trackers(names: tuple[str, ...], run: TrackedRun, mlflow_experiment: str | None, wandb_project: str | None):
-    """The trackers asked for besides tensorboard (Metrics writes that), their runs created or reopened."""
+    """The trackers asked for besides tensorboard (Metrics writes that), their runs created or reopened. A tracker
+    whose store cannot be reached is left out with one warning, as one failing mid-run is dropped: training goes
+    on (metrics.jsonl keeps everything); a setting that can never work is refused."""
     require_packages(names)
     state = _read_state(run.run_dir)
     opened: list[Tracker] = []
     if "mlflow" in names:
-        opened.append(MlflowTracker(run, mlflow_experiment or run.name, state.get("mlflow")))
+        if problem := mlflow_store_problem():
+            raise RecipeError(problem)
+        try:
+            with _quick_requests():
+                opened.append(MlflowTracker(run, mlflow_experiment or run.name, state.get("mlflow")))
+        except RecipeError:
+            raise
+        except Exception as err:  # an unreachable tracking server, a store's outage
+            said = (str(err).strip().splitlines() or [""])[0][:300]
+            print(
+                f"[trnrecipes] warning: MLflow could not be opened ({type(err).__name__}: {said}); this launch logs"
+                " nothing to it (metrics.jsonl and the console go on; a resume tries again)",
+                file=sys.stderr,
+                flush=True,
+            )
     if "wandb" in names:
         opened.append(WandbTracker(run, wandb_project or run.name, state.get("wandb")))
     return opened
