@@ -98,3 +98,14 @@ def test_a_run_killed_before_logging_its_first_step_keeps_the_history_and_its_ph
     metrics.close()
     assert lines(tmp_path / "b/metrics.jsonl") == [*history, {"step": 1, "loss": 4.0, "phase": 2, "history_step": 5}]
     assert not (tmp_path / "b/metrics.dropped.jsonl").exists()
+
+
+def test_tokens_seen_counts_on_from_the_resumed_steps_record_whatever_the_batch_now(tmp_path: Path):
+    # four steps of 1,024 tokens, resumed from step 3 with 2,048 a step: 3,072 + 2,048 at step 4, not 4 x 2,048
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 1.0, "tokens_seen": 1024 * s}) + "\n" for s in (1, 2, 3, 4))
+    )
+    metrics = Metrics(tmp_path, True, tensorboard=False, resumed_from=3)
+    assert metrics.tokens_at_resume == 3072
+    metrics.close("finished")
+    assert Metrics(tmp_path, True, tensorboard=False, resumed_from=0).tokens_at_resume is None  # a fresh start

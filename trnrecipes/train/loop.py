@@ -551,6 +551,10 @@ class Trainer:
                 raise
         signals = _catch_stop_signals()
         clock = Clock(self.start_step, steps)
+        # tokens before this launch: as the resumed step's record says (the batch or length may have changed since)
+        tokens_before = metrics.tokens_at_resume
+        if tokens_before is None:
+            tokens_before = self.start_step * tokens_per_step
         if (profiling := describe_profiling(r)) and not self.compile_only:
             self.log(f"[trnrecipes] {profiling}")
         self.log(
@@ -598,7 +602,7 @@ class Trainer:
                     record["val_loss"] = result.val_losses[step + 1] = self.validate()
                     if self.val_accuracy is not None:
                         record["val_accuracy"] = self.val_accuracy
-                record["tokens_seen"] = (step + 1) * tokens_per_step
+                record["tokens_seen"] = tokens_before + (step + 1 - self.start_step) * tokens_per_step
                 record["elapsed_s"], record["eta_s"] = clock.tick(step + 1)
                 if (step + 1) % r.train.log_every == 0 or last or "val_loss" in record:
                     record["param_norm"] = float(self.backend.param_norm(self.model, self.dims).cpu())

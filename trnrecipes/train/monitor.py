@@ -97,6 +97,9 @@ class Metrics:
         self.tb = None
         self.trackers: list[Tracker] = []  # MLflow, W&B: opened by the trainer once history_offset is known
         self.history_offset, self.phase = 0, None
+        # the tokens trained on up to `resumed_from`, as its record says: a resume with another batch size or length
+        # counts on from there (None: no such record; the trainer counts resumed_from x this batch)
+        self.tokens_at_resume: int | None = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -112,6 +115,9 @@ class Metrics:
         if earlier and (not mine or (phased and self.phase <= earlier[-1]["phase"])):
             self.phase, self.history_offset = earlier[-1]["phase"] + 1, earlier[-1]["history_step"]
         _drop_beyond(path, resumed_from, self.phase)
+        at_resume = [r for r in mine if r.get("step") == resumed_from and r.get("phase") == self.phase]
+        if resumed_from and at_resume and isinstance(at_resume[-1].get("tokens_seen"), int):
+            self.tokens_at_resume = at_resume[-1]["tokens_seen"]
         if earlier and not mine:
             with atomic_output(path) as tmp:  # a kill mid-copy leaves no partial history
                 Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in earlier))
