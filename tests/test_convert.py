@@ -151,3 +151,27 @@ def test_to_hf_names_the_auto_class_that_loads_the_export_whole(tmp_path):
                                ("BertModel", "AutoModel"), ("LlamaForCausalLM", "AutoModelForCausalLM")):  # fmt: skip
         (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture]}))
         assert _auto_class(tmp_path) == auto  # a classifier told AutoModelForCausalLM lost its trained head
+
+
+def test_checkpoints_and_exports_are_readable_by_the_group_as_the_umask_allows(tmp_path):
+    """mkdtemp (0700) and safetensors (0600) kept a team's shared storage from reading a checkpoint or an export."""
+    import os
+    import stat
+
+    from trnrecipes.checkpoint import write_model_checkpoint
+    from trnrecipes.checkpoint.writer import write_files
+    from trnrecipes.convert import to_hf
+
+    recipe = load_recipe("llama2-tiny")
+    old = os.umask(0o022)
+    try:
+        ckpt = write_model_checkpoint(tmp_path / "ckpt", build_model(recipe.model).state_dict(), recipe)
+        to_hf(ckpt, tmp_path / "hf")
+        (tmp_path / "rank").mkdir()
+        write_files(tmp_path / "rank", {"optim-tp00-of-01.safetensors": {"m": torch.zeros(2)}})  # a training save's
+    finally:
+        os.umask(old)
+    made = [ckpt, ckpt / "model.safetensors", tmp_path / "hf", tmp_path / "hf/model.safetensors",
+            tmp_path / "rank/optim-tp00-of-01.safetensors"]  # fmt: skip
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in made}
+    assert all(stat.S_IMODE(p.stat().st_mode) & 0o044 == 0o044 for p in made), modes

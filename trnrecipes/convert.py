@@ -25,6 +25,7 @@ from trnrecipes.checkpoint import CheckpointError, read_model_checkpoint, write_
 from trnrecipes.config.families import FAMILIES, family_of_hf_config
 from trnrecipes.config.recipe import load_recipe, recipe_from_dict
 from trnrecipes.config.sections import RecipeError
+from trnrecipes.files.durable import make_readable
 
 EXPORT_SOURCE = "trnrecipes-source.json"
 TOKENIZER_FILES = (
@@ -183,7 +184,9 @@ def to_hf(ckpt: Path, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        make_readable(tmp)  # mkdtemp's 0700 and safetensors' 0600: the modes a plain mkdir and open give
         save_file(family.hf.state_dict_to_hf(state, args), tmp / "model.safetensors", metadata={"format": "pt"})
+        make_readable(tmp / "model.safetensors")
         recipe_tokenizer = REPO_ROOT / recipe.data.tokenizer  # recipe paths are relative to the checkout
         if tokenizer_dir is None and recipe_tokenizer.is_dir():
             tokenizer_dir = recipe_tokenizer

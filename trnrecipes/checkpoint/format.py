@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from trnrecipes.config.families import FAMILIES
 from trnrecipes.config.recipe import read_recipe_file, recipe_from_dict
 from trnrecipes.config.sections import Recipe, RecipeError
-from trnrecipes.files.durable import fsync_path
+from trnrecipes.files.durable import fsync_path, make_readable
 from trnrecipes.files.run_files import DONE, MANIFEST, STEP_DIR
 from trnrecipes.parallel.kv_replication import KVReplication, block_of, from_description
 from trnrecipes.parallel.sharding import Region, chunk_range, shard_region
@@ -163,7 +163,9 @@ def write_model_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        make_readable(tmp)  # mkdtemp's 0700 and safetensors' 0600: the modes a plain mkdir and open give
         save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, tmp / WEIGHTS)
+        make_readable(tmp / WEIGHTS)
         (tmp / SHARDS).write_text(json.dumps({"tp": 1, "dims": {k: None for k in state_dict}}) + "\n")
         write_common(tmp, recipe, tokenizer_dir)
         return finalize(tmp, out, step)

@@ -46,6 +46,7 @@ from trnrecipes.checkpoint.format import (
 from trnrecipes.config.sections import Recipe
 from trnrecipes.config.stages import pipeline_stages
 from trnrecipes.data.order import DATA_ORDER
+from trnrecipes.files.durable import make_readable
 from trnrecipes.files.storage_errors import storage_errno
 from trnrecipes.parallel.dims import local_tensor
 from trnrecipes.parallel.expert import expert_layouts, gather_experts, gather_replica_rows
@@ -274,6 +275,7 @@ def write_files(directory: Path, files: dict[str, object]) -> dict[str, str]:
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     try:
         save_file(tensors, path)
+        make_readable(path)  # safetensors writes 0600: a team's shared storage would keep the weights from the others
     except SafetensorError as err:  # its Rust writer's OSError, only as text: "... (os error 28)"
         if not (found := re.search(r"\(os error (\d+)\)", str(err))):
             raise

@@ -45,7 +45,7 @@ from trnrecipes.data.corpus_writer import CorpusWriter, corpus_schema, shard_dir
 from trnrecipes.data.inputs import InputFile, find_inputs, input_names
 from trnrecipes.data.json_lines import arrow_texts, json_loads, non_blank
 from trnrecipes.data.manifest import MANIFEST, read_manifest
-from trnrecipes.files.durable import durable_replace
+from trnrecipes.files.durable import durable_replace, make_readable
 from trnrecipes.files.storage_errors import errno_of
 from trnrecipes.schema import clipped, shown
 
@@ -181,7 +181,7 @@ def atomic_output(out: Path) -> Iterator[str]:
     os.close(fd)
     try:
         yield tmp
-        _make_readable(tmp)
+        make_readable(tmp)
         durable_replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -203,13 +203,6 @@ def rejects_listed(bad: BadRecords) -> Iterator[None]:
         yield
         if bad.rejects.is_file():
             bad.rejects.unlink()
-
-
-def _make_readable(path: str) -> None:
-    """mkstemp creates 0600; give the file the mode a plain open() would have."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
 
 
 def read_arrow(path: Path, text_field: str | None = None) -> pa.Array:

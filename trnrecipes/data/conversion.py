@@ -25,13 +25,12 @@ from trnrecipes.data.parts import Task, input_stats, part_name, plan_units, reme
 from trnrecipes.data.work_dir import (
     FORMAT,
     atomic_file,
-    make_readable,
     opened_work_dir,
     parts_path,
     remove_work_dir,
     temp_path,
 )
-from trnrecipes.files.durable import boot_id, durable_replace, fsync_path
+from trnrecipes.files.durable import boot_id, durable_replace, fsync_path, make_readable
 
 
 def to_arrow_in_parts(

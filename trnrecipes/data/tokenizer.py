@@ -18,6 +18,7 @@ import numpy as np
 
 from trnrecipes.config.sections import RecipeError
 from trnrecipes.data import listed
+from trnrecipes.files.durable import make_readable
 from trnrecipes.schema import clipped, shown
 
 
@@ -310,6 +311,7 @@ def _publish(staging: Path, out: Path) -> Path:
     final = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     shutil.rmtree(final)
     shutil.copytree(staging, final)
+    make_readable(final)  # copytree kept the staging dir's 0700 (a TemporaryDirectory's)
     if out.exists():
         old = out.with_name(f".{out.name}.old")
         shutil.rmtree(old, ignore_errors=True)

@@ -60,13 +60,6 @@ def pid_running(pid: int) -> bool:
     return True
 
 
-def make_readable(path: Path) -> None:
-    """mkstemp and mkdtemp create 0600 and 0700; give the file (or directory) the mode a plain open() would have."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
-
-
 @contextlib.contextmanager
 def atomic_file(path: Path, mode: str = "w") -> Iterator:
     """An open temp file that becomes `path` (synced, renamed) only if the block completes."""

@@ -16,6 +16,14 @@ BOOT_ID = "/proc/sys/kernel/random/boot_id"  # Linux: a random id drawn at each 
 DIRECTORY_UNSYNCABLE = (errno.EINVAL, errno.ENOTSUP, errno.EACCES, errno.EPERM)
 
 
+def make_readable(path: str | Path) -> None:
+    """mkstemp and mkdtemp create 0600 and 0700, and safetensors' writer 0600: give the file (or directory) the mode
+    a plain open() or mkdir() would have, so a team's shared storage lets the others read it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
+
+
 def fsync_path(path: str | Path) -> None:
     """Make a file's data, or a directory's entries (files created or renamed in it), durable. A read-only
     descriptor suffices for both on Linux."""
