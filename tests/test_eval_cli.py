@@ -53,6 +53,22 @@ def test_a_run_dir_without_a_complete_checkpoint_is_named(cli, tmp_path):
     assert done.returncode == 2 and f"run dir {tmp_path} has no complete checkpoint" in done.stderr, done.stderr
 
 
+def test_a_checkpoint_that_fails_as_it_is_read_leaves_no_empty_results_dir(cli, tmp_path):
+    import torch
+
+    from trnrecipes.checkpoint import write_model_checkpoint
+    from trnrecipes.config.recipe import load_recipe
+
+    recipe = load_recipe("llama2-tiny")
+    ckpt = write_model_checkpoint(tmp_path / "ck", {"w": torch.zeros(4)}, recipe)
+    weights = bytearray((ckpt / "model.safetensors").read_bytes())
+    weights[-2] ^= 0xFF
+    (ckpt / "model.safetensors").write_bytes(bytes(weights))
+    done = cli("eval", "run", "--ckpt", str(ckpt), "--tasks", "boolq", "--limit", "1")
+    assert done.returncode == 2 and "model.safetensors: checksum mismatch" in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # its ck-eval/ was left, empty
+
+
 @pytest.mark.parametrize(
     ("device", "expected"),
     [

@@ -80,6 +80,24 @@ def test_the_issue_repro_a_corrupt_newer_checkpoint_never_outlives_the_valid_one
     assert latest_checkpoint(root, quiet)[0] == 17
 
 
+def test_a_reader_racing_the_runs_pruning_takes_the_newer_checkpoint_not_calling_one_unusable(tmp_path, monkeypatch):
+    import trnrecipes.checkpoint.format as fmt
+
+    root = tmp_path / "checkpoints"
+    save(root, 5)
+    real, said = fmt.verify, []
+
+    def pruned_while_read(path):  # the run saves step_6 and prunes step_5 (keep_last 1) as eval verifies it
+        if path.name == "step_5" and not (root / "step_6").exists():
+            save(root, 6, keep_last=1)
+            raise CheckpointError(f"{path}/recipe.yaml: missing")
+        return real(path)
+
+    monkeypatch.setattr(fmt, "verify", pruned_while_read)
+    assert latest_checkpoint(root, said.append) == (6, root / "step_6")
+    assert said == []  # it said 'step_5 is unusable', and then 'no complete checkpoint'
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_property_random_saves_corruptions_and_restarts_never_lose_the_newest_valid_checkpoint(
     tmp_path: Path, seed: int

@@ -667,6 +667,7 @@ def _eval_run(args: argparse.Namespace) -> int:
     from eval.run import load_baseline, run
     from eval.sandbox import ExecutionNotAllowed, SandboxError
     from eval.tasks import TaskDataError
+    from trnrecipes.checkpoint.format import CheckpointError
 
     try:
         tasks = resolve(args.tasks)
@@ -724,6 +725,7 @@ def _eval_run(args: argparse.Namespace) -> int:
             " or an HF model directory (no config.json)"
         )
     out = check_output(args.out or default_out, flag=_out_flag(args.out), inputs=[args.ckpt, ckpt], directory=True)
+    made = not out.exists()
     try:
         run(
             ckpt,
@@ -740,6 +742,16 @@ def _eval_run(args: argparse.Namespace) -> int:
         )
     except (ValueError, TaskDataError, ExecutionNotAllowed, SandboxError) as err:
         raise RecipeError(str(err)) from None
+    except CheckpointError:
+        if ckpt.exists():
+            raise
+        raise RecipeError(  # a run still training pruned it (checkpoint.keep_last): not a corrupt checkpoint
+            f"{ckpt} was pruned by its run while it was read (checkpoint.keep_last): evaluate again to read the"
+            " newest, or once the run is done"
+        ) from None
+    finally:
+        if made and out.is_dir() and not any(out.iterdir()):  # nothing written: no empty results dir left behind
+            out.rmdir()
     print((out / "results.md").read_text(), end="")
     print(f"wrote {out}/results.json and results.md")
     return 0

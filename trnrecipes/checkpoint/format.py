@@ -591,11 +591,16 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(root: Path, log=print) -> tuple[int, Path] | None:
     """The newest step_N that verifies, for readers (eval, convert): unusable ones are reported and left alone.
     The trainer settles its run dir with trnrecipes.train.run_dir.settle_checkpoints instead."""
-    for step, path in step_dirs(root):
-        try:
-            verify(path)
-        except CheckpointError as err:
-            log(f"[trnrecipes] checkpoint {path.name} is unusable, trying the one before: {err}")
-            continue
-        return step, path
+    for _ in range(10):
+        for step, path in step_dirs(root):
+            try:
+                verify(path)
+            except CheckpointError as err:
+                if not path.exists():  # pruned while read (a run still training): a newer one is saved; look again
+                    break
+                log(f"[trnrecipes] checkpoint {path.name} is unusable, trying the one before: {err}")
+                continue
+            return step, path
+        else:
+            return None
     return None
