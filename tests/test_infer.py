@@ -278,6 +278,34 @@ def test_embed_killed_halfway_resumes_to_the_uninterrupted_result(tiny, tmp_path
     assert len(resumed.column("embedding").to_numpy(zero_copy_only=False)[0]) == HIDDEN
 
 
+def test_a_sigterm_ends_predict_without_leaving_its_temp_output(tiny, tmp_path):
+    held = SLOW_CLI.replace("time.sleep(0.05)", "time.sleep(60)")  # held with its output written under a temp name
+    out = tmp_path / "p.jsonl"
+    cmd = [sys.executable, "-c", held, "predict", "--ckpt", str(tiny["cls"]), "--in", str(tiny["root"] / "small.arrow"),
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".p.jsonl.*.tmp")):
+        assert proc.poll() is None, f"predict ended before it was stopped: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, "no temp output in 60 s"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)  # a time limit, scancel: it died at once and left the temp file for good
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert "error: terminated (SIGTERM)" in proc.stderr.read()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_predict_reads_no_labels_where_told_to(tiny, tmp_path, capsys):
+    stars = tmp_path / "stars.jsonl"  # a label column of another kind: 1-5 stars for a 2-class model
+    stars.write_text("".join(json.dumps({"text": f"row {i}", "label": 5}) + "\n" for i in range(3)))
+    argv = ["predict", "--ckpt", str(tiny["cls"]), "--in", str(stars), "--out", str(tmp_path / "p.jsonl")]
+    assert main(argv) == 2
+    assert "(read for accuracy, the recipe's label: --no-labels predicts without)" in capsys.readouterr().err
+    assert main([*argv, "--no-labels"]) == 0
+    summary = json.loads((tmp_path / "p.summary.json").read_text())
+    assert summary["rows"] == 3 and summary["label_field"] is None and "accuracy" not in summary
+
+
 def files_under(root) -> dict[str, bytes]:
     return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
 

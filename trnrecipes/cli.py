@@ -342,10 +342,13 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--out", help="write the report (with every sample's outcome) as JSON here")
 
     sub = verb("predict", _predict, "class probabilities (and accuracy) of a classification checkpoint, on CPU")
+    sub.set_defaults(stops_on_sigterm=True)  # a time limit's SIGTERM removes the temp output, as Ctrl-C does
     _infer_args(sub, batch_size=32)
     sub.add_argument("--out", help="predictions JSONL (default: <stem>.predictions.jsonl beside --in)")
     sub.add_argument("--label-field", help="class-id column / field for accuracy (default: the recipe's, label)")
+    sub.add_argument("--no-labels", action="store_true", help="read no labels: predictions only, no accuracy")
     sub = verb("embed", _embed, "pooled embeddings of a classification checkpoint as Arrow, on CPU; resumable")
+    sub.set_defaults(stops_on_sigterm=True)  # infer.sbatch's time limit: chunks done are kept, the join's temp not
     _infer_args(sub, batch_size=64)
     sub.add_argument("--out", required=True, help="output .arrow file (work in progress: OUT.parts/)")
     sub.add_argument("--chunk-rows", type=int, default=4096, metavar="N", help="rows a resumable chunk (default: 4096)")
@@ -1021,7 +1024,7 @@ def _predict(args: argparse.Namespace) -> int:
     check_outputs([out, summary_path(out)], flag=_out_flag(args.out), inputs=[args.input, args.ckpt])
     s = predict(
         Path(args.ckpt), Path(args.input), out, batch_size=args.batch_size, text_field=args.text_field,
-        label_field=args.label_field, threads=args.threads,
+        label_field=args.label_field, threads=args.threads, scored=not args.no_labels,
     )  # fmt: skip
     if "accuracy" in s:
         print(f"accuracy {s['accuracy']:.3f} on {s['rows']} rows (majority class {s['majority_class_accuracy']:.3f})")

@@ -38,7 +38,7 @@ from trnrecipes.checkpoint.format import checkpoint_recipe, latest_checkpoint
 from trnrecipes.config.families import FAMILIES, family_spec
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.convert import checkpoint_source
-from trnrecipes.data import DataError, listed
+from trnrecipes.data import OUTPUT_IN_PLACE, DataError, listed
 from trnrecipes.data.arrow import class_id, parse_record, read_arrow, read_row_lines, read_table
 from trnrecipes.data.classify import attention_mask, encode_texts, read_labels
 from trnrecipes.data.inputs import JSON_LINES, TEXT_FILE_SUFFIXES
@@ -232,17 +232,26 @@ def predict(
     text_field: str | None = None,
     label_field: str | None = None,
     threads: int | None = None,
+    scored: bool = True,
     log=print,
 ) -> dict:
     """Writes `out` (one JSON line per row: row, label, probs) and `<out stem>.summary.json`; returns the summary.
-    text_field / label_field default to the checkpoint recipe's data section."""
+    text_field / label_field default to the checkpoint recipe's data section; `scored` False reads no labels (a
+    file whose label column is no class ids: star ratings, a regression target)."""
     _check_positive(batch_size=batch_size, threads=threads)
     if threads:
         torch.set_num_threads(threads)
     opened = open_checkpoint(ckpt, log)
     data, num_labels = opened[1].data, opened[1].model.num_labels
     texts = read_rows(inputs, text_field or data.text_field)
-    labels = read_row_labels(inputs, label_field or data.label_field, num_labels, required=label_field is not None)
+    labels = None
+    if scored:
+        try:
+            labels = read_row_labels(inputs, label_field or data.label_field, num_labels, label_field is not None)
+        except DataError as err:
+            if label_field is not None:
+                raise
+            raise DataError(f"{err} (read for accuracy, the recipe's label: --no-labels predicts without)") from None
     clf = load_classifier(*opened)
     out = Path(out) if out else predictions_path(Path(inputs))
     predicted = np.empty(len(texts), dtype=np.int64)
@@ -266,6 +275,7 @@ def predict(
     } | _scores(predicted, labels, num_labels)
     with _atomic(summary_path(out), "w") as f:
         f.write(json.dumps(summary, indent=2) + "\n")
+    OUTPUT_IN_PLACE.set()  # done: a stop now ends the command as done (cli._stops_raise)
     return summary | {"summary": str(summary_path(out))}
 
 
@@ -349,6 +359,7 @@ def embed(
                 _write_chunk(parts / _chunk_name(k), start, np.concatenate(pieces), hidden, digest)
                 bar.update(stop - start)
         _join(parts, len(spans), out, job)
+        OUTPUT_IN_PLACE.set()  # what is left is clearing up: a stop now ends the command as done (cli._stops_raise)
         _remove_parts(parts, log)  # under the lock: an embed started now finds OUT whole and no parts
     return job
 
