@@ -89,6 +89,14 @@ def test_mfu_counts_only_the_devices_the_workers_use():
     assert one["price_per_hour"] == full["price_per_hour"]  # the whole node is paid for either way
 
 
+def test_the_peak_line_says_a_cpu_figure_as_it_is_and_an_accelerators_in_bf16():
+    from trnrecipes.plan.report import format_plan
+
+    cpu = format_plan(plan(load_recipe("pythia-tiny", nodes=1)))
+    assert "peak         0.19 TFLOPS (a nominal figure for these CPU cores" in cpu  # was '0 BF16 TFLOPS'
+    assert "peak         12,160 BF16 TFLOPS;" in format_plan(plan(load_recipe("llama2-7b", nodes=4)))
+
+
 def test_price_per_step_uses_every_node():
     p = plan(load_recipe("neox20b", nodes=4), seq_per_s=2.0)
     assert p["price_per_hour"] == 4 * 21.50

@@ -3,6 +3,7 @@ pipeline's stages and bubble (PP > 1)."""
 
 from __future__ import annotations
 
+from trnrecipes.config.cluster import LOCAL_INSTANCES
 from trnrecipes.config.sections import Recipe
 from trnrecipes.plan.memory import MemoryPlan, format_memory
 from trnrecipes.plan.published import published_rows
@@ -42,7 +43,7 @@ def format_plan(p: dict[str, object], recipe: Recipe | None = None) -> str:
             + ("; N active" if "active_params" in p else "")
             + ")",
         ),
-        ("peak", f"{p['peak_tflops']:,.0f} BF16 TFLOPS; {priced}"),
+        ("peak", f"{_peak(p)}; {priced}"),
     ]
     if "tokens_per_s" in p:
         tpd = p["tokens_per_dollar"]
@@ -99,3 +100,12 @@ def format_pipeline(p: dict[str, object], width: int) -> list[str]:
             )
         )
     return lines
+
+
+def _peak(p: dict) -> str:
+    """The peak MFU is counted against, in words: an accelerator's dense BF16 rate, or this host's nominal CPU
+    figure (0.19 TFLOPS for 2 cores, shown as it is: rounded it read 0; MFU on a CPU is a rough guide, above 100%
+    where the host is faster than the figure)."""
+    if p["instance"] in LOCAL_INSTANCES:
+        return f"{p['peak_tflops']:.2g} TFLOPS (a nominal figure for these CPU cores: MFU here is a rough guide)"
+    return f"{p['peak_tflops']:,.0f} BF16 TFLOPS"
