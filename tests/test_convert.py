@@ -175,3 +175,16 @@ def test_checkpoints_and_exports_are_readable_by_the_group_as_the_umask_allows(t
             tmp_path / "rank/optim-tp00-of-01.safetensors"]  # fmt: skip
     modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in made}
     assert all(stat.S_IMODE(p.stat().st_mode) & 0o044 == 0o044 for p in made), modes
+
+
+def test_a_round_trip_through_to_hf_keeps_the_recipe_and_its_length(tmp_path):
+    from trnrecipes.checkpoint import write_model_checkpoint
+    from trnrecipes.checkpoint.format import checkpoint_recipe
+    from trnrecipes.convert import from_hf, to_hf
+
+    trained = load_recipe("pythia-tiny", overrides=["batch.seq_len=96"])  # not the template's (neox-tiny's) length
+    ckpt = write_model_checkpoint(tmp_path / "ckpt", build_model(trained.model).state_dict(), trained)
+    to_hf(ckpt, tmp_path / "hf")
+    back = checkpoint_recipe(from_hf(tmp_path / "hf", tmp_path / "back"))
+    assert (back.name, back.batch.seq_len) == ("pythia-tiny", 96)  # was neox-tiny's, and its 64 tokens
+    assert back.data.tokenizer == trained.data.tokenizer and back.model == trained.model

@@ -92,10 +92,12 @@ def test_an_hf_directory_is_named_as_not_a_checkpoint(tmp_path):
     one = checkpoint(tmp_path / "ckpts", 1, seed=1)
     hf = to_hf(one, tmp_path / "hf")
     run(hf, tmp_path / "eval", [], tmp_path)
+    seq_len = load_recipe("pythia-tiny", overrides=SMALL).batch.seq_len
+    source = {"path": str(one), "step": 1, "manifest_sha256": manifest_sha256(one), "recipe": "pythia-tiny"}
     assert scored(tmp_path / "eval") == {
         "path": str(hf.resolve()),
         "trnrecipes_checkpoint": False,
-        "exported_from": {"path": str(one), "step": 1, "manifest_sha256": manifest_sha256(one)},
+        "exported_from": source | {"seq_len": seq_len},
     }
 
 

@@ -983,12 +983,13 @@ def _from_hf(args: argparse.Namespace) -> int:
     from trnrecipes.convert import from_hf
 
     check_output(args.out, inputs=[args.hf], directory=True)
-    out = from_hf(Path(args.hf), Path(args.out), args.recipe)
-    print(f"wrote checkpoint {out}")
-    if not (out / "tokenizer").is_dir():
-        from trnrecipes.checkpoint.format import checkpoint_recipe
+    from trnrecipes.checkpoint.format import checkpoint_recipe
 
-        used = checkpoint_recipe(out).data.tokenizer
+    out = from_hf(Path(args.hf), Path(args.out), args.recipe)
+    made = checkpoint_recipe(out)
+    print(f"wrote checkpoint {out} (recipe {made.name}, batch.seq_len {made.batch.seq_len})")
+    if not (out / "tokenizer").is_dir():
+        used = made.data.tokenizer
         print(
             f"note: {args.hf} holds no tokenizer files, so neither does the checkpoint: predict, embed and eval use"
             f" its recipe's data.tokenizer {used}. If the model was not trained with that one, put its tokenizer.json"

@@ -68,13 +68,16 @@ def from_hf(hf_dir: Path, out: Path, recipe_name: str | None = None) -> Path:
     except TypeError as err:  # a list where a number goes, ...
         raise RecipeError(f"{config_file}: a value of the wrong type ({err}); compare it with transformers'") from None
     _check_tokenizer_files(hf_dir)
-    template = load_recipe(recipe_name or f"{family.name}-tiny")
+    exported = export_source(hf_dir) or {}  # one of to_hf's: the recipe and length it was trained with
+    template = load_recipe(recipe_name or _exported_recipe(exported, family.name) or f"{family.name}-tiny")
     if template.model.family != family.name:
         raise RecipeError(f"--recipe {recipe_name} is a {template.model.family} recipe; {hf_dir} holds {family.name}")
     model = dataclasses.asdict(args) | {"activation_checkpointing": template.model.activation_checkpointing}
     data = template.to_dict() | {"model": model}
     if recipe_name is None:  # the default template adapts to short-context models; a named recipe must fit
-        data["batch"]["seq_len"] = min(template.batch.seq_len, args.max_seq_len)
+        trained = exported.get("seq_len")  # a round trip keeps it (the template's 64 cut minilm's 128 silently)
+        seq_len = trained if isinstance(trained, int) and trained > 0 else template.batch.seq_len
+        data["batch"]["seq_len"] = min(seq_len, args.max_seq_len)
     recipe = recipe_from_dict(data, f"{template.name} with the model of {config_file}")
     try:
         state = family.hf.state_dict_from_hf(_hf_weights(hf_dir), args)
@@ -112,6 +115,17 @@ def _check_tokenizer_files(hf_dir: Path) -> None:
             ' write it with transformers first (python -c "from transformers import AutoTokenizer as T;'
             f" T.from_pretrained('{hf_dir}').save_pretrained('{hf_dir}')\"), then convert again"
         )
+
+
+def _exported_recipe(exported: dict, family: str) -> str | None:
+    """The shipped recipe an export of ours was trained with (its record's name), where it is one of this family."""
+    name = exported.get("recipe")
+    if not isinstance(name, str):
+        return None
+    try:
+        return name if load_recipe(name).model.family == family else None
+    except (RecipeError, ValueError, OSError):  # a recipe file of the user's, not shipped: the family's template
+        return None
 
 
 def checkpoint_source(ckpt: Path) -> dict:
@@ -196,7 +210,8 @@ def to_hf(ckpt: Path, out: Path) -> Path:
             shutil.copy2(f, tmp / f.name)
         # read back just after writing (from the page cache): the sha256 a reuse is checked against
         files = {name: _sha256(tmp / name) for name in _export_files(tmp)}
-        (tmp / EXPORT_SOURCE).write_text(json.dumps(source | {"files": files}, indent=2) + "\n")
+        record = source | {"recipe": recipe.name, "seq_len": recipe.batch.seq_len, "files": files}  # from_hf's
+        (tmp / EXPORT_SOURCE).write_text(json.dumps(record, indent=2) + "\n")
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
