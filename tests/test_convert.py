@@ -142,6 +142,10 @@ def test_a_bad_config_or_a_tokenizer_without_tokenizer_json_is_refused_before_an
     code, err = convert("none")  # converted, and told whose tokenizer its users will get
     assert code == 0 and f"note: {hf} holds no tokenizer files, so neither does the checkpoint" in err
     assert f"its recipe's data.tokenizer {load_recipe('llama2-tiny').data.tokenizer}" in err
+    for f in hf.glob("*.safetensors"):
+        f.unlink()
+    code, err = convert("no-weights")
+    assert code == 2 and err.startswith(f"error: {hf}: no *.safetensors weights (found: "), err  # named twice
 
 
 def test_to_hf_names_the_auto_class_that_loads_the_export_whole(tmp_path):
@@ -188,3 +192,16 @@ def test_a_round_trip_through_to_hf_keeps_the_recipe_and_its_length(tmp_path):
     back = checkpoint_recipe(from_hf(tmp_path / "hf", tmp_path / "back"))
     assert (back.name, back.batch.seq_len) == ("pythia-tiny", 96)  # was neox-tiny's, and its 64 tokens
     assert back.data.tokenizer == trained.data.tokenizer and back.model == trained.model
+
+
+def test_to_hf_takes_a_run_dir_as_eval_and_predict_do(tmp_path, capsys):
+    from trnrecipes.checkpoint import write_model_checkpoint
+    from trnrecipes.cli import main
+
+    recipe = load_recipe("llama2-tiny")
+    state = build_model(recipe.model).state_dict()
+    for step in (2, 4):
+        write_model_checkpoint(tmp_path / f"run/checkpoints/step_{step}", state, recipe, step=step)
+    assert main(["convert", "to-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    assert f"exporting {tmp_path / 'run/checkpoints/step_4'}, the newest complete checkpoint" in capsys.readouterr().out
+    assert json.loads((tmp_path / "hf/trnrecipes-source.json").read_text())["step"] == 4  # was: no 'done' marker

@@ -27,7 +27,7 @@ import trnrecipes.infer
 from trnrecipes.cli import main
 from trnrecipes.data.classify import encode_texts
 from trnrecipes.data.tokenizer import load_tokenizer
-from trnrecipes.infer import load_classifier, open_checkpoint
+from trnrecipes.infer import load_classifier, open_checkpoint, predictions_path
 
 WORDS = "the a cat dog sat ran on under mat log red blue big small quickly slowly and then it was not".split()
 SEQ_LEN, NUM_LABELS, HIDDEN = 32, 3, 32
@@ -399,12 +399,19 @@ def test_refuses_language_models_and_bad_input(tiny, tmp_path, capsys):
         (["embed", "--ckpt", cls, "--in", small, *out, "--chunk-rows", "100"], "must be a multiple of --batch-size"),
         (["embed", "--ckpt", cls, "--in", small, "--out", str(tmp_path / "exists.arrow")], "already exists"),
         (["embed", "--ckpt", cls, "--in", str(tmp_path / "missing.txt"), *out], "missing.txt does not exist"),
+        # a name of another kind than what is written: read back by it, it failed
+        (["predict", "--ckpt", cls, "--in", small, "--out", str(tmp_path / "p.jsonl.gz")],
+         "writes plain JSON lines, but the name says another kind; name it .jsonl (e.g."),
+        (["embed", "--ckpt", cls, "--in", small, "--out", str(tmp_path / "e.jsonl")],
+         "writes an Arrow stream, but the name says another kind; name it .arrow (e.g."),
     ]  # fmt: skip
     for argv, message in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
     assert not (tmp_path / "o.arrow").exists() and not (tmp_path / "o.arrow.parts").exists()
+    assert not list(tmp_path.glob("p.*")) and not list(tmp_path.glob("e.*"))
+    assert predictions_path(tmp_path / "big.jsonl.zst") == tmp_path / "big.predictions.jsonl"  # was big.jsonl.pred..
 
 
 def test_no_training_stack_is_imported(tiny, tmp_path):

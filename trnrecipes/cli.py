@@ -1000,10 +1000,18 @@ def _from_hf(args: argparse.Namespace) -> int:
 
 
 def _to_hf(args: argparse.Namespace) -> int:
+    from trnrecipes.checkpoint.format import latest_checkpoint
     from trnrecipes.convert import to_hf
 
     check_output(args.out, inputs=[args.ckpt], directory=True)
-    out = to_hf(Path(args.ckpt), Path(args.out))
+    ckpt = Path(args.ckpt)
+    if (ckpt / "checkpoints").is_dir() and not (ckpt / "manifest.json").exists():  # a run dir, as eval and predict take
+        found = latest_checkpoint(ckpt / "checkpoints")
+        if found is None:
+            raise RecipeError(f"run dir {ckpt} has no complete checkpoint in {ckpt / 'checkpoints'}")
+        ckpt = found[1]
+        print(f"[trnrecipes] exporting {ckpt}, the newest complete checkpoint")
+    out = to_hf(ckpt, Path(args.out))
     print(f"wrote {out}: load it with transformers.{_auto_class(out)}.from_pretrained({str(out)!r})")
     return 0
 
@@ -1019,9 +1027,10 @@ def _auto_class(hf_dir: Path) -> str:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from trnrecipes.infer import predict, predictions_path, summary_path
+    from trnrecipes.infer import check_output_kind, predict, predictions_path, summary_path
 
     out = Path(args.out) if args.out else predictions_path(Path(args.input))
+    check_output_kind(out, "jsonl")
     check_outputs([out, summary_path(out)], flag=_out_flag(args.out), inputs=[args.input, args.ckpt])
     s = predict(
         Path(args.ckpt), Path(args.input), out, batch_size=args.batch_size, text_field=args.text_field,
@@ -1036,8 +1045,9 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _embed(args: argparse.Namespace) -> int:
-    from trnrecipes.infer import embed, parts_path
+    from trnrecipes.infer import check_output_kind, embed, parts_path
 
+    check_output_kind(Path(args.out), "arrow")
     check_output(args.out, inputs=[args.input, args.ckpt])
     check_output(parts_path(Path(args.out)), flag="--out's work dir", inputs=[args.input, args.ckpt], directory=True)
     job = embed(

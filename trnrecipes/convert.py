@@ -79,8 +79,9 @@ def from_hf(hf_dir: Path, out: Path, recipe_name: str | None = None) -> Path:
         seq_len = trained if isinstance(trained, int) and trained > 0 else template.batch.seq_len
         data["batch"]["seq_len"] = min(seq_len, args.max_seq_len)
     recipe = recipe_from_dict(data, f"{template.name} with the model of {config_file}")
+    weights = _hf_weights(hf_dir)  # its own errors name the directory once
     try:
-        state = family.hf.state_dict_from_hf(_hf_weights(hf_dir), args)
+        state = family.hf.state_dict_from_hf(weights, args)
     except ValueError as err:
         raise RecipeError(f"{hf_dir}: {err}") from None
     tokenizer = _tokenizer_files(hf_dir)

@@ -41,7 +41,7 @@ from trnrecipes.convert import checkpoint_source
 from trnrecipes.data import OUTPUT_IN_PLACE, DataError, listed
 from trnrecipes.data.arrow import class_id, parse_record, read_arrow, read_row_lines, read_table
 from trnrecipes.data.classify import attention_mask, encode_texts, read_labels
-from trnrecipes.data.inputs import JSON_LINES, TEXT_FILE_SUFFIXES
+from trnrecipes.data.inputs import JSON_LINES, TEXT_FILE_SUFFIXES, input_stem, kind_of
 from trnrecipes.data.tokenizer import TextTokenizer, load_tokenizer
 
 TOKENIZE_ROWS = 4096  # rows tokenized at once by predict (the Rust tokenizer batches them over threads)
@@ -209,8 +209,23 @@ def _check_positive(**values: int | None) -> None:
 
 def predictions_path(inputs: Path) -> Path:
     """Default predict output: `<stem>.predictions.jsonl` beside the input."""
-    stem = Path(inputs.name.removesuffix(".gz")).stem
-    return inputs.with_name(f"{stem}.predictions.jsonl")
+    return inputs.with_name(f"{input_stem(inputs.name)}.predictions.jsonl")  # big.jsonl.zst: big.predictions.jsonl
+
+
+def check_output_kind(out: Path, writes: str) -> None:
+    """RecipeError where an output's name says another kind than it holds (`writes`: "jsonl" or "arrow"): predict's
+    plain JSON lines named .gz, embed's Arrow named .jsonl, which a later read takes by its name and fails on."""
+    name = Path(out).name
+    kind = kind_of(name, named=True)
+    if writes == "jsonl":
+        wrong = kind in ("jsonl.gz", "jsonl.zst", "parquet", "arrow") or name.lower().endswith((".gz", ".zst", ".bz2"))
+    else:
+        wrong = kind not in (None, "arrow")
+    if wrong:
+        what = "plain JSON lines" if writes == "jsonl" else "an Arrow stream"
+        example = Path(out).with_name(f"{input_stem(name)}.{writes}")
+        raise RecipeError(f"--out {out}: writes {what}, but the name says another kind; name it .{writes} (e.g."
+                          f" {example})")  # fmt: skip
 
 
 def summary_path(out: Path) -> Path:
