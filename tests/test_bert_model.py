@@ -264,6 +264,8 @@ def test_clear_errors_for_unsupported_configs_and_state_dicts():
         ({"problem_type": "regression"}, "problem_type 'regression'"),
         ({"id2label": {"0": "score"}}, "model.num_labels 1"),
         ({hf.HEAD_KEY: {"kind": "ffn"}}, "trnrecipes_head"),
+        # a string is no list of sizes: it was read as '6', '4' and told 'expected an integer, got '6''
+        ({hf.HEAD_KEY: {"kind": "mlp", "hidden_sizes": "64"}}, 'hidden_sizes must be a list of integers, got "64"'),
     ]:
         with pytest.raises(ValueError, match=message):
             hf.args_from_hf_config(base | change)

@@ -16,6 +16,7 @@ checkpoint lacks (a BertModel has no classifier; a BertForMaskedLM no pooler) ar
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import torch
@@ -73,7 +74,7 @@ def args_from_hf_config(cfg: dict) -> BertArgs:
         head=head["kind"],
         num_labels=len(id2label) if id2label else cfg.get("num_labels", 2),
         pooling=head.get("pooling", "cls"),
-        mlp_hidden_sizes=tuple(head.get("hidden_sizes", ())),
+        mlp_hidden_sizes=_sizes(head.get("hidden_sizes", ())),
     )
     if problems := args.problems():
         raise ValueError("unsupported BERT config: " + "; ".join(problems))
@@ -239,3 +240,10 @@ def state_dict_to_hf(sd: dict[str, torch.Tensor], args: BertArgs) -> dict[str, t
                 # Own, contiguous copies: slices share one storage, which safetensors refuses to save.
                 out[f"{prefix}{name}.{kind}"] = per_head[:, j].reshape(-1, *rest).clone()
     return out
+
+
+def _sizes(value) -> tuple:
+    """trnrecipes_head.hidden_sizes as a tuple; a string is no list of sizes (tuple("64") read as '6', '4')."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{HEAD_KEY}.hidden_sizes must be a list of integers, got {json.dumps(value)[:60]}")
+    return tuple(value)

@@ -92,7 +92,8 @@ def _remove_leftovers(root: Path, log) -> None:
         if p.is_symlink():
             link = shown(os.readlink(p))
             raise CheckpointError(f"{p} is a symlink (to {link}): refusing to write or delete through it")
-        log(f"[trnrecipes] removing incomplete checkpoint {p.name}")
+        what = "an interrupted prune's leftover" if PRUNING.match(p.name) else "incomplete checkpoint"
+        log(f"[trnrecipes] removing {what} {p.name}")
         if p.is_dir():
             shutil.rmtree(p)
         else:
