@@ -152,6 +152,13 @@ def test_hf_adapter_round_trips_the_config_and_is_found_by_its_architecture(name
     assert hf.args_from_hf_config(hf_config) == cfg
 
 
+def test_another_head_of_a_known_model_type_is_refused_naming_the_ones_built():
+    # BertForTokenClassification's classifier is shaped as the sequence classifier's: it was read as one
+    with pytest.raises(ValueError, match=r"a bert model with a head this family does not build; supported: Bert"):
+        family_of_hf_config({"model_type": "bert", "architectures": ["BertForTokenClassification"]})
+    assert family_of_hf_config({"model_type": "bert"}) is FAMILIES["bert"]  # no architectures named: by its type
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_compiler_flags_are_flags(name):
     for instance in ("trn1.32xlarge", "trn2.48xlarge"):

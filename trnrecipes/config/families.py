@@ -34,7 +34,15 @@ def family_of_hf_config(hf_config: dict[str, Any]) -> FamilySpec:
     """The family whose HF adapter (recipes/<family>/hf.py) reads this config.json."""
     archs = set(hf_config.get("architectures") or [])
     for spec in FAMILIES.values():
-        if archs & set(spec.hf_architectures) or hf_config.get("model_type") == spec.hf_model_type:
+        if archs & set(spec.hf_architectures):
+            return spec
+        if hf_config.get("model_type") == spec.hf_model_type:
+            if archs:  # another head of this model type (BertForTokenClassification's classifier, shaped as the
+                # sequence classifier's, was read as one): its weights would mean something else here
+                raise ValueError(
+                    f"HF config with architectures {sorted(archs)}: a {spec.hf_model_type} model with a head this"
+                    f" family does not build; supported: {', '.join(spec.hf_architectures)}"
+                )
             return spec
     known = ", ".join(a for spec in FAMILIES.values() for a in spec.hf_architectures)
     raise ValueError(
