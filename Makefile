@@ -38,7 +38,7 @@ export recipe nodes out overrides force nodatacheck ckpt tasks limit baseline n 
 # force=1 / nodatacheck=1 switch a flag on; 0, no, false or nothing leave it off (force=0 once forced); anything
 # else is refused. $(call switch,NAME,--flag) sets the shell's NAME_flag; the value is read as "$$NAME", never pasted.
 define switch
-case "$$$(1)" in 1|yes|true|on) $(1)_flag=$(2) ;; ""|0|no|false|off) $(1)_flag= ;; *) echo "make: $(1)=$$$(1): give $(1)=1 to switch it on (0 or nothing: off)" >&2; exit 2 ;; esac
+case "$$(printf %s "$$$(1)" | tr A-Z a-z)" in 1|y|yes|true|on) $(1)_flag=$(2) ;; ""|0|n|no|false|off) $(1)_flag= ;; *) echo "make: $(1)=$$$(1): give $(1)=1 to switch it on (0 or nothing: off)" >&2; exit 2 ;; esac
 endef
 
 .PHONY: help setup debian-tools data xla-venv sbatch k8s eval plan demo demo-cls test lint format golden bench clean wheels

@@ -192,6 +192,9 @@ def test_a_round_trip_through_to_hf_keeps_the_recipe_and_its_length(tmp_path):
     back = checkpoint_recipe(from_hf(tmp_path / "hf", tmp_path / "back"))
     assert (back.name, back.batch.seq_len) == ("pythia-tiny", 96)  # was neox-tiny's, and its 64 tokens
     assert back.data.tokenizer == trained.data.tokenizer and back.model == trained.model
+    (tmp_path / "hf/added.safetensors").write_bytes((tmp_path / "hf/model.safetensors").read_bytes())  # changed since
+    other = checkpoint_recipe(from_hf(tmp_path / "hf", tmp_path / "other"))
+    assert other.name == "neox-tiny"  # its record no longer says what the directory holds: the family's template
 
 
 def test_to_hf_takes_a_run_dir_as_eval_and_predict_do(tmp_path, capsys):

@@ -262,7 +262,7 @@ def test_make_passes_nodatacheck(tmp_path):
         f"out={tmp_path / 'job'}",
         f"overrides=run_dir={tmp_path / 'run'}",
     ]
-    for off in ([], ["nodatacheck=0"]):  # 0 is off, as nothing is: it passed the flag once
+    for off in ([], ["nodatacheck=0"], ["nodatacheck=NO"]):  # 0 is off, as nothing is: it passed the flag once
         refused = subprocess.run([*args, *off, "sbatch"], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert refused.returncode != 0 and "llama2-7b-16n would fail on its files" in refused.stderr
     odd = subprocess.run([*args, "nodatacheck=maybe", "sbatch"], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -127,10 +127,10 @@ def test_property_random_saves_corruptions_and_restarts_never_lose_the_newest_va
             found = settle_checkpoints(root, resume, force, quiet)
         except RecipeError as err:
             # refused: resume off without force, or resume on and not one checkpoint verifies
-            assert step_dirs(root) and not force and (not resume or not before), err
+            assert step_dirs(root) and ((not resume and not force) or (resume and not before)), err
             assert listing(run) == untouched  # a refusal changes nothing
             continue
-        if resume and not force:  # force_fresh starts over whatever resume says
+        if resume:
             assert (found[0] if found else None) == (before[0] if before else None)
         elif before:  # force_fresh: the old run's checkpoints were moved aside whole, still valid
             archived = sorted((run / "archived").iterdir())[-1] / "checkpoints"
@@ -188,12 +188,10 @@ def test_force_fresh_on_a_requeued_job_resumes_instead_of_archiving_again(tmp_pa
     assert found == (20, run / "checkpoints/step_20") and not (run / "archived").exists()
 
 
-def test_force_fresh_alone_starts_over_as_the_docs_command_says(tmp_path: Path):
-    run = tmp_path / "run"
-    save(run / "checkpoints", 20)
-    assert settle_checkpoints(run / "checkpoints", resume=True, force_fresh=True, log=quiet) is None  # was (20, ..)
-    (archive,) = (run / "archived").iterdir()
-    verify(archive / "checkpoints/step_20")
+def test_force_fresh_alone_is_refused_not_silently_resumed():
+    with pytest.raises(RecipeError, match=r"checkpoint.force_fresh true with checkpoint.resume true \(the default\)"):
+        load_recipe("pythia-tiny", overrides=["checkpoint.force_fresh=true"])  # the docs' command once: it resumed
+    assert load_recipe("pythia-tiny", overrides=["checkpoint.force_fresh=true", "checkpoint.resume=false"])
 
 
 def test_a_run_dir_inside_a_checkpoint_or_checkpoints_is_refused_and_nothing_is_made(tmp_path: Path):
@@ -202,7 +200,9 @@ def test_a_run_dir_inside_a_checkpoint_or_checkpoints_is_refused_and_nothing_is_
     run = tmp_path / "run"
     save(run / "checkpoints", 20)
     before = listing(run)
-    for slip in (run / "checkpoints/step_20", run / "checkpoints", run / "checkpoints/step_20/new"):
+    (tmp_path / "link").symlink_to(run / "checkpoints", target_is_directory=True)  # a link on the way
+    slips = (run / "checkpoints/step_20", run / "checkpoints", run / "checkpoints/step_20/new", tmp_path / "link/r")
+    for slip in slips:
         with pytest.raises(RecipeError, match=r"^run dir .*: it lies in (checkpoint|the run dir checkpoints) "):
             require_writable(slip)  # it wrote a run there, and the run it belongs to set step_20 aside
     assert listing(run) == before

@@ -174,7 +174,8 @@ def test_a_file_store_is_refused_in_one_line_and_an_unreachable_server_left_out_
     from trnrecipes.train.trackers import mlflow_store_problem, open_trackers
 
     cases = (("file:///fsx/mlruns", "", True), ("./mlruns", "", True), ("./mlruns", "True", False),
-             ("sqlite:///fsx/mlflow.db", "", False), ("http://mlflow:5000", "", False))  # fmt: skip
+             ("sqlite:///fsx/mlflow.db", "", False), ("http://mlflow:5000", "", False), ("databricks", "", False),
+             ("databricks-uc", "", False))  # fmt: skip
     for uri, allowed, refused in cases:
         problem = mlflow_store_problem({"MLFLOW_TRACKING_URI": uri, "MLFLOW_ALLOW_FILE_STORE": allowed})
         assert (problem is not None) == refused, uri

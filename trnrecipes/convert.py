@@ -69,6 +69,8 @@ def from_hf(hf_dir: Path, out: Path, recipe_name: str | None = None) -> Path:
         raise RecipeError(f"{config_file}: a value of the wrong type ({err}); compare it with transformers'") from None
     _check_tokenizer_files(hf_dir)
     exported = export_source(hf_dir) or {}  # one of to_hf's: the recipe and length it was trained with
+    if exported and export_changes(hf_dir, exported) != []:  # changed since (re-saved, fine-tuned): not its record
+        exported = {}
     template = load_recipe(recipe_name or _exported_recipe(exported, family.name) or f"{family.name}-tiny")
     if template.model.family != family.name:
         raise RecipeError(f"--recipe {recipe_name} is a {template.model.family} recipe; {hf_dir} holds {family.name}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import reprlib
+import shlex
 import types
 import typing
 from dataclasses import dataclass
@@ -29,6 +30,11 @@ def _bounded_repr() -> reprlib.Repr:
 
 
 _REPR = _bounded_repr()
+
+
+def shell_word(value: object) -> str:
+    """`value` as one shell word in a script or a command to paste: quoted where it holds spaces or shell characters."""
+    return shlex.quote(str(value))
 
 
 def shown(value: Any) -> str:

@@ -589,6 +589,11 @@ def check_recipe(r: Recipe) -> list[str]:
             f" use more than {lead + 300} s",
         )
     problems += check_allow_changes(r.checkpoint.allow_changes)
+    need(  # it acted only with resume false: alone it resumed the old run, without a word
+        not (r.checkpoint.force_fresh and r.checkpoint.resume),
+        "checkpoint.force_fresh true with checkpoint.resume true (the default) would resume the run dir's checkpoints:"
+        " to archive them and start at step 0, set checkpoint.resume=false too",
+    )
     return problems
 
 

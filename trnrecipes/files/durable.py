@@ -21,7 +21,11 @@ def make_readable(path: str | Path) -> None:
     a plain open() or mkdir() would have, so a team's shared storage lets the others read it."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
+    try:
+        os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
+    except OSError as err:  # a FUSE object-store or CIFS mount that sets no modes: what it gives stands
+        if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES):
+            raise
 
 
 def fsync_path(path: str | Path) -> None:

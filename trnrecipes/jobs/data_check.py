@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 from collections import Counter
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from trnrecipes.data.manifest import MANIFEST, read_manifest
 from trnrecipes.data.sources import data_path
 from trnrecipes.data.tokenized_with import tokenized_with, tokenizer_fingerprint
 from trnrecipes.files.reach import blocked
+from trnrecipes.schema import shell_word as _q  # a path in a command to paste: one shell word
 
 MEGATRON_IDX_MAGIC = b"MMIDIDX\x00\x00"  # megatron-core's IndexedDataset .idx header
 BRING_YOUR_DATA = "docs/data.md, 'Bring your data'"
@@ -39,11 +39,6 @@ CLASSIFICATION_FILES = (
     "data/cls/bbc-news.arrow",
     "data/tokenizers/bert-uncased",
 )
-
-
-def _q(word: object) -> str:
-    """A path or name as a shell word in a command to paste: quoted where it holds spaces or shell characters."""
-    return shlex.quote(str(word))
 
 
 def _made_by(path: str, kind: str, tokenizer: str = "<tokenizer dir>", full: Path | None = None) -> str:

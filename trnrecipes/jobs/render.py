@@ -37,7 +37,7 @@ from trnrecipes.plan.eval_cost import CPU_CORES as EVAL_CPU_CORES
 from trnrecipes.plan.eval_cost import eval_mem_gb
 from trnrecipes.plan.layout import Layout, compute_layout, layout_memory, rank_coords
 from trnrecipes.plan.memory import memory_problem
-from trnrecipes.schema import shown
+from trnrecipes.schema import shell_word, shown
 
 TEMPLATES_DIR = REPO_ROOT / "templates"
 SCRIPTS = ("compile.sbatch", "run.sbatch", "eval.sbatch")
@@ -175,17 +175,13 @@ def sbatch_command(recipe_arg: str, nodes: int, overrides: str = "", out: str = 
     return shlex.join(argv)
 
 
-def _quote(value: object) -> str:
-    return shlex.quote(str(value))
-
-
 def _quote_env(value: object) -> str:
     """An exported value: quoted, except that JOB_USER expands. Values holding it are built from plain paths only
     (recipe checks), so double quotes protect the rest."""
     text = str(value)
     if JOB_USER in text and is_plain_path(text.replace(JOB_USER, "")):
         return f'"{text}"'
-    return _quote(text)
+    return shell_word(text)
 
 
 def _comment(value: object) -> str:
@@ -202,7 +198,7 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters["q"] = _quote
+    env.filters["q"] = shell_word
     env.filters["qenv"] = _quote_env
     env.filters["comment"] = _comment
     return env

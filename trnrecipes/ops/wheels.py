@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 from trnrecipes import REPO_ROOT
-from trnrecipes.files.durable import make_readable
 from trnrecipes.jobs.wheelhouse import RECORD, lock_digest, lock_path, wheels_dir
 
 STACK_PINS = REPO_ROOT / "tests" / "constraints"  # each DLAMI venv's published pins (test_install.py holds them)
@@ -58,7 +57,6 @@ def download(lock: Path, out: Path, sdk: str | None = None) -> Path:
     # nodes never see a half-filled wheelhouse.
     fresh = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        make_readable(fresh)  # mkdtemp's 0700: every node's job reads the wheelhouse, and a teammate's may
         argv = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
                 "--python-version", python, *platform_flags(platform), "-r", str(lock), "-d", str(fresh)]  # fmt: skip
         done = subprocess.run(argv, capture_output=True, text=True)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from trnrecipes.config.cluster import Instance, get_instance
 from trnrecipes.config.families import ModelSection
-from trnrecipes.config.recipe import FIELD_BOUNDS
+from trnrecipes.config.recipe import FIELD_BOUNDS, MAX_NODES
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.config.stages import (
     BUBBLE_WARNING,
@@ -126,7 +126,7 @@ def valid_node_counts(r: Recipe) -> list[int]:
     wpn, mb, gbs = r.workers_per_node, r.batch.micro_batch, r.batch.global_batch
     model_ranks = r.layout.tp * r.layout.pp * r.layout.cp
     found = []
-    for n in range(1, max(gbs // mb, 1) * model_ranks // wpn + 1):
+    for n in range(1, min(max(gbs // mb, 1) * model_ranks // wpn, MAX_NODES) + 1):
         world = n * wpn
         if world % model_ranks or gbs % (mb * (world // model_ranks)) or (world // model_ranks) % r.layout.ep:
             continue
@@ -145,8 +145,10 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def _fmt(values: list[int]) -> str:
-    return ", ".join(map(str, values)) if values else "none"
+def _fmt(values: list[int], most: int = 24) -> str:
+    if not values:
+        return "none"
+    return ", ".join(map(str, values[:most])) + (f", ... ({len(values)} in all)" if len(values) > most else "")
 
 
 def param_count(m: ModelSection) -> int:

@@ -110,8 +110,8 @@ def settle_checkpoints(
       newer checkpoint must not outrank the valid one in later runs, in pruning or in eval). If none verifies,
       nothing is moved and the run is refused: starting over at step 0 is the user's call (force_fresh).
       An I/O error while reading is not corruption: it stops the run and moves nothing.
-    - not resume (or force_fresh): a run dir with checkpoints is refused unless force_fresh, which moves checkpoints/
-      and the metrics aside to RUN_DIR/archived/<time>/ (a new run's saves would otherwise mix with the old run's). A
+    - not resume: a run dir with checkpoints is refused unless force_fresh, which moves checkpoints/ and the
+      metrics aside to RUN_DIR/archived/<time>/ (a new run's saves would otherwise mix with the old run's). A
       requeued job (`restarted`) resumes instead: archiving again would throw away its own progress every time.
     """
     if not root.is_dir():
@@ -121,8 +121,7 @@ def settle_checkpoints(
     if not found:
         return None
     names = ", ".join(p.name for _, p in found[:3]) + (", ..." if len(found) > 3 else "")
-    # force_fresh starts over whatever resume says (the docs' one-key command: with resume's default true it resumed)
-    if (not resume or force_fresh) and not (force_fresh and restarted):
+    if not resume and not (force_fresh and restarted):
         if not force_fresh:
             raise RecipeError(
                 f"{root} already has checkpoints ({names}) and checkpoint.resume is false: resume (the default), use"
