@@ -13,13 +13,14 @@ import json
 
 import pyarrow as pa
 import pytest
-from test_eval_integrity import checkpoint, manifest_sha256
+from test_eval_integrity import SMALL, checkpoint, manifest_sha256
 from test_infer import keep_torch_threads, read_arrow_table, write_arrow  # noqa: F401 (a fixture)
 from test_infer import tiny as tiny  # the fixture: its checkpoints and texts
 
 import trnrecipes.infer
 from eval.run import run
 from trnrecipes.cli import main
+from trnrecipes.config.recipe import load_recipe
 from trnrecipes.convert import to_hf
 
 
@@ -85,7 +86,9 @@ def test_an_export_without_file_hashes_is_exported_again(tmp_path, capsys):
 def test_a_modified_hf_directory_is_not_credited_to_its_checkpoint(tmp_path, capsys):
     one = checkpoint(tmp_path / "ckpts", 1, seed=1)
     hf = to_hf(one, tmp_path / "hf")
-    credit = {"path": str(one), "step": 1, "manifest_sha256": manifest_sha256(one)}
+    seq_len = load_recipe("pythia-tiny", overrides=SMALL).batch.seq_len  # to-hf records its recipe and length
+    credit = {"path": str(one), "step": 1, "manifest_sha256": manifest_sha256(one), "recipe": "pythia-tiny",
+              "seq_len": seq_len}  # fmt: skip
     run(hf, tmp_path / "eval", [], tmp_path)
     assert results_checkpoint(tmp_path / "eval")["exported_from"] == credit  # as exported: credited
 

@@ -171,7 +171,8 @@ def test_a_store_without_sql_access_gets_a_new_run_linked_to_the_old_where_steps
 
 
 def test_a_file_store_is_refused_in_one_line_and_an_unreachable_server_left_out_at_once(monkeypatch, tmp_path, capsys):
-    from trnrecipes.train.trackers import mlflow_store_problem, open_trackers
+    from trnrecipes.config.tracking import mlflow_store_problem
+    from trnrecipes.train.trackers import open_trackers
 
     cases = (("file:///fsx/mlruns", "", True), ("./mlruns", "", True), ("./mlruns", "True", False),
              ("sqlite:///fsx/mlflow.db", "", False), ("http://mlflow:5000", "", False), ("databricks", "", False),

@@ -165,7 +165,11 @@ def run_dir_in_checkpoints(run_dir: Path) -> str | None:
     (a slip of a path). The run's files would make that checkpoint fail verification, and the run it belongs to
     would set it aside and train its steps again."""
     here = Path(os.path.abspath(run_dir))
-    if found := checkpoint_around(here) or checkpoint_around(here.resolve()):  # links on the way, made or not yet
+    try:
+        real = here.resolve()  # links on the way, made or not yet
+    except (OSError, RuntimeError):  # a link loop: the caller's own check names it (storage.run_dir_blocker)
+        real = here
+    if found := checkpoint_around(here) or checkpoint_around(real):
         kind, where = found
         return (
             f"it lies in {kind} {where}: a run's files there would cost a run its checkpoints (set aside as"

@@ -267,7 +267,7 @@ def check(
             tracking = {m: dist for name in recipe.monitor.trackers for m, dist in TRACKER_PACKAGES.get(name, ())}
             problems += [mine + p for p in module_problems(tracking, python, "tracking")]
         if "mlflow" in recipe.monitor.trackers:
-            from trnrecipes.train.trackers import mlflow_store_problem
+            from trnrecipes.config.tracking import mlflow_store_problem
 
             if store := mlflow_store_problem():
                 problems.append(store)

@@ -40,6 +40,7 @@ from trnrecipes.config.changes import changes_data_order, section_differences
 from trnrecipes.config.families import family_spec
 from trnrecipes.config.profiling import describe as describe_profiling
 from trnrecipes.config.sections import Recipe, RecipeError
+from trnrecipes.config.tracking import mlflow_store_problem
 from trnrecipes.data.blend import DataPosition
 from trnrecipes.data.classify import ClassificationStream
 from trnrecipes.data.pack import Prefetcher, batches, split_documents
@@ -62,7 +63,6 @@ from trnrecipes.train.trackers import (
     Outcome,
     TrackedRun,
     Tracker,
-    mlflow_store_problem,
     open_trackers,
     require_packages,
 )

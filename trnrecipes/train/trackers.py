@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
-from urllib.parse import urlparse
 
 from trnrecipes.config.sections import TRACKER_PACKAGES, RecipeError
+from trnrecipes.config.tracking import mlflow_store_problem
 from trnrecipes.data.arrow import atomic_output
 from trnrecipes.files.run_files import MLFLOW_ARTIFACTS, MLFLOW_DB, TRACKERS, WANDB_DIR
 
@@ -67,25 +67,6 @@ def numbers(record: dict) -> dict[str, float]:
         for key, value in record.items()
         if isinstance(value, (int, float)) and key not in NOT_METRICS  # bool is an int
     }
-
-
-DATABRICKS_STORES = ("databricks", "databricks-uc", "uc")  # URIs without a scheme that are no path (mlflow's registry)
-
-
-def mlflow_store_problem(environ: dict[str, str] | None = None) -> str | None:
-    """Why MLFLOW_TRACKING_URI cannot take a run, or None: MLflow 3 refuses its file store (a path or a file: URI)
-    unless MLFLOW_ALLOW_FILE_STORE is true (mlflow/store/tracking/file_store.py, 3.17): the run would stop at its
-    start with MLflow's traceback. doctor says it before the job; training refuses it in one line."""
-    environ = os.environ if environ is None else environ
-    uri = environ.get("MLFLOW_TRACKING_URI")
-    allowed = environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("true", "1")
-    if not uri or allowed or uri in DATABRICKS_STORES or urlparse(uri).scheme not in ("", "file"):
-        return None
-    return (
-        f"MLFLOW_TRACKING_URI {uri} is MLflow's file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE="
-        "true: use a database store (sqlite:///PATH/mlflow.db, or a tracking server), or unset it for the run dir's"
-        " own RUN_DIR/mlflow.db"
-    )
 
 
 @contextlib.contextmanager

@@ -1,0 +1,25 @@
+"""Where monitor.trackers' MLflow runs go (MLFLOW_TRACKING_URI), checked before a job starts: by doctor on the login
+node and by the trainer before it builds anything (trnrecipes/train/trackers.py opens the runs)."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlparse
+
+DATABRICKS_STORES = ("databricks", "databricks-uc", "uc")  # URIs without a scheme that are no path (mlflow's registry)
+
+
+def mlflow_store_problem(environ: dict[str, str] | None = None) -> str | None:
+    """Why MLFLOW_TRACKING_URI cannot take a run, or None: MLflow 3 refuses its file store (a path or a file: URI)
+    unless MLFLOW_ALLOW_FILE_STORE is true (mlflow/store/tracking/file_store.py, 3.17): the run would stop at its
+    start with MLflow's traceback. doctor says it before the job; training refuses it in one line."""
+    environ = os.environ if environ is None else environ
+    uri = environ.get("MLFLOW_TRACKING_URI")
+    allowed = environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("true", "1")
+    if not uri or allowed or uri in DATABRICKS_STORES or urlparse(uri).scheme not in ("", "file"):
+        return None
+    return (
+        f"MLFLOW_TRACKING_URI {uri} is MLflow's file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE="
+        "true: use a database store (sqlite:///PATH/mlflow.db, or a tracking server), or unset it for the run dir's"
+        " own RUN_DIR/mlflow.db"
+    )
