@@ -714,13 +714,11 @@ def _eval_run(args: argparse.Namespace) -> int:
     if (in_run := run_dir_of(named)) is not None:  # results beside the run's, not in its checkpoints/
         default_out = in_run / "eval" / named.name
     if (ckpt / "checkpoints").is_dir():  # a run dir: its newest complete checkpoint, results in RUN_DIR/eval/step_N
-        from trnrecipes.checkpoint.format import latest_checkpoint
+        from trnrecipes.checkpoint.format import newest_of_run_dir
 
-        found = latest_checkpoint(ckpt / "checkpoints")
-        if found is None:
-            raise RecipeError(f"run dir {ckpt} has no complete checkpoint in {ckpt / 'checkpoints'}")
-        default_out = ckpt / "eval" / found[1].name
-        ckpt = found[1]
+        newest = newest_of_run_dir(ckpt)
+        default_out = ckpt / "eval" / newest.name
+        ckpt = newest
         print(f"[trnrecipes] evaluating {ckpt}, the newest complete checkpoint")
     elif not (ckpt / "manifest.json").exists() and not (ckpt / "config.json").exists():
         raise RecipeError(
@@ -1000,16 +998,13 @@ def _from_hf(args: argparse.Namespace) -> int:
 
 
 def _to_hf(args: argparse.Namespace) -> int:
-    from trnrecipes.checkpoint.format import latest_checkpoint
+    from trnrecipes.checkpoint.format import newest_of_run_dir
     from trnrecipes.convert import to_hf
 
     check_output(args.out, inputs=[args.ckpt], directory=True)
     ckpt = Path(args.ckpt)
     if (ckpt / "checkpoints").is_dir() and not (ckpt / "manifest.json").exists():  # a run dir, as eval and predict take
-        found = latest_checkpoint(ckpt / "checkpoints")
-        if found is None:
-            raise RecipeError(f"run dir {ckpt} has no complete checkpoint in {ckpt / 'checkpoints'}")
-        ckpt = found[1]
+        ckpt = newest_of_run_dir(ckpt)
         print(f"[trnrecipes] exporting {ckpt}, the newest complete checkpoint")
     out = to_hf(ckpt, Path(args.out))
     print(f"wrote {out}: load it with transformers.{_auto_class(out)}.from_pretrained({str(out)!r})")

@@ -34,14 +34,14 @@ import torch
 
 from trnrecipes import REPO_ROOT
 from trnrecipes.checkpoint import MANIFEST, consolidate, read_model_checkpoint_recipe
-from trnrecipes.checkpoint.format import checkpoint_recipe, latest_checkpoint
+from trnrecipes.checkpoint.format import checkpoint_recipe, newest_of_run_dir
 from trnrecipes.config.families import FAMILIES, family_spec
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.convert import checkpoint_source
 from trnrecipes.data import OUTPUT_IN_PLACE, DataError, listed
 from trnrecipes.data.arrow import class_id, parse_record, read_arrow, read_row_lines, read_table
 from trnrecipes.data.classify import attention_mask, encode_texts, read_labels
-from trnrecipes.data.inputs import JSON_LINES, TEXT_FILE_SUFFIXES, input_stem, kind_of
+from trnrecipes.data.inputs import JSON_LINES, TEXT_FILE_SUFFIXES, input_stem, kind_named
 from trnrecipes.data.tokenizer import TextTokenizer, load_tokenizer
 
 TOKENIZE_ROWS = 4096  # rows tokenized at once by predict (the Rust tokenizer batches them over threads)
@@ -125,11 +125,9 @@ def _verified_checkpoint(path: Path, log) -> tuple[Path, Recipe]:
                 " checkpoints/); an HF model directory needs `trnrecipes convert from-hf` first"
             )
         return path, read_model_checkpoint_recipe(path)
-    found = latest_checkpoint(root, log)  # the newest that verifies, as eval picks
-    if found is not None:
-        log(f"[trnrecipes] using {found[1]}, the newest complete checkpoint")
-        return found[1], checkpoint_recipe(found[1])  # verified by latest_checkpoint
-    raise RecipeError(f"run dir {path} has no complete checkpoint in {root}")
+    newest = newest_of_run_dir(path, log)  # the newest that verifies, as eval picks
+    log(f"[trnrecipes] using {newest}, the newest complete checkpoint")
+    return newest, checkpoint_recipe(newest)  # verified by newest_of_run_dir
 
 
 def read_rows(path: Path, text_field: str) -> pa.Array:
@@ -216,12 +214,7 @@ def check_output_kind(out: Path, writes: str) -> None:
     """RecipeError where an output's name says another kind than it holds (`writes`: "jsonl" or "arrow"): predict's
     plain JSON lines named .gz, embed's Arrow named .jsonl, which a later read takes by its name and fails on."""
     name = Path(out).name
-    kind = kind_of(name, named=True)
-    if writes == "jsonl":
-        wrong = kind in ("jsonl.gz", "jsonl.zst", "parquet", "arrow") or name.lower().endswith((".gz", ".zst", ".bz2"))
-    else:
-        wrong = kind not in (None, "arrow")
-    if wrong:
+    if kind_named(name, writes):
         what = "plain JSON lines" if writes == "jsonl" else "an Arrow stream"
         example = Path(out).with_name(f"{input_stem(name)}.{writes}")
         raise RecipeError(f"--out {out}: writes {what}, but the name says another kind; name it .{writes} (e.g."

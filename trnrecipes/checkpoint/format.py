@@ -39,7 +39,7 @@ from trnrecipes.config.families import FAMILIES
 from trnrecipes.config.recipe import read_recipe_file, recipe_from_dict
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.files.durable import fsync_path, make_readable
-from trnrecipes.files.run_files import DONE, MANIFEST, STEP_DIR
+from trnrecipes.files.run_files import CHECKPOINTS, DONE, MANIFEST, STEP_DIR
 from trnrecipes.parallel.kv_replication import KVReplication, block_of, from_description
 from trnrecipes.parallel.sharding import Region, chunk_range, shard_region
 from trnrecipes.schema import clipped, shown
@@ -586,6 +586,16 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
         if p.is_dir():
             found.append((int(m.group(1)), p))
     return sorted(found, reverse=True)
+
+
+def newest_of_run_dir(run_dir: Path, log=print) -> Path:
+    """A run dir's newest checkpoint that verifies, for a reader given the run dir (eval, predict, embed, to-hf);
+    RecipeError where it has none."""
+    root = Path(run_dir) / CHECKPOINTS
+    found = latest_checkpoint(root, log)
+    if found is None:
+        raise RecipeError(f"run dir {run_dir} has no complete checkpoint in {root}")
+    return found[1]
 
 
 def latest_checkpoint(root: Path, log=print) -> tuple[int, Path] | None:

@@ -24,7 +24,6 @@ import gzip
 import io
 import itertools
 import os
-import shlex
 import sys
 import tempfile
 import zlib
@@ -47,7 +46,7 @@ from trnrecipes.data.json_lines import arrow_texts, json_loads, non_blank
 from trnrecipes.data.manifest import MANIFEST, read_manifest
 from trnrecipes.files.durable import durable_replace, make_readable
 from trnrecipes.files.storage_errors import errno_of
-from trnrecipes.schema import clipped, shown
+from trnrecipes.schema import clipped, shell_word, shown
 
 BATCH_DOCS = 1024  # documents read and converted at a time: small enough to stream, big enough to be cheap
 COLUMNAR_ROWS = 8192  # a Parquet file's rows read at a time where its texts stay Arrow (_batch_texts)
@@ -326,8 +325,8 @@ def _text_column(table: pa.Table, path: Path, text_field: str | None) -> pa.Chun
     if column.null_count:  # from the IPC metadata: no text is read
         raise DataError(
             f"{path}: column {field_name!r} has {column.null_count} null row(s), the first row {_first_null(column)};"
-            f" every row needs text: `trnrecipes data to-arrow --in {shlex.quote(str(path))} --out NEW.arrow"
-            f" --text-field {shlex.quote(field_name)} --on-bad-record skip` writes a copy without them"
+            f" every row needs text: `trnrecipes data to-arrow --in {shell_word(path)} --out NEW.arrow"
+            f" --text-field {shell_word(field_name)} --on-bad-record skip` writes a copy without them"
         )
     return column
 
@@ -746,7 +745,7 @@ def read_row_lines(f: Path) -> Iterator[tuple[str, str]]:
             except UnicodeDecodeError as err:
                 raise DataError(
                     f"{where}: undecodable UTF-8 ({clipped(err)}); re-encode the file as UTF-8, or read the Arrow"
-                    f" file `trnrecipes data to-arrow --in {shlex.quote(str(f))} --out NEW.arrow --on-bad-record skip`"
+                    f" file `trnrecipes data to-arrow --in {shell_word(f)} --out NEW.arrow --on-bad-record skip`"
                     " writes without"
                     " such lines"
                 ) from None

@@ -108,8 +108,7 @@ def check_arrow_output(out: str | Path, given: Sequence[str | Path]) -> None:
     walk would read its Arrow bytes as JSON lines or Parquet), or inside a directory given (a later conversion of
     it would read its documents again, and this same command, rerun, would find its output among its inputs)."""
     out = Path(out)
-    kind = kind_of(out.name, named=True)
-    if kind not in (None, "arrow"):
+    if kind := kind_named(out.name, "arrow"):
         raise DataError(
             f"--out {out}: to-arrow writes an Arrow IPC stream, but the name says {kind}; name it .arrow"
             f" (e.g. {out.with_name(input_stem(out.name) + '.arrow')})"
@@ -354,6 +353,17 @@ def _kinds_held(other: Counter) -> str:
 
 def _unreadable(err: OSError) -> None:
     raise DataError(f"cannot read directory {err.filename} ({err.strerror})") from err
+
+
+def kind_named(name: str, writes: str) -> str | None:
+    """The input kind an output's name says where it is not what the output holds (`writes`: "arrow", or "jsonl"
+    for plain JSON lines), else None: a later read takes a file by its name (Arrow named .jsonl, JSON named .gz)."""
+    kind = kind_of(name, named=True)
+    if writes == "arrow":
+        return kind if kind not in (None, "arrow") else None
+    if kind in ("jsonl.gz", "jsonl.zst", "parquet", "arrow"):
+        return kind
+    return "compressed" if name.lower().endswith((".gz", ".zst", ".bz2")) else None
 
 
 def kind_of(name: str, named: bool) -> str | None:

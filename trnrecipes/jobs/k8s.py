@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from trnrecipes.jobs.wheelhouse import job_wheels
 from trnrecipes.plan.eval_cost import CPU_CORES as EVAL_CPU_CORES
 from trnrecipes.plan.eval_cost import eval_estimate, eval_mem_gb
 from trnrecipes.plan.layout import Layout
-from trnrecipes.schema import shown
+from trnrecipes.schema import shell_word, shown
 
 # The training operator's (kubeflow/training-operator v1.9.0, pkg/apis/kubeflow.org/v1/pytorch_types.go): the
 # container it reads exit codes from, and the Master's port it hands every pod as MASTER_PORT.
@@ -311,7 +310,7 @@ def kubectl_steps(r: Recipe, job_dir: Path) -> list[str]:
     for mode, file_name in MANIFESTS.items():
         condition, kind = done[mode].split()
         wait = f"kubectl wait -n {r.k8s.namespace} --for=condition={condition} --timeout=-1s {kind}/{job_name(r, mode)}"
-        lines += [f"kubectl apply -f {shlex.quote(str(job_dir / file_name))}", wait]
+        lines += [f"kubectl apply -f {shell_word(job_dir / file_name)}", wait]
     return lines
 
 

@@ -59,13 +59,7 @@ from trnrecipes.train.restore import load
 from trnrecipes.train.resume_compat import check_resume
 from trnrecipes.train.run_dir import RunDirLock, require_writable, settle_checkpoints
 from trnrecipes.train.step_rng import step_seed
-from trnrecipes.train.trackers import (
-    Outcome,
-    TrackedRun,
-    Tracker,
-    open_trackers,
-    require_packages,
-)
+from trnrecipes.train.trackers import Outcome, TrackedRun, Tracker, open_trackers, require_packages
 
 
 @dataclass
