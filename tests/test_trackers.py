@@ -193,6 +193,28 @@ def test_a_file_store_is_refused_in_one_line_and_an_unreachable_server_left_out_
     assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # MLflow's own retries for the run's logging
 
 
+def test_a_run_whose_params_the_store_refuses_is_ended_failed_not_left_running(monkeypatch, tmp_path, capsys):
+    """A store that rejects the recipe's params rejects them at every launch: no run left RUNNING by any of them."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from trnrecipes.train.trackers import open_trackers
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+    def refuse(self, run_id, metrics=(), params=(), tags=(), **kw):
+        raise MlflowException("INVALID_PARAMETER_VALUE: a param the store refuses")  # e.g. a server's own limits
+
+    monkeypatch.setattr(MlflowClient, "log_batch", refuse)
+    run = TrackedRun("tiny", tmp_path, {"train": {"max_steps": 4}}, {}, resumed_from=0)
+    for _ in range(2):
+        assert open_trackers(("mlflow",), run, None, None) == []
+    assert capsys.readouterr().err.count("MLflow could not be opened (MlflowException: INVALID_PARAMETER_VALUE") == 2
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert [r.info.status for r in runs] == ["FAILED", "FAILED"]
+
+
 def test_mlflow_without_sqlalchemy_is_refused_in_one_line_naming_the_package(monkeypatch):
     from trnrecipes.train.trackers import require_packages
 

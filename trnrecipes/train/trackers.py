@@ -186,12 +186,19 @@ class MlflowTracker:
             tags["mlflow.source.git.commit"] = str(run.provenance["git_sha"])  # shown by MLflow's UI
         if previous:
             tags["trnrecipes.continues_run"] = previous
-        created = self.client.create_run(experiment_id, run_name=run.run_dir.name)
+        run_id = self.client.create_run(experiment_id, run_name=run.run_dir.name).info.run_id
         params = [Param(k, _cut(v, PARAM_CHARS)) for k, v in flatten(run.recipe).items()]
         tag_list = [RunTag(k, _cut(v, TAG_CHARS)) for k, v in tags.items()]
-        for i in range(0, max(len(params), len(tag_list)), 100):  # log_batch takes 100 params and tags at a time
-            self.client.log_batch(created.info.run_id, params=params[i : i + 100], tags=tag_list[i : i + 100])
-        return created.info.run_id
+        try:
+            for i in range(0, max(len(params), len(tag_list)), 100):  # log_batch takes 100 params and tags at a time
+                self.client.log_batch(run_id, params=params[i : i + 100], tags=tag_list[i : i + 100])
+        except BaseException:
+            # A store that refuses the params refuses them at every launch: each run left RUNNING would be one
+            # more orphan in the UI. This one is ended FAILED; the launch goes on without MLflow (open_trackers).
+            with contextlib.suppress(Exception):
+                self.client.set_terminated(run_id, "FAILED")
+            raise
+        return run_id
 
     def _log_changed_params(self, run: TrackedRun) -> None:
         """A param cannot change in MLflow: a resumed run's new or changed recipe values (a longer max_steps) go in
