@@ -257,6 +257,11 @@ def test_resume_refuses_a_changed_recipe_and_lists_the_differences(straight: Pat
     )
     assert "resuming with a changed recipe (checkpoint.allow_changes): optim.lr:" in allowed
     assert "(step 30)" in allowed and (run / "checkpoints/step_31/done").exists()
+    # a larger batch from step 31 on: tokens_seen counts on from step 31's record (31 x 4 x 32), each step at 8 x 32
+    bigger = ["train.max_steps=33", "optim.lr=0.01", "batch.global_batch=8", "checkpoint.every_steps=5"]
+    finish(start(config(tmp_path, *bigger, "checkpoint.allow_changes=[optim.lr,batch.global_batch]")))
+    seen = {r["step"]: r["tokens_seen"] for r in logged_steps(run)}
+    assert [seen[s] for s in (31, 32, 33)] == [31 * 128, 31 * 128 + 256, 31 * 128 + 512]
 
 
 def test_resume_false_on_a_run_dir_with_checkpoints_refuses_unless_forced(straight: Path, tmp_path: Path):
