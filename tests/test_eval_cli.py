@@ -69,6 +69,30 @@ def test_a_checkpoint_that_fails_as_it_is_read_leaves_no_empty_results_dir(cli, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # its ck-eval/ was left, empty
 
 
+def test_a_checkpoint_its_run_prunes_while_eval_reads_it_is_named_as_pruned_not_corrupt(monkeypatch, tmp_path, capsys):
+    import shutil
+
+    import torch
+
+    import trnrecipes.convert as convert
+    from trnrecipes.checkpoint import write_model_checkpoint
+    from trnrecipes.cli import main
+    from trnrecipes.config.recipe import load_recipe
+
+    ckpt = write_model_checkpoint(tmp_path / "ck", {"w": torch.zeros(4)}, load_recipe("llama2-tiny"))
+    real_to_hf = convert.to_hf
+
+    def pruned_first(source, out, *args, **kwargs):  # a run still training removes it (checkpoint.keep_last)
+        shutil.rmtree(source)
+        return real_to_hf(source, out, *args, **kwargs)
+
+    monkeypatch.setattr(convert, "to_hf", pruned_first)
+    assert main(["eval", "run", "--ckpt", str(ckpt), "--tasks", "boolq", "--limit", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {ckpt} was pruned by its run while it was read (checkpoint.keep_last): evaluate again" in err, err
+    assert list(tmp_path.iterdir()) == []  # nor its empty ck-eval/
+
+
 @pytest.mark.parametrize(
     ("device", "expected"),
     [

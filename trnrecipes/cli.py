@@ -741,15 +741,17 @@ def _eval_run(args: argparse.Namespace) -> int:
             humaneval_temperature=args.humaneval_temperature,
             max_length=args.max_length,
         )
-    except (ValueError, TaskDataError, ExecutionNotAllowed, SandboxError) as err:
-        raise RecipeError(str(err)) from None
-    except CheckpointError:
+    except CheckpointError:  # before ValueError, its base: that clause would hide both the pruning and may_pass
         if ckpt.exists():
             raise
         raise RecipeError(  # a run still training pruned it (checkpoint.keep_last): not a corrupt checkpoint
             f"{ckpt} was pruned by its run while it was read (checkpoint.keep_last): evaluate again to read the"
             " newest, or once the run is done"
         ) from None
+    except RecipeError:  # as raised: a DataError over a transient EIO keeps its cause, which main() requeues on
+        raise
+    except (ValueError, TaskDataError, ExecutionNotAllowed, SandboxError) as err:
+        raise RecipeError(str(err)) from None
     finally:
         if made and out.is_dir() and not any(out.iterdir()):  # nothing written: no empty results dir left behind
             out.rmdir()
