@@ -181,6 +181,20 @@ def test_checkpoints_and_exports_are_readable_by_the_group_as_the_umask_allows(t
     assert all(stat.S_IMODE(p.stat().st_mode) & 0o044 == 0o044 for p in made), modes
 
 
+def test_storage_that_refuses_modes_keeps_its_own_and_a_missing_file_is_still_an_error(tmp_path):
+    """A FUSE object store or CIFS mount answers chmod with EPERM/ENOTSUP: the checkpoint stands as it wrote it.
+    /proc's files refuse chmod with EPERM, even to root: a real refusal of the kernel's own."""
+    import os
+
+    from trnrecipes.files.durable import make_readable
+
+    with pytest.raises(PermissionError):
+        os.chmod("/proc/self/stat", 0o644)
+    make_readable("/proc/self/stat")
+    with pytest.raises(FileNotFoundError):  # not storage's refusal: a write that went missing
+        make_readable(tmp_path / "gone.safetensors")
+
+
 def test_a_round_trip_through_to_hf_keeps_the_recipe_and_its_length(tmp_path):
     from trnrecipes.checkpoint import write_model_checkpoint
     from trnrecipes.checkpoint.format import checkpoint_recipe
