@@ -3,6 +3,7 @@ run nothing."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -49,6 +50,19 @@ def test_rerendering_keeps_logs_and_needs_force_to_change_the_recipe(cli, tmp_pa
     (out / "logs" / "old.out").write_text("keep me")
     assert cli("sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out)).returncode == 0  # same recipe
     assert os.access(out / "run.sbatch", os.X_OK)  # replaced through a temp name: it made them 0644 once
+    rendered = (out / "run.sbatch").read_text()
+    (out / "run.sbatch").write_text(rendered + "# a fix of my own\n")  # edited by hand: moved aside, not lost
+    prov = json.loads((out / "provenance.json").read_text())
+    (out / "compile.sbatch").write_text("# as an older template rendered it\n")
+    prov["files"]["compile.sbatch"] = hashlib.sha256(b"# as an older template rendered it\n").hexdigest()
+    (out / "provenance.json").write_text(json.dumps(prov))
+    done = cli("sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    (aside,) = [p for p in out.iterdir() if ".edited-" in p.name]
+    assert aside.name.startswith("run.sbatch.edited-") and aside.read_text() == rendered + "# a fix of my own\n"
+    assert f"note: run.sbatch: edited since it was rendered; moved to {aside.name}, not lost" in done.stdout
+    assert (out / "run.sbatch").read_text() == rendered and "# as an older" not in (out / "compile.sbatch").read_text()
+    aside.unlink()
     args = ["sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out), "--overrides", "optim.lr=1e-3"]
     done = cli(*args)
     assert done.returncode == 2 and "already holds a different recipe.yaml" in done.stderr

@@ -23,7 +23,8 @@ from trnrecipes.config.sections import RecipeError
 from trnrecipes.train.loop import Trainer
 from trnrecipes.train.trackers import MlflowTracker, TrackedRun
 
-PROVENANCE = {"git_sha": "0123456789abcdef", "command": "trnrecipes sbatch llama2-tiny", "layout": {"tp": 1}}
+PROVENANCE = {"git_sha": "0123456789abcdef", "command": "trnrecipes sbatch llama2-tiny", "layout": {"tp": 1},
+              "files": {"run.sbatch": "ab" * 32}}  # fmt: skip
 NO_NETWORK = ["unshare", "-n"] if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0 else []
 
 
@@ -81,6 +82,7 @@ def test_the_mlflow_run_holds_the_recipe_as_params_and_the_provenance_as_tags(tr
     assert params["monitor.trackers"] == '["mlflow", "wandb"]'
     assert tags["provenance.git_sha"] == PROVENANCE["git_sha"] and tags["provenance.layout.tp"] == "1"
     assert tags["mlflow.source.git.commit"] == PROVENANCE["git_sha"]
+    assert not [key for key in tags if key.startswith("provenance.files")]  # the scripts' sha256: for re-rendering
 
 
 def wandb_records(path: Path):

@@ -893,13 +893,16 @@ def _checked_job(args: argparse.Namespace, verb: str, render) -> tuple:
     return nodes, recipe, command, job, runs_root, storage, warnings
 
 
-def _write_with_provenance(args: argparse.Namespace, job, command: str) -> tuple[dict[str, str], list[str]]:
-    """The job's files and its provenance.json written (write_job's guards); (the extra files, what changed)."""
+def _write_with_provenance(
+    args: argparse.Namespace, job, command: str
+) -> tuple[dict[str, str], list[str] | None, list[str]]:
+    """The job's files and its provenance.json written (write_job's guards); (the extra files, what changed in
+    recipe.yaml, the scripts edited by hand that were moved aside)."""
     from trnrecipes.config.recipe import find_recipe
     from trnrecipes.jobs.render import provenance, provenance_json, write_job
 
     extra = {"provenance.json": provenance_json(provenance(job, command, find_recipe(args.recipe), args.overrides))}
-    return extra, write_job(job, extra, force=args.force)
+    return extra, *write_job(job, extra, force=args.force)
 
 
 def _sbatch(args: argparse.Namespace) -> int:
@@ -917,7 +920,7 @@ def _sbatch(args: argparse.Namespace) -> int:
     wheels = wheels_problem(recipe, REPO_ROOT)
     for warning in [*render_warnings(recipe, job.job_dir), *warnings, *([wheels] if wheels else [])]:
         print(f"warning: {warning}", file=sys.stderr)
-    extra, changes = _write_with_provenance(args, job, command)
+    extra, changes, kept = _write_with_provenance(args, job, command)
     print(format_plan(plan(recipe), recipe))
     print(
         "\n".join(format_data_plan(data_plan(recipe, REPO_ROOT, look=not args.no_data_check), recipe.train.max_steps))
@@ -926,6 +929,8 @@ def _sbatch(args: argparse.Namespace) -> int:
     print(f"\nwrote {job.job_dir}/: {', '.join(sorted(job.files | extra))}")
     if changes:
         print("replaced its recipe.yaml; what changed:\n" + "\n".join(f"  {line}" for line in changes))
+    for line in kept:
+        print(f"note: {line}")
     print("next:")
     print(f"  id=$(sbatch --parsable {job.job_dir}/compile.sbatch)")
     print(f"  id=$(sbatch --parsable --dependency=afterok:$id {job.job_dir}/run.sbatch)")
@@ -945,11 +950,13 @@ def _k8s(args: argparse.Namespace) -> int:
     _, _, command, job, _, storage, warnings = _checked_job(args, "k8s", render_k8s)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    extra, changes = _write_with_provenance(args, job, command)
+    extra, changes, kept = _write_with_provenance(args, job, command)
     print(storage)
     print(f"wrote {job.job_dir}/: {', '.join(sorted(job.files | extra))}")
     if changes:
         print("replaced its recipe.yaml; what changed:\n" + "\n".join(f"  {line}" for line in changes))
+    for line in kept:
+        print(f"note: {line}")
     print("next, where kubectl reaches the cluster (each job waits for the one before):")
     print("\n".join(f"  {line}" for line in kubectl_steps(job.recipe, job.job_dir)))
     return 0

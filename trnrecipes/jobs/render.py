@@ -7,6 +7,7 @@ No torch import: `make ... sbatch` must stay instant.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -281,7 +282,12 @@ def provenance(job: Job, command: str, source: Path, overrides: str) -> dict[str
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "rendered_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "layout": job.layout.to_dict(),
+        "files": {name: _sha256(text.encode()) for name, text in job.files.items()},  # to tell edits by hand
     }
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _git(*args: str) -> str:
@@ -292,12 +298,14 @@ def _git(*args: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
-def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> list[str] | None:
+def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> tuple[list[str] | None, list[str]]:
     """Write the job dir. A new dir appears whole (temp dir + rename), with the logs/ dir Slurm's --output needs
     (sbatch does not create it). In an existing dir (logs of earlier runs, the compile cache copy) each file is
     replaced atomically; but queued and requeued jobs read recipe.yaml when they start, so a different recipe
-    replaces it only with force, and so do our files in a non-empty directory we did not write.
-    Returns what changed where a recipe.yaml of ours was replaced by a different one (recipe_changes), else None."""
+    replaces it only with force, and so do our files in a non-empty directory we did not write. A script edited
+    by hand since it was rendered is moved aside (keep_edited), not replaced.
+    Returns (what changed where a recipe.yaml of ours was replaced by a different one (recipe_changes), else None;
+    one line per script moved aside)."""
     files = job.files | extra_files
     parent = job.job_dir.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -312,7 +320,7 @@ def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> lis
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return None
+        return None, []
     if not job.job_dir.is_dir():
         raise RecipeError(f"{job.job_dir} exists and is not a directory; pass --out with a new or empty directory")
     if not force and any(job.job_dir.iterdir()) and not is_job_dir(job.job_dir):
@@ -333,6 +341,7 @@ def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> lis
                 " change:" + "".join(f"\n  {line}" for line in changes)
             )
     (job.job_dir / "logs").mkdir(exist_ok=True)
+    kept = keep_edited(job.job_dir, files)
     for name, text in files.items():
         fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", dir=job.job_dir)
         os.close(fd)
@@ -347,7 +356,39 @@ def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> lis
         (job.job_dir / name).unlink()
     if stale:
         changes = [*(changes or []), f"{', '.join(stale)}: removed (of the job it replaces; this recipe has none)"]
-    return changes
+    return changes, kept
+
+
+def keep_edited(job_dir: Path, files: dict[str, str]) -> list[str]:
+    """Move aside, as NAME.edited-TIME, each of the job dir's scripts that a re-render would replace and that was
+    changed since it was rendered (its sha256 is not the one provenance.json recorded; in a job dir of a trnrecipes
+    that recorded none, any that differs from the new text): a hand-made fix (a module load, an srun flag) is not
+    lost to the next `make ... sbatch`. One line per file moved."""
+    try:
+        recorded = json.loads((job_dir / "provenance.json").read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    recorded = recorded if isinstance(recorded, dict) else None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    kept = []
+    for name, text in files.items():
+        if name in ("recipe.yaml", "provenance.json"):  # recipe.yaml's own edits are refused without --force
+            continue
+        try:
+            now = (job_dir / name).read_bytes()
+        except OSError:  # not there (or a directory, which the write will name)
+            continue
+        if now == text.encode() or (recorded is not None and recorded.get(name) == _sha256(now)):
+            continue  # as the new render, or as the last one rendered it (an older template): nothing of the user's
+        aside = job_dir / f"{name}.edited-{stamp}"
+        n = 1
+        while aside.exists():
+            aside, n = job_dir / f"{name}.edited-{stamp}-{n}", n + 1
+        os.replace(job_dir / name, aside)
+        why = "edited since it was rendered" if recorded is not None else "differs, and no record says it was ours"
+        compare = f"diff {shell_word(str(aside))} {shell_word(str(job_dir / name))}"
+        kept.append(f"{name}: {why}; moved to {aside.name}, not lost (compare: {compare})")
+    return kept
 
 
 def _made_here(script: Path, name: str) -> bool:

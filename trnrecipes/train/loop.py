@@ -641,6 +641,7 @@ class Trainer:
         provenance = {}
         with contextlib.suppress(OSError, ValueError, TypeError):  # no job dir, or none of ours: no provenance tags
             provenance = dict(json.loads((self.job_dir / "provenance.json").read_text()))
+            provenance.pop("files", None)  # the scripts' sha256, for re-rendering: not what a run is searched by
         run = TrackedRun(r.name, self.run_dir, r.to_dict(), provenance, self.start_step + history_offset)
         return open_trackers(r.monitor.trackers, run, r.monitor.mlflow_experiment, r.monitor.wandb_project)
 
