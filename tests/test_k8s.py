@@ -231,6 +231,8 @@ def test_entrypoint_passes_shellcheck():
         ("k8s.pvc=fsx k8s.namespace=Team_A", 16, "k8s.namespace 'Team_A' is not a Kubernetes name: a DNS label"),
         ("k8s.pvc=fsx k8s.service_account='a b'", 16, "k8s.service_account 'a b' is not a Kubernetes name"),
         ("k8s.pvc=Fsx", 16, "k8s.pvc 'Fsx' is not a Kubernetes name: a DNS subdomain name"),
+        # a recreated pod would archive (force_fresh) or stop on the run's own checkpoints
+        ("k8s.pvc=fsx checkpoint.resume=false checkpoint.force_fresh=true", 16, "checkpoint.resume false on EKS"),
     ],
 )
 def test_bad_input_is_one_error_and_writes_nothing(tmp_path, overrides, nodes, says):

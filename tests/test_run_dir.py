@@ -186,6 +186,22 @@ def test_force_fresh_on_a_requeued_job_resumes_instead_of_archiving_again(tmp_pa
     save(run / "checkpoints", 20)
     found = settle_checkpoints(run / "checkpoints", resume=False, force_fresh=True, log=quiet, restarted=True)
     assert found == (20, run / "checkpoints/step_20") and not (run / "archived").exists()
+    # resume false alone: the requeue of a job that saved before its time limit went on, not stopped with exit 2
+    found = settle_checkpoints(run / "checkpoints", resume=False, force_fresh=False, log=quiet, restarted=True)
+    assert found == (20, run / "checkpoints/step_20")
+
+
+def test_a_restart_is_a_requeue_or_the_job_that_started_the_run_launching_it_again(tmp_path: Path):
+    """HyperPod's --auto-resume reruns the step in the same Slurm job, with no SLURM_RESTART_COUNT: before, a
+    force_fresh run archived its own progress at each auto-resume."""
+    from trnrecipes.train.run_dir import record_fresh_start, restarted_job
+
+    assert restarted_job(tmp_path, {"SLURM_RESTART_COUNT": "1"}) and not restarted_job(tmp_path, {"SLURM_JOB_ID": "7"})
+    record_fresh_start(tmp_path, {"SLURM_JOB_ID": "7"})
+    assert restarted_job(tmp_path, {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0"})
+    assert not restarted_job(tmp_path, {"SLURM_JOB_ID": "8"})  # a new submission: force_fresh archives, as asked
+    record_fresh_start(tmp_path, {})  # no Slurm (bash run.sbatch, EKS): nothing to tell a restart by
+    assert not restarted_job(tmp_path, {}) and not restarted_job(tmp_path, {"SLURM_JOB_ID": "7"})
 
 
 def test_force_fresh_alone_is_refused_not_silently_resumed():

@@ -26,10 +26,11 @@ WANDB_DIR = "wandb"  # RUN_DIR/wandb/: W&B's run dirs (offline-run-*)
 PLOTS = "plots"  # RUN_DIR/plots/: `trnrecipes plot`'s PNGs (its default --out)
 PROFILE = PROFILE_DIR  # RUN_DIR/profile/: monitor.profile_steps' traces (config/profiling.py)
 LOCK_CLAIM = LOCK_FILE + ".claim"  # beside the lock where the file system has no flock (train/run_dir.py)
+FRESH_START = ".fresh_start.json"  # RUN_DIR/.fresh_start.json: the Slurm job that started it at step 0 (resume false)
 STOP_FILE = re.compile(r"^\.stop-")  # RUN_DIR/.stop-JOB[.saved]: run.sbatch's stop request and the trainer's answer
 # What a run dir holds of its own: the output guard refuses any other command's output that is or lies in one.
 RUN_ENTRIES = (CHECKPOINTS, METRICS, METRICS_DROPPED, TENSORBOARD, TRACKERS, MLFLOW_DB, MLFLOW_ARTIFACTS, WANDB_DIR,
-               ARCHIVED, PLOTS, PROFILE, LOCK_FILE, LOCK_CLAIM)  # fmt: skip
+               ARCHIVED, PLOTS, PROFILE, LOCK_FILE, LOCK_CLAIM, FRESH_START)  # fmt: skip
 
 
 def is_run_entry(name: str) -> bool:

@@ -134,6 +134,12 @@ def _check(r: Recipe, repo_root: Path, job_dir: Path, run_dir: Path) -> None:
                 f"{', dots between' if rule == DNS_SUBDOMAIN else ''}; starting and ending with a letter or digit, at"
                 f" most {most} characters), e.g. ml-team"
             )
+    if not r.checkpoint.resume:  # the operator recreates a failed pod: nothing tells the new one it is a restart
+        raise RecipeError(
+            "checkpoint.resume false on EKS: a pod the operator recreates would stop on (or, with force_fresh,"
+            " archive) the run's own checkpoints; to start over, point run_dir at a new directory (or move the old"
+            " one aside) and keep checkpoint.resume true"
+        )
     for path, what in ((repo_root, "the checkout"), (job_dir, "the job dir"), (run_dir, "the run dir")):
         if not Path(path).is_relative_to(r.k8s.mount):
             raise RecipeError(

@@ -57,7 +57,13 @@ from trnrecipes.train.monitor import Clock, Metrics, SpikeDetector, progress_lin
 from trnrecipes.train.profile import StepProfiler, rank_env
 from trnrecipes.train.restore import load
 from trnrecipes.train.resume_compat import check_resume
-from trnrecipes.train.run_dir import RunDirLock, require_writable, settle_checkpoints
+from trnrecipes.train.run_dir import (
+    RunDirLock,
+    record_fresh_start,
+    require_writable,
+    restarted_job,
+    settle_checkpoints,
+)
 from trnrecipes.train.step_rng import step_seed
 from trnrecipes.train.trackers import Outcome, TrackedRun, Tracker, open_trackers, require_packages
 
@@ -244,8 +250,10 @@ class Trainer:
             try:
                 require_writable(self.run_dir)
                 self.lock = RunDirLock(self.run_dir, self.log).acquire()
-                restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0  # a requeue resumes, never archives
+                restarted = restarted_job(self.run_dir)  # a requeue resumes its own checkpoints, never archives
                 found = settle_checkpoints(root, c.resume, c.force_fresh, self.log, restarted=restarted)
+                if found is None and not c.resume:
+                    record_fresh_start(self.run_dir)  # which job started it: that job's restarts resume
                 if found is not None:
                     tokenizer = REPO_ROOT / self.recipe.data.tokenizer  # an absolute path stays itself
                     accepted = check_resume(found[1], self.recipe.to_dict(), tokenizer, c.allow_changes, self.log)

@@ -24,10 +24,12 @@ from trnrecipes.checkpoint import CheckpointError, CheckpointReadError, verify_t
 from trnrecipes.checkpoint.format import STORAGE_ERRNOS, step_dirs
 from trnrecipes.checkpoint.writer import PRUNING
 from trnrecipes.config.sections import RecipeError
+from trnrecipes.data.work_dir import atomic_file
 from trnrecipes.files.outputs import run_dir_in_checkpoints
 from trnrecipes.files.run_files import (
     ARCHIVED,
     CHECKPOINTS,
+    FRESH_START,
     LOCK_CLAIM,
     LOCK_FILE,
     METRICS,
@@ -112,7 +114,8 @@ def settle_checkpoints(
       An I/O error while reading is not corruption: it stops the run and moves nothing.
     - not resume: a run dir with checkpoints is refused unless force_fresh, which moves checkpoints/ and the
       metrics aside to RUN_DIR/archived/<time>/ (a new run's saves would otherwise mix with the old run's). A
-      requeued job (`restarted`) resumes instead: archiving again would throw away its own progress every time.
+      restarted job (`restarted`: a requeue, HyperPod's auto-resume) resumes its own checkpoints instead: refusing
+      them would end the job its requeue just continued, and archiving again would throw its progress away.
     """
     if not root.is_dir():
         return None
@@ -121,7 +124,7 @@ def settle_checkpoints(
     if not found:
         return None
     names = ", ".join(p.name for _, p in found[:3]) + (", ..." if len(found) > 3 else "")
-    if not resume and not (force_fresh and restarted):
+    if not resume and not restarted:
         if not force_fresh:
             raise RecipeError(
                 f"{root} already has checkpoints ({names}) and checkpoint.resume is false: resume (the default), use"
@@ -148,6 +151,26 @@ def settle_checkpoints(
         " changed. Repair or remove them, or start over with checkpoint.resume=false checkpoint.force_fresh=true"
         " (which moves them aside)"
     )
+
+
+def record_fresh_start(run_dir: Path, env=os.environ) -> None:
+    """A run started at step 0 with checkpoint.resume false: its Slurm job, so a restart of that job is known."""
+    with atomic_file(run_dir / FRESH_START) as f:
+        f.write(json.dumps({"slurm_job_id": env.get("SLURM_JOB_ID")}) + "\n")
+
+
+def restarted_job(run_dir: Path, env=os.environ) -> bool:
+    """Whether this launch restarts the job whose run is in the run dir: a Slurm requeue (SLURM_RESTART_COUNT), or
+    the same Slurm job that started the run at step 0 launching it again (HyperPod's --auto-resume reruns the step
+    in the same job and sets no restart count). A new job, or no job, is a new launch."""
+    if int(env.get("SLURM_RESTART_COUNT") or 0) > 0:
+        return True
+    job = env.get("SLURM_JOB_ID")
+    try:
+        started = json.loads((run_dir / FRESH_START).read_text()).get("slurm_job_id")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return bool(job) and started == job
 
 
 def _archive(run_dir: Path) -> Path:
