@@ -233,15 +233,16 @@ def baseline_keys() -> list[str]:
     return keys + [f"{t.name}/{m}" for t in TASKS.values() for m in t.metric_names if f"{t.name}/{m}" not in keys]
 
 
-def write_samples(out: Path, samples: dict[str, list[dict]]) -> None:
+def write_samples(out: Path, samples: dict[str, list[dict]], names: list[str]) -> None:
     """samples/<lm-eval task>.jsonl: per item its doc_id, the requests' arguments (prompts), the model's responses
     and the target, in the layout lm-eval's own --log_samples writes (arguments as gen_args_i/arg_j, responses as
-    strings), so its tools read them and they compare with its CLI's files directly."""
+    strings), so its tools read them and they compare with its CLI's files directly. Those of `names` (the lm-eval
+    tasks this eval ran) an earlier eval wrote are replaced; the others' are kept with their rows."""
     from lm_eval.utils import handle_non_serializable, sanitize_list
 
     (out / "samples").mkdir(exist_ok=True)
-    for old in (out / "samples").glob("*.jsonl"):  # an earlier run's into the same --out: not this one's
-        old.unlink()
+    for name in names:
+        (out / "samples" / f"{name}.jsonl").unlink(missing_ok=True)
     for task, items in samples.items():
         lines = []
         for item in items:
@@ -348,9 +349,10 @@ def run(
     from eval.registry import TASKS, write_task_dir
 
     _offline()
+    kept = earlier_rows(out, Path(ckpt), tasks, limit, max_gen_toks)  # before anything in `out` is replaced
     out.mkdir(parents=True, exist_ok=True)
     hf, checkpoint = export(Path(ckpt), out)
-    rows: list[dict] = []
+    rows: list[dict] = list(kept)
     harness = [t for t in tasks if TASKS[t].lm_eval_name]
     if harness:
         names = write_task_dir(out / "tasks", data, harness)
@@ -358,7 +360,7 @@ def run(
         print(f"[eval] lm-eval: {', '.join(harness)}{f' (first {limit} items each)' if limit else ''}", flush=True)
         evaluated = lm_eval_tasks(hf, out / "tasks", names, limit, window, max_gen_toks)
         results = evaluated["results"]
-        write_samples(out, evaluated.get("samples") or {})
+        write_samples(out, evaluated.get("samples") or {}, [TASKS[t].lm_eval_name for t in harness])
         for name in harness:
             task = TASKS[name]
             r = results[task.lm_eval_name]
@@ -387,9 +389,58 @@ def run(
             if key in report:
                 rows.append({"task": "humaneval", "kind": "task", "shots": TASKS["humaneval"].shots, "metric": key,
                              "value": report[key], "stderr": None})  # fmt: skip
+    rows = sorted(rows, key=lambda r: list(TASKS).index(r["task"]))  # kept and new: the registry's order
     rows += group_rows(rows)
     write_results(out, meta, rows, baseline, limit)
     return rows
+
+
+def earlier_rows(out: Path, ckpt: Path, tasks: list[str], limit: int | None, max_gen_toks: int | None) -> list[dict]:
+    """The task rows an earlier eval of the same weights (same --limit, --max-gen-toks) wrote to `out`, for the tasks
+    this one does not score: a second `make eval ckpt=RUN tasks=humaneval` adds its rows to the hours of MMLU and
+    BBH before it instead of replacing them. ValueError where `out` holds results this eval would replace otherwise
+    (another checkpoint's, other settings', an unreadable results.json): nothing is written."""
+    path = out / "results.json"
+    if not path.is_file():
+        return []
+    try:
+        earlier = json.loads(path.read_text())
+        scored, rows = earlier["checkpoint"], earlier["results"]
+        before = _weights(scored) if isinstance(scored, dict) else None
+        task_rows = [r for r in rows if r["kind"] == "task"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not readable results of an eval ({err}); choose another --out") from None
+    if before != _weights_of(ckpt):
+        raise ValueError(
+            f"{out} holds the results of other weights ({scored.get('path')}, step {scored.get('step')}), which this"
+            f" eval of {ckpt} would replace; choose another --out (or move {out} aside)"
+        )
+    for key, value in (("limit", limit), ("max_gen_toks", max_gen_toks)):
+        if earlier.get(key) != value:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(
+                f"{out} holds results of the same weights with {flag} {earlier.get(key)}, not {value}: the table would"
+                " mix them; choose another --out (or the same setting)"
+            )
+    kept = [r for r in task_rows if r["task"] not in tasks]
+    if kept:
+        print(f"[eval] keeping {out}'s earlier rows of {', '.join(dict.fromkeys(r['task'] for r in kept))}", flush=True)
+    return kept
+
+
+def _weights(scored: dict) -> tuple[str, str]:
+    """Which weights results.json's "checkpoint" names: a checkpoint's manifest sha256, or an HF dir's path."""
+    if scored.get("trnrecipes_checkpoint"):
+        return "checkpoint", str(scored["manifest_sha256"])
+    return "hf", str(scored["path"])
+
+
+def _weights_of(ckpt: Path) -> tuple[str, str]:
+    from trnrecipes.convert import checkpoint_source
+
+    if (ckpt / "config.json").exists():
+        return "hf", str(ckpt.resolve())
+    return "checkpoint", checkpoint_source(ckpt)["manifest_sha256"]
 
 
 def write_results(out: Path, meta: dict, rows: list[dict], baseline: dict | None, limit: int | None) -> None:

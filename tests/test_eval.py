@@ -90,3 +90,31 @@ def test_numbers_equal_lm_eval_cli_on_the_exported_model(evaluated, tmp_path):
         mine = [json.loads(x) for x in (out / "samples" / f"{task}.jsonl").read_text().splitlines()]
         for a, b in zip(mine, [json.loads(x) for x in path.read_text().splitlines()], strict=True):
             assert {k: b[k] for k in a} == a, task  # the same prompts, responses and target
+
+
+def test_a_second_eval_into_the_same_out_adds_to_its_table_and_other_weights_are_refused(evaluated, tmp_path):
+    """`make eval ckpt=RUN tasks=boolq` after hours of the whole table replaced it with one row, and its samples;
+    into a results dir of other weights or other settings it would have mixed or replaced them."""
+    import torch
+
+    from trnrecipes.checkpoint import write_model_checkpoint
+    from trnrecipes.config.recipe import load_recipe
+
+    out, report = evaluated
+    ckpt = report["checkpoint"]["path"]
+    samples = sorted(p.name for p in (out / "samples").iterdir())
+    args = ["--max-gen-toks", str(GEN_TOKS), "--max-length", str(WINDOW), "--out", str(out)]
+    again = run_cli("eval", "run", "--ckpt", ckpt, "--tasks", "boolq", "--limit", "1", *args, env=OFFLINE)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"[eval] keeping {out}'s earlier rows of mmlu, bbh," in again.stdout
+    merged = json.loads((out / "results.json").read_text())["results"]
+    assert [(r["task"], r["metric"], r["value"]) for r in merged] == [
+        (r["task"], r["metric"], r["value"]) for r in report["results"]
+    ]  # boolq scored again (the same value: the same weights), every other row and group kept
+    assert sorted(p.name for p in (out / "samples").iterdir()) == samples
+    other = write_model_checkpoint(tmp_path / "other", {"w": torch.zeros(4)}, load_recipe("pythia-tiny"))
+    for ckpt_arg, limit, says in ((str(other), "1", "holds the results of other weights ("),
+                                  (ckpt, "2", "with --limit 1, not 2: the table would mix them")):  # fmt: skip
+        refused = run_cli("eval", "run", "--ckpt", ckpt_arg, "--tasks", "boolq", "--limit", limit, *args, env=OFFLINE)
+        assert refused.returncode == 2 and says in refused.stderr, refused.stderr
+    assert json.loads((out / "results.json").read_text())["results"] == merged

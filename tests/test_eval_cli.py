@@ -53,6 +53,29 @@ def test_a_run_dir_without_a_complete_checkpoint_is_named(cli, tmp_path):
     assert done.returncode == 2 and f"run dir {tmp_path} has no complete checkpoint" in done.stderr, done.stderr
 
 
+def test_a_run_dir_given_as_dot_is_read_like_any_other(cli, tmp_path):
+    (tmp_path / "checkpoints" / ".step_5.tmp").mkdir(parents=True)
+    done = cli("eval", "run", "--ckpt", ".", "--tasks", "mmlu", "--data-dir", str(REPO / "data/eval"), cwd=tmp_path)
+    assert done.returncode == 2 and "run dir . has no complete checkpoint" in done.stderr, done.stderr  # a traceback
+
+
+def test_a_classifier_is_refused_before_its_export_naming_predict(cli, tmp_path):
+    import torch
+
+    from trnrecipes.checkpoint import write_model_checkpoint
+    from trnrecipes.config.recipe import load_recipe
+
+    ckpt = write_model_checkpoint(tmp_path / "cls", {"w": torch.zeros(4)}, load_recipe("bert-tiny"))
+    done = cli("eval", "run", "--ckpt", str(ckpt), "--tasks", "boolq", "--limit", "1")
+    assert done.returncode == 2 and "holds a bert model (objective 'classification'): eval run scores" in done.stderr
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"]}))
+    done = cli("eval", "run", "--ckpt", str(hf), "--tasks", "boolq", "--limit", "1")
+    assert done.returncode == 2 and "holds a BertForSequenceClassification, not a causal" in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cls", "hf"]  # nothing exported, no results dir
+
+
 def test_a_checkpoint_that_fails_as_it_is_read_leaves_no_empty_results_dir(cli, tmp_path):
     import torch
 

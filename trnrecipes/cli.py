@@ -709,8 +709,8 @@ def _eval_run(args: argparse.Namespace) -> int:
         baseline = load_baseline(Path(args.baseline)) if args.baseline else None
     except ValueError as err:
         raise RecipeError(str(err)) from None
-    default_out = ckpt.with_name(ckpt.name + "-eval")
     named = Path(os.path.abspath(ckpt))  # as given: RUN/checkpoints may be a link
+    default_out = named.parent / (named.name + "-eval")  # `--ckpt .` too (its name is empty as typed)
     if (in_run := run_dir_of(named)) is not None:  # results beside the run's, not in its checkpoints/
         default_out = in_run / "eval" / named.name
     if (ckpt / "checkpoints").is_dir():  # a run dir: its newest complete checkpoint, results in RUN_DIR/eval/step_N
@@ -725,6 +725,8 @@ def _eval_run(args: argparse.Namespace) -> int:
             f"--ckpt {ckpt} is not a checkpoint (no manifest.json), a run dir with checkpoints (no checkpoints/)"
             " or an HF model directory (no config.json)"
         )
+    if problem := _not_a_language_model(ckpt):  # before the export, and lm-eval's traceback on a classifier
+        raise RecipeError(problem)
     out = check_output(args.out or default_out, flag=_out_flag(args.out), inputs=[args.ckpt, ckpt], directory=True)
     made = not out.exists()
     try:
@@ -758,6 +760,38 @@ def _eval_run(args: argparse.Namespace) -> int:
     print((out / "results.md").read_text(), end="")
     print(f"wrote {out}/results.json and results.md")
     return 0
+
+
+def _not_a_language_model(ckpt: Path) -> str | None:
+    """Why eval run cannot score `ckpt` (a checkpoint of a classification family, an HF dir of another head), or
+    None. Unreadable files are left to the export, which names them."""
+    from trnrecipes.checkpoint.format import saved_recipe
+    from trnrecipes.config.families import FAMILIES, family_spec
+
+    if (ckpt / "config.json").exists():
+        try:
+            architectures = json.loads((ckpt / "config.json").read_text()).get("architectures") or []
+        except (OSError, ValueError, AttributeError):
+            return None
+        heads = [str(a) for a in architectures if not str(a).endswith("ForCausalLM")]
+        if heads:
+            return (
+                f"{ckpt} holds a {heads[0]}, not a causal language model (*ForCausalLM): eval run scores language"
+                " models; a classifier's accuracy is `trnrecipes predict`'s"
+            )
+        return None
+    try:
+        family = saved_recipe(ckpt)["model"]["family"]
+        objective = family_spec(family).objective
+    except (RecipeError, KeyError, TypeError):  # CheckpointError is one
+        return None
+    if objective == "causal_lm":
+        return None
+    usable = ", ".join(name for name, spec in FAMILIES.items() if spec.objective == "causal_lm")
+    return (
+        f"{ckpt} holds a {family} model (objective {objective!r}): eval run scores causal language models"
+        f" ({usable}); a classifier's accuracy on data.eval_path is `trnrecipes predict`'s (eval.sbatch runs it)"
+    )
 
 
 def _eval_code(args: argparse.Namespace) -> int:
