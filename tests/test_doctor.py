@@ -194,3 +194,18 @@ def test_a_batch_the_nodes_cannot_split_is_the_recipes_error_not_the_checks_cras
     (line,) = capsys.readouterr().out.splitlines()
     assert line.startswith("error: ") and ": batch.global_batch 1023 is not divisible by micro_batch" in line, line
     assert "could not finish" not in line
+
+
+def test_a_full_compile_cache_is_the_nodes_fault_only_on_its_own_disk(tmp_path):
+    """trn2's cache is JOB_DIR/neff-cache on FSx: full there, every node fails alike, and excluding nodes at each
+    requeue (exit 1) would not help."""
+    import shutil
+
+    cache = tmp_path / "job/neff-cache"
+    need = shutil.disk_usage(tmp_path).free + 2**30  # more than there is
+    lustre = f"36 1 0:51 / {tmp_path} rw,relatime shared:1 - lustre 10.0.0.1@tcp:/fsx rw\n"
+    on_fsx = doctor.cache_space_problem(str(cache), lustre, need)
+    own_disk = doctor.cache_space_problem(str(cache), lustre.replace(" lustre ", " ext4 "), need)
+    assert on_fsx.startswith("compile cache ") and "(shared storage, lustre: every node)" in on_fsx
+    assert own_disk.startswith(doctor.NODE_FAULT + "compile cache ")
+    assert doctor.cache_space_problem(str(cache), lustre, need=1) is None

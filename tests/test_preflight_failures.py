@@ -107,6 +107,19 @@ def test_neuron_ls_output_that_is_not_its_json_is_named_exit_2(tmp_path, printed
     assert "Traceback" not in done.stdout + done.stderr
 
 
+def test_a_neuron_ls_that_fails_is_this_nodes_fault_exit_1_not_bad_input(tmp_path):
+    """A driver that cannot open a device is the node's: exit 1 (resubmit without it), not 2 (fix the input)."""
+    prefix = megatron_corpus(tmp_path / "data/wiki")
+    job = render(tmp_path, "pythia-70m", f"data.path={prefix}")
+    python = standin_venv(tmp_path / "venv", "2.26")
+    tool = neuron_ls(tmp_path / "bin", devices=16, cores_per_device=2)
+    tool.write_text("#!/bin/sh\necho 'Failed to open /dev/neuron0' >&2\nexit 1\n")
+    env = env_with(tmp_path / "bin", TRNRECIPES_PYTHON=str(python))
+    done = subprocess.run(["bash", str(job / "compile.sbatch")], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"{tool} -j failed (exit 1): Failed to open /dev/neuron0" in done.stdout + done.stderr
+
+
 def test_a_value_with_a_newline_is_refused_at_render_and_by_the_doctor(tmp_path):
     bad = f"{tmp_path}/run\nx"
     done = run_cli("sbatch", "--recipe", str(job_recipe_with(tmp_path, run_dir=bad)), "--nodes", "1", "--out",

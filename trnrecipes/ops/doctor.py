@@ -32,6 +32,7 @@ from pathlib import Path
 
 from trnrecipes import REPO_ROOT
 from trnrecipes.config.sections import TRACKER_PACKAGES
+from trnrecipes.jobs.mounts import SHARED_TYPES, mount_of, read_mountinfo
 
 JOBS = ("compile", "run", "eval", "infer")
 COMPILE_CACHE_MIN_BYTES = 10 * 2**30  # a 70B model's NEFFs are a few GB; less free than this fails mid-compile
@@ -170,11 +171,11 @@ def neuron_cores() -> tuple[int | None, str, str | None]:
     if tool:
         try:
             done = subprocess.run([tool, "--json-output"], capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            return None, f"{tool} -j", f"{tool} -j could not be run ({err}); check aws-neuronx-tools on this node"
-        if done.returncode != 0:
+        except (OSError, subprocess.TimeoutExpired) as err:  # a hung driver: this node's, another may be fine
+            return None, f"{tool} -j", f"{NODE_FAULT}{tool} -j could not be run ({err}); check this node's driver"
+        if done.returncode != 0:  # "Failed to open /dev/neuron0": the node's devices or driver
             said = (done.stderr.strip().splitlines() or ["nothing"])[-1][:200]
-            return None, f"{tool} -j", f"{tool} -j failed (exit {done.returncode}): {said}"
+            return None, f"{tool} -j", f"{NODE_FAULT}{tool} -j failed (exit {done.returncode}): {said}"
         cores = _count_cores(done.stdout)
         if cores is None:
             return (
@@ -305,15 +306,25 @@ def check(
         else:
             notes.append(f"{cores if cores is not None else '?'} NeuronCores ({how})")
         cache = os.environ.get("NEURON_COMPILE_CACHE_URL") or os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR")
-        if cache and "://" not in cache:
-            anchor, _ = _writable_ancestor(Path(cache))
-            free = shutil.disk_usage(anchor).free
-            if free < COMPILE_CACHE_MIN_BYTES:
-                problems.append(
-                    f"{NODE_FAULT}compile cache {cache}: {free / 2**30:.1f} GiB free at {anchor}, under"
-                    f" {COMPILE_CACHE_MIN_BYTES // 2**30} GiB: free space there"
-                )
+        if cache and "://" not in cache and (room := cache_space_problem(cache, read_mountinfo())):
+            problems.append(room)
     return problems, notes
+
+
+def cache_space_problem(cache: str, mountinfo: str | None, need: int = COMPILE_CACHE_MIN_BYTES) -> str | None:
+    """Too little room for the compile cache: this node's fault where the cache is on its own disk (another node
+    has room), not on shared storage (trn2's JOB_DIR/neff-cache on FSx), where every node would fail the same way
+    and excluding nodes, requeue after requeue, would not help."""
+    anchor, _ = _writable_ancestor(Path(cache))
+    free = shutil.disk_usage(anchor).free
+    if free >= need:
+        return None
+    mount = mount_of(os.path.realpath(anchor), mountinfo) if mountinfo else None
+    shared = mount is not None and mount[1] in SHARED_TYPES
+    return (
+        f"{'' if shared else NODE_FAULT}compile cache {cache}: {free / 2**30:.1f} GiB free at {anchor}"
+        f"{f' (shared storage, {mount[1]}: every node)' if shared else ''}, under {need // 2**30} GiB: free space there"
+    )
 
 
 def _wheelhouse(recipe) -> str | None:
