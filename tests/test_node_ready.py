@@ -168,3 +168,26 @@ def test_ready_says_why_in_one_line_and_never_crashes(tmp_path, capsys):
     )
     assert ready.make_ready(wheels, "py", {"json": "json"}) is None  # nothing lacking: nothing read, nothing done
     assert ready.main(["--wheels", str(tmp_path / "nowhere")]) == 0  # this venv lacks nothing of TRAIN_MODULES
+
+
+def test_make_wheels_refuses_bad_input_with_exit_2_in_one_line(tmp_path, capsys):
+    """An unknown SDK, a lock without its header, an --out of someone else's files or one that cannot be written:
+    exit 2 and one line (it was exit 1, as for a failed download, and tracebacks for the last two)."""
+    from trnrecipes.ops import wheels
+
+    lock = tmp_path / "lock.txt"
+    lock.write_text("pyyaml==6.0.2\n")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "file").write_text("")
+    cases = ((["--sdk", "2.99"], "no wheel lock"), (["--lock", str(lock), "--out", str(tmp_path / "w")], "names no"),
+             (["--lock", str(lock.with_name("none.txt")), "--out", str(theirs)], "no wheel lock"),
+             (["--sdk", "2.26", "--out", str(theirs)], "holds files this command did not make"),
+             (["--sdk", "2.26", "--out", str(tmp_path / "ro/file/w")], "cannot write beside it"))  # fmt: skip
+    for argv, says in cases:
+        assert wheels.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err and err.count("\n") == 1, err
+    assert (theirs / "notes.txt").read_text() == "mine"

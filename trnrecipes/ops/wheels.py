@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from trnrecipes import REPO_ROOT
+from trnrecipes.config.sections import RecipeError
 from trnrecipes.jobs.wheelhouse import RECORD, lock_digest, lock_path, wheels_dir
 
 STACK_PINS = REPO_ROOT / "tests" / "constraints"  # each DLAMI venv's published pins (test_install.py holds them)
@@ -46,16 +47,23 @@ def download(lock: Path, out: Path, sdk: str | None = None) -> Path:
     registry), and record what it was made from. Returns `out`."""
     if not lock.is_file():
         known = ", ".join(sorted(p.stem.removeprefix("neuron-") for p in lock.parent.glob("neuron-*.txt")))
-        raise SystemExit(f"error: no wheel lock {lock}" + (f" for Neuron SDK {sdk}; locked: {known}" if sdk else ""))
+        raise RecipeError(f"no wheel lock {lock}" + (f" for Neuron SDK {sdk}; locked: {known}" if sdk else ""))
     python, platform = header(lock, "python"), header(lock, "platform")
     if not python or not platform:
-        raise SystemExit(f"error: {lock} names no '# python:' and '# platform:' lines")
+        raise RecipeError(f"{lock} names no '# python:' and '# platform:' lines")
     if out.exists() and any(out.iterdir()) and not (out / RECORD).is_file():
-        raise SystemExit(f"error: {out} holds files this command did not make; give --out a new or empty directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Into a new directory, which then replaces the old one whole: no wheel of another lock stays behind, and the
-    # nodes never see a half-filled wheelhouse.
-    fresh = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        raise RecipeError(f"{out} holds files this command did not make; give --out a new or empty directory")
+    if os.path.ismount(out):  # the new wheelhouse replaces it by a rename, which a mount point refuses (EBUSY)
+        raise RecipeError(f"{out} is a mount point; give --out a directory on it (e.g. {out / 'neuron-wheels'})")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # Into a new directory, which then replaces the old one whole: no wheel of another lock stays behind, and
+        # the nodes never see a half-filled wheelhouse.
+        fresh = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as err:
+        raise RecipeError(
+            f"--out {out}: cannot write beside it ({err.strerror or err}); give a writable --out"
+        ) from None
     try:
         argv = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
                 "--python-version", python, *platform_flags(platform), "-r", str(lock), "-d", str(fresh)]  # fmt: skip
@@ -123,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.sdk or (args.lock and args.out)):
         parser.error("give --sdk, or --lock with --out")
     lock = Path(args.lock) if args.lock else lock_path(args.sdk, REPO_ROOT)
-    out = download(lock, Path(args.out) if args.out else wheels_dir(args.sdk, REPO_ROOT), args.sdk)
+    try:
+        out = download(lock, Path(args.out) if args.out else wheels_dir(args.sdk, REPO_ROOT), args.sdk)
+    except RecipeError as err:  # what the command was given: exit 2 (a failed download stays 1: a retry may pass)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     count = len(list(out.glob("*.whl")))
     print(f"wrote {count} wheels to {out}: every job's nodes install from it what their Python lacks, offline")
     return 0
