@@ -93,3 +93,25 @@ def test_a_missing_corpus_is_exit_2_on_every_pod(tmp_path):
     codes, logs = wait(start_pods(job_dir, tmp_path, "bad"), tmp_path, "bad")
     assert codes == [2, 2], logs
     assert "missing.arrow" in logs and "training exited" not in logs
+
+
+def test_a_pod_that_keeps_failing_gives_up_beyond_max_restarts(tmp_path):
+    """The operator recreates a pod exiting 129 by deleting it: runPolicy.backoffLimit (restartCounts) never stops
+    it, so a node fault that repeats was retried forever. The pod counts its own failures on the claim."""
+    recipe = load_recipe("pythia-tiny", overrides=f"slurm.max_restarts=2 run_dir={tmp_path}/run")
+    job = render_job(recipe, tmp_path / "k8s", "test", REPO_ROOT)
+    (tmp_path / "k8s").mkdir()
+    (tmp_path / "k8s/recipe.yaml").write_text(job.files["recipe.yaml"])
+    script = tmp_path / "k8s/entrypoint.sh"
+    script.write_text(entrypoint_script(recipe, job.layout, tmp_path / "k8s", "test", REPO_ROOT, tmp_path / "run"))
+    faulty = tmp_path / "python"  # its doctor exits 1, as on a node whose devices fail: this node's fault
+    faulty.write_text("#!/bin/bash\nexit 1\n")
+    faulty.chmod(0o755)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "PET_NNODES": "1",
+           "PET_NPROC_PER_NODE": str(recipe.workers_per_node), "PET_NODE_RANK": "0", "TRNRECIPES_JOB_NAME": "job",
+           "TRNRECIPES_POD": "job-master-0", "TRNRECIPES_PYTHON": str(faulty), "TRNRECIPES_WHEELS": ""}  # fmt: skip
+    starts = [subprocess.run(["bash", str(script), "run"], env=env, capture_output=True, text=True) for _ in range(5)]
+    assert [s.returncode for s in starts] == [129, 129, 129, 2, 129], [s.stderr[-500:] for s in starts]
+    assert "(failure 3 of at most 3)" in starts[2].stderr
+    assert "error: pod job-master-0 failed 3 times, more than slurm.max_restarts (2) restarts" in starts[3].stderr
+    assert "(failure 1 of at most 3)" in starts[4].stderr  # a job that ended: the next apply starts counting anew

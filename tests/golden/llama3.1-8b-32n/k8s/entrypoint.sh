@@ -9,8 +9,9 @@
 # Layout: 32 node(s) x 32 workers = 1024; TP 32 x PP 1 x DP 32
 # Exit codes, read by the training operator's ExitCode restart policy, which fails the job on 1-127 and recreates the
 # pod on 128-255 (kubeflow/training-operator v1.9.0, pkg/apis/kubeflow.org/v1/common_types.go RestartPolicyExitCode;
-# IsRetryableExitCode: >= 128), at most runPolicy.backoffLimit (slurm.max_restarts: 3) times, and by the eval
-# Job's podFailurePolicy (129 retried, any other failure final):
+# IsRetryableExitCode: >= 128), and by the eval Job's podFailurePolicy (129 retried, any other failure final). The
+# operator's runPolicy.backoffLimit does not bound those recreations (below, "The restart budget"): this script
+# gives up, with 2, at a pod's failure beyond slurm.max_restarts (3).
 #   0 done; 2 bad input, never retried (the same input fails the same way); 129 a node or transient fault
 #   (the sbatch scripts' exit 1), retried; 143 stopped on SIGTERM (an eviction) after the trainer's save, retried: resumes.
 set -euo pipefail
@@ -44,8 +45,25 @@ cd "$REPO"
 PATH="$(dirname "$PYTHON"):$PATH"
 export PATH
 export TRNRECIPES_JOB_ID="$JOB_ID" TRNRECIPES_RESTART=0 TRNRECIPES_RUN_DIR="$RUN_DIR"
+MAX_RESTARTS=3
+FAILURES=""  # the eval Job's retries are counted by its own backoffLimit
 
 if [[ "$MODE" != eval ]]; then
+  # ---- The restart budget. The operator recreates a pod that exits 128-255 by deleting it, so the new pod's
+  # restartCount is 0, and runPolicy.backoffLimit counts only restartCounts (v1.9.0 pkg/core/job.go
+  # PastBackoffLimit; kubeflow/trainer issue 2045): a node fault that repeats would be retried forever. Each pod
+  # counts its own retryable exits on the claim, and gives up with 2 beyond slurm.max_restarts; an eviction's 143 is
+  # not counted, and an end (0, or 2: a new apply is a new job) clears the count. ----
+  FAILURES="$JOB_DIR/logs/$JOB_ID/failures/$MODE-$POD"
+  mkdir -p "$(dirname "$FAILURES")"
+  trap 'rc=$?; if ((rc == 0 || rc == BAD_INPUT)); then rm -f "$FAILURES"; fi' EXIT
+  failed=0
+  if [[ -f "$FAILURES" ]]; then failed=$(wc -l <"$FAILURES"); fi
+  if ((failed > MAX_RESTARTS)); then
+    echo "error: pod $POD failed $failed times, more than slurm.max_restarts ($MAX_RESTARTS) restarts: not retried again (exit 2). Its failures:" >&2
+    sed 's/^/  /' "$FAILURES" >&2
+    exit "$BAD_INPUT"
+  fi
   # ---- The rendezvous the training operator gives each pod (pkg/controller.v1/pytorch/envvar.go and master.go,
   # v1.9.0): MASTER_ADDR/MASTER_PORT (the Master pod's service), PET_NNODES (pods), PET_NPROC_PER_NODE (nprocPerNode)
   # and PET_NODE_RANK (Master 0, Worker i: i + 1). Static, as run.sbatch's: node rank = pod rank, the Master hosts
@@ -71,6 +89,16 @@ fi
 # ---- Pre-flight, as the sbatch scripts' on each node: (compile, run) the job's Python made ready from the
 # wheelhouse, then trnrecipes doctor --node for this job. Exit 1 is this node's fault (devices, disk): retried.
 # Anything else is the image's or the input's, the same on every pod: bad input. ----
+# A retryable exit of this pod (a node or transient fault): counted against slurm.max_restarts, then 129.
+retry() {  # WHAT
+  local count=""
+  if [[ -n "$FAILURES" ]]; then
+    echo "$(date +%Y-%m-%dT%H:%M:%S) $1" >>"$FAILURES" || true
+    count=" (failure $(wc -l <"$FAILURES" 2>/dev/null || echo '?') of at most $((MAX_RESTARTS + 1)))"
+  fi
+  echo "[trnrecipes] $1: exit $RETRYABLE, the pod is recreated$count" >&2
+  exit "$RETRYABLE"
+}
 WHEELS=/opt/trnrecipes/wheels/neuron-2.26
 WHEELS="${TRNRECIPES_WHEELS:-$WHEELS}"
 preflight() {
@@ -86,8 +114,7 @@ preflight() {
 rc=0
 preflight || rc=$?
 if ((rc == 1)); then
-  echo "[trnrecipes] the pre-flight found a fault of this node (above): exit $RETRYABLE, the pod is recreated" >&2
-  exit "$RETRYABLE"
+  retry "the pre-flight found a fault of this node (above)"
 elif ((rc != 0)); then
   echo "[trnrecipes] the pre-flight failed (above): bad input, not retried. Fix it and re-apply" >&2
   exit "$BAD_INPUT"
@@ -126,8 +153,7 @@ launch_failed() {  # WHAT STATUS
     sed 's/^[^:]*: //' "$TRNRECIPES_FATAL_FILE" | sort | uniq -c | sed 's/^ */  /' >&2
     exit "$BAD_INPUT"
   fi
-  echo "[trnrecipes] $1 failed (exit status $2): exit $RETRYABLE, the pod is recreated" >&2
-  exit "$RETRYABLE"
+  retry "$1 failed (exit status $2)"
 }
 
 # ---- The compile cache. Each pod compiles into its node's cache (NEURON_COMPILE_CACHE_URL, a hostPath: many
@@ -189,7 +215,7 @@ fi
 # Health check first (a matmul per device, collectives over the job's group): a failing pod is retried.
 if ! "${TORCHRUN[@]}" -m trnrecipes health --config "$RECIPE" --collectives; then
   if [[ -s "$TRNRECIPES_FATAL_FILE" ]]; then exit "$BAD_INPUT"; fi
-  exit "$RETRYABLE"
+  retry "the health check failed"
 fi
 
 # ---- Stop requests: SIGTERM (an eviction, kubectl delete) asks the trainer to save and stop, as run.sbatch's
