@@ -72,6 +72,13 @@ def test_on_nxd_the_capture_is_kept_by_the_first_rank_of_each_node_of_a_launch_t
         (["monitor.profile_steps=[0,2]"], "monitor.profile_steps: must be > 0"),
         (["monitor.trackers=[tensorboard,tensorboard]"], "monitor.trackers: each tracker once"),
         (["monitor.trackers=[neptune]"], "monitor.trackers[0]: expected one of 'tensorboard', 'mlflow', 'wandb', got"),
+        # the profiler holds the window in host memory: 60 steps of the tiny model took 1.1 GB more
+        (["monitor.profile_steps=[2,60]"], "monitor.profile_steps [2, 60]: 59 steps, at most 20: the profiler holds"),
+        # wandb.init's UsageError came after the model was built, as a traceback and exit 1 (a requeue)
+        (["monitor.trackers=[wandb]", "monitor.wandb_project=team/run#1"], "W&B takes 1 to 128 characters, none of"),
+        (["monitor.trackers=[mlflow]", f"monitor.mlflow_experiment={'x' * 501}"], "MLflow takes 1 to 500 characters"),
+        # the rate fell from its peak to min_lr in one step
+        (["optim.warmup_steps=50", "optim.decay_steps=50"], "optim.decay_steps 50 must be > optim.warmup_steps 50"),
     ],
 )
 def test_bad_monitor_settings_are_refused_naming_the_value(overrides, message):
@@ -107,3 +114,24 @@ def test_plan_says_which_steps_are_profiled(cli):
     assert "profiling steps 3-4 on the first rank of each node with torch.profiler" in done.stdout
     quiet = cli("plan", "--recipe", "pythia-tiny", "--nodes", "1")
     assert "profiling" not in quiet.stdout
+
+
+def test_a_trace_or_tensorboard_dir_that_cannot_be_written_is_one_line_not_a_traceback(tmp_path: Path):
+    """A profile/ or tensorboard/ that is a file here stands for a full or read-only disk: the trace is lost with a
+    warning and training goes on (it raised before the step's checkpoint: exit 1, a requeue); TensorBoard is refused
+    in one line (exit 2) before the first step."""
+    from trnrecipes.train.monitor import Metrics
+    from trnrecipes.train.profile import StepProfiler
+
+    recipe = load_recipe("pythia-tiny", 1, ["monitor.profile_steps=[1,2]"])
+    (tmp_path / "profile").write_text("not a directory")
+    said: list[str] = []
+    profiler = StepProfiler(recipe, tmp_path, rank=0, local_rank=0, device_type="cpu", log=said.append)
+    for step in (1, 2):
+        with profiler.start_step(step):
+            pass
+        profiler.end_step(step)
+    assert len(said) == 1 and said[0].startswith("[trnrecipes] warning: the profile of steps 1-2 could not be written")
+    (tmp_path / "tensorboard").write_text("not a directory")
+    with pytest.raises(RecipeError, match=r"TensorBoard cannot write .*tensorboard \(File exists\); make it"):
+        Metrics(tmp_path, True, tensorboard=True, resumed_from=0)

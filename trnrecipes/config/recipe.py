@@ -525,6 +525,11 @@ def check_recipe(r: Recipe) -> list[str]:
         "train.init_optimizer 'keep' carries the optimizer state of train.init_from over; set train.init_from",
     )
     need(o.min_lr <= o.lr, f"optim.min_lr {o.min_lr} must be <= optim.lr {o.lr}")
+    need(  # else the rate falls from its peak to min_lr in one step (Megatron refuses it too)
+        o.schedule == "constant" or o.decay_steps > o.warmup_steps,
+        f"optim.decay_steps {o.decay_steps} must be > optim.warmup_steps {o.warmup_steps} (it counts from step 0,"
+        f" warmup included), or optim.schedule constant",
+    )
     need(
         not r.precision.stochastic_rounding or r.precision.dtype == "bf16",
         f"precision.stochastic_rounding needs precision.dtype 'bf16', got {r.precision.dtype!r}",
@@ -732,12 +737,26 @@ def is_plain_path(text: str) -> bool:
     return re.fullmatch(r"[A-Za-z0-9._/+-]+", text) is not None
 
 
+WANDB_PROJECT_CHARS = "/\\#?%:"  # what wandb 0.31's Settings.validate_project refuses in a project name
+MAX_PROFILED_STEPS = 20
+
+
 def _monitor_problems(r: Recipe) -> list[str]:
     """The monitor section: each tracker once, a profiled window inside the run."""
     problems = []
     trackers = r.monitor.trackers
     if len(set(trackers)) != len(trackers):
         problems.append(f"monitor.trackers: each tracker once, got {list(trackers)}")
+    project = r.monitor.wandb_project if r.monitor.wandb_project is not None else r.name
+    bad = sorted({c for c in project if c in WANDB_PROJECT_CHARS})
+    if "wandb" in trackers and (bad or not 0 < len(project) <= 128):  # wandb.init's UsageError, after the build
+        problems.append(
+            f"monitor.wandb_project {project[:140]!r}: W&B takes 1 to 128 characters, none of"
+            f" {' '.join(WANDB_PROJECT_CHARS)}{f' (it has {bad})' if bad else ''}"
+        )
+    experiment = r.monitor.mlflow_experiment if r.monitor.mlflow_experiment is not None else r.name
+    if "mlflow" in trackers and not 0 < len(experiment) <= 500:  # MLflow's limit: the run logged nothing to it
+        problems.append(f"monitor.mlflow_experiment: MLflow takes 1 to 500 characters, got {len(experiment)}")
     if r.monitor.profile_steps is not None:
         first, last = r.monitor.profile_steps
         if first > last:
@@ -748,5 +767,11 @@ def _monitor_problems(r: Recipe) -> list[str]:
             problems.append(
                 f"monitor.profile_steps [{first}, {last}]: step {last} is past train.max_steps {r.train.max_steps};"
                 " profile steps the run trains"
+            )
+        elif last - first + 1 > MAX_PROFILED_STEPS:
+            problems.append(
+                f"monitor.profile_steps [{first}, {last}]: {last - first + 1} steps, at most {MAX_PROFILED_STEPS}: the"
+                " profiler holds every op and kernel of the window in host memory until its end (~18 MB a step on a"
+                " 4-layer tiny model, far more for a 7B), then writes one trace; profile a few steps"
             )
     return problems

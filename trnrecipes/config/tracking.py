@@ -23,3 +23,16 @@ def mlflow_store_problem(environ: dict[str, str] | None = None) -> str | None:
         "true: use a database store (sqlite:///PATH/mlflow.db, or a tracking server), or unset it for the run dir's"
         " own RUN_DIR/mlflow.db"
     )
+
+
+WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")  # wandb 0.31's Settings.mode
+
+
+def wandb_mode_problem(environ: dict[str, str] | None = None) -> str | None:
+    """Why WANDB_MODE cannot open a run, or None (unset: offline, trackers.py's default). wandb.init would stop the
+    run with a pydantic traceback and exit 1, which run.sbatch requeues: told before the job instead."""
+    environ = os.environ if environ is None else environ
+    mode = environ.get("WANDB_MODE")
+    if not mode or mode in WANDB_MODES:
+        return None
+    return f"WANDB_MODE {mode!r} is not a W&B mode: one of {', '.join(WANDB_MODES)} (unset: offline, in the run dir)"

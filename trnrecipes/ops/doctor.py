@@ -272,6 +272,11 @@ def check(
 
             if store := mlflow_store_problem():
                 problems.append(store)
+        if "wandb" in recipe.monitor.trackers:
+            from trnrecipes.config.tracking import wandb_mode_problem
+
+            if mode := wandb_mode_problem():
+                problems.append(mode)
         problems += data_problems(recipe, REPO_ROOT)
         content, unchecked = corpus_problems(recipe, REPO_ROOT, scan=not node)  # a scan: once, not on every node
         problems += content

@@ -40,7 +40,7 @@ from trnrecipes.config.changes import changes_data_order, section_differences
 from trnrecipes.config.families import family_spec
 from trnrecipes.config.profiling import describe as describe_profiling
 from trnrecipes.config.sections import Recipe, RecipeError
-from trnrecipes.config.tracking import mlflow_store_problem
+from trnrecipes.config.tracking import mlflow_store_problem, wandb_mode_problem
 from trnrecipes.data.blend import DataPosition
 from trnrecipes.data.classify import ClassificationStream
 from trnrecipes.data.pack import Prefetcher, batches, split_documents
@@ -129,6 +129,8 @@ class Trainer:
         require_packages(recipe.monitor.trackers)  # every rank, before anything is built
         if "mlflow" in recipe.monitor.trackers and (store := mlflow_store_problem()):
             raise RecipeError(store)
+        if "wandb" in recipe.monitor.trackers and (mode := wandb_mode_problem()):
+            raise RecipeError(mode)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         # before the Neuron runtime starts
         rank_env(recipe, int(os.environ.get("RANK", "0")), local_rank, os.environ.get("TRNRECIPES_RUN_DIR"))

@@ -20,11 +20,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from pathlib import Path
 
+from trnrecipes.config.sections import RecipeError
 from trnrecipes.data.arrow import atomic_output
 from trnrecipes.files.run_files import METRICS, METRICS_DROPPED, TENSORBOARD
 from trnrecipes.plan.report import si
@@ -126,7 +128,17 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter
 
             purge = resumed_from + 1 + self.history_offset if mine else None  # hides the dropped steps' events
-            self.tb = SummaryWriter(str(run_dir / TENSORBOARD), purge_step=purge)
+            try:  # probed first: SummaryWriter's writer thread dies with a traceback of its own
+                (run_dir / TENSORBOARD).mkdir(exist_ok=True)
+                with tempfile.TemporaryFile(dir=run_dir / TENSORBOARD):
+                    pass
+                self.tb = SummaryWriter(str(run_dir / TENSORBOARD), purge_step=purge)
+            except OSError as err:  # the same on a requeue: exit 2, not a traceback's 1
+                self.file.close()
+                raise RecipeError(
+                    f"run dir {run_dir}: TensorBoard cannot write {run_dir / TENSORBOARD} ({err.strerror or err});"
+                    " make it writable, or leave tensorboard out of monitor.trackers"
+                ) from None
 
     def log(self, record: dict) -> None:
         if not self.enabled:

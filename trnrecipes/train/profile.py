@@ -70,11 +70,17 @@ class StepProfiler:
         if self._profiler is None or n != self.window[1]:
             return
         self._profiler.stop()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        self._profiler.export_chrome_trace(str(tmp))
-        os.replace(tmp, self.path)  # a reader never sees half a trace
-        self._profiler = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._profiler.export_chrome_trace(str(tmp))  # kineto only logs a write it could not make
+            os.replace(tmp, self.path)  # a reader never sees half a trace
+        except (OSError, RuntimeError) as err:  # a full or read-only disk: the trace is lost, not the step's save
+            self.log(f"[trnrecipes] warning: the profile of steps {self.first}-{n} could not be written to {self.path}"
+                     f" ({getattr(err, 'strerror', None) or err}); training goes on")  # fmt: skip
+            return
+        finally:
+            self._profiler = None
         self.log(f"[trnrecipes] profile of steps {self.first}-{n}: {self.path} (open in https://ui.perfetto.dev)")
 
     def close(self) -> None:

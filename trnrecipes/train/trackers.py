@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from trnrecipes.config.sections import TRACKER_PACKAGES, RecipeError
-from trnrecipes.config.tracking import mlflow_store_problem
+from trnrecipes.config.tracking import mlflow_store_problem, wandb_mode_problem
 from trnrecipes.data.arrow import atomic_output
 from trnrecipes.files.run_files import MLFLOW_ARTIFACTS, MLFLOW_DB, TRACKERS, WANDB_DIR
 
@@ -88,27 +88,36 @@ def open_trackers(names: tuple[str, ...], run: TrackedRun, mlflow_experiment: st
     whose store cannot be reached is left out with one warning, as one failing mid-run is dropped: training goes
     on (metrics.jsonl keeps everything); a setting that can never work is refused."""
     require_packages(names)
+    for problem in (mlflow_store_problem() if "mlflow" in names else None,
+                    wandb_mode_problem() if "wandb" in names else None):  # fmt: skip
+        if problem:  # before any run is opened: none is left RUNNING by the refusal
+            raise RecipeError(problem)
     state = _read_state(run.run_dir)
     opened: list[Tracker] = []
     if "mlflow" in names:
-        if problem := mlflow_store_problem():
-            raise RecipeError(problem)
         try:
             with _quick_requests():
                 opened.append(MlflowTracker(run, mlflow_experiment or run.name, state.get("mlflow")))
         except RecipeError:
             raise
         except Exception as err:  # an unreachable tracking server, a store's outage
-            said = (str(err).strip().splitlines() or [""])[0][:300]
-            print(
-                f"[trnrecipes] warning: MLflow could not be opened ({type(err).__name__}: {said}); this launch logs"
-                " nothing to it (metrics.jsonl and the console go on; a resume tries again)",
-                file=sys.stderr,
-                flush=True,
-            )
+            _left_out("MLflow", err)
     if "wandb" in names:
-        opened.append(WandbTracker(run, wandb_project or run.name, state.get("wandb")))
+        try:
+            opened.append(WandbTracker(run, wandb_project or run.name, state.get("wandb")))
+        except Exception as err:  # online without an API key, W&B's servers down: metrics.jsonl has it all
+            _left_out("W&B", err)
     return opened
+
+
+def _left_out(tracker: str, err: Exception) -> None:
+    said = (str(err).strip().splitlines() or [""])[0][:300]
+    print(
+        f"[trnrecipes] warning: {tracker} could not be opened ({type(err).__name__}: {said}); this launch logs"
+        " nothing to it (metrics.jsonl and the console go on; a resume tries again)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _read_state(run_dir: Path) -> dict:
