@@ -109,3 +109,17 @@ def test_tokens_seen_counts_on_from_the_resumed_steps_record_whatever_the_batch_
     assert metrics.tokens_at_resume == 3072
     metrics.close("finished")
     assert Metrics(tmp_path, True, tensorboard=False, resumed_from=0).tokens_at_resume is None  # a fresh start
+
+
+@pytest.mark.slow
+def test_a_resumed_run_flags_the_spikes_an_unstopped_one_does_and_counts_them_all(tmp_path: Path):
+    """The spike detector's 20-step window is replayed from metrics.jsonl on resume: it started empty, and no spike
+    could be flagged for 20 steps after any requeue (llama2-tiny at lr 1e-2 spikes at steps 21, 23 and 28)."""
+    loud = ["optim.lr=1e-2", "train.val_every=1000", "monitor.trackers=[]", "checkpoint.every_steps=22"]
+    run("llama2-tiny", tmp_path / "straight", *loud, steps=30)
+    run("llama2-tiny", tmp_path / "resumed", *loud, steps=22)
+    run("llama2-tiny", tmp_path / "resumed", *loud, steps=30)
+    straight, resumed = (lines(tmp_path / name / "metrics.jsonl") for name in ("straight", "resumed"))
+    flagged = [r["step"] for r in straight if r["spike"]]
+    assert [s for s in flagged if s > 22], flagged  # spikes after the resume, or the test shows nothing
+    assert [r["spike"] for r in resumed] == [r["spike"] for r in straight]

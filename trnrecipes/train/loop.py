@@ -553,6 +553,8 @@ class Trainer:
             except BaseException:
                 metrics.close(outcome)
                 raise
+        for norm in metrics.grad_norms_at_resume:  # as if the run had not stopped: its window and its count
+            spikes.update(norm)
         signals = _catch_stop_signals()
         clock = Clock(self.start_step, steps)
         # tokens before this launch: as the resumed step's record says (the batch or length may have changed since)

@@ -102,6 +102,9 @@ class Metrics:
         # the tokens trained on up to `resumed_from`, as its record says: a resume with another batch size or length
         # counts on from there (None: no such record; the trainer counts resumed_from x this batch)
         self.tokens_at_resume: int | None = None
+        # this phase's grad norms up to `resumed_from`, in step order: the spike detector replays them, so a resumed
+        # run flags spikes from its first step and its summary counts the whole run
+        self.grad_norms_at_resume: list[float] = []
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -118,6 +121,10 @@ class Metrics:
             self.phase, self.history_offset = earlier[-1]["phase"] + 1, earlier[-1]["history_step"]
         _drop_beyond(path, resumed_from, self.phase)
         at_resume = [r for r in mine if r.get("step") == resumed_from and r.get("phase") == self.phase]
+        kept = {r["step"]: r for r in mine if r.get("phase") == self.phase and 0 < r.get("step", 0) <= resumed_from}
+        norms = [kept[step].get("grad_norm") for step in sorted(kept)]
+        if resumed_from and len(kept) == resumed_from and all(isinstance(n, (int, float)) for n in norms):
+            self.grad_norms_at_resume = [float(n) for n in norms]
         if resumed_from and at_resume and isinstance(at_resume[-1].get("tokens_seen"), int):
             self.tokens_at_resume = at_resume[-1]["tokens_seen"]
         if earlier and not mine:
