@@ -209,3 +209,31 @@ def test_a_full_compile_cache_is_the_nodes_fault_only_on_its_own_disk(tmp_path):
     assert on_fsx.startswith("compile cache ") and "(shared storage, lustre: every node)" in on_fsx
     assert own_disk.startswith(doctor.NODE_FAULT + "compile cache ")
     assert doctor.cache_space_problem(str(cache), lustre, need=1) is None
+
+
+def test_doctor_checks_the_files_the_job_reads_not_its_own_checkouts(job, monkeypatch, capsys, tmp_path):
+    """Another checkout's job dir: its data paths are relative to that checkout (a false 'missing', or a false 'ok');
+    a recipe outside a job dir: its run dir under TRNRECIPES_RUNS, as sbatch puts it; the eval job: data/eval."""
+    script = job / "run.sbatch"
+    script.write_text(script.read_text().replace(f"REPO={REPO}\n", "REPO=/fsx/alice/trnrecipes\n"))
+    assert doctor.main(["--config", str(job / "recipe.yaml")]) == 2
+    (line,) = capsys.readouterr().out.splitlines()
+    assert (
+        f"was rendered from the checkout /fsx/alice/trnrecipes, whose files its jobs read; this doctor is {REPO}'s"
+        in line
+    )
+    assert "run /fsx/alice/trnrecipes/.venv/bin/trnrecipes doctor --config " in line, line
+    (tmp_path / "runs").write_text("a file, not a directory")
+    monkeypatch.setenv("TRNRECIPES_RUNS", str(tmp_path / "runs"))
+    assert doctor.main(["--config", str(REPO / "recipes/llama2/llama2-tiny.yaml")]) == 2
+    assert f"run dir {tmp_path / 'runs'}/" in capsys.readouterr().out  # before: the checkout's runs/, "run ok"
+    from trnrecipes.jobs.data_check import eval_data_problem
+
+    assert eval_data_problem(REPO) is None  # make setup built it
+    monkeypatch.setattr(doctor, "REPO_ROOT", tmp_path)
+    for make in (False, True):  # missing, then empty
+        if make:
+            (tmp_path / "data/eval").mkdir(parents=True)
+        problem = eval_data_problem(tmp_path)
+        assert problem.startswith(f"{tmp_path / 'data/eval'} (the evaluation's offline data) is missing: eval.sbatch")
+        assert problem in doctor.check(load_recipe("llama2-tiny"), "eval", tmp_path / "run", node=False)[0]

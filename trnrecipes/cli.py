@@ -940,8 +940,9 @@ def _write_with_provenance(
 
 
 def _sbatch(args: argparse.Namespace) -> int:
+    from trnrecipes.jobs.data_check import eval_data_problem
     from trnrecipes.jobs.data_plan import data_plan, format_data_plan
-    from trnrecipes.jobs.render import render_job, render_warnings
+    from trnrecipes.jobs.render import objective, render_job, render_warnings
     from trnrecipes.jobs.storage import node_local_warnings, run_dir_for
     from trnrecipes.jobs.wheelhouse import wheels_problem
     from trnrecipes.plan.eval_cost import eval_next_steps
@@ -952,6 +953,9 @@ def _sbatch(args: argparse.Namespace) -> int:
     run_dir = run_dir_for(recipe, REPO_ROOT, runs_root)
     warnings += node_local_warnings(recipe, REPO_ROOT, job.job_dir, None if args.no_data_check else run_dir)
     wheels = wheels_problem(recipe, REPO_ROOT)
+    offered = recipe.cluster.backend != "neuron" or recipe.eval.partition not in (None, recipe.slurm.partition)
+    if objective(recipe) == "causal_lm" and offered and (no_eval_data := eval_data_problem(REPO_ROOT)):
+        warnings.append(no_eval_data)  # eval.sbatch is among the next steps (eval_next_steps)
     for warning in [*render_warnings(recipe, job.job_dir), *warnings, *([wheels] if wheels else [])]:
         print(f"warning: {warning}", file=sys.stderr)
     extra, changes, kept = _write_with_provenance(args, job, command)

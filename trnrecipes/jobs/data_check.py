@@ -338,3 +338,17 @@ def _check_init_from(recipe: Recipe, repo_root: Path) -> list[str]:
         f" checkpoints/step_N), or make one with `trnrecipes convert from-hf --hf <Hugging Face model dir> --out"
         f" {_q(path)} --recipe {recipe.name}`"
     ]
+
+
+EVAL_DATA_DIR = "data/eval"  # `trnrecipes eval run`'s default --data-dir, which eval.sbatch runs from the checkout
+
+
+def eval_data_problem(repo_root: Path) -> str | None:
+    """Why eval.sbatch (a causal LM's) would stop at its start, after the whole run: no offline eval data."""
+    where = Path(repo_root) / EVAL_DATA_DIR
+    if where.is_dir() and any(where.iterdir()):
+        return None  # which tasks' files: eval run names any missing before it exports anything
+    return (
+        f"{where} (the evaluation's offline data) is missing: eval.sbatch would stop at its start, after the run;"
+        f" `make data` builds it once (Python 3.11+), or `trnrecipes eval prepare-data --out {where}`"
+    )

@@ -237,7 +237,7 @@ def check(
     DLAMI): the files are checked from this Python, its packages are left to the nodes."""
     from trnrecipes.config.families import family_spec
     from trnrecipes.jobs.corpus_check import corpus_problems
-    from trnrecipes.jobs.data_check import data_problems
+    from trnrecipes.jobs.data_check import data_problems, eval_data_problem
     from trnrecipes.jobs.storage import run_dir_blocker, storage_report
 
     python = python or sys.executable
@@ -288,6 +288,8 @@ def check(
     elif here:
         modules = CLASSIFY_MODULES if classify or job == "infer" else EVAL_MODULES
         problems += module_problems(modules, python, "eval" if modules is EVAL_MODULES else "train")
+    if job == "eval" and not classify and (missing := eval_data_problem(REPO_ROOT)):
+        problems.append(missing)
     if job == "compile" and stack == "xla-nxd" and here:
         beside = Path(python).parent / "neuron_parallel_compile"
         if not (beside.is_file() or shutil.which("neuron_parallel_compile")):
@@ -418,7 +420,7 @@ def _preflight(argv: list[str] | None, host: str) -> int:
     from trnrecipes.config.recipe import read_recipe_file, recipe_from_dict
     from trnrecipes.config.sections import RecipeError
     from trnrecipes.config.stacks import default_python
-    from trnrecipes.jobs.storage import run_dir_for
+    from trnrecipes.jobs.storage import run_dir_for, runs_root_from_env
     from trnrecipes.plan.layout import compute_layout
 
     try:
@@ -427,13 +429,21 @@ def _preflight(argv: list[str] | None, host: str) -> int:
         given = os.environ.get("TRNRECIPES_PYTHON")  # the caller's: from the caller's directory
         python = given or _job_dir_value(config, "PYTHON", args.job)  # the scripts': from the checkout, where they run
         run_dir = args.run_dir or _job_dir_value(config, "RUN_DIR")
+        checkout = _job_dir_value(config, "REPO")
     except (RecipeError, ValueError) as err:
         print(f"error: {host}: {err}")
+        return 2
+    if checkout and os.path.realpath(checkout) != os.path.realpath(REPO_ROOT):  # its data paths are relative to it
+        print(
+            f"error: {host}: {config.parent} was rendered from the checkout {checkout}, whose files its jobs read;"
+            f" this doctor is {REPO_ROOT}'s: run {shlex.quote(str(Path(checkout) / '.venv/bin/trnrecipes'))} doctor"
+            f" --config {shlex.quote(str(config))}"
+        )
         return 2
     python = python or str(default_python(recipe, REPO_ROOT, scoring=args.job in ("eval", "infer")))
     if os.sep in python:  # the re-run below starts in the checkout
         python = os.path.abspath(python) if given else str(REPO_ROOT / python)
-    run_dir = Path(os.path.abspath(run_dir)) if run_dir else run_dir_for(recipe, REPO_ROOT, None)
+    run_dir = Path(os.path.abspath(run_dir)) if run_dir else run_dir_for(recipe, REPO_ROOT, runs_root_from_env())
     here = True
     if args.python is None and os.path.abspath(python) != os.path.abspath(sys.executable):
         outside = REPO_ROOT not in Path(os.path.abspath(python)).parents  # the checkout's .venv is on every node
