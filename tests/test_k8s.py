@@ -255,6 +255,9 @@ def test_cli_writes_the_k8s_dir_of_a_job_dir(tmp_path):
         done = subprocess.run([sys.executable, "-m", "trnrecipes", *argv, "--overrides", overrides],
                               capture_output=True, text=True, cwd=REPO_ROOT)  # fmt: skip
         assert done.returncode == 0, done.stderr
+        # 2.26's container is Python 3.11, its lock the DLAMI venv's 3.10: every pod stopped with 2, without a word
+        assert "warning: AWS's Neuron training container for SDK 2.26 (2.8.0-neuronx-py311-" in done.stderr
+        assert "runs Python 3.11, and the SDK's wheel lock is for its DLAMI venv's Python 3.10" in done.stderr
         written = {p.name for p in (out / "k8s").iterdir()}
         assert written == {*MANIFESTS.values(), "entrypoint.sh", "README.md", "recipe.yaml", "provenance.json", "logs"}
         job = yaml.safe_load((out / "k8s" / "pytorchjob.yaml").read_text())

@@ -191,3 +191,19 @@ def test_make_wheels_refuses_bad_input_with_exit_2_in_one_line(tmp_path, capsys)
         err = capsys.readouterr().err
         assert err.startswith("error: ") and says in err and err.count("\n") == 1, err
     assert (theirs / "notes.txt").read_text() == "mine"
+
+
+def test_the_other_dlami_venv_of_a_release_is_told_no_wheelhouse_fits_it():
+    """SDK 2.28's Ubuntu 22.04 venv is Python 3.10, its lock the 24.04 venv's 3.12: sbatch offered `make wheels
+    sdk=2.28`, whose wheels every node then refused after the allocation (exit 2)."""
+    from trnrecipes.config.recipe import load_recipe
+    from trnrecipes.jobs.wheelhouse import wheels_problem
+
+    twin = "/opt/aws_neuronx_venv_pytorch_2_8_nxd_training/bin/python"
+    recipe = load_recipe("llama2-smoke-trn1", overrides=["cluster.neuron_sdk=2.28", f"cluster.python={twin}"])
+    assert wheels_problem(recipe, REPO).startswith(
+        f"cluster.python {twin} is the Deep Learning AMI Neuron (Ubuntu 22.04) venv of Neuron SDK 2.28 (Python 3.10);"
+        " its wheel lock is for the default venv's Python 3.12: no wheelhouse can make its nodes ready"
+    )
+    default = load_recipe("llama2-smoke-trn1", overrides=["cluster.neuron_sdk=2.28"])
+    assert "default venv" not in (wheels_problem(default, REPO) or "")  # the lock's own: make wheels sdk=2.28

@@ -983,9 +983,11 @@ def _sbatch(args: argparse.Namespace) -> int:
 
 
 def _k8s(args: argparse.Namespace) -> int:
-    from trnrecipes.jobs.k8s import kubectl_steps, render_k8s
+    from trnrecipes.jobs.k8s import image_wheels_problem, kubectl_steps, render_k8s
 
-    _, _, command, job, _, storage, warnings = _checked_job(args, "k8s", render_k8s)
+    _, recipe, command, job, _, storage, warnings = _checked_job(args, "k8s", render_k8s)
+    if wheels := image_wheels_problem(recipe, REPO_ROOT):
+        warnings.append(wheels)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     extra, changes, kept = _write_with_provenance(args, job, command)

@@ -57,6 +57,7 @@ STACKS: dict[str, NeuronStack] = {
 
 
 UBUNTU_22, UBUNTU_24 = "Deep Learning AMI Neuron (Ubuntu 22.04)", "Deep Learning AMI Neuron (Ubuntu 24.04)"
+AMI_PYTHON = {UBUNTU_22: "3.10", UBUNTU_24: "3.12"}  # each Ubuntu's Python, which its DLAMI's venvs are made with
 
 
 @dataclass(frozen=True)

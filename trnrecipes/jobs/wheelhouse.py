@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from trnrecipes.config.sections import Recipe
+from trnrecipes.config.stacks import AMI_PYTHON, SDK_RELEASES, sdk_version
 
 RECORD = "wheels.json"  # beside the wheels: the SDK, Python, platform and the lock's sha256 they were made from
 
@@ -45,6 +46,16 @@ def wheels_problem(recipe: Recipe, repo_root: Path) -> str | None:
             " requirements/neuron.txt into the DLAMI venv on every node yourself, or bake it into the AMI"
             " (docs/jobs.md, 'The job's Python')"
         )
+    if twin := _other_venv(recipe):  # the lock is for the release's default venv's Python
+        venv_python, ami = twin
+        locked = _lock_python(lock)
+        if locked and locked != venv_python:
+            return (
+                f"cluster.python {recipe.cluster.python} is the {ami} venv of Neuron SDK {sdk} (Python {venv_python});"
+                f" its wheel lock is for the default venv's Python {locked}: no wheelhouse can make its nodes ready."
+                " Install requirements/neuron.txt into that venv on every node yourself, or bake it into the AMI"
+                " (docs/jobs.md, 'The job's Python')"
+            )
     fill = f"`make wheels sdk={sdk}` (once, on a host with the package registry) fills it"
     try:
         record = json.loads((where / RECORD).read_text())
@@ -55,4 +66,22 @@ def wheels_problem(recipe: Recipe, repo_root: Path) -> str | None:
         )
     if record.get("lock_sha256") != lock_digest(lock):
         return f"{where} was made from another {lock.name} than this checkout's; {fill} again"
+    return None
+
+
+def _other_venv(recipe: Recipe) -> tuple[str, str] | None:
+    """(its Python, its AMI) where cluster.python is one of the release's DLAMI venvs other than the default."""
+    release = SDK_RELEASES.get(sdk_version(recipe.cluster.neuron_sdk))
+    if release is None or not recipe.cluster.python:
+        return None
+    for venv, ami in list(zip(release.venvs, release.amis, strict=True))[1:]:
+        if recipe.cluster.python.rstrip("/").startswith(venv + "/") and ami in AMI_PYTHON:
+            return AMI_PYTHON[ami], ami
+    return None
+
+
+def _lock_python(lock: Path) -> str | None:
+    for line in lock.read_text().splitlines():
+        if line.startswith("# python: "):
+            return line.removeprefix("# python: ").strip()
     return None
