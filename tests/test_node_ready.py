@@ -207,3 +207,16 @@ def test_the_other_dlami_venv_of_a_release_is_told_no_wheelhouse_fits_it():
     )
     default = load_recipe("llama2-smoke-trn1", overrides=["cluster.neuron_sdk=2.28"])
     assert "default venv" not in (wheels_problem(default, REPO) or "")  # the lock's own: make wheels sdk=2.28
+
+
+def test_a_tracker_on_a_neuron_stack_is_warned_at_render_not_found_on_every_node():
+    """Neither the DLAMI venv nor the wheelhouse has the tracking extra, and the login node's doctor cannot look in
+    the nodes' venv: each node's pre-flight stopped the job after the allocation."""
+    from trnrecipes.config.recipe import load_recipe
+    from trnrecipes.jobs.render import render_warnings
+
+    neuron = load_recipe("llama2-smoke-trn1", overrides=["monitor.trackers=[tensorboard,mlflow]"])
+    (warning,) = [w for w in render_warnings(neuron) if w.startswith("monitor.trackers")]
+    assert warning.startswith("monitor.trackers mlflow: the DLAMI venv has no mlflow-skinny, SQLAlchemy, alembic")
+    cpu = load_recipe("llama2-tiny", overrides=["monitor.trackers=[mlflow]"])  # the checkout's .venv: make setup's
+    assert not [w for w in render_warnings(cpu) if w.startswith("monitor.trackers")]

@@ -29,7 +29,7 @@ from trnrecipes.config.preemption import render_warnings as preemption_warnings
 from trnrecipes.config.preemption import signal_seconds
 from trnrecipes.config.profiling import neuron_profile_env
 from trnrecipes.config.recipe import is_plain_path
-from trnrecipes.config.sections import Recipe, RecipeError
+from trnrecipes.config.sections import TRACKER_PACKAGES, Recipe, RecipeError
 from trnrecipes.config.stacks import TORCHNEURON, default_python
 from trnrecipes.jobs.neuron_env import JOB_USER, backend_env
 from trnrecipes.jobs.storage import run_dir_for
@@ -92,6 +92,14 @@ def render_warnings(recipe: Recipe, job_dir: Path | None = None) -> list[str]:
             " frameworks/torch/pytorch-native-overview.rst) supports SimpleFSDP under torch.compile, not the FSDP2"
             " fully_shard this recipe uses; compile with FSDP2 (and TP) is tested here on the CPU only. Set"
             " train.compile false (eager) if the compile job fails"
+        )
+    tracked = [name for name in recipe.monitor.trackers if name in TRACKER_PACKAGES]
+    if tracked and recipe.cluster.backend == "neuron":  # the login node's doctor cannot see the nodes' venv
+        dists = ", ".join(dist for name in tracked for _, dist in TRACKER_PACKAGES[name])
+        warnings.append(
+            f"monitor.trackers {', '.join(tracked)}: the DLAMI venv has no {dists}, and the wheelhouse does not carry"
+            " them (the tracking extra): install them into the job's Python on every node (pip install -c <its pip"
+            " freeze> -e '.[tracking]'), or each node's pre-flight stops the job at its start"
         )
     estimate, _ = layout_memory(recipe)
     if estimate.verdict == "does not fit":  # written anyway: --no-memory-check
