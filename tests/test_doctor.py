@@ -118,7 +118,7 @@ def test_the_run_script_checks_first_too_and_requeues_a_node_fault(job, tmp_path
     neuron_ls(tmp_path / "bin", devices=4, cores_per_device=2)  # a node short of cores
     run = run_script(job, "run.sbatch", python, tmp_path / "bin")
     assert run.returncode == 1 and "8 NeuronCores" in errors(run)[0]
-    assert "the pre-flight failed on some of the job's nodes (the pre-flight names " in run.stdout + run.stderr
+    assert "the pre-flight failed (above) (the pre-flight names " in run.stdout + run.stderr
     assert "(not under Slurm: nothing to requeue)" in run.stdout + run.stderr  # under Slurm: requeued without it
 
 

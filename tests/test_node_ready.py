@@ -101,7 +101,7 @@ def test_a_wrong_neuron_stack_on_one_node_is_a_node_fault_and_on_every_node_bad_
         out = log.read_text()
         assert info["ExcNodeList"] == "node2", info
         assert "torch-neuronx 2.8.0.2.11.0 in " in out and "that is Neuron SDK 2.27's" in out
-        requeued = "the pre-flight failed on some of the job's nodes (the pre-flight names node2): requeueing job"
+        requeued = "the pre-flight failed (above) (the pre-flight names node2): requeueing job"
         assert f"{requeued} {job_id}" in out
         return
     info = wait_done(slurm_env, job_id, log, state="FAILED", timeout=180)
@@ -220,3 +220,34 @@ def test_a_tracker_on_a_neuron_stack_is_warned_at_render_not_found_on_every_node
     assert warning.startswith("monitor.trackers mlflow: the DLAMI venv has no mlflow-skinny, SQLAlchemy, alembic")
     cpu = load_recipe("llama2-tiny", overrides=["monitor.trackers=[mlflow]"])  # the checkout's .venv: make setup's
     assert not [w for w in render_warnings(cpu) if w.startswith("monitor.trackers")]
+
+
+@pytest.mark.parametrize(
+    ("hyperpod", "why", "namer", "bad", "code", "says"),
+    [
+        # every node failing its pre-flight: a shared cause, pointed at the pre-flight's lines, not health lines
+        (0, "the pre-flight failed (above)", "the pre-flight", "node1\nnode2", 2,
+         "the pre-flight fails on 2 of 2 nodes (node1,node2): a shared cause (software,"),
+        # HyperPod's auto-resume covers the training step, not the health check: say so, and name the node
+        (1, "health check failed", "the health check", "node2", 1,
+         "HyperPod's auto-resume covers the training step only: resubmit with --exclude=node2"),
+        (1, "training failed (exit status 1)", "the health check", "", 1, "auto-resume restarts the failed training"),
+    ],
+)  # fmt: skip
+def test_the_scripts_word_after_a_failure_names_what_failed_and_what_restarts(
+    tmp_path, hyperpod, why, namer, bad, code, says
+):
+    job = tmp_path / "job"
+    done = run_cli("sbatch", "--recipe", "llama2-tiny", "--nodes", "2", "--out", str(job), "--no-data-check",
+                   "--overrides", f"{SMALL} run_dir={tmp_path / 'run'}")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    script = (job / "run.sbatch").read_text()
+    functions = [script[script.index(f"{name}() {{") : script.index("\n}\n", script.index(f"{name}() {{")) + 3]
+                 for name in ("bad_nodes", "requeue_after_failure")]  # fmt: skip
+    (tmp_path / "bad").write_text(bad + "\n" if bad else "")
+    probe = (f"set -euo pipefail\nNNODES=2\nHYPERPOD={hyperpod}\nHYPERPOD_WHY=marker\nSTOP_REASON=\n"
+             f"TRNRECIPES_BAD_NODES_FILE={tmp_path / 'bad'}\n{''.join(functions)}\n"
+             'requeue_after_failure "$1" "$2"\n')  # fmt: skip
+    run = subprocess.run(["bash", "-c", probe, "probe", why, namer], capture_output=True, text=True)
+    assert run.returncode == code and says in run.stderr, run.stderr
+    assert "See the [health] lines" not in run.stderr
