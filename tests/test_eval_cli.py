@@ -90,6 +90,10 @@ def test_a_checkpoint_that_fails_as_it_is_read_leaves_no_empty_results_dir(cli, 
     done = cli("eval", "run", "--ckpt", str(ckpt), "--tasks", "boolq", "--limit", "1")
     assert done.returncode == 2 and "model.safetensors: checksum mismatch" in done.stderr, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # its ck-eval/ was left, empty
+    in_run = write_model_checkpoint(tmp_path / "run/checkpoints/step_5", {"w": torch.zeros(4)}, recipe)
+    (in_run / "model.safetensors").write_bytes(bytes(weights))
+    done = cli("eval", "run", "--ckpt", str(in_run), "--tasks", "boolq", "--limit", "1")
+    assert done.returncode == 2 and sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints"]  # eval/
 
 
 def test_a_checkpoint_its_run_prunes_while_eval_reads_it_is_named_as_pruned_not_corrupt(monkeypatch, tmp_path, capsys):

@@ -728,7 +728,7 @@ def _eval_run(args: argparse.Namespace) -> int:
     if problem := _not_a_language_model(ckpt):  # before the export, and lm-eval's traceback on a classifier
         raise RecipeError(problem)
     out = check_output(args.out or default_out, flag=_out_flag(args.out), inputs=[args.ckpt, ckpt], directory=True)
-    made = not out.exists()
+    made = [d for d in (out, out.parent) if not d.exists()]  # RUN_DIR/eval/step_N and RUN_DIR/eval
     try:
         run(
             ckpt,
@@ -755,8 +755,9 @@ def _eval_run(args: argparse.Namespace) -> int:
     except (ValueError, TaskDataError, ExecutionNotAllowed, SandboxError) as err:
         raise RecipeError(str(err)) from None
     finally:
-        if made and out.is_dir() and not any(out.iterdir()):  # nothing written: no empty results dir left behind
-            out.rmdir()
+        for made_dir in made:  # nothing written: no empty results dir left behind
+            if made_dir.is_dir() and not any(made_dir.iterdir()):
+                made_dir.rmdir()
     print((out / "results.md").read_text(), end="")
     print(f"wrote {out}/results.json and results.md")
     return 0
