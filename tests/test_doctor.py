@@ -237,3 +237,17 @@ def test_doctor_checks_the_files_the_job_reads_not_its_own_checkouts(job, monkey
         problem = eval_data_problem(tmp_path)
         assert problem.startswith(f"{tmp_path / 'data/eval'} (the evaluation's offline data) is missing: eval.sbatch")
         assert problem in doctor.check(load_recipe("llama2-tiny"), "eval", tmp_path / "run", node=False)[0]
+
+
+def test_the_note_names_the_dlami_of_the_venv_the_job_runs_or_calls_it_the_recipes_own():
+    """SDK 2.28's Ubuntu 22.04 venv was said to be the 24.04 DLAMI's; a mistyped cluster.python was said to be
+    the DLAMI's venv (exit 0, and the nodes' pre-flight failed after the allocation)."""
+    twin = "/opt/aws_neuronx_venv_pytorch_2_8_nxd_training/bin/python"
+    recipe = load_recipe("pythia6.9b", overrides=f"cluster.neuron_sdk=2.28 cluster.python={twin}")
+    assert doctor._fix_python(recipe, twin).startswith("it is the venv of the Deep Learning AMI Neuron (Ubuntu 22.04)")
+    default = "/opt/aws_neuronx_venv_pytorch_2_9_nxd_training/bin/python"
+    assert doctor._fix_python(recipe, default).startswith(
+        "it is the venv of the Deep Learning AMI Neuron (Ubuntu 24.04)"
+    )
+    typo = "/fsx/venv-tpyo/bin/python"
+    assert doctor._fix_python(recipe, typo).startswith("it is no DLAMI venv of Neuron SDK 2.28 but cluster.python's")

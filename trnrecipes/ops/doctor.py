@@ -450,7 +450,7 @@ def _preflight(argv: list[str] | None, host: str) -> int:
         if not os.access(python, os.X_OK) and not args.node and outside:
             here = False  # a login node without the DLAMI: the files from this Python, the rest on the nodes
         elif not os.access(python, os.X_OK):
-            print(f"error: {host}: the job's Python {python} does not exist here; {_fix_python(recipe)}")
+            print(f"error: {host}: the job's Python {python} does not exist here; {_fix_python(recipe, python)}")
             return NOT_READY if args.node else 2
         elif problem := python_problem(python):
             print(f"error: {host}: {problem}")
@@ -484,22 +484,31 @@ def _preflight(argv: list[str] | None, host: str) -> int:
 def not_here(recipe, python: str) -> str:
     """The note for a job Python that is not on this host: what only the job's nodes check, and where it comes from."""
     return (
-        f"the job's Python {python} is not on this host ({_fix_python(recipe)}); its packages"
+        f"the job's Python {python} is not on this host ({_fix_python(recipe, python)}); its packages"
         + (", neuron_parallel_compile and the NeuronCores" if recipe.cluster.backend == "neuron" else "")
         + " are checked on every node when the job starts"
     )
 
 
-def _fix_python(recipe) -> str:
+def _fix_python(recipe, python: str | None = None) -> str:
+    """What the job's Python is, for a message saying it is not here: which DLAMI's venv (the one `python` is, the
+    release's default where it is none of them: cluster.python's own path is named as the recipe's)."""
     if recipe.cluster.backend == "neuron":
         from trnrecipes.config.stacks import SDK_RELEASES, sdk_version
 
         release = SDK_RELEASES[sdk_version(recipe.cluster.neuron_sdk)]
         here = [f"{v}/bin/python" for v in release.venvs[1:] if os.access(f"{v}/bin/python", os.X_OK)]
-        if here:  # the release's other DLAMI (Ubuntu 22.04 beside 24.04) is the one on this host
+        if here and python != here[0]:  # the release's other DLAMI (Ubuntu 22.04 beside 24.04) is the one on this host
             return f"this host has SDK {recipe.cluster.neuron_sdk}'s other DLAMI venv: set cluster.python={here[0]}"
+        ours = [i for i, v in enumerate(release.venvs) if python == f"{v}/bin/python"]
+        if python and not ours:  # cluster.python (or TRNRECIPES_PYTHON) names another interpreter
+            return (
+                f"it is no DLAMI venv of Neuron SDK {recipe.cluster.neuron_sdk} but cluster.python's (or"
+                f" TRNRECIPES_PYTHON's): every {recipe.cluster.instance} node needs it at that path; check for a typo"
+            )
+        ami = release.amis[ours[0] if ours else 0]
         return (
-            f"it is the venv of the {release.amis[0]} with Neuron SDK {recipe.cluster.neuron_sdk}, the AMI the job's"
+            f"it is the venv of the {ami} with Neuron SDK {recipe.cluster.neuron_sdk}, the AMI the job's"
             f" {recipe.cluster.instance} nodes need (trn1 trains on SDK 2.21-2.28, trn2/trn3 on 2.33); set"
             " cluster.python (or TRNRECIPES_PYTHON) if its interpreter is elsewhere"
         )
