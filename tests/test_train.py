@@ -51,14 +51,21 @@ def test_tiny_recipes_learn_the_demo_corpus(name: str, tmp_path: Path):
     assert ckpt.name == "step_40" and (ckpt / "done").exists() and (ckpt / "tokenizer/tokenizer.json").exists()
 
 
-def test_mfu_in_the_metrics_is_against_the_devices_the_run_uses(tmp_path: Path):
-    # local-cpu has 2 workers' worth of peak; FAST runs one worker, measured against one.
+def test_mfu_in_the_metrics_is_against_the_cores_the_run_uses(tmp_path: Path):
+    """FAST runs one worker, whose torch threads take every core: measured against one catalog worker (half of
+    local-cpu's two cores at AVX2's rate) it read 109-162% on an AVX-512 host."""
+    import os
+
+    import torch
+
     run("llama2-tiny", tmp_path, steps=2)
     recipe = load_recipe("llama2-tiny", overrides=FAST)
-    per_worker = get_instance("local-cpu").peak_bf16_tflops / get_instance("local-cpu").workers_per_node
+    per_core = get_instance("local-cpu").peak_bf16_tflops / get_instance("local-cpu").workers_per_node
+    wide = "avx512f" in Path("/proc/cpuinfo").read_text().split()
+    peak = per_core * (2 if wide else 1) * min(os.cpu_count(), torch.get_num_threads())
     for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()):
         fpt = flops_per_token(recipe.model, recipe.batch.seq_len)
-        assert r["mfu"] == pytest.approx(fpt * r["tokens_per_s"] / (per_worker * 1e12))
+        assert r["mfu"] == pytest.approx(fpt * r["tokens_per_s"] / (peak * 1e12)) and r["mfu"] < 1
 
 
 def _torchrun(tmp_path: Path, name: str, overrides: list[str], nproc: int) -> dict:
