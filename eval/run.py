@@ -358,7 +358,14 @@ def run(
         names = write_task_dir(out / "tasks", data, harness)
         window = max_length or default_max_length(hf)
         print(f"[eval] lm-eval: {', '.join(harness)}{f' (first {limit} items each)' if limit else ''}", flush=True)
-        evaluated = lm_eval_tasks(hf, out / "tasks", names, limit, window, max_gen_toks)
+        try:
+            evaluated = lm_eval_tasks(hf, out / "tasks", names, limit, window, max_gen_toks)
+        except AssertionError as err:  # lm-eval's checks of a window too short for a prompt or an answer
+            said = f": {err}" if str(err) else ""
+            raise ValueError(
+                f"lm-eval refused a request at --max-length {window}{said}; the window must hold an item's prompt and"
+                " answer (and exceed --max-gen-toks): a larger --max-length, or the default (the model's)"
+            ) from None
         results = evaluated["results"]
         write_samples(out, evaluated.get("samples") or {}, [TASKS[t].lm_eval_name for t in harness])
         for name in harness:

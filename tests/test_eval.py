@@ -118,3 +118,6 @@ def test_a_second_eval_into_the_same_out_adds_to_its_table_and_other_weights_are
         refused = run_cli("eval", "run", "--ckpt", ckpt_arg, "--tasks", "boolq", "--limit", limit, *args, env=OFFLINE)
         assert refused.returncode == 2 and says in refused.stderr, refused.stderr
     assert json.loads((out / "results.json").read_text())["results"] == merged
+    short = run_cli("eval", "run", "--ckpt", ckpt, "--tasks", "boolq", "--limit", "1", "--max-length", "1",
+                    "--out", str(tmp_path / "short"), env=OFFLINE)  # fmt: skip
+    assert short.returncode == 2 and "lm-eval refused a request at --max-length 1" in short.stderr, short.stderr[-2000:]
