@@ -75,8 +75,11 @@ def test_on_nxd_the_capture_is_kept_by_the_first_rank_of_each_node_of_a_launch_t
         # the profiler holds the window in host memory: 60 steps of the tiny model took 1.1 GB more
         (["monitor.profile_steps=[2,60]"], "monitor.profile_steps [2, 60]: 59 steps, at most 20: the profiler holds"),
         # wandb.init's UsageError came after the model was built, as a traceback and exit 1 (a requeue)
-        (["monitor.trackers=[wandb]", "monitor.wandb_project=team/run#1"], "W&B takes 1 to 128 characters, none of"),
-        (["monitor.trackers=[mlflow]", f"monitor.mlflow_experiment={'x' * 501}"], "MLflow takes 1 to 500 characters"),
+        (["monitor.trackers=[wandb]", "monitor.wandb_project=team/run#1"], "W&B takes at most 128 characters, none of"),
+        (
+            ["monitor.trackers=[mlflow]", f"monitor.mlflow_experiment={'x' * 501}"],
+            "MLflow takes at most 500 characters",
+        ),
         # the rate fell from its peak to min_lr in one step
         (["optim.warmup_steps=50", "optim.decay_steps=50"], "optim.decay_steps 50 must be > optim.warmup_steps 50"),
     ],
@@ -135,3 +138,22 @@ def test_a_trace_or_tensorboard_dir_that_cannot_be_written_is_one_line_not_a_tra
     (tmp_path / "tensorboard").write_text("not a directory")
     with pytest.raises(RecipeError, match=r"TensorBoard cannot write .*tensorboard \(File exists\); make it"):
         Metrics(tmp_path, True, tensorboard=True, resumed_from=0)
+
+
+def test_a_checkpoint_saved_before_the_launch_checks_still_loads(tmp_path: Path):
+    """The profile window's cap, decay_steps > warmup_steps and the trackers' name rules refuse a launch; a
+    checkpoint saved with such settings before they existed is read back for eval, convert, init_from, resume."""
+    import torch
+    import yaml
+
+    from trnrecipes.checkpoint import write_model_checkpoint
+    from trnrecipes.checkpoint.format import checkpoint_recipe
+
+    ckpt = write_model_checkpoint(tmp_path / "ck", {"w": torch.zeros(4)}, load_recipe("pythia-tiny"))
+    saved = yaml.safe_load((ckpt / "recipe.yaml").read_text())
+    saved["monitor"]["profile_steps"] = [5, 40]
+    saved["optim"]["warmup_steps"] = saved["optim"]["decay_steps"] = 50
+    (ckpt / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    assert checkpoint_recipe(ckpt).monitor.profile_steps == (5, 40)
+    with pytest.raises(RecipeError, match="36 steps, at most 20"):  # launching it is refused
+        load_recipe(str(ckpt / "recipe.yaml"))

@@ -191,17 +191,21 @@ def test_force_fresh_on_a_requeued_job_resumes_instead_of_archiving_again(tmp_pa
     assert found == (20, run / "checkpoints/step_20")
 
 
-def test_a_restart_is_a_requeue_or_the_job_that_started_the_run_launching_it_again(tmp_path: Path):
-    """HyperPod's --auto-resume reruns the step in the same Slurm job, with no SLURM_RESTART_COUNT: before, a
-    force_fresh run archived its own progress at each auto-resume."""
+def test_a_restart_is_the_job_that_started_the_run_requeued_or_rerunning_its_step(tmp_path: Path):
+    """HyperPod's --auto-resume reruns the step in the same run of the script, with no SLURM_RESTART_COUNT: before,
+    a force_fresh run archived its own progress at each auto-resume. A job requeued before its run ever started
+    is no restart of a run (it would have resumed another run's checkpoints)."""
     from trnrecipes.train.run_dir import record_fresh_start, restarted_job
 
-    assert restarted_job(tmp_path, {"SLURM_RESTART_COUNT": "1"}) and not restarted_job(tmp_path, {"SLURM_JOB_ID": "7"})
-    record_fresh_start(tmp_path, {"SLURM_JOB_ID": "7"})
-    assert restarted_job(tmp_path, {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0"})
-    assert not restarted_job(tmp_path, {"SLURM_JOB_ID": "8"})  # a new submission: force_fresh archives, as asked
+    first = {"SLURM_JOB_ID": "7", "TRNRECIPES_LAUNCH_ID": "7.0.100.1"}
+    assert not restarted_job(tmp_path, {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"})  # no run started yet
+    record_fresh_start(tmp_path, first)
+    assert restarted_job(tmp_path, first)  # HyperPod's auto-resume: the step again, in the same launch
+    assert restarted_job(tmp_path, {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1", "TRNRECIPES_LAUNCH_ID": "x"})
+    assert not restarted_job(tmp_path, {"SLURM_JOB_ID": "7", "TRNRECIPES_LAUNCH_ID": "7.0.200.2"})  # salloc, again
+    assert not restarted_job(tmp_path, {"SLURM_JOB_ID": "8", "SLURM_RESTART_COUNT": "3"})  # a new submission
     record_fresh_start(tmp_path, {})  # no Slurm (bash run.sbatch, EKS): nothing to tell a restart by
-    assert not restarted_job(tmp_path, {}) and not restarted_job(tmp_path, {"SLURM_JOB_ID": "7"})
+    assert not restarted_job(tmp_path, {}) and not restarted_job(tmp_path, first)
 
 
 def test_force_fresh_alone_is_refused_not_silently_resumed():

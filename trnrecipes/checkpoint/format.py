@@ -558,7 +558,7 @@ def read_model_checkpoint_recipe(path: Path) -> Recipe:
 
 def checkpoint_recipe(path: Path) -> Recipe:
     """The recipe of a checkpoint already verified (latest_checkpoint's): its files are not hashed again."""
-    return recipe_from_dict(saved_recipe(path), str(Path(path) / "recipe.yaml"))
+    return recipe_from_dict(saved_recipe(path), str(Path(path) / "recipe.yaml"), launching=False)
 
 
 def read_model_checkpoint(path: Path) -> tuple[Recipe, dict[str, torch.Tensor], Path | None]:

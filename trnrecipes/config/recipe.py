@@ -205,8 +205,9 @@ def _clip(text: str, limit: int = 500) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def recipe_from_dict(data: dict[str, Any], source: str) -> Recipe:
-    """Typed and checked; `source` names the origin in error messages."""
+def recipe_from_dict(data: dict[str, Any], source: str, launching: bool = True) -> Recipe:
+    """Typed and checked; `source` names the origin in error messages. `launching` False: a checkpoint's saved
+    recipe read back, which launch_problems leave alone."""
     if control := list(_with_control_characters(data)):
         raise RecipeError(_problems(source, control))
     try:
@@ -214,6 +215,8 @@ def recipe_from_dict(data: dict[str, Any], source: str) -> Recipe:
     except SchemaError as err:
         raise RecipeError(_problems(source, err.problems)) from None
     problems = check_recipe(recipe)
+    if launching and not problems:
+        problems = launch_problems(recipe)
     if problems:
         raise RecipeError(_problems(source, problems))
     return recipe
@@ -525,11 +528,6 @@ def check_recipe(r: Recipe) -> list[str]:
         "train.init_optimizer 'keep' carries the optimizer state of train.init_from over; set train.init_from",
     )
     need(o.min_lr <= o.lr, f"optim.min_lr {o.min_lr} must be <= optim.lr {o.lr}")
-    need(  # else the rate falls from its peak to min_lr in one step (Megatron refuses it too)
-        o.schedule == "constant" or o.decay_steps > o.warmup_steps,
-        f"optim.decay_steps {o.decay_steps} must be > optim.warmup_steps {o.warmup_steps} (it counts from step 0,"
-        f" warmup included), or optim.schedule constant",
-    )
     need(
         not r.precision.stochastic_rounding or r.precision.dtype == "bf16",
         f"precision.stochastic_rounding needs precision.dtype 'bf16', got {r.precision.dtype!r}",
@@ -741,22 +739,45 @@ WANDB_PROJECT_CHARS = "/\\#?%:"  # what wandb 0.31's Settings.validate_project r
 MAX_PROFILED_STEPS = 20
 
 
+def launch_problems(r: Recipe) -> list[str]:
+    """Settings refused where a recipe is loaded to launch or render a run, not where a checkpoint's saved recipe is
+    read back (one saved before these checks existed still loads, for eval, convert, init_from and resume): values
+    that would stop a launch after the model is built, or hurt it, with nothing wrong in the weights."""
+    problems = []
+    o, trackers = r.optim, r.monitor.trackers
+    if o.schedule != "constant" and o.decay_steps <= o.warmup_steps:  # the rate fell to min_lr in one step
+        problems.append(
+            f"optim.decay_steps {o.decay_steps} must be > optim.warmup_steps {o.warmup_steps} (it counts from step 0,"
+            " warmup included), or optim.schedule constant"
+        )
+    project = r.monitor.wandb_project or r.name  # as the trackers take it
+    bad = sorted({c for c in project if c in WANDB_PROJECT_CHARS})
+    if "wandb" in trackers and (bad or len(project) > 128):  # wandb.init's UsageError, after the build
+        problems.append(
+            f"monitor.wandb_project {project[:140]!r}: W&B takes at most 128 characters, none of"
+            f" {' '.join(WANDB_PROJECT_CHARS)}{f' (it has {bad})' if bad else ''}"
+        )
+    experiment = r.monitor.mlflow_experiment or r.name
+    if "mlflow" in trackers and len(experiment) > 500:  # MLflow's limit: the run logged nothing to it
+        problems.append(f"monitor.mlflow_experiment: MLflow takes at most 500 characters, got {len(experiment)}")
+    if (
+        r.monitor.profile_steps is not None
+        and (steps := r.monitor.profile_steps[1] - r.monitor.profile_steps[0] + 1) > MAX_PROFILED_STEPS
+    ):
+        problems.append(
+            f"monitor.profile_steps {list(r.monitor.profile_steps)}: {steps} steps, at most {MAX_PROFILED_STEPS}: the"
+            " profiler holds every op and kernel of the window in host memory until its end (~18 MB a step on a"
+            " 4-layer tiny model, far more for a 7B), then writes one trace; profile a few steps"
+        )
+    return problems
+
+
 def _monitor_problems(r: Recipe) -> list[str]:
     """The monitor section: each tracker once, a profiled window inside the run."""
     problems = []
     trackers = r.monitor.trackers
     if len(set(trackers)) != len(trackers):
         problems.append(f"monitor.trackers: each tracker once, got {list(trackers)}")
-    project = r.monitor.wandb_project if r.monitor.wandb_project is not None else r.name
-    bad = sorted({c for c in project if c in WANDB_PROJECT_CHARS})
-    if "wandb" in trackers and (bad or not 0 < len(project) <= 128):  # wandb.init's UsageError, after the build
-        problems.append(
-            f"monitor.wandb_project {project[:140]!r}: W&B takes 1 to 128 characters, none of"
-            f" {' '.join(WANDB_PROJECT_CHARS)}{f' (it has {bad})' if bad else ''}"
-        )
-    experiment = r.monitor.mlflow_experiment if r.monitor.mlflow_experiment is not None else r.name
-    if "mlflow" in trackers and not 0 < len(experiment) <= 500:  # MLflow's limit: the run logged nothing to it
-        problems.append(f"monitor.mlflow_experiment: MLflow takes 1 to 500 characters, got {len(experiment)}")
     if r.monitor.profile_steps is not None:
         first, last = r.monitor.profile_steps
         if first > last:
@@ -767,11 +788,5 @@ def _monitor_problems(r: Recipe) -> list[str]:
             problems.append(
                 f"monitor.profile_steps [{first}, {last}]: step {last} is past train.max_steps {r.train.max_steps};"
                 " profile steps the run trains"
-            )
-        elif last - first + 1 > MAX_PROFILED_STEPS:
-            problems.append(
-                f"monitor.profile_steps [{first}, {last}]: {last - first + 1} steps, at most {MAX_PROFILED_STEPS}: the"
-                " profiler holds every op and kernel of the window in host memory until its end (~18 MB a step on a"
-                " 4-layer tiny model, far more for a 7B), then writes one trace; profile a few steps"
             )
     return problems

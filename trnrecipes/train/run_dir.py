@@ -154,23 +154,38 @@ def settle_checkpoints(
 
 
 def record_fresh_start(run_dir: Path, env=os.environ) -> None:
-    """A run started at step 0 with checkpoint.resume false: its Slurm job, so a restart of that job is known."""
+    """A run started at step 0 with checkpoint.resume false: which launch of which Slurm job started it, so that
+    job's restarts are known (restarted_job)."""
+    record = {"slurm_job_id": env.get("SLURM_JOB_ID"), "restart_count": _restarts(env),
+              "launch_id": env.get("TRNRECIPES_LAUNCH_ID")}  # fmt: skip
     with atomic_file(run_dir / FRESH_START) as f:
-        f.write(json.dumps({"slurm_job_id": env.get("SLURM_JOB_ID")}) + "\n")
+        f.write(json.dumps(record) + "\n")
 
 
 def restarted_job(run_dir: Path, env=os.environ) -> bool:
-    """Whether this launch restarts the job whose run is in the run dir: a Slurm requeue (SLURM_RESTART_COUNT), or
-    the same Slurm job that started the run at step 0 launching it again (HyperPod's --auto-resume reruns the step
-    in the same job and sets no restart count). A new job, or no job, is a new launch."""
-    if int(env.get("SLURM_RESTART_COUNT") or 0) > 0:
-        return True
+    """Whether this launch restarts the run in the run dir (started at step 0 with checkpoint.resume false): the
+    same Slurm job, either requeued since (a higher SLURM_RESTART_COUNT) or in the same run of its script
+    (HyperPod's --auto-resume reruns the step, with no restart count). Not: another job, the same allocation's
+    script run again (salloc), a job requeued before the run ever started (its checkpoints are another run's), no
+    Slurm at all (bash run.sbatch, EKS)."""
     job = env.get("SLURM_JOB_ID")
     try:
-        started = json.loads((run_dir / FRESH_START).read_text()).get("slurm_job_id")
-    except (OSError, ValueError, AttributeError):
+        started = json.loads((run_dir / FRESH_START).read_text())
+    except (OSError, ValueError):
         return False
-    return bool(job) and started == job
+    if not job or not isinstance(started, dict) or started.get("slurm_job_id") != job:
+        return False
+    launch = env.get("TRNRECIPES_LAUNCH_ID")
+    same_launch = launch is not None and started.get("launch_id") == launch
+    earlier = started.get("restart_count")
+    return same_launch or (isinstance(earlier, int) and _restarts(env) > earlier)
+
+
+def _restarts(env) -> int:
+    try:
+        return int(env.get("SLURM_RESTART_COUNT") or 0)
+    except ValueError:
+        return 0
 
 
 def _archive(run_dir: Path) -> Path:
