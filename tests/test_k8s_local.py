@@ -18,7 +18,7 @@ import pytest
 
 from trnrecipes import REPO_ROOT
 from trnrecipes.config.recipe import load_recipe
-from trnrecipes.jobs.k8s import entrypoint_script
+from trnrecipes.jobs.k8s import entrypoint_script, job_name, kubectl_steps
 from trnrecipes.jobs.render import render_job
 
 
@@ -110,8 +110,17 @@ def test_a_pod_that_keeps_failing_gives_up_beyond_max_restarts(tmp_path):
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "PET_NNODES": "1",
            "PET_NPROC_PER_NODE": str(recipe.workers_per_node), "PET_NODE_RANK": "0", "TRNRECIPES_JOB_NAME": "job",
            "TRNRECIPES_POD": "job-master-0", "TRNRECIPES_PYTHON": str(faulty), "TRNRECIPES_WHEELS": ""}  # fmt: skip
-    starts = [subprocess.run(["bash", str(script), "run"], env=env, capture_output=True, text=True) for _ in range(5)]
-    assert [s.returncode for s in starts] == [129, 129, 129, 2, 129], [s.stderr[-500:] for s in starts]
-    assert "(failure 3 of at most 3)" in starts[2].stderr
-    assert "error: pod job-master-0 failed 3 times, more than slurm.max_restarts (2) restarts" in starts[3].stderr
-    assert "(failure 1 of at most 3)" in starts[4].stderr  # a job that ended: the next apply starts counting anew
+    starts = [subprocess.run(["bash", str(script), "run"], env=env, capture_output=True, text=True) for _ in range(3)]
+    assert [s.returncode for s in starts] == [129, 129, 2], [s.stderr[-500:] for s in starts]
+    assert "(failure 2 of at most 3)" in starts[1].stderr  # the third ends it: no recreation only to give up
+    assert "error: pod job-master-0 failed 3 times, more than slurm.max_restarts (2) restarts" in starts[2].stderr
+    failures = tmp_path / "k8s/logs/job/failures"
+    assert not any(failures.iterdir())  # the pod that gave up cleared its count: the next apply starts anew
+    (failures / "run-job-master-0").write_text("x\n" * 3)  # a pod of a deleted job kept its count
+    left = subprocess.run(["bash", str(script), "run"], env=env, capture_output=True, text=True)
+    assert left.returncode == 2 and "failed 3 times" in left.stderr and "x" in left.stderr  # gives up at its start
+    steps = kubectl_steps(recipe, tmp_path / "k8s")  # so the README's steps clear the counts before each apply
+    run = job_name(recipe, "run")
+    assert steps[steps.index(f"kubectl apply -f {tmp_path / 'k8s/pytorchjob.yaml'}") - 1] == (
+        f"rm -rf {tmp_path / 'k8s/logs' / run / 'failures'}"
+    )

@@ -338,6 +338,8 @@ def kubectl_steps(r: Recipe, job_dir: Path) -> list[str]:
     for mode, file_name in MANIFESTS.items():
         condition, kind = done[mode].split()
         wait = f"kubectl wait -n {r.k8s.namespace} --for=condition={condition} --timeout=-1s {kind}/{job_name(r, mode)}"
+        if mode != "eval":  # a new job: the failure counts its pods left (killed, deleted) are not its own
+            lines.append(f"rm -rf {shell_word(job_dir / 'logs' / job_name(r, mode) / 'failures')}")
         lines += [f"kubectl apply -f {shell_word(job_dir / file_name)}", wait]
     return lines
 

@@ -53,7 +53,8 @@ if [[ "$MODE" != eval ]]; then
   # restartCount is 0, and runPolicy.backoffLimit counts only restartCounts (v1.9.0 pkg/core/job.go
   # PastBackoffLimit; kubeflow/trainer issue 2045): a node fault that repeats would be retried forever. Each pod
   # counts its own retryable exits on the claim, and gives up with 2 beyond slurm.max_restarts; an eviction's 143 is
-  # not counted, and an end (0, or 2: a new apply is a new job) clears the count. ----
+  # not counted, and the pod's end (0, or 2) clears its count. A pod killed or deleted keeps it: the README's steps
+  # remove logs/<job>/failures/ before each apply, and a pod starting beyond the budget gives up at once. ----
   FAILURES="$JOB_DIR/logs/$JOB_ID/failures/$MODE-$POD"
   mkdir -p "$(dirname "$FAILURES")"
   trap 'rc=$?; if ((rc == 0 || rc == BAD_INPUT)); then rm -f "$FAILURES"; fi' EXIT
@@ -91,10 +92,16 @@ fi
 # Anything else is the image's or the input's, the same on every pod: bad input. ----
 # A retryable exit of this pod (a node or transient fault): counted against slurm.max_restarts, then 129.
 retry() {  # WHAT
-  local count=""
+  local count="" failed
   if [[ -n "$FAILURES" ]]; then
     echo "$(date +%Y-%m-%dT%H:%M:%S) $1" >>"$FAILURES" || true
-    count=" (failure $(wc -l <"$FAILURES" 2>/dev/null || echo '?') of at most $((MAX_RESTARTS + 1)))"
+    failed=$(wc -l <"$FAILURES" 2>/dev/null || echo 0)
+    if ((failed > MAX_RESTARTS)); then  # the budget is spent: no recreation whose only act would be to give up
+      echo "error: pod $POD failed $failed times, more than slurm.max_restarts ($MAX_RESTARTS) restarts: not retried again (exit 2). Its failures:" >&2
+      sed 's/^/  /' "$FAILURES" >&2
+      exit "$BAD_INPUT"
+    fi
+    count=" (failure $failed of at most $((MAX_RESTARTS + 1)))"
   fi
   echo "[trnrecipes] $1: exit $RETRYABLE, the pod is recreated$count" >&2
   exit "$RETRYABLE"
