@@ -349,7 +349,8 @@ def run(
     from eval.registry import TASKS, write_task_dir
 
     _offline()
-    kept = earlier_rows(out, Path(ckpt), tasks, limit, max_gen_toks)  # before anything in `out` is replaced
+    settings = {"limit": limit, "max_gen_toks": max_gen_toks, "max_length": max_length}  # scores differ with each
+    kept, carried = earlier_rows(out, Path(ckpt), tasks, settings)  # before anything in `out` is replaced
     out.mkdir(parents=True, exist_ok=True)
     hf, checkpoint = export(Path(ckpt), out)
     rows: list[dict] = list(kept)
@@ -384,7 +385,7 @@ def run(
                         "lm_eval": [task.lm_eval_name, key],
                     }
                 )
-    meta = {"checkpoint": checkpoint, "model": str(hf), "limit": limit, "max_gen_toks": max_gen_toks}
+    meta = {"checkpoint": checkpoint, "model": str(hf), **settings, **carried}
     if "humaneval" in tasks:
         if rows:  # kept if the sampling or the sandbox fails: lm-eval's part can take hours
             incomplete = {"incomplete": "HumanEval was running or failed: its rows are missing"}
@@ -402,14 +403,17 @@ def run(
     return rows
 
 
-def earlier_rows(out: Path, ckpt: Path, tasks: list[str], limit: int | None, max_gen_toks: int | None) -> list[dict]:
-    """The task rows an earlier eval of the same weights (same --limit, --max-gen-toks) wrote to `out`, for the tasks
-    this one does not score: a second `make eval ckpt=RUN tasks=humaneval` adds its rows to the hours of MMLU and
-    BBH before it instead of replacing them. ValueError where `out` holds results this eval would replace otherwise
+def earlier_rows(out: Path, ckpt: Path, tasks: list[str], settings: dict) -> tuple[list[dict], dict]:
+    """(The task rows an earlier eval of the same weights, at the same `settings` (--limit, --max-gen-toks,
+    --max-length), wrote to `out` for the tasks this one does not score, and its "incomplete" note while HumanEval
+    is still missing): a second `make eval ckpt=RUN tasks=humaneval` adds its rows to the hours of MMLU and BBH
+    before it instead of replacing them. ValueError where `out` holds results this eval would replace otherwise
     (another checkpoint's, other settings', an unreadable results.json): nothing is written."""
+    from eval.registry import TASKS
+
     path = out / "results.json"
     if not path.is_file():
-        return []
+        return [], {}
     try:
         earlier = json.loads(path.read_text())
         scored, rows = earlier["checkpoint"], earlier["results"]
@@ -422,17 +426,18 @@ def earlier_rows(out: Path, ckpt: Path, tasks: list[str], limit: int | None, max
             f"{out} holds the results of other weights ({scored.get('path')}, step {scored.get('step')}), which this"
             f" eval of {ckpt} would replace; choose another --out (or move {out} aside)"
         )
-    for key, value in (("limit", limit), ("max_gen_toks", max_gen_toks)):
+    for key, value in settings.items():
         if earlier.get(key) != value:
             flag = "--" + key.replace("_", "-")
             raise ValueError(
                 f"{out} holds results of the same weights with {flag} {earlier.get(key)}, not {value}: the table would"
                 " mix them; choose another --out (or the same setting)"
             )
-    kept = [r for r in task_rows if r["task"] not in tasks]
+    kept = [r for r in task_rows if r["task"] not in tasks and r["task"] in TASKS]  # a task since dropped: gone
     if kept:
         print(f"[eval] keeping {out}'s earlier rows of {', '.join(dict.fromkeys(r['task'] for r in kept))}", flush=True)
-    return kept
+    still_missing = "incomplete" in earlier and "humaneval" not in tasks
+    return kept, ({"incomplete": earlier["incomplete"]} if still_missing else {})
 
 
 def _weights(scored: dict) -> tuple[str, str]:

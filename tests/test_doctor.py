@@ -229,14 +229,14 @@ def test_doctor_checks_the_files_the_job_reads_not_its_own_checkouts(job, monkey
     assert f"run dir {tmp_path / 'runs'}/" in capsys.readouterr().out  # before: the checkout's runs/, "run ok"
     from trnrecipes.jobs.data_check import eval_data_problem
 
-    assert eval_data_problem(REPO) is None  # make setup built it
     monkeypatch.setattr(doctor, "REPO_ROOT", tmp_path)
     for make in (False, True):  # missing, then empty
         if make:
             (tmp_path / "data/eval").mkdir(parents=True)
         problem = eval_data_problem(tmp_path)
         assert problem.startswith(f"{tmp_path / 'data/eval'} (the evaluation's offline data) is missing: eval.sbatch")
-        assert problem in doctor.check(load_recipe("llama2-tiny"), "eval", tmp_path / "run", node=False)[0]
+        notes = doctor.check(load_recipe("llama2-tiny"), "eval", tmp_path / "run", node=False)[1]
+        assert f"{doctor.NOTE}{problem} (unless the job is given --data-dir)" in notes  # eval.sbatch --data-dir DIR
 
 
 def test_the_note_names_the_dlami_of_the_venv_the_job_runs_or_calls_it_the_recipes_own():

@@ -113,9 +113,13 @@ def test_a_second_eval_into_the_same_out_adds_to_its_table_and_other_weights_are
     ]  # boolq scored again (the same value: the same weights), every other row and group kept
     assert sorted(p.name for p in (out / "samples").iterdir()) == samples
     other = write_model_checkpoint(tmp_path / "other", {"w": torch.zeros(4)}, load_recipe("pythia-tiny"))
-    for ckpt_arg, limit, says in ((str(other), "1", "holds the results of other weights ("),
-                                  (ckpt, "2", "with --limit 1, not 2: the table would mix them")):  # fmt: skip
-        refused = run_cli("eval", "run", "--ckpt", ckpt_arg, "--tasks", "boolq", "--limit", limit, *args, env=OFFLINE)
+    window = ["--max-length", str(WINDOW + 16)]  # scores change with the window: not to be mixed either
+    cases = ((str(other), "1", [], "holds the results of other weights ("),
+             (ckpt, "2", [], "with --limit 1, not 2: the table would mix them"),
+             (ckpt, "1", window, f"with --max-length {WINDOW}, not {WINDOW + 16}"))  # fmt: skip
+    for ckpt_arg, limit, more, says in cases:
+        argv = ["eval", "run", "--ckpt", ckpt_arg, "--tasks", "boolq", "--limit", limit, *args, *more]
+        refused = run_cli(*argv, env=OFFLINE)
         assert refused.returncode == 2 and says in refused.stderr, refused.stderr
     assert json.loads((out / "results.json").read_text())["results"] == merged
     short = run_cli("eval", "run", "--ckpt", ckpt, "--tasks", "boolq", "--limit", "1", "--max-length", "1",

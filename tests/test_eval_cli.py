@@ -73,7 +73,10 @@ def test_a_classifier_is_refused_before_its_export_naming_predict(cli, tmp_path)
     (hf / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"]}))
     done = cli("eval", "run", "--ckpt", str(hf), "--tasks", "boolq", "--limit", "1")
     assert done.returncode == 2 and "holds a BertForSequenceClassification, not a causal" in done.stderr, done.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cls", "hf"]  # nothing exported, no results dir
+    (hf / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))  # causal, named otherwise
+    done = cli("eval", "run", "--ckpt", str(hf), "--tasks", "boolq", "--limit", "1")
+    assert "not a causal" not in done.stderr, done.stderr  # it goes on (and fails on the dir's missing weights)
+    assert sorted(p.name for p in tmp_path.iterdir())[:2] == ["cls", "hf"]  # nothing exported from them
 
 
 def test_a_checkpoint_that_fails_as_it_is_read_leaves_no_empty_results_dir(cli, tmp_path):

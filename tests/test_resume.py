@@ -269,6 +269,8 @@ def test_resume_false_on_a_run_dir_with_checkpoints_refuses_unless_forced(straig
     out = finish_failing(start(config(tmp_path, "train.max_steps=5", "checkpoint.resume=false")))
     assert "already has checkpoints (step_30, step_25, step_20)" in out and "Traceback" not in out
     assert [s for s, _ in step_dirs(run / "checkpoints")] == [30, 25, 20]
+    (run / "eval/step_30").mkdir(parents=True)  # the old weights' results: the new run's eval would be refused there
+    (run / "eval/step_30/results.json").write_text("{}")
     forced = ["train.max_steps=5", "checkpoint.every_steps=5", "checkpoint.resume=false", "checkpoint.force_fresh=true"]
     launch = {"SLURM_JOB_ID": "41", "TRNRECIPES_LAUNCH_ID": "41.0.1.1"}  # as run.sbatch exports them
     out = finish(start(config(tmp_path, *forced), **launch))
@@ -276,6 +278,7 @@ def test_resume_false_on_a_run_dir_with_checkpoints_refuses_unless_forced(straig
     assert [s for s, _ in step_dirs(run / "checkpoints")] == [5]  # before: the new run's save was pruned
     (archive,) = (run / "archived").iterdir()
     verify(archive / "checkpoints/step_30")
+    assert (archive / "eval/step_30/results.json").is_file() and not (run / "eval").exists()
     assert [r["step"] for r in logged_steps(run)] == [1, 2, 3, 4, 5]
     # the same job launched again (HyperPod's auto-resume: no SLURM_RESTART_COUNT) resumes, archiving nothing
     out = finish(start(config(tmp_path, *forced[1:], "train.max_steps=6"), **launch))

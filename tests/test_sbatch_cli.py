@@ -63,6 +63,22 @@ def test_rerendering_keeps_logs_and_needs_force_to_change_the_recipe(cli, tmp_pa
     assert f"note: run.sbatch: edited since it was rendered; moved to {aside.name}, not lost" in done.stdout
     assert (out / "run.sbatch").read_text() == rendered and "# as an older" not in (out / "compile.sbatch").read_text()
     aside.unlink()
+    # a job dir an older trnrecipes rendered (no record): a script changed after its provenance.json is an edit,
+    # one as old as it is an older template's, replaced without a copy (the first re-render after an upgrade)
+    prov = json.loads((out / "provenance.json").read_text())
+    del prov["files"]
+    (out / "provenance.json").write_text(json.dumps(prov))
+    (out / "compile.sbatch").write_text("# an older template's\n")
+    os.utime(out / "compile.sbatch", (0, 0))
+    (out / "run.sbatch").write_text(rendered + "# mine\n")
+    os.utime(out / "provenance.json", (1, 1))
+    done = cli("sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out))
+    assert done.returncode == 0 and [p.name[:19] for p in out.iterdir() if ".edited-" in p.name] == [
+        "run.sbatch.edited-2"
+    ], done.stdout
+    assert "note: run.sbatch: changed after it was rendered (by an older trnrecipes" in done.stdout
+    for p in out.glob("*.edited-*"):
+        p.unlink()
     args = ["sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out), "--overrides", "optim.lr=1e-3"]
     done = cli(*args)
     assert done.returncode == 2 and "already holds a different recipe.yaml" in done.stderr

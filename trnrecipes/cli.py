@@ -25,7 +25,7 @@ from trnrecipes.config.recipe import FIELD_BOUNDS, known_recipes, load_recipe, p
 from trnrecipes.config.sections import RecipeError
 from trnrecipes.data import OUTPUT_IN_PLACE
 from trnrecipes.files.outputs import check_output, check_outputs, check_prefix
-from trnrecipes.files.run_files import run_dir_of
+from trnrecipes.files.run_files import EVAL_RESULTS, run_dir_of
 from trnrecipes.files.storage_errors import storage_problem
 
 
@@ -712,12 +712,12 @@ def _eval_run(args: argparse.Namespace) -> int:
     named = Path(os.path.abspath(ckpt))  # as given: RUN/checkpoints may be a link
     default_out = named.parent / (named.name + "-eval")  # `--ckpt .` too (its name is empty as typed)
     if (in_run := run_dir_of(named)) is not None:  # results beside the run's, not in its checkpoints/
-        default_out = in_run / "eval" / named.name
+        default_out = in_run / EVAL_RESULTS / named.name
     if (ckpt / "checkpoints").is_dir():  # a run dir: its newest complete checkpoint, results in RUN_DIR/eval/step_N
         from trnrecipes.checkpoint.format import newest_of_run_dir
 
         newest = newest_of_run_dir(ckpt)
-        default_out = ckpt / "eval" / newest.name
+        default_out = ckpt / EVAL_RESULTS / newest.name
         ckpt = newest
         print(f"[trnrecipes] evaluating {ckpt}, the newest complete checkpoint")
     elif not (ckpt / "manifest.json").exists() and not (ckpt / "config.json").exists():
@@ -774,11 +774,14 @@ def _not_a_language_model(ckpt: Path) -> str | None:
             architectures = json.loads((ckpt / "config.json").read_text()).get("architectures") or []
         except (OSError, ValueError, AttributeError):
             return None
-        heads = [str(a) for a in architectures if not str(a).endswith("ForCausalLM")]
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())  # GPT2LMHeadModel too, not only *ForCausalLM
+        heads = [str(a) for a in architectures if str(a) not in causal]
         if heads:
             return (
-                f"{ckpt} holds a {heads[0]}, not a causal language model (*ForCausalLM): eval run scores language"
-                " models; a classifier's accuracy is `trnrecipes predict`'s"
+                f"{ckpt} holds a {heads[0]}, not a causal language model (transformers' AutoModelForCausalLM"
+                " classes): eval run scores language models; a classifier's accuracy is `trnrecipes predict`'s"
             )
         return None
     try:

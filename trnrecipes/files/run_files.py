@@ -23,6 +23,7 @@ TRACKERS = "trackers.json"  # RUN_DIR/trackers.json: the MLflow and W&B runs' id
 MLFLOW_DB = "mlflow.db"  # RUN_DIR/mlflow.db: MLflow's local store where MLFLOW_TRACKING_URI is unset
 MLFLOW_ARTIFACTS = "mlflow-artifacts"  # beside it: that store's artifacts
 WANDB_DIR = "wandb"  # RUN_DIR/wandb/: W&B's run dirs (offline-run-*)
+EVAL_RESULTS = "eval"  # RUN_DIR/eval/step_N/: eval run's results for a run dir (eval's own: not a RUN_ENTRY)
 PLOTS = "plots"  # RUN_DIR/plots/: `trnrecipes plot`'s PNGs (its default --out)
 PROFILE = PROFILE_DIR  # RUN_DIR/profile/: monitor.profile_steps' traces (config/profiling.py)
 LOCK_CLAIM = LOCK_FILE + ".claim"  # beside the lock where the file system has no flock (train/run_dir.py)

@@ -370,13 +370,18 @@ def write_job(job: Job, extra_files: dict[str, str], force: bool = False) -> tup
 def keep_edited(job_dir: Path, files: dict[str, str]) -> list[str]:
     """Move aside, as NAME.edited-TIME, each of the job dir's scripts that a re-render would replace and that was
     changed since it was rendered (its sha256 is not the one provenance.json recorded; in a job dir of a trnrecipes
-    that recorded none, any that differs from the new text): a hand-made fix (a module load, an srun flag) is not
-    lost to the next `make ... sbatch`. One line per file moved."""
+    that recorded none, one that differs from the new text and was modified after provenance.json, which every
+    render writes last): a hand-made fix (a module load, an srun flag) is not lost to the next `make ... sbatch`.
+    One line per file moved."""
     try:
         recorded = json.loads((job_dir / "provenance.json").read_text()).get("files")
     except (OSError, ValueError, AttributeError):
         recorded = None
     recorded = recorded if isinstance(recorded, dict) else None
+    try:  # written last by every render: a script changed later than it was changed by hand
+        rendered_at = (job_dir / "provenance.json").stat().st_mtime
+    except OSError:
+        rendered_at = None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     kept = []
     for name, text in files.items():
@@ -388,12 +393,16 @@ def keep_edited(job_dir: Path, files: dict[str, str]) -> list[str]:
             continue
         if now == text.encode() or (recorded is not None and recorded.get(name) == _sha256(now)):
             continue  # as the new render, or as the last one rendered it (an older template): nothing of the user's
+        if recorded is None and rendered_at is not None and (job_dir / name).stat().st_mtime <= rendered_at:
+            continue  # no record (an older trnrecipes rendered it), and not changed since: an older template's
         aside = job_dir / f"{name}.edited-{stamp}"
         n = 1
         while aside.exists():
             aside, n = job_dir / f"{name}.edited-{stamp}-{n}", n + 1
         os.replace(job_dir / name, aside)
-        why = "edited since it was rendered" if recorded is not None else "differs, and no record says it was ours"
+        why = "edited since it was rendered"
+        if recorded is None:
+            why = "changed after it was rendered (by an older trnrecipes, which kept no sha256)"
         compare = f"diff {shell_word(str(aside))} {shell_word(str(job_dir / name))}"
         kept.append(f"{name}: {why}; moved to {aside.name}, not lost (compare: {compare})")
     return kept

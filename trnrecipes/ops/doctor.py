@@ -289,7 +289,7 @@ def check(
         modules = CLASSIFY_MODULES if classify or job == "infer" else EVAL_MODULES
         problems += module_problems(modules, python, "eval" if modules is EVAL_MODULES else "train")
     if job == "eval" and not classify and (missing := eval_data_problem(REPO_ROOT)):
-        problems.append(missing)
+        notes.append(f"{NOTE}{missing} (unless the job is given --data-dir)")  # its arguments are not seen here
     if job == "compile" and stack == "xla-nxd" and here:
         beside = Path(python).parent / "neuron_parallel_compile"
         if not (beside.is_file() or shutil.which("neuron_parallel_compile")):

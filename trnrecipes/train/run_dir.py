@@ -29,6 +29,7 @@ from trnrecipes.files.outputs import run_dir_in_checkpoints
 from trnrecipes.files.run_files import (
     ARCHIVED,
     CHECKPOINTS,
+    EVAL_RESULTS,
     FRESH_START,
     LOCK_CLAIM,
     LOCK_FILE,
@@ -193,7 +194,8 @@ def _archive(run_dir: Path) -> Path:
     while archive.exists():
         archive = archive.with_name(archive.name + "+")
     archive.mkdir(parents=True)
-    for name in (CHECKPOINTS, METRICS, METRICS_DROPPED, TENSORBOARD, TRACKERS):  # the next run: new tracker runs
+    # the next run: new tracker runs; eval's results of the old weights (its RUN_DIR/eval/step_N would refuse the new)
+    for name in (CHECKPOINTS, METRICS, METRICS_DROPPED, TENSORBOARD, TRACKERS, EVAL_RESULTS):
         if (run_dir / name).exists():
             os.replace(run_dir / name, archive / name)
     return archive
