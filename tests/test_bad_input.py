@@ -321,3 +321,57 @@ def test_plot_skips_a_truncated_last_metrics_line_with_a_warning(tmp_path):
     assert done.stderr.splitlines()[-1] == f"error: {run / 'metrics.jsonl'}: no step records to plot" + (
         " (JSON lines with a numeric 'step')"
     )
+
+
+# ---------------------------------------------------------------- recipes as users edit and name them
+
+
+def test_a_key_given_twice_in_a_recipe_file_is_refused_naming_both_lines(tmp_path):
+    """A section appended to a copied recipe replaced the whole section with its defaults: llama2-7b trained in fp32
+    (its `precision: dtype: bf16` thrown away) with exit 0."""
+    text = (REPO / "recipes/llama2/llama2-7b.yaml").read_text()
+    path = tmp_path / "my-llama2-7b.yaml"
+    path.write_text(text + "precision:\n  stochastic_rounding: false\n")
+    first = 1 + text.splitlines().index("precision:")
+    with pytest.raises(RecipeError, match=rf"line {len(text.splitlines()) + 1}: key 'precision' appears twice \(first"
+                                          rf" at line {first}\); give each once"):  # fmt: skip
+        load_recipe(str(path), 16)
+
+
+def test_numbers_read_as_written_and_times_stay_text(tmp_path):
+    """YAML 1.1's rules made train.seed=0777 the number 511 and checkpoint.every_steps=1:00 sixty, and refused
+    slurm.time_limit 48:00:00 (the docs' own value) as 172800."""
+    r = load_recipe("pythia-tiny", 1, "train.seed=0777 train.max_steps=010 slurm.time_limit=48:00:00")
+    assert (r.train.seed, r.train.max_steps, r.slurm.time_limit) == (777, 10, "48:00:00")
+    path = tmp_path / "limits.yaml"
+    path.write_text((REPO / "recipes/pythia/pythia-tiny.yaml").read_text() + "slurm:\n  time_limit: 12:00:00\n")
+    assert load_recipe(str(path), 1).slurm.time_limit == "12:00:00"
+    with pytest.raises(RecipeError, match=r"checkpoint\.every_steps: expected"):  # text now, not sixty
+        load_recipe("pythia-tiny", 1, "checkpoint.every_steps=1:00")
+
+
+def test_overrides_given_twice_are_both_applied_in_order(cli, tmp_path):
+    """sbatch's own advice (`--overrides run_dir=...`) after a first --overrides dropped the first set."""
+    out = tmp_path / "job"
+    second = f"train.max_steps=20 run_dir={tmp_path / 'run'}"
+    done = cli("sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out), "--overrides",
+               "optim.lr=1e-2 train.max_steps=7", "--overrides", second)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    r = load_recipe(str(out / "recipe.yaml"))
+    assert (r.optim.lr, r.train.max_steps, r.run_dir) == (1e-2, 20, str(tmp_path / "run"))
+    assert (
+        "--overrides 'optim.lr=1e-2 train.max_steps=7 train.max_steps=20 run_dir="
+        in json.loads((out / "provenance.json").read_text())["command"]
+    )
+
+
+def test_two_recipes_of_one_name_are_refused_naming_both(monkeypatch, tmp_path):
+    from trnrecipes.config import recipe as recipes
+
+    for folder in ("mine", "pythia"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "pythia-tiny.yaml").write_text((REPO / "recipes/pythia/pythia-tiny.yaml").read_text())
+    monkeypatch.setattr(recipes, "RECIPES_DIR", tmp_path)
+    monkeypatch.setattr(recipes, "REPO_ROOT", tmp_path.parent)
+    with pytest.raises(RecipeError, match=r"recipe 'pythia-tiny' is ambiguous: .*mine/pythia-tiny.yaml, .*pythia/py"):
+        recipes.find_recipe("pythia-tiny")

@@ -109,6 +109,8 @@ def test_a_corrupt_checkpoint_is_refused_and_names_the_file(tmp_path):
     (tmp_path / "ckpt" / "done").unlink()
     done = run_cli("convert", "to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"))
     assert "no 'done' marker" in done.stderr
+    done = run_cli("convert", "to-hf", "--ckpt", str(tmp_path / "nope"), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and f"{tmp_path / 'nope'}: does not exist" in done.stderr  # not "no 'done' marker"
     done = run_cli("convert", "from-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"))
     assert done.returncode == 2 and f"--out {tmp_path / 'ckpt'} would write into checkpoint" in done.stderr
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, rank_launcher
+from conftest import REPO, rank_launcher, run_cli
 
 from trnrecipes.config.cluster import get_instance
 from trnrecipes.config.recipe import load_recipe
@@ -200,3 +200,18 @@ def test_fine_tuning_starts_from_a_checkpoints_weights(tmp_path: Path):
     assert tuned.losses[0] < first.losses[0] - 1.0
     with pytest.raises(Exception, match="its model section differs from this recipe's"):
         run("llama2-tiny", tmp_path / "c", f"train.init_from={ckpt}", "model.num_layers=3", steps=1)
+
+
+def test_a_step_whose_grad_norm_is_not_finite_stops_before_its_save_prunes_the_good_one(tmp_path: Path):
+    """At lr 1e4 step 2's grad norm is nan with a finite loss: its update made every weight nan, and that checkpoint
+    (which verifies) pruned step_1 under keep_last 1; every resume then diverged at once."""
+    from safetensors.torch import load_file
+
+    loud = ["optim.lr=1e4", "optim.min_lr=1", "optim.clip_grad_norm=1e9", "optim.warmup_steps=1"]
+    saves = ["checkpoint.every_steps=1", "checkpoint.keep_last=1", "checkpoint.async_save=false"]
+    done = run_cli("train", "--config", "pythia-tiny", "cluster.workers_per_node=1", "train.max_steps=3", *loud,
+                   *saves, f"run_dir={tmp_path}")  # fmt: skip
+    assert done.returncode == 3 and "error: grad norm is nan at step 2 (loss " in done.stderr, done.stderr[-2000:]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_1"]
+    weights = load_file(tmp_path / "checkpoints/step_1/model.safetensors")
+    assert all(bool(t.isfinite().all()) for t in weights.values())

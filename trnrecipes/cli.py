@@ -105,6 +105,15 @@ TRANSIENT_ERRNOS = {errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.ENOTCONN, er
                     errno.ENETUNREACH, errno.EAGAIN}  # fmt: skip
 
 
+class _JoinedOverrides(argparse.Action):
+    """--overrides given twice keeps both, in order (argparse kept only the last: a job rendered with the first set's
+    batch, partition and time limit silently gone, following the advice to add --overrides run_dir=...)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        earlier = getattr(namespace, self.dest, "") or ""
+        setattr(namespace, self.dest, f"{earlier} {values}".strip() if earlier else values)
+
+
 def requeue_may_pass(err: BaseException) -> bool:
     """Whether a requeue may pass this bad-input-looking error: one marked so (a node without its device, a flaky
     checkpoint read), or one raised over a transient OSError (a DataError wrapping EIO from the shared FS)."""
@@ -146,7 +155,12 @@ def _parser() -> argparse.ArgumentParser:
     def recipe_args(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--recipe", required=True, help="recipe name (see `trnrecipes recipes`) or a .yaml path")
         sub.add_argument("--nodes", required=True, help="number of nodes")
-        sub.add_argument("--overrides", default="", help="space-separated section.key=value, e.g. 'optim.lr=1e-4'")
+        sub.add_argument(
+            "--overrides",
+            default="",
+            action=_JoinedOverrides,
+            help="space-separated section.key=value, e.g. 'optim.lr=1e-4' (given twice: both, in order)",
+        )
 
     verb("recipes", _recipes, "list the known recipes")
 

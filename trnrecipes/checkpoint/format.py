@@ -209,6 +209,8 @@ def verify(path: Path) -> dict:
     Complete means: the done marker, a manifest listing every file in the dir (nothing unlisted is ever read), each
     listed file present with its sha256, and the weights that shards.json promises."""
     path = Path(path)
+    if not path.is_dir():  # a mistyped --ckpt or train.init_from, or one its run pruned since
+        raise CheckpointError(f"{path}: does not exist" if not path.exists() else f"{path}: not a directory")
     if not (path / DONE).exists():
         raise CheckpointError(f"{path}: no '{DONE}' marker: not a complete trnrecipes checkpoint")
     manifest = read_json(path / MANIFEST)

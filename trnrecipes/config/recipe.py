@@ -45,22 +45,31 @@ MAX_RECIPE_BYTES = 1 << 20  # the largest shipped recipe is ~2 KB; a bigger file
 MAX_PROBLEMS_SHOWN = 20
 
 
-def known_recipes() -> dict[str, Path]:
-    found: dict[str, Path] = {}
+def _recipes_by_name() -> dict[str, list[Path]]:
+    found: dict[str, list[Path]] = {}
     for path in sorted(RECIPES_DIR.glob("*/*.yaml")):
-        found.setdefault(path.stem, path)
+        found.setdefault(path.stem, []).append(path)
     return found
 
 
+def known_recipes() -> dict[str, Path]:
+    return {name: paths[0] for name, paths in _recipes_by_name().items()}
+
+
 def find_recipe(name_or_path: str) -> Path:
-    known = known_recipes()
-    if name_or_path in known:
-        return known[name_or_path]
+    paths = _recipes_by_name().get(name_or_path, [])
+    if len(paths) > 1:  # a copy under recipes/<mine>/ with a shipped name: which one was meant is not ours to pick
+        shown_paths = ", ".join(str(p.relative_to(REPO_ROOT)) for p in paths)
+        raise RecipeError(
+            f"recipe {name_or_path!r} is ambiguous: {shown_paths} share the name; give one as a path, or rename it"
+        )
+    if paths:
+        return paths[0]
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") and path.is_file():
         return path
     raise RecipeError(
-        f"unknown recipe {shown(name_or_path)}; known recipes: {', '.join(known)} (or a path to a .yaml file)"
+        f"unknown recipe {shown(name_or_path)}; known recipes: {', '.join(known_recipes())} (or a path to a .yaml file)"
     )
 
 
@@ -116,28 +125,70 @@ def _typed_value(key: str, raw: str) -> Any:
         return raw
     try:
         return _load_yaml(raw) if raw else ""
-    except _AliasError as err:
+    except _RefusedYaml as err:
         raise RecipeError(f"override {key}: {err}") from None
     except (yaml.YAMLError, ValueError, RecursionError):
         return raw  # not YAML: keep the text; the schema says whether text is valid there
 
 
-class _AliasError(yaml.YAMLError):
+class _RefusedYaml(yaml.YAMLError):
     pass
 
 
 class _NoAliasLoader(yaml.SafeLoader):
     """PyYAML builds one shared object per anchor, so ten lines of `&b [*a, *a, ...]` make a value of a billion
-    items that explodes only when something walks or prints it. Recipes have no use for aliases: refuse them."""
+    items that explodes only when something walks or prints it. Recipes have no use for aliases: refuse them. A key
+    given twice is refused too (PyYAML keeps the last: a section appended to a copied recipe replaced the whole
+    section, defaults and all), and numbers read as written, by YAML 1.2's rules: 010 is ten, not eight, and 1:00
+    or 12:00:00 are text, not sixty or a base-60 number."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise _AliasError(
+            raise _RefusedYaml(
                 f"YAML aliases are not allowed (*{event.anchor[:40]} at line {event.start_mark.line + 1});"
                 " write the value out"
             )
         return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str) and key in seen:
+                raise _RefusedYaml(
+                    f"line {line}: key {key[:60]!r} appears twice (first at line {seen[key]}); give each once"
+                )
+            if isinstance(key, str):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml12_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    sign, digits = (-1, text[1:]) if text[:1] == "-" else (1, text.lstrip("+"))
+    if digits[:2] in ("0x", "0o"):
+        return sign * int(digits[2:], 16 if digits[1] == "x" else 8)
+    return sign * int(digits, 10)
+
+
+# YAML 1.2's core schema for numbers, in place of PyYAML's 1.1 rules (leading-zero octal, base 60, '_' separators)
+_NoAliasLoader.yaml_implicit_resolvers = {
+    first: [(tag, rule) for tag, rule in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_NoAliasLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
+_NoAliasLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+.0123456789"),
+)
+_NoAliasLoader.add_constructor("tag:yaml.org,2002:int", _yaml12_int)
 
 
 def _load_yaml(text: str | bytes) -> Any:
@@ -172,7 +223,7 @@ def read_recipe_file(path: Path) -> dict[str, Any]:
         )
     try:
         data = _load_yaml(raw)
-    except _AliasError as err:
+    except _RefusedYaml as err:
         raise RecipeError(f"{path}: {err}") from None
     except (yaml.YAMLError, ValueError) as err:
         raise RecipeError(f"{path}: not valid YAML: {_clip(str(err))}") from None

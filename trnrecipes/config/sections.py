@@ -176,7 +176,7 @@ class CheckpointConfig:
     async_save: bool = True
     resume: bool = True  # start from the newest complete checkpoint in the run dir if there is one
     # resume false on a run dir with checkpoints is refused; force_fresh moves them (and the metrics) to
-    # RUN_DIR/archived/<time>/ first. Each requeue of such a job starts over again: it is for one-off runs.
+    # RUN_DIR/archived/<time>/ first. A requeue or auto-resume of the job that did so resumes (train/run_dir.py).
     force_fresh: bool = False
     # Recipe keys (or sections) that may differ from the checkpoint's on resume, e.g. [optim.lr]; the model's shape
     # never may (trnrecipes.train.resume_compat lists what is free to change and what needs naming here).

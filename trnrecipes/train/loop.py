@@ -582,10 +582,16 @@ class Trainer:
                 result.losses.append(loss_value)
                 if not math.isfinite(loss_value):
                     raise FloatingPointError(f"loss is {loss_value} at step {step + 1}; stopping")
+                norm_value = float(grad_norm.cpu())  # the global norm: the same on every rank
+                if not math.isfinite(norm_value):  # the update applied it: the weights are not finite either
+                    raise FloatingPointError(
+                        f"grad norm is {norm_value} at step {step + 1} (loss {loss_value:.4g}); stopping before this"
+                        " step's weights are saved over the last good checkpoint"
+                    )
                 record = {
                     "step": step + 1,
                     "loss": loss_value,
-                    "grad_norm": float(grad_norm.cpu()),
+                    "grad_norm": norm_value,
                     "lr": lr_at(step, r.optim),
                     "tokens_per_s": tokens_per_step / elapsed,
                     "seq_per_s": r.batch.global_batch / elapsed,

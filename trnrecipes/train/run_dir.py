@@ -125,6 +125,11 @@ def settle_checkpoints(
     if not found:
         return None
     names = ", ".join(p.name for _, p in found[:3]) + (", ..." if len(found) > 3 else "")
+    if not resume and restarted:
+        log(
+            "[trnrecipes] a restart of the job that started this run (a requeue or auto-resume): resuming its"
+            " checkpoints; checkpoint.resume false and force_fresh apply to the job's first launch"
+        )
     if not resume and not restarted:
         if not force_fresh:
             raise RecipeError(
