@@ -123,3 +123,21 @@ def test_a_resumed_run_flags_the_spikes_an_unstopped_one_does_and_counts_them_al
     flagged = [r["step"] for r in straight if r["spike"]]
     assert [s for s in flagged if s > 22], flagged  # spikes after the resume, or the test shows nothing
     assert [r["spike"] for r in resumed] == [r["spike"] for r in straight]
+
+
+def test_a_full_disk_under_metrics_is_one_line_not_a_traceback_requeued_to_fail_again(tmp_path: Path):
+    """/dev/full answers every write with ENOSPC, as a shared file system another job filled: the run stopped with a
+    traceback and exit 1, which run.sbatch requeues up to max_restarts times to fail the same way."""
+    from trnrecipes.cli import requeue_may_pass
+    from trnrecipes.config.sections import RecipeError
+
+    metrics = Metrics(tmp_path, True, tensorboard=False, resumed_from=0)
+    metrics.file.close()
+    metrics.file = open("/dev/full", "a", buffering=1)
+    with pytest.raises(RecipeError, match=rf"^run dir {tmp_path}: cannot write metrics.jsonl \(No space left on dev"):
+        metrics.log({"step": 1, "loss": 1.0})
+    try:
+        metrics.log({"step": 1, "loss": 1.0})
+    except RecipeError as err:
+        assert not requeue_may_pass(err)  # exit 2: the same disk fails the requeue the same way
+    metrics.close()  # and closing does not raise over the error that ended the run

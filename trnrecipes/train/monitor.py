@@ -17,6 +17,7 @@ values beyond S (train/trackers.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -119,7 +120,8 @@ class Metrics:
         # a fresh phase, or one killed before it logged a step of its own: its file holds the history only
         if earlier and (not mine or (phased and self.phase <= earlier[-1]["phase"])):
             self.phase, self.history_offset = earlier[-1]["phase"] + 1, earlier[-1]["history_step"]
-        _drop_beyond(path, resumed_from, self.phase)
+        with _metrics_storage(run_dir):
+            _drop_beyond(path, resumed_from, self.phase)
         at_resume = [r for r in mine if r.get("step") == resumed_from and r.get("phase") == self.phase]
         kept = {r["step"]: r for r in mine if r.get("phase") == self.phase and 0 < r.get("step", 0) <= resumed_from}
         norms = [kept[step].get("grad_norm") for step in sorted(kept)]
@@ -127,10 +129,12 @@ class Metrics:
             self.grad_norms_at_resume = [float(n) for n in norms]
         if resumed_from and at_resume and isinstance(at_resume[-1].get("tokens_seen"), int):
             self.tokens_at_resume = at_resume[-1]["tokens_seen"]
-        if earlier and not mine:
-            with atomic_output(path) as tmp:  # a kill mid-copy leaves no partial history
-                Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in earlier))
-        self.file = open(path, "a", buffering=1)  # line-buffered: tail -f works
+        with _metrics_storage(run_dir):
+            if earlier and not mine:
+                with atomic_output(path) as tmp:  # a kill mid-copy leaves no partial history
+                    Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in earlier))
+            self.file = open(path, "a", buffering=1)  # line-buffered: tail -f works
+        self.run_dir = run_dir
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -152,7 +156,8 @@ class Metrics:
             return
         if self.phase is not None:
             record = record | {"phase": self.phase, "history_step": record["step"] + self.history_offset}
-        self.file.write(json.dumps(record) + "\n")
+        with _metrics_storage(self.run_dir):
+            self.file.write(json.dumps(record) + "\n")
         x = record.get("history_step", record["step"])
         values = numbers(record)
         if self.tb is not None:
@@ -175,7 +180,8 @@ class Metrics:
 
     def close(self, outcome: Outcome = "finished") -> None:
         if self.file:
-            self.file.close()
+            with contextlib.suppress(OSError):  # each record was flushed as written; never hiding what ended the run
+                self.file.close()
         if self.tb:
             self.tb.close()
         for tracker in list(self.trackers):
@@ -183,6 +189,19 @@ class Metrics:
                 tracker.close(outcome)
             except Exception as err:  # each tracker on its own; never hiding the error that ended the run
                 self._drop_tracker(tracker, "closing its run", err)
+
+
+@contextlib.contextmanager
+def _metrics_storage(run_dir: Path) -> Iterator[None]:
+    """metrics.jsonl's storage failing (a full disk): one line and exit 2, the cause kept so that a transient one
+    (EIO, ESTALE) is still a requeue (cli.requeue_may_pass); not a traceback's exit 1, requeued to fail again."""
+    try:
+        yield
+    except OSError as err:
+        raise RecipeError(
+            f"run dir {run_dir}: cannot write {err.filename or METRICS} ({err.strerror or err}); free space or fix the"
+            " storage there, then resubmit (the checkpoints are kept)"
+        ) from err
 
 
 def _drop_beyond(path: Path, step: int, phase: int | None) -> None:
