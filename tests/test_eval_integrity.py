@@ -44,12 +44,22 @@ def scored(out: Path) -> dict:
     return json.loads((out / "results.json").read_text())["checkpoint"]
 
 
+def ended_early(out: Path) -> None:
+    """An eval killed before its results were written (in lm-eval, hours in): its export stays, and another
+    checkpoint's eval into the same dir replaces it (a dir with results is refused: eval/run.py earlier_rows)."""
+    for name in ("results.json", "results.md"):
+        (out / name).unlink()
+
+
 def test_a_second_checkpoint_into_the_same_out_is_exported_again_and_named(tmp_path):
     one, two = checkpoint(tmp_path / "ckpts", 1, seed=1), checkpoint(tmp_path / "ckpts", 2, seed=2)
     out = tmp_path / "eval"
     run(one, out, [], tmp_path)  # no tasks: the export and results.json alone
     assert scored(out) == {"path": str(one), "step": 1, "manifest_sha256": manifest_sha256(one),
                            "trnrecipes_checkpoint": True}  # fmt: skip
+    with pytest.raises(ValueError, match="holds the results of other weights"):  # they would be replaced
+        run(two, out, [], tmp_path)
+    ended_early(out)
 
     run(two, out, [], tmp_path)
     assert scored(out) == {"path": str(two), "step": 2, "manifest_sha256": manifest_sha256(two),
@@ -79,11 +89,12 @@ def test_a_failed_export_leaves_the_previous_one_whole_and_nothing_half_done(tmp
     one, two = checkpoint(tmp_path / "ckpts", 1, seed=1), checkpoint(tmp_path / "ckpts", 2, seed=2)
     out = tmp_path / "eval"
     run(one, out, [], tmp_path)
+    ended_early(out)
     with (two / "model.safetensors").open("r+b") as f:  # corrupt: the export of two must fail
         f.truncate(100)
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         run(two, out, [], tmp_path)
-    assert sorted(p.name for p in out.iterdir()) == ["hf", "results.json", "results.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["hf"]
     record = json.loads((out / "hf/trnrecipes-source.json").read_text())
     assert record["manifest_sha256"] == manifest_sha256(one)  # still one's export, and it says so
 
