@@ -957,13 +957,21 @@ def _write_with_provenance(
     return extra, *write_job(job, extra, force=args.force)
 
 
+def _print_rewrite(changes: list[str] | None, kept: list[str]) -> None:
+    """What re-rendering an existing job dir changed (write_job's answer): recipe.yaml's settings, scripts set aside."""
+    if changes:
+        print("replaced its recipe.yaml; what changed:\n" + "\n".join(f"  {line}" for line in changes))
+    for line in kept:
+        print(f"note: {line}")
+
+
 def _sbatch(args: argparse.Namespace) -> int:
     from trnrecipes.jobs.data_check import eval_data_problem
     from trnrecipes.jobs.data_plan import data_plan, format_data_plan
     from trnrecipes.jobs.render import objective, render_job, render_warnings
     from trnrecipes.jobs.storage import node_local_warnings, run_dir_for
     from trnrecipes.jobs.wheelhouse import wheels_problem
-    from trnrecipes.plan.eval_cost import eval_next_steps
+    from trnrecipes.plan.eval_cost import eval_next_steps, offers_eval_sbatch
     from trnrecipes.plan.layout import plan
     from trnrecipes.plan.report import format_plan
 
@@ -971,9 +979,8 @@ def _sbatch(args: argparse.Namespace) -> int:
     run_dir = run_dir_for(recipe, REPO_ROOT, runs_root)
     warnings += node_local_warnings(recipe, REPO_ROOT, job.job_dir, None if args.no_data_check else run_dir)
     wheels = wheels_problem(recipe, REPO_ROOT)
-    offered = recipe.cluster.backend != "neuron" or recipe.eval.partition not in (None, recipe.slurm.partition)
-    if objective(recipe) == "causal_lm" and offered and (no_eval_data := eval_data_problem(REPO_ROOT)):
-        warnings.append(no_eval_data)  # eval.sbatch is among the next steps (eval_next_steps)
+    if objective(recipe) == "causal_lm" and offers_eval_sbatch(recipe) and (missing := eval_data_problem(REPO_ROOT)):
+        warnings.append(missing)  # eval.sbatch is among the next steps (eval_next_steps)
     for warning in [*render_warnings(recipe, job.job_dir), *warnings, *([wheels] if wheels else [])]:
         print(f"warning: {warning}", file=sys.stderr)
     extra, changes, kept = _write_with_provenance(args, job, command)
@@ -983,10 +990,7 @@ def _sbatch(args: argparse.Namespace) -> int:
     )
     print(storage)
     print(f"\nwrote {job.job_dir}/: {', '.join(sorted(job.files | extra))}")
-    if changes:
-        print("replaced its recipe.yaml; what changed:\n" + "\n".join(f"  {line}" for line in changes))
-    for line in kept:
-        print(f"note: {line}")
+    _print_rewrite(changes, kept)
     print("next:")
     print(f"  id=$(sbatch --parsable {job.job_dir}/compile.sbatch)")
     print(f"  id=$(sbatch --parsable --dependency=afterok:$id {job.job_dir}/run.sbatch)")
@@ -1011,10 +1015,7 @@ def _k8s(args: argparse.Namespace) -> int:
     extra, changes, kept = _write_with_provenance(args, job, command)
     print(storage)
     print(f"wrote {job.job_dir}/: {', '.join(sorted(job.files | extra))}")
-    if changes:
-        print("replaced its recipe.yaml; what changed:\n" + "\n".join(f"  {line}" for line in changes))
-    for line in kept:
-        print(f"note: {line}")
+    _print_rewrite(changes, kept)
     print("next, where kubectl reaches the cluster (each job waits for the one before):")
     print("\n".join(f"  {line}" for line in kubectl_steps(job.recipe, job.job_dir)))
     return 0

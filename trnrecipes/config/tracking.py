@@ -36,3 +36,10 @@ def wandb_mode_problem(environ: dict[str, str] | None = None) -> str | None:
     if not mode or mode in WANDB_MODES:
         return None
     return f"WANDB_MODE {mode!r} is not a W&B mode: one of {', '.join(WANDB_MODES)} (unset: offline, in the run dir)"
+
+
+def tracker_setting_problems(trackers: tuple[str, ...], environ: dict[str, str] | None = None) -> list[str]:
+    """The environment's tracker settings that can never work, for the trackers a recipe asks for: checked by doctor,
+    by every rank before the model is built, and before any tracker run is opened."""
+    checks = (("mlflow", mlflow_store_problem), ("wandb", wandb_mode_problem))
+    return [problem for name, check in checks if name in trackers and (problem := check(environ))]

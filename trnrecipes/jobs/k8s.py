@@ -96,18 +96,18 @@ def image_wheels_problem(r: Recipe, repo_root: Path = REPO_ROOT) -> str | None:
     """Why the pods could not be made ready from the checkout's wheelhouse, as wheels_problem says for the nodes; and
     where the image is AWS's container, whose Python (its tag's pyNNN) is not the one the wheel lock is for (2.26's
     container is Python 3.11, its DLAMI venv's 3.10): a pod lacking trnrecipes' packages stops with 2 on every pod."""
-    from trnrecipes.jobs.wheelhouse import lock_path, wheels_problem
+    from trnrecipes.jobs.wheelhouse import lock_header, lock_path, wheels_problem
 
     if r.cluster.python or (r.k8s.image and r.k8s.image != default_image(r)):
         return wheels_problem(r, repo_root)  # an interpreter or image of the user's: the nodes' rule
     tag = DLC_TAGS.get(sdk_version(r.cluster.neuron_sdk), "")
     lock = lock_path(r.cluster.neuron_sdk, repo_root)
     found = re.search(r"-py3(\d+)-", tag)
-    locked = re.search(r"^# python: (\S+)$", lock.read_text(), re.M) if lock.is_file() else None
-    if found and locked and f"3.{found[1]}" != locked[1]:
+    locked = lock_header(lock, "python") if lock.is_file() else None
+    if found and locked and f"3.{found[1]}" != locked:
         return (
             f"AWS's Neuron training container for SDK {r.cluster.neuron_sdk} ({tag}) runs Python 3.{found[1]}, and"
-            f" the SDK's wheel lock is for its DLAMI venv's Python {locked[1]}: a pod whose image lacks trnrecipes'"
+            f" the SDK's wheel lock is for its DLAMI venv's Python {locked}: a pod whose image lacks trnrecipes'"
             " packages cannot be made ready from the wheelhouse and stops with 2. Set k8s.image to an image with"
             " requirements/neuron.txt installed (docs/jobs.md, Amazon EKS)"
         )

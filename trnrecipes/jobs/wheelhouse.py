@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 from trnrecipes.config.sections import Recipe
@@ -48,7 +49,7 @@ def wheels_problem(recipe: Recipe, repo_root: Path) -> str | None:
         )
     if twin := _other_venv(recipe):  # the lock is for the release's default venv's Python
         venv_python, ami = twin
-        locked = _lock_python(lock)
+        locked = lock_header(lock, "python")
         if locked and locked != venv_python:
             return (
                 f"cluster.python {recipe.cluster.python} is the {ami} venv of Neuron SDK {sdk} (Python {venv_python});"
@@ -80,8 +81,7 @@ def _other_venv(recipe: Recipe) -> tuple[str, str] | None:
     return None
 
 
-def _lock_python(lock: Path) -> str | None:
-    for line in lock.read_text().splitlines():
-        if line.startswith("# python: "):
-            return line.removeprefix("# python: ").strip()
-    return None
+def lock_header(path: Path, key: str) -> str | None:
+    """A lock's (or a stack's pin file's) `# KEY: value` header line: the Python and platform it is for."""
+    found = re.search(rf"^# {key}: (\S+)$", path.read_text(), re.M)
+    return found[1] if found else None

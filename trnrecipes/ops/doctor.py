@@ -267,16 +267,9 @@ def check(
         if here:  # monitor.trackers' packages (the tracking extra): missing, the run stops before it trains
             tracking = {m: dist for name in recipe.monitor.trackers for m, dist in TRACKER_PACKAGES.get(name, ())}
             problems += [mine + p for p in module_problems(tracking, python, "tracking")]
-        if "mlflow" in recipe.monitor.trackers:
-            from trnrecipes.config.tracking import mlflow_store_problem
+        from trnrecipes.config.tracking import tracker_setting_problems
 
-            if store := mlflow_store_problem():
-                problems.append(store)
-        if "wandb" in recipe.monitor.trackers:
-            from trnrecipes.config.tracking import wandb_mode_problem
-
-            if mode := wandb_mode_problem():
-                problems.append(mode)
+        problems += tracker_setting_problems(recipe.monitor.trackers)
         problems += data_problems(recipe, REPO_ROOT)
         content, unchecked = corpus_problems(recipe, REPO_ROOT, scan=not node)  # a scan: once, not on every node
         problems += content

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from trnrecipes import REPO_ROOT
 from trnrecipes.config.sections import RecipeError
-from trnrecipes.jobs.wheelhouse import RECORD, lock_digest, lock_path, wheels_dir
+from trnrecipes.jobs.wheelhouse import RECORD, lock_digest, lock_header, lock_path, wheels_dir
 
 STACK_PINS = REPO_ROOT / "tests" / "constraints"  # each DLAMI venv's published pins (test_install.py holds them)
 # glibc of the DLAMIs' Ubuntu: 22.04 has 2.35, 24.04 2.39.
@@ -37,18 +37,13 @@ def platform_flags(top: str) -> list[str]:
     return [flag for tag in tags for flag in ("--platform", tag)]
 
 
-def header(path: Path, key: str) -> str | None:
-    found = re.search(rf"^# {key}: (\S+)$", path.read_text(), re.M)
-    return found[1] if found else None
-
-
 def download(lock: Path, out: Path, sdk: str | None = None) -> Path:
     """Fill `out` with the wheels `lock` pins, for the Python and platform its header names (needs the package
     registry), and record what it was made from. Returns `out`."""
     if not lock.is_file():
         known = ", ".join(sorted(p.stem.removeprefix("neuron-") for p in lock.parent.glob("neuron-*.txt")))
         raise RecipeError(f"no wheel lock {lock}" + (f" for Neuron SDK {sdk}; locked: {known}" if sdk else ""))
-    python, platform = header(lock, "python"), header(lock, "platform")
+    python, platform = lock_header(lock, "python"), lock_header(lock, "platform")
     if not python or not platform:
         raise RecipeError(f"{lock} names no '# python:' and '# platform:' lines")
     if out.exists() and any(out.iterdir()) and not (out / RECORD).is_file():
@@ -100,7 +95,7 @@ def _resolve(python: str, platform: str, pins: Path, requirements: list[str]) ->
 def relock(sdk: str) -> Path:
     """Write requirements/wheels/neuron-<sdk>.txt: what the neuron extra and PyYAML add to the stack's closure."""
     pins = STACK_PINS / f"neuron-{sdk}.txt"
-    python = header(pins, "python")
+    python = lock_header(pins, "python")
     platform = PLATFORM[python]
     stack = [line.split("==")[0] for line in pins.read_text().splitlines() if line and not line.startswith("#")]
     ours = [line for line in (REPO_ROOT / "requirements/neuron.txt").read_text().splitlines() if line[:1].isalpha()]

@@ -43,6 +43,12 @@ def eval_estimate(r: Recipe) -> dict[str, float | None]:
             "gpu_hours": flops / (GPU_TFLOPS * 1e12) / 3600}  # fmt: skip
 
 
+def offers_eval_sbatch(r: Recipe) -> bool:
+    """Whether eval.sbatch is a next step: off Neuron, or where eval.partition names another partition than
+    training's (on a Neuron instance it would hold a training node and score on its host CPUs)."""
+    return r.cluster.backend != "neuron" or (r.eval.partition is not None and r.eval.partition != r.slurm.partition)
+
+
 def eval_next_steps(r: Recipe, job_dir: Path, run_dir: Path) -> list[str]:
     """The "next:" lines that evaluate a causal LM after run.sbatch. On a Neuron instance eval.sbatch would hold a
     training node and score on its host CPUs (lm-eval has no Neuron backend), so the step is `make eval` on a GPU
@@ -53,7 +59,7 @@ def eval_next_steps(r: Recipe, job_dir: Path, run_dir: Path) -> list[str]:
     e = eval_estimate(r)
     h = e["cpu_hours"]
     on_cpus = f"at least ~{h:,.0f} h" if h < 48 else f"at least ~{h / 24:,.0f} days"
-    if r.eval.partition is not None and r.eval.partition != r.slurm.partition:
+    if offers_eval_sbatch(r):
         cpus_only = [f"    # eval.gpus is 0: on CPUs the whole table takes {on_cpus}; --tasks / --limit for a subset"]
         return [f"{eval_sbatch}, on partition {r.eval.partition}", *(cpus_only if not r.eval.gpus else [])]
     gpus = max(1, math.ceil(2 * r.model.param_count() / 75e9))  # bf16 weights on 80 GB GPUs, room for the batch

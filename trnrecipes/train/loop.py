@@ -42,7 +42,7 @@ from trnrecipes.config.cluster import get_instance
 from trnrecipes.config.families import family_spec
 from trnrecipes.config.profiling import describe as describe_profiling
 from trnrecipes.config.sections import Recipe, RecipeError
-from trnrecipes.config.tracking import mlflow_store_problem, wandb_mode_problem
+from trnrecipes.config.tracking import tracker_setting_problems
 from trnrecipes.data.blend import DataPosition
 from trnrecipes.data.classify import ClassificationStream
 from trnrecipes.data.pack import Prefetcher, batches, split_documents
@@ -129,10 +129,8 @@ class Trainer:
         self.recipe, self.compile_only = recipe, compile_only
         self.job_dir: Path | None = job_dir  # the job dir whose recipe.yaml this is: its provenance tags trackers
         require_packages(recipe.monitor.trackers)  # every rank, before anything is built
-        if "mlflow" in recipe.monitor.trackers and (store := mlflow_store_problem()):
-            raise RecipeError(store)
-        if "wandb" in recipe.monitor.trackers and (mode := wandb_mode_problem()):
-            raise RecipeError(mode)
+        if problems := tracker_setting_problems(recipe.monitor.trackers):
+            raise RecipeError(problems[0])
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         # before the Neuron runtime starts
         rank_env(recipe, int(os.environ.get("RANK", "0")), local_rank, os.environ.get("TRNRECIPES_RUN_DIR"))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from trnrecipes.config.sections import TRACKER_PACKAGES, RecipeError
-from trnrecipes.config.tracking import mlflow_store_problem, wandb_mode_problem
+from trnrecipes.config.tracking import tracker_setting_problems
 from trnrecipes.data.arrow import atomic_output
 from trnrecipes.files.run_files import MLFLOW_ARTIFACTS, MLFLOW_DB, TRACKERS, WANDB_DIR
 
@@ -88,10 +88,8 @@ def open_trackers(names: tuple[str, ...], run: TrackedRun, mlflow_experiment: st
     whose store cannot be reached is left out with one warning, as one failing mid-run is dropped: training goes
     on (metrics.jsonl keeps everything); a setting that can never work is refused."""
     require_packages(names)
-    for problem in (mlflow_store_problem() if "mlflow" in names else None,
-                    wandb_mode_problem() if "wandb" in names else None):  # fmt: skip
-        if problem:  # before any run is opened: none is left RUNNING by the refusal
-            raise RecipeError(problem)
+    if problems := tracker_setting_problems(names):  # before any run is opened: none is left RUNNING by the refusal
+        raise RecipeError(problems[0])
     state = _read_state(run.run_dir)
     opened: list[Tracker] = []
     if "mlflow" in names:

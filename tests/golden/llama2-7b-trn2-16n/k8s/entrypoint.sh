@@ -47,6 +47,16 @@ export PATH
 export TRNRECIPES_JOB_ID="$JOB_ID" TRNRECIPES_RESTART=0 TRNRECIPES_RUN_DIR="$RUN_DIR"
 MAX_RESTARTS=3
 FAILURES=""  # the eval Job's retries are counted by its own backoffLimit
+# Exit 2 once this pod's failures, counted in $FAILURES, are beyond slurm.max_restarts (below, "The restart budget").
+give_up_if_spent() {
+  local failed=0
+  if [[ -n "$FAILURES" && -f "$FAILURES" ]]; then failed=$(wc -l <"$FAILURES"); fi
+  if ((failed > MAX_RESTARTS)); then
+    echo "error: pod $POD failed $failed times, more than slurm.max_restarts ($MAX_RESTARTS) restarts: not retried again (exit 2). Its failures:" >&2
+    sed 's/^/  /' "$FAILURES" >&2
+    exit "$BAD_INPUT"
+  fi
+}
 
 if [[ "$MODE" != eval ]]; then
   # ---- The restart budget. The operator recreates a pod that exits 128-255 by deleting it, so the new pod's
@@ -58,13 +68,7 @@ if [[ "$MODE" != eval ]]; then
   FAILURES="$JOB_DIR/logs/$JOB_ID/failures/$MODE-$POD"
   mkdir -p "$(dirname "$FAILURES")"
   trap 'rc=$?; if ((rc == 0 || rc == BAD_INPUT)); then rm -f "$FAILURES"; fi' EXIT
-  failed=0
-  if [[ -f "$FAILURES" ]]; then failed=$(wc -l <"$FAILURES"); fi
-  if ((failed > MAX_RESTARTS)); then
-    echo "error: pod $POD failed $failed times, more than slurm.max_restarts ($MAX_RESTARTS) restarts: not retried again (exit 2). Its failures:" >&2
-    sed 's/^/  /' "$FAILURES" >&2
-    exit "$BAD_INPUT"
-  fi
+  give_up_if_spent
   # ---- The rendezvous the training operator gives each pod (pkg/controller.v1/pytorch/envvar.go and master.go,
   # v1.9.0): MASTER_ADDR/MASTER_PORT (the Master pod's service), PET_NNODES (pods), PET_NPROC_PER_NODE (nprocPerNode)
   # and PET_NODE_RANK (Master 0, Worker i: i + 1). Static, as run.sbatch's: node rank = pod rank, the Master hosts
@@ -92,16 +96,11 @@ fi
 # Anything else is the image's or the input's, the same on every pod: bad input. ----
 # A retryable exit of this pod (a node or transient fault): counted against slurm.max_restarts, then 129.
 retry() {  # WHAT
-  local count="" failed
+  local count=""
   if [[ -n "$FAILURES" ]]; then
     echo "$(date +%Y-%m-%dT%H:%M:%S) $1" >>"$FAILURES" || true
-    failed=$(wc -l <"$FAILURES" 2>/dev/null || echo 0)
-    if ((failed > MAX_RESTARTS)); then  # the budget is spent: no recreation whose only act would be to give up
-      echo "error: pod $POD failed $failed times, more than slurm.max_restarts ($MAX_RESTARTS) restarts: not retried again (exit 2). Its failures:" >&2
-      sed 's/^/  /' "$FAILURES" >&2
-      exit "$BAD_INPUT"
-    fi
-    count=" (failure $failed of at most $((MAX_RESTARTS + 1)))"
+    give_up_if_spent  # the budget spent: no recreation whose only act would be to give up
+    count=" (failure $(wc -l <"$FAILURES" 2>/dev/null || echo '?') of at most $((MAX_RESTARTS + 1)))"
   fi
   echo "[trnrecipes] $1: exit $RETRYABLE, the pod is recreated$count" >&2
   exit "$RETRYABLE"
