@@ -36,6 +36,9 @@ from trnrecipes.jobs.mounts import SHARED_TYPES, mount_of, read_mountinfo
 
 JOBS = ("compile", "run", "eval", "infer")
 COMPILE_CACHE_MIN_BYTES = 10 * 2**30  # a 70B model's NEFFs are a few GB; less free than this fails mid-compile
+# Under a billion parameters the NEFFs are a few hundred MB: 10 GiB would refuse a small model's node for no reason.
+SMALL_MODEL_CACHE_MIN_BYTES = 2 * 2**30
+SMALL_MODEL_PARAMS = 10**9
 NEURON_LS = ("neuron-ls", "/opt/aws/neuron/bin/neuron-ls")  # aws-neuronx-tools; PATH first
 MAX_CORES_PER_DEVICE = 64  # trn2's 8 physical cores a device; anything far beyond is not neuron-ls's JSON
 # What trnrecipes imports for each job (module -> the pip distribution that provides it).
@@ -306,9 +309,15 @@ def check(
         else:
             notes.append(f"{cores if cores is not None else '?'} NeuronCores ({how})")
         cache = os.environ.get("NEURON_COMPILE_CACHE_URL") or os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR")
-        if cache and "://" not in cache and (room := cache_space_problem(cache, read_mountinfo())):
+        if cache and "://" not in cache and (room := cache_space_problem(cache, read_mountinfo(), cache_need(recipe))):
             problems.append(room)
     return problems, notes
+
+
+def cache_need(recipe) -> int:
+    """Free bytes the compile cache needs: less for a model under a billion parameters."""
+    small = recipe.model.param_count() < SMALL_MODEL_PARAMS
+    return SMALL_MODEL_CACHE_MIN_BYTES if small else COMPILE_CACHE_MIN_BYTES
 
 
 def cache_space_problem(cache: str, mountinfo: str | None, need: int = COMPILE_CACHE_MIN_BYTES) -> str | None:
