@@ -338,6 +338,38 @@ def test_a_key_given_twice_in_a_recipe_file_is_refused_naming_both_lines(tmp_pat
         load_recipe(str(path), 16)
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            "  max_steps: [100\n",
+            "not valid YAML at line {next}, column 12: while parsing a flow sequence (from line"
+            " {line}, column 14), expected ',' or ']', but got ':'",
+        ),  # unclosed: read on into the next line
+        (
+            "\tmax_steps: 100\n",
+            "not valid YAML at line {line}, column 1: while scanning for the next token, found"
+            " character '\\t' that cannot start any token",
+        ),
+        ("  max_steps: 100\n  seedd: 1\n", "recipe mine.yaml: train.seedd: unknown key; valid keys here: max_steps,"),
+    ],
+    ids=["unclosed bracket", "tab", "one unknown key"],
+)
+def test_a_recipe_files_one_mistake_is_one_line_naming_where(tmp_path, edit, message):
+    """PyYAML's own message ran to four to six lines with an excerpt of the file; one problem in a recipe was two
+    lines. The edit replaces train.max_steps' line."""
+    text = (REPO / "recipes/pythia/pythia-tiny.yaml").read_text()
+    assert "  max_steps: 100\n" in text
+    path = tmp_path / "mine.yaml"
+    path.write_text(text.replace("  max_steps: 100\n", edit))
+    line_no = 1 + text.splitlines().index("  max_steps: 100")
+    done = run_cli("show", "--recipe", str(path), "--nodes", "1")
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    expected = message.format(line=line_no, next=line_no + 1)
+    assert line == f"error: {path}: {expected}" if "YAML" in message else line.startswith(f"error: {expected}"), line
+
+
 def test_numbers_read_as_written_and_times_stay_text(tmp_path):
     """YAML 1.1's rules made train.seed=0777 the number 511 and checkpoint.every_steps=1:00 sixty, and refused
     slurm.time_limit 48:00:00 (the docs' own value) as 172800."""

@@ -170,10 +170,10 @@ def test_a_time_limit_slurm_reads_as_none_is_refused(key):
     for zero in ("00:00:00", "0:00:00", "0-00:00:00", "0-0:00:00", "0000-00:00:00"):
         with pytest.raises(RecipeError) as err:
             load_recipe("pythia-tiny", overrides=f"{key}={zero}")
-        assert str(err.value).splitlines()[1:] == [
-            f"  {key} {zero} is zero, which Slurm reads as no time limit: give the limit as [D-]HH:MM:SS (e.g."
-            f" 04:00:00), or leave {key} unset for the partition's"
-        ], zero
+        assert str(err.value) == (
+            f"recipe pythia-tiny.yaml: {key} {zero} is zero, which Slurm reads as no time limit: give the limit as"
+            f" [D-]HH:MM:SS (e.g. 04:00:00), or leave {key} unset for the partition's"
+        ), zero
     for other in ("0", "0:0", "00:00", "UNLIMITED", "infinite", "-1"):
         with pytest.raises(RecipeError, match=f"{key} '{other}': expected \\[D-\\]HH:MM:SS"):
             load_recipe("pythia-tiny", overrides=f"{key}={other}")

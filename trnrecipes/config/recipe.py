@@ -226,7 +226,7 @@ def read_recipe_file(path: Path) -> dict[str, Any]:
     except _RefusedYaml as err:
         raise RecipeError(f"{path}: {err}") from None
     except (yaml.YAMLError, ValueError) as err:
-        raise RecipeError(f"{path}: not valid YAML: {_clip(str(err))}") from None
+        raise RecipeError(f"{path}: not valid YAML{_yaml_error_line(err)}") from None
     except RecursionError:
         raise RecipeError(f"{path}: not valid YAML: nested too deeply") from None
     if not isinstance(data, dict):
@@ -250,6 +250,23 @@ def load_recipe(name_or_path: str, nodes: int | str | None = None, overrides: li
                 )
         _apply_override(data, "cluster.nodes", count)
     return recipe_from_dict(data, path.name)
+
+
+def _yaml_error_line(err: Exception) -> str:
+    """PyYAML's error on one line: where (its problem's mark, else its context's), then what, without the excerpt
+    of the file its str() adds (four to six lines)."""
+    if not isinstance(err, yaml.MarkedYAMLError):
+        return f": {_clip(' '.join(str(err).split()))}"
+
+    def at(mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    mark = err.problem_mark or err.context_mark
+    context = err.context or ""
+    if context and err.context_mark and err.problem_mark and err.context_mark.line != err.problem_mark.line:
+        context += f" (from {at(err.context_mark)})"  # an unclosed bracket or quote: where it opened
+    what = ", ".join(part for part in (context, err.problem) if part)
+    return f"{f' at {at(mark)}' if mark else ''}: {_clip(' '.join(what.split()) or type(err).__name__)}"
 
 
 def _clip(text: str, limit: int = 500) -> str:
@@ -287,6 +304,10 @@ def _with_control_characters(node: Any, key: str = "") -> Iterator[str]:
 
 
 def _problems(source: str, problems: list[str]) -> str:
+    """One problem: one line. Several: the recipe, then each on its own line (a copied recipe's unknown keys, its
+    missing ones), so a user fixes them in one pass."""
+    if len(problems) == 1:
+        return f"recipe {source}: {problems[0]}"
     lines = problems[:MAX_PROBLEMS_SHOWN]
     if len(problems) > len(lines):
         lines.append(f"... and {len(problems) - len(lines)} more")
