@@ -272,6 +272,9 @@ def test_resume_false_on_a_run_dir_with_checkpoints_refuses_unless_forced(straig
     (run / "eval/step_30").mkdir(parents=True)  # the old weights' results: the new run's eval would be refused there
     (run / "eval/step_30/results.json").write_text("{}")
     forced = ["train.max_steps=5", "checkpoint.every_steps=5", "checkpoint.resume=false", "checkpoint.force_fresh=true"]
+    inside = finish_failing(start(config(tmp_path, *forced, f"train.init_from={run}/checkpoints/step_25")))
+    assert f"train.init_from {run}/checkpoints/step_25 is in this run dir's {run}/checkpoints" in inside, inside
+    assert not (run / "archived").exists() and [s for s, _ in step_dirs(run / "checkpoints")] == [30, 25, 20]
     launch = {"SLURM_JOB_ID": "41", "TRNRECIPES_LAUNCH_ID": "41.0.1.1"}  # as run.sbatch exports them
     out = finish(start(config(tmp_path, *forced), **launch))
     assert "moved the previous run's checkpoints and metrics to" in out

@@ -253,6 +253,8 @@ class Trainer:
                 require_writable(self.run_dir)
                 self.lock = RunDirLock(self.run_dir, self.log).acquire()
                 restarted = restarted_job(self.run_dir)  # a requeue resumes its own checkpoints, never archives
+                if c.force_fresh and not c.resume and not restarted:
+                    self._refuse_init_from_inside(root)
                 found = settle_checkpoints(root, c.resume, c.force_fresh, self.log, restarted=restarted)
                 if found is None and not c.resume:
                     record_fresh_start(self.run_dir)  # which job started it: that job's restarts resume
@@ -649,6 +651,19 @@ class Trainer:
             profiler.close()
         result.checkpoints = list(self.checkpointer.saved)
         return result
+
+    def _refuse_init_from_inside(self, root: Path) -> None:
+        """checkpoint.force_fresh moves the run dir's checkpoints/ to archived/<time>/ before init_from is read: a
+        train.init_from inside it would be gone when loaded, after the move. Refused before anything moves."""
+        if not self.recipe.train.init_from:
+            return
+        ckpt, checkpoints = os.path.realpath(self._init_from()), os.path.realpath(root)
+        if os.path.commonpath([ckpt, checkpoints]) == checkpoints:
+            raise RecipeError(
+                f"train.init_from {self.recipe.train.init_from} is in this run dir's {root}, which"
+                " checkpoint.force_fresh moves to archived/ first: start the new run in another run_dir (init_from"
+                " stays where it is), or copy the checkpoint out of the run dir and point train.init_from at the copy"
+            )
 
     def _init_from(self) -> Path:
         """train.init_from; a relative path is taken from the repository root, like the data paths."""
