@@ -94,3 +94,38 @@ def test_a_checkpoint_is_bf16_weights_and_two_fp32_moments(name, nodes, gb, tmp_
     assert round(one / 1e9, 1) == gb and most == one * (recipe.checkpoint.keep_last + 1)
     line, warning, error = storage_report(recipe, Path("/nonexistent-fs/runs/x"))
     assert "free space unknown (nonexistent-fs is not there from this host)" in line and not warning and not error
+
+
+def test_sbatch_refuses_what_the_trainer_would_refuse_of_the_run_dirs_checkpoints(tmp_path, capsys):
+    """Found at the job's first second, after its wait in the queue, before: a recipe the run dir's newest
+    checkpoint was not trained with, or checkpoint.resume false on a run dir with checkpoints."""
+    import yaml
+
+    run = tmp_path / "run"
+    trained = load_recipe("pythia-tiny", 1, f"run_dir={run}")
+    for step, whole in ((5, True), (10, True), (15, False)):  # step_15: a save cut short, which the trainer skips
+        ckpt = run / f"checkpoints/step_{step}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "recipe.yaml").write_text(yaml.safe_dump(trained.to_dict(), sort_keys=False))
+        if whole:
+            (ckpt / "done").write_text("")
+    (run / "checkpoints/step_15/recipe.yaml").write_text("model: {hidden_size: 7}\n")  # never compared
+
+    def sbatch(*overrides: str) -> tuple[int, str]:
+        out = tmp_path / "job"
+        shutil.rmtree(out, ignore_errors=True)
+        argv = ["sbatch", "--recipe", "pythia-tiny", "--nodes", "1", "--out", str(out)]
+        code = main([*argv, "--overrides", " ".join([f"run_dir={run}", *overrides])])
+        assert (code == 0) == out.exists()  # refused: nothing written
+        return code, capsys.readouterr().err
+
+    assert sbatch("train.max_steps=300") == (0, "")  # free to change
+    code, err = sbatch("optim.lr=0.01", "model.hidden_size=256")
+    assert code == 2 and f"run dir {run}: the job would resume from step_10, which was trained with another" in err
+    assert "model.hidden_size: 128 -> 256 (cannot change on resume); optim.lr: 0.003 -> 0.01; restore" in err, err
+    assert sbatch("optim.lr=0.01", "checkpoint.allow_changes=[optim.lr]")[0] == 0
+    code, err = sbatch("checkpoint.resume=false")
+    assert code == 2 and f"run dir {run} already has checkpoints (step_10 the newest) and checkpoint.resume" in err
+    assert sbatch("checkpoint.resume=false", "checkpoint.force_fresh=true")[0] == 0
+    code, err = sbatch("train.seed=7")  # other data order: the saved data position would index other documents
+    assert code == 2 and "train.seed: 1234 -> 7; restore" in err, err

@@ -903,6 +903,7 @@ def _storage_and_data(recipe, runs_root: str | None, skip: bool, refuse: bool) -
     from trnrecipes.jobs.corpus_check import corpus_problems
     from trnrecipes.jobs.data_check import data_problems, tokenizer_warnings
     from trnrecipes.jobs.data_plan import data_plan, epoch_warnings
+    from trnrecipes.jobs.resume_check import resume_problem
     from trnrecipes.jobs.storage import run_dir_for, storage_report
 
     run_dir = run_dir_for(recipe, REPO_ROOT, runs_root)
@@ -913,6 +914,8 @@ def _storage_and_data(recipe, runs_root: str | None, skip: bool, refuse: bool) -
         print(f"note: {note}", file=sys.stderr)
     line, warning, error = storage_report(recipe, run_dir)
     problems = data_problems(recipe, REPO_ROOT) + problems + ([error] if error else [])
+    if resumed := resume_problem(recipe, run_dir, REPO_ROOT):  # what the trainer would refuse at its first second
+        problems.append(resumed)
     if refuse and problems:
         raise RecipeError(
             f"{recipe.job_name} would fail on its files (found from this host; --no-data-check, or nodatacheck=1 with"

@@ -14,7 +14,6 @@ Only format.py is imported here: the writer pulls in torch's distributed side (i
 from trnrecipes.checkpoint.format import (
     DONE,
     FORMAT,
-    LEGACY_MODEL_DEFAULTS,
     MANIFEST,
     SHARDS,
     WEIGHTS,
@@ -43,7 +42,6 @@ from trnrecipes.checkpoint.format import (
 __all__ = [
     "DONE",
     "FORMAT",
-    "LEGACY_MODEL_DEFAULTS",
     "MANIFEST",
     "SHARDS",
     "WEIGHTS",

@@ -20,7 +20,6 @@ verifies every checksum and reads tensors with safetensors and the rest as JSON/
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import hashlib
 import json
@@ -35,8 +34,8 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from trnrecipes.config.families import FAMILIES
-from trnrecipes.config.recipe import read_recipe_file, recipe_from_dict
+from trnrecipes.config.recipe import recipe_from_dict
+from trnrecipes.config.saved_recipe import read_saved_recipe
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.files.durable import fsync_path, make_readable
 from trnrecipes.files.run_files import CHECKPOINTS, DONE, MANIFEST, STEP_DIR
@@ -485,39 +484,13 @@ def read_json(path: Path) -> dict:
     return value
 
 
-# Before each family had its own model section, recipes held every family's fields; a checkpoint from then lists
-# the other family's at these defaults. Dropped on reading, so those checkpoints still resume and evaluate.
-LEGACY_MODEL_DEFAULTS = {"num_kv_heads": None, "rotary_pct": 1.0, "parallel_residual": True}
-# Recipe keys added since checkpoints were first written (classification, incremental training), at the value a
-# recipe that does not set them resolves to: filled in where a saved recipe lacks them, so those checkpoints resume.
-LEGACY_SECTION_DEFAULTS = {
-    "train": {"init_optimizer": "reset"},
-    "optim": {"state_dtype": "fp32"},
-    "data": {"label_field": "label", "eval_path": None, "sources": []},
-}
-
-
 def saved_recipe(path: Path) -> dict:
-    """The resolved recipe a checkpoint was written with, as the plain mapping in its recipe.yaml."""
+    """The resolved recipe a checkpoint was written with, as the plain mapping in its recipe.yaml
+    (config/saved_recipe.py: torch-free, for render time too)."""
     try:
-        data = read_recipe_file(Path(path) / "recipe.yaml")  # size-capped, no YAML aliases
+        return read_saved_recipe(path)
     except RecipeError as err:
         raise CheckpointError(str(err)) from None
-    for section, defaults in LEGACY_SECTION_DEFAULTS.items():
-        if isinstance(data.get(section), dict):
-            data[section] = defaults | data[section]
-    model = data.get("model")
-    if isinstance(model, dict) and model.get("family") in FAMILIES:
-        config = FAMILIES[model["family"]].config
-        fields = {f.name for f in dataclasses.fields(config)}
-        for key, default in LEGACY_MODEL_DEFAULTS.items():
-            if key not in fields and key in model and model[key] == default:
-                del model[key]
-        try:  # resolved as this version resolves it (num_kv_heads: null -> num_heads), so equal sections compare equal
-            data["model"] = {**model, **dataclasses.asdict(config(**model))}
-        except (TypeError, ValueError):
-            pass  # left as saved: the resume check reports what differs
-    return data
 
 
 def consolidate(path: Path) -> dict[str, torch.Tensor]:

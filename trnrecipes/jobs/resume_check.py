@@ -1,0 +1,50 @@
+"""What the trainer would refuse about the run dir's checkpoints at the job's start, said when the job is rendered
+instead (after hours in the queue, a 2 at the first second is the costliest way to learn it): checkpoint.resume
+false on a run dir with checkpoints, or a recipe its newest checkpoint was not trained with. Torch-free; the
+trainer's own checks (train/run_dir.py settle_checkpoints, train/resume_compat.py check_resume) still decide."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trnrecipes.config.saved_recipe import resume_differences
+from trnrecipes.config.sections import Recipe, RecipeError
+from trnrecipes.files.run_files import CHECKPOINTS, DONE, STEP_DIR
+
+
+def newest_whole_checkpoint(run_dir: Path) -> Path | None:
+    """The run dir's newest step_N with its done marker (not verified: that reads every byte)."""
+    try:
+        found = [
+            (int(m.group(1)), p)
+            for p in (run_dir / CHECKPOINTS).iterdir()
+            if (m := STEP_DIR.match(p.name)) and not p.is_symlink() and (p / DONE).is_file()
+        ]
+    except OSError:  # no checkpoints/ (a new run), or not readable from here: the trainer judges
+        return None
+    return max(found)[1] if found else None
+
+
+def resume_problem(recipe: Recipe, run_dir: Path, repo_root: Path) -> str | None:
+    """One line naming what would stop the job at its start, or None."""
+    c = recipe.checkpoint
+    newest = newest_whole_checkpoint(run_dir)
+    if newest is None or (not c.resume and c.force_fresh):
+        return None
+    if not c.resume:
+        return (
+            f"run dir {run_dir} already has checkpoints ({newest.name} the newest) and checkpoint.resume is false:"
+            " the job would stop at its start; resume (the default), use another run_dir, or set"
+            " checkpoint.force_fresh=true to move them aside and start at step 0"
+        )
+    try:
+        refused, _ = resume_differences(newest, recipe.to_dict(), repo_root / recipe.data.tokenizer, c.allow_changes)
+    except (RecipeError, OSError):
+        return None  # a checkpoint whose recipe cannot be read: the trainer tries the one before it
+    if not refused:
+        return None
+    return (
+        f"run dir {run_dir}: the job would resume from {newest.name}, which was trained with another recipe:"
+        f" {'; '.join(refused)}; restore those values, use another run_dir, or (where the change is sane, e.g."
+        " optim.lr) name each key in checkpoint.allow_changes"
+    )
