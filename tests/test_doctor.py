@@ -261,3 +261,28 @@ def test_the_note_names_the_dlami_of_the_venv_the_job_runs_or_calls_it_the_recip
     )
     typo = "/fsx/venv-tpyo/bin/python"
     assert doctor._fix_python(recipe, typo).startswith("it is no DLAMI venv of Neuron SDK 2.28 but cluster.python's")
+
+
+def test_a_login_doctor_whose_job_python_lacks_pyyaml_counts_on_the_wheelhouse(job, tmp_path, monkeypatch, capfd):
+    """The job's Python cannot run a doctor without PyYAML, which each node installs from a current wheelhouse
+    before its own pre-flight: that is a note, not an error (the files are still checked from this Python)."""
+    python = standin_venv(tmp_path / "venv", SDK)
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')  # this interpreter without site-packages
+    monkeypatch.setenv("TRNRECIPES_PYTHON", str(python))
+    config = ["--config", str(job / "recipe.yaml")]
+    assert doctor.main(config) == 2  # no wheelhouse: its doctor stops on it
+    assert f"pyyaml not installed in {python}" in capfd.readouterr().out
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "tokenizers-0.21.0-cp39-abi3-manylinux_2_17_x86_64.whl").write_bytes(b"")
+    monkeypatch.setattr(doctor, "_wheelhouse", lambda recipe: str(wheels))
+    assert doctor.main(config) == 2  # a wheelhouse without it: the same
+    capfd.readouterr()
+    (wheels / "PyYAML-6.0.2-cp311-cp311-manylinux_2_17_x86_64.whl").write_bytes(b"")
+    assert doctor.main(config) == 0
+    note, ok = capfd.readouterr().out.splitlines()
+    assert note.endswith(f"pyyaml is not installed in {python}: each node installs it from {wheels} when the job"
+                         " starts, then checks the job's packages") and note.startswith("note: ")  # fmt: skip
+    assert "run ok: data, tokenizer, run dir and checkpoint space" in ok
+    (tmp_path / "data/wiki.idx").unlink()  # the files are still checked
+    assert doctor.main(config) == 2 and "wiki.idx missing" in capfd.readouterr().out

@@ -346,6 +346,22 @@ def _wheelhouse(recipe) -> str | None:
     return wheels
 
 
+def _wheelhouse_of(recipe, dist: str) -> str | None:
+    """The job's current wheelhouse where it holds a wheel of `dist` (its nodes install it from there)."""
+    wheels = _wheelhouse(recipe)
+    prefix = dist.lower().replace("-", "_") + "-"
+    if wheels and any(w.name.lower().startswith(prefix) for w in Path(wheels).glob("*.whl")):
+        return wheels
+    return None
+
+
+def _imports(python: str, module: str) -> bool:
+    try:
+        return subprocess.run([python, "-c", f"import {module}"], capture_output=True, timeout=300).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def _job_dir_value(config: Path, name: str, job: str = "run") -> str | None:
     """NAME=... as rendered into the job dir's JOB.sbatch beside recipe.yaml (the run dir, the interpreter)."""
     script = config.parent / f"{job}.sbatch"
@@ -446,7 +462,7 @@ def _preflight(argv: list[str] | None, host: str) -> int:
     if os.sep in python:  # the re-run below starts in the checkout
         python = os.path.abspath(python) if given else str(REPO_ROOT / python)
     run_dir = Path(os.path.abspath(run_dir)) if run_dir else run_dir_for(recipe, REPO_ROOT, runs_root_from_env())
-    here = True
+    here, installs = True, None
     if args.python is None and os.path.abspath(python) != os.path.abspath(sys.executable):
         outside = REPO_ROOT not in Path(os.path.abspath(python)).parents  # the checkout's .venv is on every node
         if not os.access(python, os.X_OK) and not args.node and outside:
@@ -457,6 +473,10 @@ def _preflight(argv: list[str] | None, host: str) -> int:
         elif problem := python_problem(python):
             print(f"error: {host}: {problem}")
             return NOT_READY if args.node else 2
+        elif not args.node and not _imports(python, "yaml") and (wheels := _wheelhouse_of(recipe, "pyyaml")):
+            # Its doctor cannot read a recipe without PyYAML, which each node installs from the wheelhouse before
+            # its own pre-flight: the files are checked from this Python, the job's packages on the nodes.
+            here, installs = False, f"pyyaml is not installed in {python}: each node installs it from {wheels}"
         argv = ["--config", str(config), "--job", args.job, "--run-dir", str(run_dir), "--python", python]
         argv += ["--node"] if args.node else []
         if here:
@@ -466,6 +486,8 @@ def _preflight(argv: list[str] | None, host: str) -> int:
                 return 2
             return code
     problems, notes = check(recipe, args.job, run_dir, args.node, args.python or (python if not here else None), here)
+    if installs:  # the job's Python is here but lacks what its doctor needs: not "not on this host"
+        notes[0] = f"{NOTE}{installs} when the job starts, then checks the job's packages"
     for problem in problems:
         print(f"error: {host}: {problem.removeprefix(NODE_FAULT).removeprefix(NODE_PYTHON)}", flush=True)
     if problems and all(p.startswith(NODE_FAULT) for p in problems):  # this node's fault alone: 1, not bad input
