@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -117,6 +118,45 @@ def test_a_megatron_source_made_by_another_tokenizer_is_refused(cli, tmp_path):
     gpt2 = load_recipe("llama2-tiny", overrides=[*overrides, "data.tokenizer=data/tokenizers/gpt2",
                                                  "model.vocab_size=50304"])  # fmt: skip
     assert data_problems(gpt2, REPO) == []
+
+
+def megatron_pair(prefix: Path, documents: list[list[int]]) -> None:
+    import warnings
+
+    import numpy as np
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron-core's import-time notices
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for doc in documents:
+        builder.add_document(np.array(doc, dtype=np.uint16), [len(doc)])
+    builder.finalize(f"{prefix}.idx")
+
+
+def test_a_tokenizer_record_left_beside_a_replaced_pair_is_not_trusted(cli, tmp_path):
+    """Another tokenizer's .bin/.idx copied over a pair (or Megatron's preprocess_data.py run again with its prefix)
+    leaves the old PREFIX.tokenizer.json: its sizes no longer match, so the ids are scanned, not taken from it."""
+    texts = tmp_path / "docs.jsonl"
+    texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in read_arrow(DEMO).to_pylist()[:20]))
+    done = cli("data", "preprocess", "--in", str(texts), "--tokenizer", "data/tokenizers/demo-sp", "--out",
+               str(tmp_path / "ours"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    megatron_pair(tmp_path / "gpt2", [[464 + i, 257, 50256] for i in range(30)])  # GPT-2's: ids past 4,096
+    job = ["sbatch", "--recipe", "llama2-tiny", "--nodes", "1", "--out", str(tmp_path / "job"), "--overrides"]
+    overrides = f"data.format=megatron data.path={tmp_path / 'ours'} run_dir={tmp_path / 'run'}"
+    assert cli(*job, overrides).returncode == 0
+    shutil.rmtree(tmp_path / "job")
+    for suffix in (".bin", ".idx"):
+        shutil.copy(tmp_path / f"gpt2{suffix}", tmp_path / f"ours{suffix}")
+    done = cli(*job, overrides)
+    assert done.returncode == 2 and not (tmp_path / "job").exists(), done.stderr
+    (problem,) = done.stderr.splitlines()[1:]
+    assert problem.endswith(
+        "token id 50,256 (found in it) is at or above model.vocab_size 4,096: made by another"
+        " tokenizer than this model's? Re-make it with `trnrecipes data preprocess --tokenizer"
+        " <this model's tokenizer>` or set model.vocab_size above 50,256"
+    ), done.stderr
 
 
 def test_plan_prints_each_sources_share_tokens_and_epochs(tmp_path):
