@@ -4,6 +4,7 @@ refuses a job whose checkpoints cannot fit, writing nothing."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -107,6 +108,7 @@ def test_sbatch_refuses_what_the_trainer_would_refuse_of_the_run_dirs_checkpoint
         ckpt = run / f"checkpoints/step_{step}"
         ckpt.mkdir(parents=True)
         (ckpt / "recipe.yaml").write_text(yaml.safe_dump(trained.to_dict(), sort_keys=False))
+        (ckpt / "state.json").write_text(json.dumps({"step": step, "dp": 2}))  # as trained: two workers
         if whole:
             (ckpt / "done").write_text("")
     (run / "checkpoints/step_15/recipe.yaml").write_text("model: {hidden_size: 7}\n")  # never compared
@@ -129,3 +131,6 @@ def test_sbatch_refuses_what_the_trainer_would_refuse_of_the_run_dirs_checkpoint
     assert sbatch("checkpoint.resume=false", "checkpoint.force_fresh=true")[0] == 0
     code, err = sbatch("train.seed=7")  # other data order: the saved data position would index other documents
     assert code == 2 and "train.seed: 1234 -> 7; restore" in err, err
+    code, err = sbatch("cluster.workers_per_node=1")  # each data-parallel rank's position is its own
+    assert code == 2 and "data-parallel size 2 -> 1 (name layout.dp to restart the data stream); restore" in err, err
+    assert sbatch("cluster.workers_per_node=1", "checkpoint.allow_changes=[layout.dp]")[0] == 0

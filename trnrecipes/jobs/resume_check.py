@@ -1,15 +1,19 @@
 """What the trainer would refuse about the run dir's checkpoints at the job's start, said when the job is rendered
 instead (after hours in the queue, a 2 at the first second is the costliest way to learn it): checkpoint.resume
-false on a run dir with checkpoints, or a recipe its newest checkpoint was not trained with. Torch-free; the
-trainer's own checks (train/run_dir.py settle_checkpoints, train/resume_compat.py check_resume) still decide."""
+false on a run dir with checkpoints, or a recipe (or data-parallel size) its newest checkpoint was not trained
+with. Torch-free; the trainer's own checks (train/run_dir.py settle_checkpoints, train/resume_compat.py
+check_resume, train/restore.py's data-parallel size) still decide."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from trnrecipes.config.changes import allows
 from trnrecipes.config.saved_recipe import resume_differences
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.files.run_files import CHECKPOINTS, DONE, STEP_DIR
+from trnrecipes.plan.layout import compute_layout
 
 
 def newest_whole_checkpoint(run_dir: Path) -> Path | None:
@@ -41,6 +45,10 @@ def resume_problem(recipe: Recipe, run_dir: Path, repo_root: Path) -> str | None
         refused, _ = resume_differences(newest, recipe.to_dict(), repo_root / recipe.data.tokenizer, c.allow_changes)
     except (RecipeError, OSError):
         return None  # a checkpoint whose recipe cannot be read: the trainer tries the one before it
+    saved_dp, dp = _saved_dp(newest), compute_layout(recipe).dp
+    if saved_dp is not None and saved_dp != dp and not allows(c.allow_changes, "layout.dp"):
+        # train/restore.py's rule: each DP rank's data position is its own (other nodes, workers, tp or cp)
+        refused.append(f"data-parallel size {saved_dp} -> {dp} (name layout.dp to restart the data stream)")
     if not refused:
         return None
     return (
@@ -48,3 +56,11 @@ def resume_problem(recipe: Recipe, run_dir: Path, repo_root: Path) -> str | None
         f" {'; '.join(refused)}; restore those values, use another run_dir, or (where the change is sane, e.g."
         " optim.lr) name each key in checkpoint.allow_changes"
     )
+
+
+def _saved_dp(checkpoint: Path) -> int | None:
+    try:
+        dp = json.loads((checkpoint / "state.json").read_text()).get("dp")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return dp if isinstance(dp, int) and not isinstance(dp, bool) else None
