@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shlex
 
+import pytest
 from golden import FAKE_REPO
 
 from trnrecipes.config.recipe import load_recipe
@@ -45,6 +46,16 @@ def test_the_eval_section_sets_the_eval_jobs_header_only():
     assert "#SBATCH --partition=trn1" in run and not any("gpus" in line or "--mem" in line for line in run)
     cls = render("bert-base-cls", 1, settings)  # a classifier's infer job is scoring too
     assert "#SBATCH --partition=gpu" in sbatch_lines(cls["infer.sbatch"])
+
+
+def test_a_mixture_of_experts_eval_costs_its_active_parameters_and_holds_them_all():
+    """Qwen3-30B-A3B reads 3.35B of its 30.5B parameters a token: its table takes about a ninth of a dense 30B's
+    time (it was priced at 30.5B: ~57 days, ~$60,657), while its memory holds every expert."""
+    moe, dense = load_recipe("qwen3-30b-a3b-trn2"), load_recipe("qwen3-8b-trn2")
+    ratio = eval_estimate(moe)["gpu_hours"] / eval_estimate(dense)["gpu_hours"]
+    assert ratio == pytest.approx(moe.model.active_params() / dense.model.param_count())
+    assert 0.35 < ratio < 0.45  # 3.35B active against 8.19B
+    assert eval_mem_gb(moe) > 4 * moe.model.param_count() / 1e9
 
 
 def test_on_trn1_the_next_step_is_make_eval_and_eval_sbatch_only_on_another_partition(cli, tmp_path):

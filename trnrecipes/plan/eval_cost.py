@@ -36,7 +36,9 @@ def eval_mem_gb(r: Recipe) -> int:
 
 def eval_estimate(r: Recipe) -> dict[str, float | None]:
     """Hours of the whole table on one node's CPUs and on one GPU; the CPU run's cost on this recipe's node."""
-    flops = 2 * r.model.param_count() * EVAL_TABLE_TOKENS
+    # a forward pass reads the parameters one token uses: a mixture of experts' active ones (memory counts them all)
+    active = getattr(r.model, "active_params", None)
+    flops = 2 * (active() if active else r.model.param_count()) * EVAL_TABLE_TOKENS
     cpu_h = flops / (CPU_TFLOPS * 1e12) / 3600
     price = r.price_per_hour
     return {"cpu_hours": cpu_h, "cpu_cost": cpu_h * price if price is not None else None,
