@@ -366,6 +366,12 @@ def test_allow_changes_is_checked_when_the_recipe_loads():
     assert "is not a recipe section or section.key" in check_allow_changes(["optim.lrr"])[0]
     with pytest.raises(RecipeError, match="covers the model's shape"):
         load_recipe("llama2-tiny", overrides=["checkpoint.allow_changes=[model]"])
+    # an encoder's head: a resume at another num_labels failed loading its classifier; another pooling computes
+    # something else; BERT's learned position table has max_seq_len rows (a rotary model's has none)
+    for key in ("model.num_labels", "model.head", "model.pooling", "model.mlp_hidden_sizes", "model.max_seq_len"):
+        with pytest.raises(RecipeError, match=f"'{key}' covers the model's shape"):
+            load_recipe("bert-tiny", overrides=[f"checkpoint.allow_changes=[{key}]"])
+    assert check_allow_changes(["model.max_seq_len"], "llama") == []
 
 
 # ---- the lock

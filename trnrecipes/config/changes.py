@@ -21,11 +21,21 @@ FREE = ("name", "description", "run_dir", "cluster", "slurm", "compile", "checkp
         "model.init_std", "batch.micro_batch", "data.tokenizer", "data.eval_path", "eval", "monitor",
         "k8s")  # fmt: skip
 # Never: the weights would not load, or would compute something else (which residual form, which dims rotate, which
-# blocks hold how many experts of what width).
+# blocks hold how many experts of what width, an encoder's head: its labels, pooling and layers).
 FIXED = ("model.family", "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",
          "model.num_kv_heads", "model.ffn_hidden_size", "model.parallel_residual", "model.rotary_pct", "model.head_dim",
          "model.tie_embeddings", "model.num_experts", "model.moe_intermediate_size", "model.decoder_sparse_step",
-         "model.mlp_only_layers")  # fmt: skip
+         "model.mlp_only_layers", "model.type_vocab_size", "model.head", "model.num_labels", "model.pooling",
+         "model.mlp_hidden_sizes")  # fmt: skip
+# And per family: a learned position table (BERT's) has max_seq_len rows; rotary models have none.
+FAMILY_FIXED = {"bert": ("model.max_seq_len",)}
+
+
+def fixed_keys(family: object) -> tuple[str, ...]:
+    """FIXED, with the keys `family` (a model.family) adds."""
+    return FIXED + FAMILY_FIXED.get(family, ()) if isinstance(family, str) else FIXED
+
+
 # Accepted changes of these reorder the data: the saved position would index other documents, so it is dropped.
 DATA_ORDER = ("data", "train.seed", "batch.seq_len")
 # Not recipe keys, but decisions allow_changes can take: a new DP size (each DP rank's position is its own).
@@ -66,19 +76,19 @@ def _recipe_keys() -> set[str]:
     return keys
 
 
-def check_allow_changes(allowed: Iterable[str]) -> list[str]:
+def check_allow_changes(allowed: Iterable[str], family: str | None = None) -> list[str]:
     """Problems with checkpoint.allow_changes entries (render time): each a section or key that may be allowed."""
-    problems, known = [], _recipe_keys()
+    problems, known, fixed = [], _recipe_keys(), fixed_keys(family)
     for key in allowed:
         if not isinstance(key, str) or key not in known:
             problems.append(
                 f"checkpoint.allow_changes: {shown(key)} is not a recipe section or section.key (e.g. optim.lr,"
                 " data, layout.dp)"
             )
-        elif matches(key, FIXED) or any(s.startswith(key + ".") for s in FIXED):
+        elif matches(key, fixed) or any(s.startswith(key + ".") for s in fixed):
             problems.append(
                 f"checkpoint.allow_changes: {key!r} covers the model's shape, which cannot change on resume"
-                f" ({', '.join(s for s in FIXED if matches(s, [key]))}); start a new run_dir (train.init_from)"
+                f" ({', '.join(s for s in fixed if matches(s, [key]))}); start a new run_dir (train.init_from)"
             )
     return problems
 

@@ -665,7 +665,7 @@ def check_recipe(r: Recipe) -> list[str]:
             f"{'' if r.slurm.signal_seconds is not None else ', derived from the checkpoint size'});"
             f" use more than {lead + 300} s",
         )
-    problems += check_allow_changes(r.checkpoint.allow_changes)
+    problems += check_allow_changes(r.checkpoint.allow_changes, r.model.family)
     need(  # it acted only with resume false: alone it resumed the old run, without a word
         not (r.checkpoint.force_fresh and r.checkpoint.resume),
         "checkpoint.force_fresh true with checkpoint.resume true (the default) would resume the run dir's checkpoints:"

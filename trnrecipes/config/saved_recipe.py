@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 
-from trnrecipes.config.changes import FIXED, FREE, flat_keys, matches
+from trnrecipes.config.changes import FREE, fixed_keys, flat_keys, matches
 from trnrecipes.config.families import FAMILIES
 from trnrecipes.schema import shown
 
@@ -69,16 +69,16 @@ def resume_differences(
     'key: saved -> now' lines. Refused: the model's shape, the tokenizer's files, and anything else that changes
     the meaning of the weights or the data position unless checkpoint.allow_changes names it."""
     saved, now = flat_keys(read_saved_recipe(checkpoint)), flat_keys(current)
-    refused, accepted = [], []
+    refused, accepted, fixed = [], [], fixed_keys(saved.get("model.family"))
     for key in sorted(set(saved) | set(now)):
         a, b = saved.get(key, "<unset>"), now.get(key, "<unset>")
-        if a == b or (matches(key, FREE) and not matches(key, FIXED)):
+        if a == b or (matches(key, FREE) and not matches(key, fixed)):
             continue
         line = f"{key}: {shown(a)} -> {shown(b)}"
-        if not matches(key, FIXED) and matches(key, allowed):
+        if not matches(key, fixed) and matches(key, allowed):
             accepted.append(line)
         else:
-            refused.append(line + ("" if not matches(key, FIXED) else " (cannot change on resume)"))
+            refused.append(line + ("" if not matches(key, fixed) else " (cannot change on resume)"))
     theirs = tokenizer_digest(checkpoint / "tokenizer")
     ours = tokenizer_digest(tokenizer_dir)
     if theirs is not None and ours is not None and theirs != ours:
