@@ -135,6 +135,15 @@ def test_stop_file_saves_and_exits_early(tmp_path: Path, monkeypatch):
     assert Path(f"{stop}.saved").read_text() == "1\n"
 
 
+def test_no_held_out_data_means_no_validation_not_a_nan_loss(tmp_path: Path):
+    """data.val_fraction 0 (docs: validation only when it is > 0): the last step validated nothing and logged
+    "val nan", and metrics.jsonl held NaN, which strict JSON readers refuse."""
+    result, _ = run("llama2-tiny", tmp_path, "data.val_fraction=0", "train.val_every=1", steps=2)
+    assert result.val_losses == {} and len(result.losses) == 2
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "val_loss" not in text
+
+
 def test_compile_mode_traces_validation_and_checkpoint_but_writes_nothing(tmp_path: Path, cli):
     config = tmp_path / "recipe.yaml"
     recipe = load_recipe("llama2-tiny", overrides=[*FAST, f"run_dir={tmp_path / 'run'}", "compile.steps=2"])

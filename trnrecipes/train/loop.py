@@ -324,6 +324,7 @@ class Trainer:
                 f" {self.dims.dp} data-parallel ranks; under {under} each rank needs one: raise data.val_fraction"
             )
         self.val_batches: list[torch.Tensor | SequenceChunks] = []
+        self.validates = bool(val_dp)  # data.val_fraction 0 holds nothing out: no validation (not a NaN loss)
         if val_dp and self.dims.dp_rank < val_dp:
             it = batches(self._stream("val", 0, self.dims.dp_rank, val_dp, None), b.micro_batch)
             self.val_batches = [
@@ -614,7 +615,7 @@ class Trainer:
                 stop_seen = bool(stop_file and os.path.exists(stop_file)) or signals.caught is not None
                 time_due = every_s is not None and time.monotonic() - last_save >= every_s
                 stop, time_due = self._agree(stop_seen, time_due)
-                if (step + 1) % r.train.val_every == 0 or last or first:
+                if self.validates and ((step + 1) % r.train.val_every == 0 or last or first):
                     record["val_loss"] = result.val_losses[step + 1] = self.validate()
                     if self.val_accuracy is not None:
                         record["val_accuracy"] = self.val_accuracy
