@@ -199,3 +199,48 @@ def test_a_megatron_pair_megatron_core_could_not_read_is_refused_before_allocati
         [],
         [],
     )
+
+
+def test_a_classification_corpus_is_refused_at_render_time_for_what_training_would_refuse(tmp_path):
+    """Its labels were checked only when training read them, after the allocation: a corpus made by following
+    sbatch's own advice (to-arrow without --label-field) had none. Also a shard directory (training reads one file)
+    and a holdout whose labels are past model.num_labels (eval.sbatch failed after the whole run)."""
+    from trnrecipes.jobs.data_check import data_problems
+
+    texts = [f"review {i}" for i in range(400)]
+
+    def labelled(name: str, labels: list | None) -> Path:
+        columns = {"text": pa.array(texts, pa.large_string())}
+        if labels is not None:
+            columns["label"] = pa.array(labels, pa.int64())
+        table, path = pa.table(columns), tmp_path / name
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        return path
+
+    good = labelled("good.arrow", [i % 2 for i in range(400)])
+
+    def problems(**paths: Path) -> list[str]:
+        overrides = [f"data.{key}={path}" for key, path in paths.items()] + [
+            "train.val_batches=1",
+            "data.val_fraction=0.1",
+        ]
+        return corpus_problems(load_recipe("bert-tiny", 1, overrides), REPO)[0]
+
+    assert problems(path=good) == []
+    unlabelled = labelled("unlabelled.arrow", None)
+    assert problems(path=unlabelled) == [
+        f"data.path {unlabelled}: has no label column 'label' (data.label_field); its columns: text"
+    ]
+    past = labelled("past.arrow", [i % 3 for i in range(400)])
+    assert problems(path=good, eval_path=past) == [
+        f"data.eval_path {past}: row 2 has label 2, outside [0, 2) (model.num_labels 2); 133 row(s) in all"
+    ]
+    shards = tmp_path / "shards"
+    done = run_cli("data", "to-arrow", "--in", str(good), "--out", str(shards), "--shard-bytes", "2K", "--label-field",
+                   "label")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (problem,) = problems(path=shards)
+    assert problem.startswith(f"data.path {shards}: {shards} is a shard directory; a classification corpus is one")
+    missing = data_problems(load_recipe("bert-tiny", 1, [f"data.path={tmp_path / 'mine.arrow'}"]), REPO)
+    assert "make it with `trnrecipes data to-arrow --label-field label --in <your" in missing[0]  # it keeps the labels

@@ -81,11 +81,35 @@ def corpus_problems(recipe: Recipe, repo_root: Path, scan: bool = True) -> tuple
             continue
         if count is not None:
             problems += _count_problems(label, count, recipe, dp)
+            problems += _label_problems(label, full, recipe)
     if d.eval_path:
         label = f"data.eval_path {d.eval_path}"
+        full = data_path(d.eval_path, repo_root)
         if not check_corpus_file(label, d.eval_path, "arrow", d.tokenizer, repo_root):
-            _arrow_documents(data_path(d.eval_path, repo_root), d.text_field, label, problems, notes)
+            if _arrow_documents(full, d.text_field, label, problems, notes) is not None:
+                problems += _label_problems(label, full, recipe)
     return problems, notes
+
+
+def _label_problems(label: str, path: Path, recipe: Recipe) -> list[str]:
+    """A classification corpus's labels, as the trainer (and eval.sbatch's holdout accuracy) reads them: one Arrow
+    file with an integer class-id column whose every value is below model.num_labels."""
+    if family_spec(recipe.model.family).objective != "classification":
+        return []
+    if path.is_dir():
+        return [
+            f"{label}: {path} is a shard directory; a classification corpus is one Arrow file (its labels are read"
+            " whole): convert it again without --shard-bytes"
+        ]
+    from trnrecipes.data import DataError
+    from trnrecipes.data.classify import read_labels
+
+    try:
+        read_labels(path, recipe.data.label_field, recipe.model.num_labels)
+    except DataError as err:
+        said = str(err)
+        return [f"{label}: {said[len(str(path)) :].lstrip(': ') if said.startswith(str(path)) else said}"]
+    return []
 
 
 def _documents(

@@ -15,6 +15,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from trnrecipes.config.families import family_spec
 from trnrecipes.config.sections import Recipe
 from trnrecipes.data import DataError, listed
 from trnrecipes.data.arrow_marks import ARROW_FILE_MAGIC, ARROW_STREAM_MARKER, CUT_SHORT, stream_cut_short
@@ -24,6 +25,8 @@ from trnrecipes.data.sources import data_path
 from trnrecipes.data.tokenized_with import tokenized_with, tokenizer_fingerprint
 from trnrecipes.files.reach import blocked
 from trnrecipes.schema import shell_word as _q  # a path in a command to paste: one shell word
+
+TO_ARROW = "`trnrecipes data to-arrow"  # the start of each command below that converts a corpus
 
 MEGATRON_IDX_MAGIC = b"MMIDIDX\x00\x00"  # megatron-core's IndexedDataset .idx header
 BRING_YOUR_DATA = "docs/data.md, 'Bring your data'"
@@ -321,6 +324,8 @@ def data_problems(recipe: Recipe, repo_root: Path) -> list[str]:
         problems += check_corpus_file(label, source.path, source.format, d.tokenizer, repo_root)
     if d.eval_path:
         problems += check_corpus_file("data.eval_path", d.eval_path, "arrow", d.tokenizer, repo_root)
+    if family_spec(recipe.model.family).objective == "classification":  # the advice's to-arrow keeps the labels
+        problems = [p.replace(TO_ARROW, f"{TO_ARROW} --label-field {_q(d.label_field)}") for p in problems]
     return problems + _check_tokenizer(recipe, repo_root) + _check_init_from(recipe, repo_root)
 
 
