@@ -78,6 +78,24 @@ def test_one_corpus_under_two_names_is_refused_at_sbatch_and_in_training(tmp_pat
     assert corpus_problems(load_recipe("llama2-tiny", overrides=sources(first, other)), REPO) == ([], [])
 
 
+def test_a_shard_directory_and_one_of_its_shards_are_one_corpus_in_part(tmp_path):
+    """Each is split with its own held-out documents: what the shard's split holds out, the directory trains on."""
+    shards = tmp_path / "shards"
+    done = run_cli("data", "to-arrow", "--in", str(DEMO), "--out", str(shards), "--shard-bytes", "3M")
+    assert done.returncode == 0, done.stderr
+    shard = shards / "shard_000000.arrow"
+    assert shard.is_file() and len(list(shards.glob("shard_*.arrow"))) > 1
+    for first, second in ((shards, shard), (shard, shards)):
+        done = sbatch(tmp_path, *sources(first, second))
+        assert done.returncode == 2, done.stderr
+        assert (
+            f"data.sources[1].path {second} is data.sources[0].path {first} in part (a shard directory and its shard)"
+            f" (the same file {shard.resolve()})" in done.stderr
+        ), done.stderr
+    with pytest.raises(DataError, match=r"data.sources\[1\].path .* in part"):
+        open_sources(load_recipe("llama2-tiny", overrides=sources(shards, shard)).data, REPO, seed=0)
+
+
 @pytest.mark.parametrize(
     ("docs", "val_fraction", "expected"),
     [

@@ -34,27 +34,53 @@ def corpus_file(source, root: Path) -> Path:
     return Path(f"{full}.bin") if source.format == "megatron" else full
 
 
+def _files(source, root: Path) -> dict[tuple[int, int], Path]:
+    """(device, inode) -> path of every file that holds the source's documents: its Arrow file or .bin, or each
+    shard a shard directory's manifest lists (with the directory itself)."""
+    path = corpus_file(source, root)
+    try:
+        info = os.stat(path)
+    except OSError:  # missing or unreachable: said where it is opened
+        return {}
+    found = {(info.st_dev, info.st_ino): path}
+    if path.is_dir():
+        from trnrecipes.data.manifest import read_manifest
+
+        try:
+            shards = [path / shard.file for shard in read_manifest(path).shards]
+        except (DataError, OSError):  # said where it is opened
+            shards = []
+        for shard in shards:
+            try:
+                info = os.stat(shard)
+            except OSError:
+                continue
+            found[info.st_dev, info.st_ino] = shard
+    return found
+
+
 def same_corpus(sources, root: Path) -> tuple[int, int] | None:
-    """(i, j), i < j, where sources i and j are one file under two names (a link, a hard link, another spelling of
-    the path): each would be split with its own held-out documents, so what one holds out the other trains on."""
+    """(i, j), i < j, where sources i and j hold the same file: one file under two names (a link, a hard link,
+    another spelling of the path), or a shard directory and one of its shards. Each would be split with its own
+    held-out documents, so what one holds out the other trains on."""
     seen: dict[tuple[int, int], int] = {}
     for j, source in enumerate(sources):
-        try:
-            info = os.stat(corpus_file(source, root))
-        except OSError:  # missing or unreachable: said where it is opened
-            continue
-        if (info.st_dev, info.st_ino) in seen:
-            return seen[info.st_dev, info.st_ino], j
-        seen[info.st_dev, info.st_ino] = j
+        files = _files(source, root)
+        for key in files:
+            if key in seen:
+                return seen[key], j
+        seen.update(dict.fromkeys(files, j))
     return None
 
 
 def same_corpus_message(sources, i: int, j: int, root: Path) -> str:
+    theirs, mine = _files(sources[i], root), _files(sources[j], root)
+    shared = next((theirs[key] for key in mine if key in theirs), corpus_file(sources[i], root))
+    how = "under another name" if len(theirs) == len(mine) == 1 else "in part (a shard directory and its shard)"
     return (
-        f"data.sources[{j}].path {sources[j].path} is data.sources[{i}].path {sources[i].path} under another name"
-        f" (the same file {corpus_file(sources[i], root).resolve()}): each name would be split with its own held-out"
-        " documents, so documents held out from one would be trained on from the other; give each corpus once,"
-        " weighted"
+        f"data.sources[{j}].path {sources[j].path} is data.sources[{i}].path {sources[i].path} {how} (the same file"
+        f" {shared.resolve()}): each name would be split with its own held-out documents, so documents held out from"
+        " one would be trained on from the other; give each corpus once, weighted"
     )
 
 
