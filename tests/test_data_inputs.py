@@ -241,9 +241,12 @@ def test_split_folders_given_one_by_one_and_files_naming_no_split_are_splits_too
     write(pile / "train/00.jsonl.zst", docs("train doc"))
     write(pile / "test-0/00.jsonl.zst", docs("TEST DOC"))
     refused = "files of 2 splits (test: 1 file, train: 1 file); --split NAME takes one of them, e.g. --split train\n"
-    for given in ([pile], [pile / "train", pile / "test-0"], sorted(pile.glob("*/*.jsonl.zst"))):
+    beside = [pile / "train", pile / "test-0/00.jsonl.zst"]  # a split's folder, and a file of another's: was train
+    for given in ([pile], [pile / "train", pile / "test-0"], sorted(pile.glob("*/*.jsonl.zst")), beside):
         code, _, err = to_arrow(capsys, "--in", *given, "--out", out)
         assert code == 2 and err.endswith(refused), err
+    assert to_arrow(capsys, "--in", *beside, "--split", "train", "--out", out)[0] == 0
+    assert texts_of(out) == ["train doc"]
     code, _, err = to_arrow(capsys, "--in", pile / "test-0", "--split", "train", "--out", out)
     assert (
         code == 2

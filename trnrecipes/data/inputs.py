@@ -185,16 +185,17 @@ def _shards(path: Path) -> list[InputFile]:
 
 def _named_in_split_folders(files: list[InputFile], given: Sequence) -> list[InputFile]:
     """The files named on the command line in folders named for different splits (`--in pile/train/00.jsonl.zst
-    pile/test/00.jsonl.zst`, as a shell glob names them) take those folders' splits, where their own names say
-    none; elsewhere the folder a file lies in says nothing (a scratch test/ or dev/ beside other folders, or the
-    working directory)."""
+    pile/test/00.jsonl.zst`, as a shell glob names them, or beside a split's folder: `--in pile/train
+    pile/val/00.jsonl`) take those folders' splits, where their own names say none; elsewhere the folder a file
+    lies in says nothing (a scratch test/ or dev/ beside other folders, or the working directory)."""
     named = {Path(item) for item in given if not isinstance(item, InputFile) and str(item) != STDIN}
     folders = {
         k: _folder_split(f.path.parent)
         for k, f in enumerate(files)
         if f.path is not None and f.split is None and f.path in named and f.path.is_file()
     }
-    if len({s for s in folders.values() if s is not None}) < 2:
+    said = {f.split for f in files if f.split is not None}  # a given split folder's files (pile/train) say theirs
+    if len({s for s in folders.values() if s is not None} | said) < 2:
         return files
     return [InputFile(f.path, f.kind, folders[k]) if folders.get(k) else f for k, f in enumerate(files)]
 
