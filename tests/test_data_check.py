@@ -349,7 +349,36 @@ def test_a_missing_init_from_checkpoint_is_a_data_problem_naming_the_conversion(
     (problem,) = [p for p in data_problems(recipe, tmp_path) if p.startswith("train.init_from")]
     assert f"{tmp_path / 'ckpt'} does not exist" in problem and "trnrecipes convert from-hf --hf" in problem
     (tmp_path / "ckpt").mkdir()
-    assert not [p for p in data_problems(recipe, tmp_path) if p.startswith("train.init_from")]
+    (problem,) = [p for p in data_problems(recipe, tmp_path) if p.startswith("train.init_from")]
+    assert "ckpt/recipe.yaml: cannot read" in problem  # an empty directory is no checkpoint
+
+
+def test_sbatch_refuses_the_init_from_checkpoint_the_trainer_would(tmp_path):
+    """Found after the queue, before: a checkpoint of another model, or 'keep' of a conversion's weights only. A
+    new phase may change how the model runs (activation checkpointing) and a rotary model's context (a long-context
+    stage: max_seq_len, RoPE base and scaling); a `convert from-hf` without --recipe took the former from the
+    family's tiny recipe and was refused for it."""
+    import yaml
+
+    def init_from_problems(saved_overrides: list[str], *overrides: str) -> list[str]:
+        saved = load_recipe("llama3.1-8b", overrides=saved_overrides)
+        (tmp_path / "ckpt").mkdir(exist_ok=True)
+        (tmp_path / "ckpt/recipe.yaml").write_text(yaml.safe_dump(saved.to_dict(), sort_keys=False))
+        recipe = load_recipe("llama3.1-8b-128k-trn2", overrides=[f"train.init_from={tmp_path / 'ckpt'}", *overrides])
+        return [p for p in data_check.data_problems(recipe, REPO) if p.startswith("train.init_from")]
+
+    base = ["model.max_seq_len=8192", "model.rope_scaling=null", "model.activation_checkpointing=none"]
+    assert init_from_problems(base) == []
+    (problem,) = init_from_problems([*base, "model.num_layers=30"])
+    assert problem == (
+        f"train.init_from {tmp_path / 'ckpt'}: its model section differs from this recipe's (checkpoint -> recipe):"
+        " model.num_layers: 30 -> 32; a model fine-tunes in the shape it was trained in"
+    )
+    (problem,) = init_from_problems(base, "train.init_optimizer=keep")
+    assert problem.endswith("holds weights only (no optimizer state: a `convert from-hf` output or a model-only"
+                            " copy), so train.init_optimizer 'keep' has nothing to keep; use 'reset'")  # fmt: skip
+    (tmp_path / "ckpt/state.json").write_text("{}")
+    assert init_from_problems(base, "train.init_optimizer=keep") == []
 
 
 def test_an_arrow_stream_cut_short_as_data_path_is_refused(tmp_path):

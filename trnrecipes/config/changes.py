@@ -91,15 +91,3 @@ def check_allow_changes(allowed: Iterable[str], family: str | None = None) -> li
                 f" ({', '.join(s for s in fixed if matches(s, [key]))}); start a new run_dir (train.init_from)"
             )
     return problems
-
-
-def section_differences(saved: object, current: object, prefix: str) -> str:
-    """'model.num_labels: 3 -> 2, ...': where two values of one recipe section (dataclasses or dicts) differ, the
-    saved value first."""
-
-    def flat(value: object) -> dict[str, object]:
-        return flat_keys(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value, prefix)
-
-    was, now = flat(saved), flat(current)
-    keys = sorted(k for k in set(was) | set(now) if was.get(k, "<unset>") != now.get(k, "<unset>"))
-    return ", ".join(f"{k}: {shown(was.get(k, '<unset>'))} -> {shown(now.get(k, '<unset>'))}" for k in keys)

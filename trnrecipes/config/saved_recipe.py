@@ -86,3 +86,40 @@ def resume_differences(
         # Allowed only by name: token ids would mean other text unless the files merely were re-serialized.
         (accepted if "data.tokenizer" in allowed else refused).append(line)
     return refused, accepted
+
+
+# What a new phase from train.init_from may change of a rotary model: a long-context stage raises the length and the
+# RoPE base or scaling (Meta's and Qwen's reports), which no weight depends on. BERT's max_seq_len is its position
+# table's rows: fixed (changes.FAMILY_FIXED).
+CONTEXT_KEYS = ("model.max_seq_len", "model.rotary_base", "model.rope_scaling")
+
+
+def init_from_problem(recipe, checkpoint: Path) -> str | None:
+    """What the trainer refuses of train.init_from's checkpoint, without reading its tensors (sbatch asks too):
+    init_optimizer 'keep' of weights only, or a model that differs in more than how it runs (changes.FREE) and a
+    rotary model's context (CONTEXT_KEYS). RecipeError where its recipe.yaml cannot be read."""
+    if recipe.train.init_optimizer == "keep" and not (checkpoint / "state.json").is_file():
+        return (
+            f"train.init_from {checkpoint} holds weights only (no optimizer state: a `convert from-hf` output or a"
+            " model-only copy), so train.init_optimizer 'keep' has nothing to keep; use 'reset'"
+        )
+    from trnrecipes.config.recipe import recipe_from_dict  # config.recipe imports config.changes: no cycle
+
+    was = recipe_from_dict(read_saved_recipe(checkpoint), str(checkpoint / "recipe.yaml"), launching=False).model
+    if was.family != recipe.model.family:
+        return (
+            f"train.init_from {checkpoint}: its model.family is {was.family}, this recipe's {recipe.model.family};"
+            " a model fine-tunes in the shape it was trained in"
+        )
+    fixed, free = fixed_keys(was.family), FREE + CONTEXT_KEYS
+    differs = []
+    for f in dataclasses.fields(was):
+        key, a, b = f"model.{f.name}", getattr(was, f.name), getattr(recipe.model, f.name, None)
+        if a != b and (matches(key, fixed) or not matches(key, free)):
+            differs.append(f"{key}: {shown(a)} -> {shown(b)}")
+    if not differs:
+        return None
+    return (
+        f"train.init_from {checkpoint}: its model section differs from this recipe's (checkpoint -> recipe):"
+        f" {', '.join(differs)}; a model fine-tunes in the shape it was trained in"
+    )

@@ -16,7 +16,8 @@ from collections import Counter
 from pathlib import Path
 
 from trnrecipes.config.families import family_spec
-from trnrecipes.config.sections import Recipe
+from trnrecipes.config.saved_recipe import init_from_problem
+from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.data import DataError, listed
 from trnrecipes.data.arrow_marks import ARROW_FILE_MAGIC, ARROW_STREAM_MARKER, CUT_SHORT, stream_cut_short
 from trnrecipes.data.inputs import ABOUT_A_DATASET, input_stem, kind_of, passed_over, splits_held
@@ -337,11 +338,19 @@ def _check_init_from(recipe: Recipe, repo_root: Path) -> list[str]:
     path = Path(recipe.train.init_from)
     full = path if path.is_absolute() else repo_root / path
     if full.exists():
-        return []
+        try:  # what the trainer refuses of it at the job's start: its model, or 'keep' of weights only
+            problem = init_from_problem(recipe, full)
+        except RecipeError as err:
+            problem = f"train.init_from {path}: {err}"
+        return [problem] if problem else []
+    run = "point it at a trnrecipes checkpoint (a run's checkpoints/step_N)"
+    if recipe.train.init_optimizer == "keep":  # a conversion holds no optimizer state to keep
+        return [f"train.init_from {path}: {full} does not exist; {run}: train.init_optimizer 'keep' needs its moments"]
+    if getattr(recipe.model, "head", None) == "mlp":  # no Hugging Face class has this head: nothing converts to it
+        return [f"train.init_from {path}: {full} does not exist; {run} with this model.head 'mlp'"]
     return [
-        f"train.init_from {path}: {full} does not exist; point it at a trnrecipes checkpoint (a run's"
-        f" checkpoints/step_N), or make one with `trnrecipes convert from-hf --hf <Hugging Face model dir> --out"
-        f" {_q(path)} --recipe {recipe.name}`"
+        f"train.init_from {path}: {full} does not exist; {run}, or make one with `trnrecipes convert from-hf --hf"
+        f" <Hugging Face model dir> --out {_q(path)} --recipe {recipe.name}`"
     ]
 
 

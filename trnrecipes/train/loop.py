@@ -34,13 +34,14 @@ import torch
 
 from trnrecipes import REPO_ROOT
 from trnrecipes.backends import make_backend
-from trnrecipes.checkpoint import read_model_checkpoint_recipe
+from trnrecipes.checkpoint import verify
 from trnrecipes.checkpoint.format import STEP_DIR, CheckpointWriteError
 from trnrecipes.checkpoint.writer import Checkpointer, HostBuffers, snapshot
-from trnrecipes.config.changes import changes_data_order, section_differences
+from trnrecipes.config.changes import changes_data_order
 from trnrecipes.config.cluster import get_instance
 from trnrecipes.config.families import family_spec
 from trnrecipes.config.profiling import describe as describe_profiling
+from trnrecipes.config.saved_recipe import init_from_problem
 from trnrecipes.config.sections import Recipe, RecipeError
 from trnrecipes.config.tracking import tracker_setting_problems
 from trnrecipes.data.blend import DataPosition
@@ -219,18 +220,9 @@ class Trainer:
         error = None
         if self.dims.rank == 0:
             try:
-                if self.recipe.train.init_optimizer == "keep" and not (path / "state.json").is_file():
-                    raise RecipeError(
-                        f"train.init_from {path} holds weights only (no optimizer state: a `convert from-hf` output"
-                        " or a model-only copy), so train.init_optimizer 'keep' has nothing to keep; use 'reset'"
-                    )
-                ckpt_model = read_model_checkpoint_recipe(path).model
-                if ckpt_model != self.recipe.model:
-                    raise RecipeError(
-                        f"train.init_from {path}: its model section differs from this recipe's (checkpoint ->"
-                        f" recipe): {section_differences(ckpt_model, self.recipe.model, 'model')}; a model fine-tunes"
-                        " in the shape it was trained in"
-                    )
+                verify(path)
+                if problem := init_from_problem(self.recipe, path):  # sbatch asked the same (jobs/data_check.py)
+                    raise RecipeError(problem)
             except RecipeError as err:
                 error = err
         (failed,) = self.dims.max_over_ranks([error is not None], self.backend.device)
