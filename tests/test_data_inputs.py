@@ -733,3 +733,17 @@ def test_an_input_removed_after_it_was_listed_is_one_line(tmp_path, capsys, monk
     code, _, err = to_arrow(capsys, "--in", a, b, "--out", tmp_path / "o.arrow", "--workers", 1)
     assert code == 2 and err.endswith(f"error: {b}: gone since the inputs were listed (removed or renamed?); run the"
                                       " command again\n"), err  # fmt: skip
+
+
+def test_an_out_ending_in_a_slash_is_a_directory_not_a_file_named_like_one(tmp_path, capsys):
+    """`--out DIR/` wrote a plain file named DIR and reported `wrote DIR/`; with --shard-bytes it is the directory."""
+    write(tmp_path / "in/a.jsonl", docs("doc"))
+    out = f"{tmp_path / 'corpus'}/"
+    code, _, err = to_arrow(capsys, "--in", tmp_path / "in", "--out", out)
+    assert code == 2 and err == (
+        f"error: --out {out}: names a directory, but to-arrow writes one Arrow file: name the file (e.g."
+        f" {tmp_path / 'corpus/corpus.arrow'}), or give --shard-bytes to write a shard directory there\n"
+    )
+    assert not (tmp_path / "corpus").exists()
+    assert to_arrow(capsys, "--in", tmp_path / "in", "--out", out, "--shard-bytes", "1M")[0] == 0
+    assert [texts_of(s) for s in sorted((tmp_path / "corpus").glob("shard_*.arrow"))] == [["doc"]]

@@ -103,10 +103,16 @@ def find_inputs(
     return files
 
 
-def check_arrow_output(out: str | Path, given: Sequence[str | Path]) -> None:
+def check_arrow_output(out: str | Path, given: Sequence[str | Path], shards: bool = False) -> None:
     """DataError where to-arrow's output would be read back as an input: named as another kind of input (a later
     walk would read its Arrow bytes as JSON lines or Parquet), or inside a directory given (a later conversion of
-    it would read its documents again, and this same command, rerun, would find its output among its inputs)."""
+    it would read its documents again, and this same command, rerun, would find its output among its inputs). And
+    a name ending in '/' for one file (`shards` False): it would be written as a file named like the directory."""
+    if not shards and str(out).endswith(("/", os.sep)):
+        raise DataError(
+            f"--out {out}: names a directory, but to-arrow writes one Arrow file: name the file"
+            f" (e.g. {Path(out) / 'corpus.arrow'}), or give --shard-bytes to write a shard directory there"
+        )
     out = Path(out)
     if kind := kind_named(out.name, "arrow"):
         raise DataError(
