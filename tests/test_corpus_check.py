@@ -262,3 +262,15 @@ def test_a_classification_corpus_is_refused_at_render_time_for_what_training_wou
     assert problem.startswith(f"data.path {shards}: {shards} is a shard directory; a classification corpus is one")
     missing = data_problems(load_recipe("bert-tiny", 1, [f"data.path={tmp_path / 'mine.arrow'}"]), REPO)
     assert "make it with `trnrecipes data to-arrow --label-field label --in <your" in missing[0]  # it keeps the labels
+
+
+def test_an_eval_path_that_is_the_training_corpus_is_warned(tmp_path):
+    """eval.sbatch's "holdout" accuracy would be measured on documents the run trains on."""
+    corpus = REPO / "data/cls/rotten-tomatoes.arrow"  # bert-tiny's data.path
+    (tmp_path / "same.arrow").symlink_to(corpus)
+    for eval_path, warned in ((tmp_path / "same.arrow", True), (REPO / "data/cls/amazon-snippets.arrow", False)):
+        done = run_cli("sbatch", "--recipe", "bert-tiny", "--nodes", "1", "--out", str(tmp_path / "job"), "--force",
+                       "--overrides", f"run_dir={tmp_path / 'run'} data.eval_path={eval_path}")  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        said = f"warning: data.eval_path {eval_path} is data.path {corpus.relative_to(REPO)} (the same file {corpus})"
+        assert (said in done.stderr) == warned, done.stderr

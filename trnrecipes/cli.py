@@ -900,6 +900,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _storage_and_data(recipe, runs_root: str | None, skip: bool, refuse: bool) -> tuple[str, list[str]]:
     """The checkpoints line and the warnings for the data and the run dir's free space; with `refuse`, what would
     stop the job is a RecipeError instead. `skip` (--no-data-check): nothing is looked up on the file system."""
+    from trnrecipes.data.sources import eval_path_trains
     from trnrecipes.jobs.corpus_check import corpus_problems
     from trnrecipes.jobs.data_check import data_problems, tokenizer_warnings
     from trnrecipes.jobs.data_plan import data_plan, epoch_warnings
@@ -922,6 +923,8 @@ def _storage_and_data(recipe, runs_root: str | None, skip: bool, refuse: bool) -
             " make, skips this where the cluster's file system is not mounted):\n  " + "\n  ".join(problems)
         )
     advice = tokenizer_warnings(recipe, REPO_ROOT) + epoch_warnings(data_plan(recipe, REPO_ROOT), recipe)
+    if trains := eval_path_trains(recipe.data, REPO_ROOT):
+        advice.append(trains)
     return line, problems + ([warning] if warning else []) + advice
 
 

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from trnrecipes.config.sections import DataSource
 from trnrecipes.data import DataError
 
 
@@ -82,6 +83,22 @@ def same_corpus_message(sources, i: int, j: int, root: Path) -> str:
         f" {shared.resolve()}): each name would be split with its own held-out documents, so documents held out from"
         " one would be trained on from the other; give each corpus once, weighted"
     )
+
+
+def eval_path_trains(data, root: Path) -> str | None:
+    """A warning where data.eval_path (a classification holdout, eval.sbatch's accuracy) is a file the run trains
+    on: its "holdout" accuracy would be measured on training documents."""
+    if not data.eval_path:
+        return None
+    held = _files(DataSource(data.eval_path, 1.0, "arrow"), root)
+    for i, source in enumerate(data.corpora()):
+        if shared := [held[key] for key in _files(source, root) if key in held]:
+            name = f"data.sources[{i}].path" if data.sources else "data.path"
+            return (
+                f"data.eval_path {data.eval_path} is {name} {source.path} (the same file {shared[0].resolve()}): the"
+                " accuracy eval.sbatch reports would be measured on documents the run trains on; name a held-out file"
+            )
+    return None
 
 
 def open_sources(data, root: Path, seed: int, vocab_size: int | None = None) -> tuple[list[OpenedSource], object]:
