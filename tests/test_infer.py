@@ -203,6 +203,25 @@ def test_predict_on_a_run_dir_takes_its_newest_complete_checkpoint(tiny, tmp_pat
     assert "step_20 is unusable" in out and "newest complete checkpoint" in out
 
 
+def test_predictions_of_another_checkpoint_or_input_are_moved_aside_not_replaced(tiny, tmp_path, capsys):
+    """eval.sbatch writes RUN_DIR/eval/predictions.jsonl for each newest checkpoint, and the docs run two checkpoints'
+    predict on one input: the second replaced the first's predictions and accuracy without a word."""
+    small, out = tiny["root"] / "small.txt", tmp_path / "p.jsonl"
+
+    def predict(ckpt: str) -> str:
+        assert main(["predict", "--ckpt", str(tiny[ckpt]), "--in", str(small), "--out", str(out)]) == 0
+        return capsys.readouterr().out
+
+    predict("cls")
+    first = out.read_text()
+    assert "moved" not in predict("cls") and not (tmp_path / "p.earlier").exists()  # a rerun: replaced
+    said = predict("mlp")
+    (aside,) = (tmp_path / "p.earlier").iterdir()
+    assert f"{out} held predictions of {tiny['cls'].resolve()} on {small}: moved with its summary to {aside}" in said
+    assert (aside / "p.jsonl").read_text() == first and (aside / "p.summary.json").is_file()
+    assert json.loads((tmp_path / "p.summary.json").read_text())["checkpoint"]["path"] == str(tiny["mlp"].resolve())
+
+
 def test_embed_equals_encode_row_by_row_and_transformers(tiny, tmp_path):
     """The "mlp" head, mean pooling: embed == Bert.encode of each row alone == HF BertModel's masked mean."""
     n, out = tiny["n"], tmp_path / "e.arrow"

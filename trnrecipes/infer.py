@@ -24,6 +24,7 @@ import math
 import os
 import re
 import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,6 +232,34 @@ def parts_path(out: Path) -> Path:
     return out.with_name(out.name + ".parts")
 
 
+def _keep_others(out: Path, checkpoint: dict, inputs: Path, log) -> None:
+    """Predictions already at `out` of another checkpoint or input (its summary says) are moved to
+    `<out stem>.earlier/<time>/`, not replaced: eval.sbatch writes RUN_DIR/eval/predictions.jsonl for each newest
+    checkpoint, and a second `predict` on the same input would take the first one's name. The same checkpoint on
+    the same input is a rerun: replaced."""
+    summary = summary_path(out)
+    try:
+        earlier = json.loads(summary.read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if not isinstance(earlier, dict) or not out.exists():
+        return
+    same_input = earlier.get("input") in (str(inputs), os.path.abspath(inputs))
+    if earlier.get("checkpoint") == checkpoint and same_input:
+        return
+    aside = out.with_name(f"{out.stem}.earlier") / time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    while aside.exists():
+        aside = aside.with_name(aside.name + "+")
+    aside.mkdir(parents=True)
+    for path in (out, summary):
+        os.replace(path, aside / path.name)
+    was = earlier.get("checkpoint")
+    log(
+        f"[trnrecipes] {out} held predictions of {was.get('path') if isinstance(was, dict) else was} on"
+        f" {earlier.get('input')}: moved with its summary to {aside}"
+    )
+
+
 def predict(
     ckpt: Path,
     inputs: Path,
@@ -262,6 +291,7 @@ def predict(
             raise DataError(f"{err} (read for accuracy, the recipe's label: --no-labels predicts without)") from None
     clf = load_classifier(*opened)
     out = Path(out) if out else predictions_path(Path(inputs))
+    _keep_others(out, clf.checkpoint, inputs, log)
     predicted = np.empty(len(texts), dtype=np.int64)
     block = batch_size * math.ceil(TOKENIZE_ROWS / batch_size)
     with _atomic(out, "w") as f, torch.inference_mode(), _progress(len(texts)) as bar:
