@@ -212,6 +212,10 @@ def test_ep_must_divide_the_data_parallel_degree():
             compute_layout(load_recipe(MOE, overrides=[*uneven_keys[:2], *fsdp]))
     zero1 = ["layout.ep=2", "layout.fsdp=false", "layout.zero1=true", "model.num_experts=4"]
     assert compute_layout(load_recipe(MOE, overrides=[*uneven_keys[:2], *zero1])).dp == 8
+    # and an ep that does not divide the experts is offered only ep 1 there (it offered 1, 2, 4: each then refused)
+    with pytest.raises(RecipeError, match=r"valid ep: 1 \(under layout.fsdp an ep above 1 needs model.num_experts 4"
+                                          r" divisible by DP 8\)$"):  # fmt: skip
+        load_recipe(MOE, overrides=[*uneven_keys[:2], "layout.fsdp=true", "layout.ep=3", "model.num_experts=4"])
 
 
 def test_plan_counts_each_ranks_share_of_the_experts():

@@ -686,9 +686,13 @@ def expert_parallel_problems(r: Recipe, on_torch: bool, backend_words: str) -> l
         dp = _data_parallel(r)
         both = math.gcd(experts, dp) if dp else experts  # ep must divide the DP degree too (plan.layout's check)
         valid = ", ".join(str(d) for d in range(1, both + 1) if both % d == 0)
+        if r.layout.fsdp and dp and experts % dp:  # plan.layout's FSDP rule: no ep > 1 splits a rank's experts
+            valid = f"1 (under layout.fsdp an ep above 1 needs model.num_experts {experts} divisible by DP {dp})"
+        elif dp:
+            valid += f" (dividing the data-parallel degree {dp} too)"
         problems.append(
             f"layout.ep {ep} must divide model.num_experts {experts} (each expert-parallel rank holds the same number);"
-            f" valid ep: {valid}{f' (dividing the data-parallel degree {dp} too)' if dp else ''}"
+            f" valid ep: {valid}"
         )
     if not on_torch:
         problems.append(
