@@ -118,6 +118,10 @@ def test_trained_sentencepiece_loads_in_transformers_with_the_same_ids(tmp_path:
             assert ours.decode(ids) == text  # byte fallback: nothing is lost, not even emoji or CJK
     with pytest.raises(TokenizerError, match="too small"):
         train_sentencepiece(iter(lines), 100, tmp_path / "tiny")
+    # more pieces than two short texts hold: the most they hold, on one line (was sentencepiece's own message)
+    with pytest.raises(TokenizerError, match=r"^--vocab-size 400: these texts hold pieces for at most (\d+); use at"
+                                             r" most \1$"):  # fmt: skip
+        train_sentencepiece(iter(["hello world", "small corpus here"]), 400, tmp_path / "two")
 
 
 def test_demo_sp_tokenizer_fits_llama2_tiny_and_pythia_tiny():

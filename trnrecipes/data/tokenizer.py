@@ -8,6 +8,7 @@ training reader, checkpoints (tokenizer/ is copied in), HF export and lm-eval al
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -252,7 +253,18 @@ def train_sentencepiece(texts: Iterator[str], vocab_size: int, out: Path, max_se
                 minloglevel=2,
             )
         except RuntimeError as err:  # e.g. vocab larger than the corpus can fill
-            raise TokenizerError(f"sentencepiece training failed: {err}") from None
+            said = " ".join(str(err).split())
+            if most := re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", said):
+                at_most = int(most.group(1))
+                fix = (
+                    f"use at most {at_most}"
+                    if at_most >= 300
+                    else "give it more text: byte fallback needs at least 300 pieces"
+                )
+                raise TokenizerError(
+                    f"--vocab-size {vocab_size}: these texts hold pieces for at most {at_most}; {fix}"
+                ) from None
+            raise TokenizerError(f"sentencepiece training failed: {said}") from None
         staging = Path(tmp) / "hf"
         staging.mkdir()
         shutil.copy(str(prefix) + ".model", staging / "tokenizer.model")
