@@ -64,6 +64,27 @@ def test_the_command_a_null_text_names_writes_a_corpus_without_it(tmp_path: Path
     assert read_arrow(tmp_path / "new.arrow", "text").to_pylist() == TEXTS[:21] + TEXTS[22:]
 
 
+def test_the_command_a_null_text_in_a_shard_names_writes_the_whole_shard_directory_again(tmp_path: Path):
+    """Of a shard, the advice copied that one shard, which does not mend the corpus data.path names."""
+    import re
+    import shlex
+
+    from trnrecipes.cli import main
+
+    shards = tmp_path / "shards"
+    whole = write_stream(tmp_path / "whole.arrow", {"text": pa.array(TEXTS * 40, pa.large_string())})
+    assert main(["data", "to-arrow", "--in", str(whole), "--out", str(shards), "--shard-bytes", "8K"]) == 0
+    first = sorted(shards.glob("shard_*.arrow"))[0]
+    rows = read_table(first).column("text").to_pylist()
+    write_stream(first, {"text": pa.array([None, *rows[1:]], pa.large_string())})  # its row count kept
+    (problem,) = corpus_problems(load_recipe("llama2-tiny", overrides=[f"data.path={shards}"]), REPO)[0]
+    command = re.search(r"`(trnrecipes data to-arrow [^`]*)`", problem).group(1)
+    assert f"--in {shards} --out NEW_DIR --shard-bytes " in command
+    assert main(shlex.split(command.replace("NEW_DIR", str(tmp_path / "mended")))[1:]) == 0
+    mended = load_recipe("llama2-tiny", overrides=[f"data.path={tmp_path / 'mended'}"])
+    assert corpus_problems(mended, REPO) == ([], [])
+
+
 def test_train_on_a_corpus_with_a_null_row_exits_2_and_records_it_as_fatal(tmp_path: Path):
     """Exit 2 with one line naming the file and the row, and the fatal file run.sbatch reads so as not to requeue."""
     corpus, fatal = corpus_with_null(tmp_path / "nulls.arrow", row=3), tmp_path / "logs" / "fatal"

@@ -325,10 +325,28 @@ def _text_column(table: pa.Table, path: Path, text_field: str | None) -> pa.Chun
     if column.null_count:  # from the IPC metadata: no text is read
         raise DataError(
             f"{path}: column {field_name!r} has {column.null_count} null row(s), the first row {_first_null(column)};"
-            f" every row needs text: `trnrecipes data to-arrow --in {shell_word(path)} --out NEW.arrow"
-            f" --text-field {shell_word(field_name)} --on-bad-record skip` writes a copy without them"
+            f" every row needs text: {_copy_without_nulls(Path(path), field_name)}"
         )
     return column
+
+
+def _copy_without_nulls(path: Path, field_name: str) -> str:
+    """The to-arrow command that writes the corpus again without its null rows: of a shard, the whole shard
+    directory (a copy of one shard would not mend the corpus data.path names), in shards of its size."""
+    from trnrecipes.data.manifest import MANIFEST
+
+    folder = path.parent
+    if (folder / MANIFEST).is_file():
+        largest = max((f.stat().st_size for f in folder.glob("*.arrow")), default=path.stat().st_size)
+        return (
+            f"`trnrecipes data to-arrow --in {shell_word(folder)} --out NEW_DIR --shard-bytes"
+            f" {max(1, -(-largest // 10**6))}M --text-field {shell_word(field_name)} --on-bad-record skip` writes the"
+            " shard directory again without them"
+        )
+    return (
+        f"`trnrecipes data to-arrow --in {shell_word(path)} --out NEW.arrow --text-field {shell_word(field_name)}"
+        " --on-bad-record skip` writes a copy without them"
+    )
 
 
 def _first_null(column: pa.ChunkedArray) -> int:
