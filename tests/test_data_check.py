@@ -395,3 +395,13 @@ def test_an_arrow_stream_cut_short_as_data_path_is_refused(tmp_path):
         f"data.path {corpus}: {corpus} is an Arrow stream without its end-of-stream marker: cut short (a copy or a"
         " write interrupted?), or written by a writer never closed; copy or write it again; data.format arrow"
     ]
+
+
+def test_a_classifier_whose_pad_id_is_not_its_tokenizers_is_refused_before_the_queue():
+    """Training refuses it at its start (the model would attend to padding); sbatch reads the tokenizer's files."""
+    problems = data_check.data_problems(load_recipe("bert-tiny", overrides="model.pad_token_id=1"), REPO)
+    assert problems == [
+        "data.tokenizer data/tokenizers/bert-uncased: pads with id 0 but model.pad_token_id is 1: the model would"
+        " attend to padding; set model.pad_token_id=0"
+    ]
+    assert data_check.data_problems(load_recipe("bert-tiny"), REPO) == []

@@ -292,7 +292,43 @@ def _check_tokenizer(recipe: Recipe, repo_root: Path) -> list[str]:
             f"data.tokenizer {path}: {size:,} ids, more than model.vocab_size {limit:,}: ids >= {limit:,} would index"
             f" past the embedding; use this model's tokenizer, or a model.vocab_size of at least {size:,}"
         ]
+    pad, want = _pad_id(full), getattr(recipe.model, "pad_token_id", None)
+    if family_spec(recipe.model.family).objective == "classification" and pad is not None and pad != want:
+        return [  # what training refuses at its start (data/sources.open_labelled)
+            f"data.tokenizer {path}: pads with id {pad} but model.pad_token_id is {want}: the model would attend to"
+            f" padding; set model.pad_token_id={pad}"
+        ]
     return []
+
+
+def _pad_id(tokenizer_dir: Path) -> int | None:
+    """The id of the pad token tokenizer_config.json (or special_tokens_map.json under it) names, looked up in
+    tokenizer.json as trnrecipes.data.tokenizer does, without the tokenizers library; None where none is named or
+    it cannot be read (training says so)."""
+    config = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            found = json.loads((tokenizer_dir / name).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        config |= found if isinstance(found, dict) else {}
+    token = config.get("pad_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    if not isinstance(token, str):
+        return None
+    try:
+        spec = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    for added in spec.get("added_tokens") or []:
+        if isinstance(added, dict) and added.get("content") == token and isinstance(added.get("id"), int):
+            return added["id"]
+    vocab = (spec.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and isinstance(vocab.get(token), int):
+        return vocab[token]
+    if isinstance(vocab, list):  # Unigram: [piece, score] pairs, the id being the position
+        return next((i for i, entry in enumerate(vocab) if isinstance(entry, list) and entry[:1] == [token]), None)
+    return None
 
 
 def tokenizer_warnings(recipe: Recipe, repo_root: Path) -> list[str]:
