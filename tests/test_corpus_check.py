@@ -94,6 +94,9 @@ def test_a_shard_directory_and_one_of_its_shards_are_one_corpus_in_part(tmp_path
         ), done.stderr
     with pytest.raises(DataError, match=r"data.sources\[1\].path .* in part"):
         open_sources(load_recipe("llama2-tiny", overrides=sources(shards, shard)).data, REPO, seed=0)
+    (tmp_path / "link").symlink_to(shards)  # the directory itself under two names
+    done = sbatch(tmp_path, *sources(shards, tmp_path / "link"))
+    assert f"is data.sources[0].path {shards} under another name (the same file {shards})" in done.stderr
 
 
 @pytest.mark.parametrize(

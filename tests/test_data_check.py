@@ -381,6 +381,18 @@ def test_sbatch_refuses_the_init_from_checkpoint_the_trainer_would(tmp_path):
     assert init_from_problems(base, "train.init_optimizer=keep") == []
 
 
+def test_an_init_from_checkpoint_this_user_cannot_search_is_one_line(tmp_path, monkeypatch):
+    """Another user's 0700 checkpoint: Python 3.11's Path.is_file raises EACCES (root, running the tests, is never
+    refused: the refusal is stood in)."""
+    (tmp_path / "ckpt").mkdir()
+    real = Path.is_file
+    monkeypatch.setattr(Path, "is_file", lambda p: real(p) if p.name != "state.json" else (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied")))  # fmt: skip
+    recipe = load_recipe("llama2-tiny", overrides=[f"train.init_from={tmp_path / 'ckpt'}", "train.init_optimizer=keep"])
+    (problem,) = [p for p in data_check.data_problems(recipe, REPO) if p.startswith("train.init_from")]
+    assert problem == f"train.init_from {tmp_path / 'ckpt'}: cannot be read (Permission denied)"
+
+
 def test_an_arrow_stream_cut_short_as_data_path_is_refused(tmp_path):
     """A copy cut at a record batch's end reads as a whole corpus (pyarrow stops at the cut, without a word): the
     stream's end-of-stream marker, which every writer puts last, is looked for."""

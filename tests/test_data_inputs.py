@@ -247,6 +247,10 @@ def test_split_folders_given_one_by_one_and_files_naming_no_split_are_splits_too
         assert code == 2 and err.endswith(refused), err
     assert to_arrow(capsys, "--in", *beside, "--split", "train", "--out", out)[0] == 0
     assert texts_of(out) == ["train doc"]
+    named = write(tmp_path / "sp/wiki_train.jsonl", docs("named train"))  # its name says train; a scratch dev/ beside
+    extra = write(tmp_path / "sp/dev/extra.jsonl", docs("scratch extra"))  # says nothing: both are train
+    assert to_arrow(capsys, "--in", named, extra, "--out", out)[0] == 0
+    assert texts_of(out) == ["named train", "scratch extra"]
     code, _, err = to_arrow(capsys, "--in", pile / "test-0", "--split", "train", "--out", out)
     assert (
         code == 2

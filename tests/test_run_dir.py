@@ -371,7 +371,20 @@ def test_allow_changes_is_checked_when_the_recipe_loads():
     for key in ("model.num_labels", "model.head", "model.pooling", "model.mlp_hidden_sizes", "model.max_seq_len"):
         with pytest.raises(RecipeError, match=f"'{key}' covers the model's shape"):
             load_recipe("bert-tiny", overrides=[f"checkpoint.allow_changes=[{key}]"])
-    assert check_allow_changes(["model.max_seq_len"], "llama") == []
+    assert check_allow_changes(["model.max_seq_len"], "llama2") == []
+    # launching only: a checkpoint saved with such an entry (or a mixture of experts on xla) before these rules
+    # still loads for eval, predict, convert and init_from
+    from trnrecipes.config.recipe import recipe_from_dict
+
+    for name, overrides in (("bert-tiny", "model.max_seq_len"), ("m5-tiny", "model.num_labels")):
+        saved = load_recipe(name).to_dict()
+        saved["checkpoint"]["allow_changes"] = [overrides]
+        assert list(recipe_from_dict(saved, "saved", launching=False).checkpoint.allow_changes) == [overrides]
+        with pytest.raises(RecipeError, match="covers the model's shape"):
+            recipe_from_dict(saved, "saved")
+    saved = load_recipe("qwen3-moe-tiny").to_dict()
+    saved["cluster"]["backend"] = "xla"
+    assert recipe_from_dict(saved, "saved", launching=False).cluster.backend == "xla"
 
 
 # ---- the lock

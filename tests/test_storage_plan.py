@@ -128,6 +128,10 @@ def test_sbatch_refuses_what_the_trainer_would_refuse_of_the_run_dirs_checkpoint
     assert sbatch("optim.lr=0.01", "checkpoint.allow_changes=[optim.lr]")[0] == 0
     code, err = sbatch("checkpoint.resume=false")
     assert code == 2 and f"run dir {run} already has checkpoints (step_10 the newest) and checkpoint.resume" in err
+    (run / ".fresh_start.json").write_text('{"slurm_job_id": "41"}\n')  # a job started this run at step 0
+    code, err = sbatch("checkpoint.resume=false")  # re-rendered for its requeue, which resumes them
+    assert code == 0 and "warning: run dir " in err and "a new submission of this job (not the requeue" in err, err
+    (run / ".fresh_start.json").unlink()
     assert sbatch("checkpoint.resume=false", "checkpoint.force_fresh=true")[0] == 0
     code, err = sbatch("train.seed=7")  # other data order: the saved data position would index other documents
     assert code == 2 and "train.seed: 1234 -> 7; restore" in err, err

@@ -915,16 +915,15 @@ def _storage_and_data(recipe, runs_root: str | None, skip: bool, refuse: bool) -
         print(f"note: {note}", file=sys.stderr)
     line, warning, error = storage_report(recipe, run_dir)
     problems = data_problems(recipe, REPO_ROOT) + problems + ([error] if error else [])
-    if resumed := resume_problem(recipe, run_dir, REPO_ROOT):  # what the trainer would refuse at its first second
-        problems.append(resumed)
+    resumed, resume_warning = resume_problem(recipe, run_dir, REPO_ROOT)  # what the trainer would refuse at once
+    problems += [resumed] if resumed else []
     if refuse and problems:
         raise RecipeError(
             f"{recipe.job_name} would fail on its files (found from this host; --no-data-check, or nodatacheck=1 with"
             " make, skips this where the cluster's file system is not mounted):\n  " + "\n  ".join(problems)
         )
     advice = tokenizer_warnings(recipe, REPO_ROOT) + epoch_warnings(data_plan(recipe, REPO_ROOT), recipe)
-    if trains := eval_path_trains(recipe.data, REPO_ROOT):
-        advice.append(trains)
+    advice += [w for w in (eval_path_trains(recipe.data, REPO_ROOT), resume_warning) if w]
     return line, problems + ([warning] if warning else []) + advice
 
 

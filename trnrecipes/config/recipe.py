@@ -589,14 +589,6 @@ def check_recipe(r: Recipe) -> list[str]:
         problems += expert_parallel_problems(r, on_torch, _backend_words(r, stack))
     if lay.cp > 1:
         problems += context_parallel_problems(r, on_torch, nxd, _backend_words(r, stack))
-    if getattr(m, "num_experts", 0) and r.cluster.backend == "xla":
-        # The tokens each expert gets change with every micro-batch: each step is a new graph for XLA to compile
-        # (about 2 minutes a step for qwen3-moe-tiny on PJRT CPU, against milliseconds for the dense qwen3-tiny).
-        problems.append(
-            f"model.num_experts {m.num_experts} on cluster.backend xla: each micro-batch's tokens per expert are a new"
-            " shape, so every step compiles a new graph; train a mixture of experts on cpu, cuda or TorchNeuron"
-            " (cluster.backend neuron on trn2/trn3)"
-        )
     need(
         r.train.init_optimizer == "reset" or r.train.init_from is not None,
         "train.init_optimizer 'keep' carries the optimizer state of train.init_from over; set train.init_from",
@@ -665,7 +657,6 @@ def check_recipe(r: Recipe) -> list[str]:
             f"{'' if r.slurm.signal_seconds is not None else ', derived from the checkpoint size'});"
             f" use more than {lead + 300} s",
         )
-    problems += check_allow_changes(r.checkpoint.allow_changes, r.model.family)
     need(  # it acted only with resume false: alone it resumed the old run, without a word
         not (r.checkpoint.force_fresh and r.checkpoint.resume),
         "checkpoint.force_fresh true with checkpoint.resume true (the default) would resume the run dir's checkpoints:"
@@ -847,6 +838,16 @@ def launch_problems(r: Recipe) -> list[str]:
             " profiler holds every op and kernel of the window in host memory until its end (~18 MB a step on a"
             " 4-layer tiny model, far more for a 7B), then writes one trace; profile a few steps"
         )
+    if getattr(r.model, "num_experts", 0) and r.cluster.backend == "xla":
+        # The tokens each expert gets change with every micro-batch: each step is a new graph for XLA to compile
+        # (about 2 minutes a step for qwen3-moe-tiny on PJRT CPU, against milliseconds for the dense qwen3-tiny).
+        problems.append(
+            f"model.num_experts {r.model.num_experts} on cluster.backend xla: each micro-batch's tokens per expert are"
+            " a new shape, so every step compiles a new graph; train a mixture of experts on cpu, cuda or"
+            " TorchNeuron (cluster.backend neuron on trn2/trn3)"
+        )
+    # what a resume of this launch may change: a checkpoint saved with an entry refused since still loads
+    problems += check_allow_changes(r.checkpoint.allow_changes, r.model.family)
     return problems
 
 

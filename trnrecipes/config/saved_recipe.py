@@ -98,7 +98,11 @@ def init_from_problem(recipe, checkpoint: Path) -> str | None:
     """What the trainer refuses of train.init_from's checkpoint, without reading its tensors (sbatch asks too):
     init_optimizer 'keep' of weights only, or a model that differs in more than how it runs (changes.FREE) and a
     rotary model's context (CONTEXT_KEYS). RecipeError where its recipe.yaml cannot be read."""
-    if recipe.train.init_optimizer == "keep" and not (checkpoint / "state.json").is_file():
+    try:
+        has_state = (checkpoint / "state.json").is_file()
+    except OSError as err:  # a directory this user cannot search (another user's checkpoint): Python 3.11 raises
+        return f"train.init_from {checkpoint}: cannot be read ({err.strerror or err})"
+    if recipe.train.init_optimizer == "keep" and not has_state:
         return (
             f"train.init_from {checkpoint} holds weights only (no optimizer state: a `convert from-hf` output or a"
             " model-only copy), so train.init_optimizer 'keep' has nothing to keep; use 'reset'"

@@ -200,7 +200,9 @@ def _named_in_split_folders(files: list[InputFile], given: Sequence) -> list[Inp
         for k, f in enumerate(files)
         if f.path is not None and f.split is None and f.path in named and f.path.is_file()
     }
-    said = {f.split for f in files if f.split is not None}  # a given split folder's files (pile/train) say theirs
+    said = {  # a split folder given (pile/train) says its files' split; a file's own name or folder does not here
+        _folder_split(Path(item)) for item in given if not isinstance(item, InputFile) and Path(item).is_dir()
+    } - {None}
     if len({s for s in folders.values() if s is not None} | said) < 2:
         return files
     return [InputFile(f.path, f.kind, folders[k]) if folders.get(k) else f for k, f in enumerate(files)]

@@ -77,7 +77,13 @@ def same_corpus(sources, root: Path) -> tuple[int, int] | None:
 def same_corpus_message(sources, i: int, j: int, root: Path) -> str:
     theirs, mine = _files(sources[i], root), _files(sources[j], root)
     shared = next((theirs[key] for key in mine if key in theirs), corpus_file(sources[i], root))
-    how = "under another name" if len(theirs) == len(mine) == 1 else "in part (a shard directory and its shard)"
+    whole = [corpus_file(s, root) for s in (sources[i], sources[j])]
+    if os.path.samefile(*whole):  # the source itself, a file or a shard directory, under two names
+        how, shared = "under another name", whole[0]
+    elif whole[0].is_dir() != whole[1].is_dir():
+        how = "in part (a shard directory and its shard)"
+    else:
+        how = "in part (they share a shard)"
     return (
         f"data.sources[{j}].path {sources[j].path} is data.sources[{i}].path {sources[i].path} {how} (the same file"
         f" {shared.resolve()}): each name would be split with its own held-out documents, so documents held out from"

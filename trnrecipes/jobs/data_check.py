@@ -378,6 +378,8 @@ def _check_init_from(recipe: Recipe, repo_root: Path) -> list[str]:
             problem = init_from_problem(recipe, full)
         except RecipeError as err:
             problem = f"train.init_from {path}: {err}"
+        except OSError as err:
+            problem = f"train.init_from {path}: cannot be read ({err.strerror or err})"
         return [problem] if problem else []
     run = "point it at a trnrecipes checkpoint (a run's checkpoints/step_N)"
     if recipe.train.init_optimizer == "keep":  # a conversion holds no optimizer state to keep

@@ -35,7 +35,7 @@ import torch
 from trnrecipes import REPO_ROOT
 from trnrecipes.backends import make_backend
 from trnrecipes.checkpoint import verify
-from trnrecipes.checkpoint.format import STEP_DIR, CheckpointWriteError
+from trnrecipes.checkpoint.format import STEP_DIR, CheckpointWriteError, step_dirs
 from trnrecipes.checkpoint.writer import Checkpointer, HostBuffers, snapshot
 from trnrecipes.config.changes import changes_data_order
 from trnrecipes.config.cluster import get_instance
@@ -648,7 +648,7 @@ class Trainer:
     def _refuse_init_from_inside(self, root: Path) -> None:
         """checkpoint.force_fresh moves the run dir's checkpoints/ to archived/<time>/ before init_from is read: a
         train.init_from inside it would be gone when loaded, after the move. Refused before anything moves."""
-        if not self.recipe.train.init_from:
+        if not self.recipe.train.init_from or not step_dirs(root):  # nothing to move: nothing moves
             return
         ckpt, checkpoints = os.path.realpath(self._init_from()), os.path.realpath(root)
         if os.path.commonpath([ckpt, checkpoints]) == checkpoints:
