@@ -510,8 +510,8 @@ def _to_arrow(args: argparse.Namespace) -> int:
     check_text_field(files, args.text_field)  # a misnamed field told as such, not as a bad record (nor skipped)
     rejects = rejects_of(args.out)
     read = _read_paths(args.inputs, files)
-    check_arrow_output(args.out, args.inputs, shards=shard_bytes is not None)
     check_output(args.out, inputs=read, directory=shard_bytes is not None)
+    check_arrow_output(args.out, args.inputs, shards=shard_bytes is not None)
     if shard_bytes is not None:
         check_shard_output(Path(args.out))
     check_output(rejects, flag="the rejects file", inputs=read)
