@@ -292,8 +292,10 @@ def _check_tokenizer(recipe: Recipe, repo_root: Path) -> list[str]:
             f"data.tokenizer {path}: {size:,} ids, more than model.vocab_size {limit:,}: ids >= {limit:,} would index"
             f" past the embedding; use this model's tokenizer, or a model.vocab_size of at least {size:,}"
         ]
-    pad, want = _pad_id(full), getattr(recipe.model, "pad_token_id", None)
-    if family_spec(recipe.model.family).objective == "classification" and pad is not None and pad != want:
+    if family_spec(recipe.model.family).objective != "classification":
+        return []
+    pad, want = _pad_id(full), getattr(recipe.model, "pad_token_id", None)  # parses tokenizer.json: classifiers only
+    if pad is not None and pad != want:
         return [  # what training refuses at its start (data/sources.open_labelled)
             f"data.tokenizer {path}: pads with id {pad} but model.pad_token_id is {want}: the model would attend to"
             f" padding; set model.pad_token_id={pad}"
